@@ -1,0 +1,80 @@
+"""Prometheus metrics of one node.
+
+Observed by everyone (transport, algorithms, training loop), calls nobody back, imports nothing
+from the project. Each node owns a private CollectorRegistry so several nodes can live in one
+process (tests) without clashing, and serves it on its own /metrics port.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class NodeMetrics:
+    """All p2ptrain_* series of one node; `node` is the rank as a label value."""
+
+    def __init__(self, node: int | str, algorithm: str = "", registry: CollectorRegistry | None = None):
+        self.node = str(node)
+        self.algorithm = algorithm
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        peer = ["node", "peer"]
+        self.sent_bytes = Counter("p2ptrain_sent_bytes", "Payload bytes sent to a peer", peer, registry=r)
+        self.received_bytes = Counter("p2ptrain_received_bytes", "Payload bytes received from a peer",
+                                      peer, registry=r)
+        self.sent_messages = Counter("p2ptrain_sent_messages", "Tensor messages sent to a peer", peer,
+                                     registry=r)
+        self.received_messages = Counter("p2ptrain_received_messages",
+                                         "Tensor messages accepted from a peer", peer, registry=r)
+        self.send_errors = Counter("p2ptrain_send_errors", "Sends that failed (transport error or timeout)",
+                                   peer, registry=r)
+        self.refused_sends = Counter("p2ptrain_refused_sends",
+                                     "Sends the receiving peer rejected (mass re-absorbed by SGP)",
+                                     peer, registry=r)
+        self.rejected_messages = Counter("p2ptrain_rejected_messages",
+                                         "Incoming messages rejected, by reason", ["node", "reason"],
+                                         registry=r)
+        self.step_seconds = Histogram("p2ptrain_step_seconds", "Wall seconds of one training step",
+                                      ["node", "algorithm"], buckets=STEP_SECONDS_BUCKETS, registry=r)
+        self.loss = Gauge("p2ptrain_loss", "Training loss of the latest step", ["node", "algorithm"],
+                          registry=r)
+        self.ps_weight = Gauge("p2ptrain_ps_weight", "Push-sum weight w of the node", ["node"], registry=r)
+        self.step = Gauge("p2ptrain_step", "Current training step", ["node"], registry=r)
+        # Plain running totals: cheap to read for progress lines without walking the registry.
+        self.bytes_sent_total = 0
+        self.bytes_received_total = 0
+
+    # Transport observations -------------------------------------------------------------------
+    def on_sent(self, peer: int, nbytes: int) -> None:
+        self.sent_bytes.labels(self.node, str(peer)).inc(nbytes)
+        self.sent_messages.labels(self.node, str(peer)).inc()
+        self.bytes_sent_total += nbytes
+
+    def on_received(self, peer: int, nbytes: int) -> None:
+        self.received_bytes.labels(self.node, str(peer)).inc(nbytes)
+        self.received_messages.labels(self.node, str(peer)).inc()
+        self.bytes_received_total += nbytes
+
+    def on_rejected(self, reason: str) -> None:
+        self.rejected_messages.labels(self.node, reason).inc()
+
+    def on_send_error(self, peer: int) -> None:
+        self.send_errors.labels(self.node, str(peer)).inc()
+
+    def on_refused_send(self, peer: int) -> None:
+        self.refused_sends.labels(self.node, str(peer)).inc()
+
+    # Training observations --------------------------------------------------------------------
+    def on_step(self, step: int, seconds: float, loss: float | None) -> None:
+        self.step.labels(self.node).set(step)
+        self.step_seconds.labels(self.node, self.algorithm).observe(seconds)
+        if loss is not None:
+            self.loss.labels(self.node, self.algorithm).set(loss)
+
+    def set_ps_weight(self, weight: float) -> None:
+        self.ps_weight.labels(self.node).set(weight)
+
+    def serve(self, port: int, addr: str = "0.0.0.0"):
+        """Serve /metrics on `port` (0 picks a free one); returns (server, thread)."""
+        return start_http_server(port, addr=addr, registry=self.registry)

@@ -1,0 +1,39 @@
+"""gRPC client side of a node: one channel per peer, pushing chunked tensor streams."""
+from __future__ import annotations
+
+import grpc
+
+from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.transport.framing import encode_header, iter_data_chunks, serialize_identity
+from p2ptrain.transport.server import HELLO_METHOD, PUSH_METHOD
+
+
+class PeerClient:
+    """Channel to one peer. Created and used only on the node's event-loop thread."""
+
+    def __init__(self, address: str, options: list[tuple[str, object]], chunk_bytes: int):
+        self.address = address
+        self.chunk_bytes = chunk_bytes
+        self.channel = grpc.aio.insecure_channel(address, options=options)
+        self._push = self.channel.stream_unary(PUSH_METHOD, request_serializer=serialize_identity,
+                                               response_deserializer=pb.Ack.FromString)
+        self._hello = self.channel.unary_unary(HELLO_METHOD,
+                                               request_serializer=pb.HelloRequest.SerializeToString,
+                                               response_deserializer=pb.HelloReply.FromString)
+
+    async def push(self, header: pb.TensorHeader, payload: memoryview, timeout: float | None) -> pb.Ack:
+        """Stream header + payload chunks; waits for the peer to come up (wait_for_ready) until
+        `timeout`. Raises grpc.aio.AioRpcError on transport failure."""
+        chunk_bytes = self.chunk_bytes
+
+        def chunks():
+            yield encode_header(header)
+            yield from iter_data_chunks(payload, chunk_bytes)
+
+        return await self._push(chunks(), timeout=timeout, wait_for_ready=True)
+
+    async def hello(self, request: pb.HelloRequest, timeout: float | None) -> pb.HelloReply:
+        return await self._hello(request, timeout=timeout, wait_for_ready=True)
+
+    async def close(self) -> None:
+        await self.channel.close()

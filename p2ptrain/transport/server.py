@@ -1,0 +1,121 @@
+"""gRPC server side of a node: the Peer service (PushTensor, Hello) plus server reflection."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+
+from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.transport.framing import DecodedChunk, FramingError, deserialize_chunk
+from p2ptrain.transport.inbox import Inbox, Rejection
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = "p2ptrain/1"
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Peer"].full_name  # "p2ptrain.v1.Peer"
+PUSH_METHOD = f"/{SERVICE_NAME}/PushTensor"
+HELLO_METHOD = f"/{SERVICE_NAME}/Hello"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a node says about itself in Hello, and checks peers against."""
+
+    node_id: int
+    world_size: int
+    config_fingerprint: str = ""
+    protocol_version: str = PROTOCOL_VERSION
+
+    def compatibility(self, other_world: int, other_protocol: str, other_fingerprint: str) -> str:
+        """Empty string when compatible, else the reason."""
+        if other_protocol != self.protocol_version:
+            return f"protocol {other_protocol!r} != {self.protocol_version!r}"
+        if other_world != self.world_size:
+            return f"world size {other_world} != {self.world_size}"
+        if other_fingerprint and self.config_fingerprint and other_fingerprint != self.config_fingerprint:
+            return f"config fingerprint {other_fingerprint} != {self.config_fingerprint}"
+        return ""
+
+
+class PeerService:
+    """Receives tensor streams into the Inbox. Any bad input ends in a rejecting Ack; the
+    node's state is changed only by a complete, valid message."""
+
+    def __init__(self, inbox: Inbox, identity: Identity, metrics=None,
+                 current_step: Callable[[], int] = lambda: 0):
+        self.inbox = inbox
+        self.identity = identity
+        self.metrics = metrics
+        self.current_step = current_step
+
+    async def push_tensor(self, requests, context) -> pb.Ack:
+        reception = None
+        try:
+            async for chunk in requests:
+                if isinstance(chunk, FramingError):
+                    raise Rejection("malformed_chunk", str(chunk))
+                assert isinstance(chunk, DecodedChunk)
+                if reception is None:
+                    if chunk.header is None:
+                        raise Rejection("missing_header", "the first chunk of a stream must be a header")
+                    reception = self.inbox.open(chunk.header)
+                elif chunk.header is not None:
+                    raise Rejection("unexpected_header", "a second header inside one stream")
+                else:
+                    reception.write(chunk.data)
+            if reception is None:
+                raise Rejection("empty_stream", "stream closed before any header")
+            pending, reception = reception, None  # deliver() cleans up itself on failure
+            message = self.inbox.deliver(pending)
+            if self.metrics is not None:
+                self.metrics.on_received(message.sender, pending.received)
+            return pb.Ack(status=pb.Ack.STATUS_ACCEPTED, bytes_received=pending.received,
+                          message_id=message.message_id)
+        except Rejection as rejection:
+            if reception is not None:
+                self.inbox.abort(reception)
+            if self.metrics is not None:
+                self.metrics.on_rejected(rejection.reason)
+            duplicate = rejection.reason == "duplicate"
+            if not duplicate:
+                log.warning("node %d rejected a message: %s", self.identity.node_id, rejection)
+            return pb.Ack(status=pb.Ack.STATUS_DUPLICATE if duplicate else pb.Ack.STATUS_REJECTED,
+                          reason=rejection.reason, detail=rejection.detail,
+                          bytes_received=0 if reception is None else reception.received)
+        except BaseException:  # cancelled / connection lost mid-stream: nothing half-applied
+            if reception is not None:
+                self.inbox.abort(reception)
+                if self.metrics is not None:
+                    self.metrics.on_rejected("aborted_stream")
+            raise
+
+    async def hello(self, request: pb.HelloRequest, context) -> pb.HelloReply:
+        me = self.identity
+        reason = me.compatibility(request.world_size, request.protocol_version, request.config_fingerprint)
+        return pb.HelloReply(node_id=me.node_id, world_size=me.world_size,
+                             protocol_version=me.protocol_version,
+                             config_fingerprint=me.config_fingerprint, step=self.current_step(),
+                             compatible=not reason, reason=reason)
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "PushTensor": grpc.stream_unary_rpc_method_handler(
+                self.push_tensor, request_deserializer=deserialize_chunk,
+                response_serializer=pb.Ack.SerializeToString),
+            "Hello": grpc.unary_unary_rpc_method_handler(
+                self.hello, request_deserializer=pb.HelloRequest.FromString,
+                response_serializer=pb.HelloReply.SerializeToString),
+        })
+
+
+def enable_reflection(server: grpc.aio.Server) -> None:
+    """Let grpcurl & co list and describe the services."""
+    from grpc_reflection.v1alpha import reflection
+
+    reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME), server)
+
+
+__all__ = ["PeerService", "Identity", "PROTOCOL_VERSION", "SERVICE_NAME", "PUSH_METHOD", "HELLO_METHOD",
+           "enable_reflection"]
