@@ -1,0 +1,32 @@
+"""What an algorithm is to the engine (Bagua-style hooks; the engine owns the loop).
+
+The training engine keeps the model's parameters in one flat buffer. It calls `setup` once and
+`after_step` after every local optimizer step, and loads whatever flat vector the algorithm returns
+into the model before the next forward pass. Algorithms hold the seed's math and talk to peers
+only through the Communicator.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class Algorithm(ABC):
+    name = "algorithm"
+
+    @abstractmethod
+    def setup(self, params: torch.Tensor) -> torch.Tensor:
+        """Called once with the initial flat parameters; returns the parameters to compute with."""
+
+    @abstractmethod
+    def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:
+        """`params` = model after the local optimizer step of `step`; returns the model for step+1."""
+
+    def finish(self) -> torch.Tensor | None:
+        """Flush in-flight communication at the end of training; returns final parameters, if changed."""
+        return None
+
+    def stats(self) -> dict[str, float]:
+        """Scalars for metrics and progress lines (e.g. the push-sum weight)."""
+        return {}

@@ -1,0 +1,132 @@
+"""The `p2ptrain` command: node, launch, bench.
+
+  p2ptrain node    run one node (flags, env RANK/WORLD_SIZE/P2PTRAIN_*, or --config FILE.toml)
+  p2ptrain launch  run a local cluster of N node processes with live progress and a report
+  p2ptrain bench   benchmarks (transport)
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from p2ptrain.config import ConfigError, NodeConfig, add_node_arguments, flags_from_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="p2ptrain", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    node = sub.add_parser("node", help="run one training node",
+                          description="Run one p2ptrain node. Settings: defaults < --config TOML < "
+                                      "environment (RANK, WORLD_SIZE, P2PTRAIN_<SETTING>) < flags.")
+    add_node_arguments(node)
+    node.set_defaults(func=cmd_node)
+
+    launch = sub.add_parser("launch", help="run a local cluster of N node processes",
+                            description="Run N node processes on free loopback ports, show live "
+                                        "per-node progress, write OUT/report.json and OUT/plot.png.")
+    launch.add_argument("--nodes", type=int, required=True, help="number of node processes")
+    launch.add_argument("--out", default="runs/latest", help="run folder (default runs/latest)")
+    launch.add_argument("--timeout", type=float, default=None, help="abort the run after this many seconds")
+    launch.add_argument("--no-metrics", action="store_true", help="do not serve /metrics from the nodes")
+    launch.add_argument("--live", dest="live", action="store_true", default=None,
+                        help="redraw the progress table in place (default: when stderr is a terminal)")
+    launch.add_argument("--no-live", dest="live", action="store_false", help="print plain progress lines")
+    add_node_arguments(launch, cluster_flags=False)
+    launch.set_defaults(func=cmd_launch)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    transport = bench_sub.add_parser(
+        "transport", help="p2ptrain gRPC push vs torch.distributed gloo vs raw TCP",
+        description="Move the same float32 payload between two processes with p2ptrain's gRPC push, "
+                    "gloo send/recv and a raw TCP socket; print MB/s and ratios.")
+    transport.add_argument("--size-mb", type=float, default=64.0, help="payload size in MB (default 64)")
+    transport.add_argument("--reps", type=int, default=10, help="timed transfers per method (default 10)")
+    transport.add_argument("--chunk-mb", type=float, default=None, help="p2ptrain chunk size in MiB")
+    transport.add_argument("--methods", default="p2ptrain,gloo,tcp",
+                           help="comma-separated subset of p2ptrain,gloo,tcp (default all)")
+    transport.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    transport.set_defaults(func=cmd_bench_transport)
+    return parser
+
+
+def _config_from_args(args: argparse.Namespace, **overrides) -> NodeConfig:
+    flags = flags_from_args(args)
+    flags.update(overrides)
+    return NodeConfig.from_sources(toml_path=getattr(args, "config_file", None), flags=flags)
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from p2ptrain.node import run_node
+
+    config = _config_from_args(args)
+    summary = run_node(config)
+    print(f"node {config.rank}: test accuracy {summary['test_accuracy']:.4f}, final loss "
+          f"{summary['final_loss']:.4f}, {summary['mean_step_seconds'] * 1000:.1f} ms/step")
+    return 0
+
+
+def _node_flags_as_argv(args: argparse.Namespace) -> list[str]:
+    """Re-emit the node flags the user gave to `launch`, for every node process."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_node_arguments(parser, cluster_flags=False)
+    argv: list[str] = []
+    for action in parser._actions:  # the one place that knows flag spellings
+        if not action.option_strings:
+            continue
+        value = getattr(args, action.dest, None)
+        if value is not None:
+            argv += [action.option_strings[0], str(value)]
+    return argv
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from launcher import run_local_cluster
+    from launcher.local import ClusterError
+
+    if args.nodes < 1:
+        raise ConfigError("--nodes must be >= 1")
+    placeholder_peers = [f"127.0.0.1:{20000 + i}" for i in range(args.nodes)]
+    config = _config_from_args(args, world_size=args.nodes, rank=0, peers=placeholder_peers)  # validate early
+    shown = {k: v for k, v in config.to_dict().items() if k not in ("rank", "peers", "listen", "out",
+                                                                    "metrics_port")}
+    try:
+        report = run_local_cluster(args.nodes, Path(args.out), _node_flags_as_argv(args), config=shown,
+                                   metrics=not args.no_metrics, live=args.live, timeout=args.timeout)
+    except ClusterError as exc:
+        print(f"p2ptrain launch: {exc}", file=sys.stderr)
+        return 1
+    cluster = report.get("cluster", {})
+    acc = cluster.get("mean_test_accuracy")
+    cd = cluster.get("consensus_distance")
+    print(f"mean test accuracy {acc if acc is None else f'{acc:.4f}'}, consensus distance "
+          f"{cd if cd is None else f'{cd:.3g}'}, wall {cluster.get('wall_seconds', 0):.1f}s")
+    return 0
+
+
+def cmd_bench_transport(args: argparse.Namespace) -> int:
+    from p2ptrain.bench.transport import main as bench_main
+
+    return bench_main(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        parser.exit(2, f"p2ptrain: configuration error: {exc}\n")
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""NodeConfig: every setting of a node, from defaults < TOML file < environment < command-line flags.
+
+Environment: torchrun's RANK / WORLD_SIZE, and P2PTRAIN_<FIELD> for any field (e.g.
+P2PTRAIN_PEERS="node0:50051,node1:50051", P2PTRAIN_OVERLAP=1), which is what docker-compose uses.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from p2ptrain.topology import TOPOLOGY_NAMES
+
+ALGORITHMS = ("sgp",)
+MODELS = ("mlp", "cnn")
+DATASETS = ("synthetic", "mnist")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A setting that is missing, malformed or inconsistent; the message says which and why."""
+
+
+@dataclass
+class NodeConfig:
+    # Identity and cluster
+    rank: int = 0
+    world_size: int = 1
+    peers: list[str] = field(default_factory=list)  # address of every node, indexed by rank
+    listen: str | None = None                        # bind address (default: [::]:<own peer port>)
+    # Algorithm
+    algorithm: str = "sgp"
+    topology: str = "exponential"
+    peers_per_step: int = 1
+    overlap: int = 0                                 # τ: bounded delay of SGP messages, in steps
+    # Training
+    steps: int = 300
+    model: str = "mlp"
+    hidden: int = 128
+    dataset: str = "synthetic"
+    data_dir: str | None = None
+    num_train: int | None = None
+    num_test: int | None = None
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    seed: int = 0
+    device: str = "auto"
+    threads: int = 1                                 # torch intra-op threads per node process
+    # Transport
+    chunk_mb: float = 4.0
+    peer_timeout: float = 120.0
+    step_window: int = 64
+    # Observability and output
+    metrics_port: int | None = None                  # serve Prometheus /metrics here (0 = any free port)
+    log_every: int = 10
+    out: str | None = None
+
+    # -- validation -------------------------------------------------------------------------------
+    def validate(self) -> "NodeConfig":
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(msg)
+
+        need(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
+        need(0 <= self.rank < self.world_size, f"rank {self.rank} outside 0..{self.world_size - 1}")
+        if self.world_size > 1 or self.peers:
+            need(len(self.peers) == self.world_size,
+                 f"--peers lists {len(self.peers)} addresses but world size is {self.world_size}: "
+                 "give one host:port per node, in rank order")
+            for addr in self.peers:
+                host, sep, port = addr.rpartition(":")
+                need(bool(sep and host and port.isdigit() and 0 < int(port) < 65536),
+                     f"peer address {addr!r} is not host:port")
+            need(len(set(self.peers)) == len(self.peers), "peer addresses must be distinct")
+        need(self.algorithm in ALGORITHMS, f"unknown algorithm {self.algorithm!r}; choose from {ALGORITHMS}")
+        need(self.topology in TOPOLOGY_NAMES, f"unknown topology {self.topology!r}; choose from {TOPOLOGY_NAMES}")
+        need(self.peers_per_step >= 1, "peers_per_step must be >= 1")
+        need(self.overlap >= 0, f"overlap τ must be >= 0, got {self.overlap}")
+        need(self.overlap < self.step_window, "overlap τ must be smaller than step_window")
+        need(self.steps >= 1, "steps must be >= 1")
+        need(self.model in MODELS, f"unknown model {self.model!r}; choose from {MODELS}")
+        need(self.dataset in DATASETS, f"unknown dataset {self.dataset!r}; choose from {DATASETS}")
+        need(self.dataset != "mnist" or bool(self.data_dir), "--dataset mnist needs --data-dir with IDX files")
+        need(self.batch_size >= 1, "batch_size must be >= 1")
+        need(self.lr >= 0 and self.momentum >= 0 and self.weight_decay >= 0, "lr, momentum, weight_decay must be >= 0")
+        need(self.device in DEVICES, f"unknown device {self.device!r}; choose from {DEVICES}")
+        need(self.threads >= 1, "threads must be >= 1")
+        need(0.004 <= self.chunk_mb <= 64, f"chunk_mb must be within [0.004, 64], got {self.chunk_mb}")
+        need(self.peer_timeout > 0, "peer_timeout must be > 0")
+        need(self.log_every >= 1, "log_every must be >= 1")
+        need(self.metrics_port is None or 0 <= self.metrics_port < 65536, "metrics_port must be a port number")
+        return self
+
+    @property
+    def chunk_bytes(self) -> int:
+        return int(self.chunk_mb * 1024 * 1024)
+
+    def fingerprint(self) -> str:
+        """Hash of the settings every node of a cluster must share (checked in Hello)."""
+        shared = {k: getattr(self, k) for k in ("world_size", "algorithm", "topology", "peers_per_step",
+                                                 "overlap", "model", "hidden", "dataset", "seed")}
+        return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # -- sources ----------------------------------------------------------------------------------
+    @classmethod
+    def from_sources(cls, *, toml_path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
+                     flags: Mapping[str, Any] | None = None) -> "NodeConfig":
+        """defaults < TOML < environment < flags (None-valued flags mean 'not given')."""
+        values: dict[str, Any] = {}
+        if toml_path:
+            values.update(_from_toml(Path(toml_path)))
+        values.update(_from_env(os.environ if env is None else env))
+        values.update({k: v for k, v in (flags or {}).items() if v is not None and k in _FIELDS})
+        try:
+            config = cls(**{k: _coerce(k, v) for k, v in values.items()})
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(str(exc)) from None
+        return config.validate()
+
+
+_FIELDS = {f.name: f for f in fields(NodeConfig)}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Strings from env / TOML into the field's type, with a clear error naming the field."""
+    kind = str(_FIELDS[name].type)
+    try:
+        if name == "peers":
+            if isinstance(value, str):
+                return [p.strip() for p in value.split(",") if p.strip()]
+            return [str(p) for p in value]
+        if value is None or (isinstance(value, str) and value.lower() in ("", "none") and "None" in kind):
+            return None
+        if kind.startswith("int"):
+            return int(value)
+        if kind.startswith("float"):
+            return float(value)
+        if kind.startswith("str"):
+            return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"setting {name}={value!r} is not a valid {kind}") from None
+    return value
+
+
+def _from_toml(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    data = data.get("node", data)  # allow a [node] table or top-level keys
+    unknown = sorted(set(data) - set(_FIELDS))
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown setting(s) {unknown}; valid: {sorted(_FIELDS)}")
+    return data
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    if "WORLD_SIZE" in env:
+        values["world_size"] = env["WORLD_SIZE"]
+    if "RANK" in env:
+        values["rank"] = env["RANK"]
+    for name in _FIELDS:
+        key = f"P2PTRAIN_{name.upper()}"
+        if key in env:
+            values[name] = env[key]
+    return values
+
+
+def add_node_arguments(parser: argparse.ArgumentParser, *, cluster_flags: bool = True) -> None:
+    """The node's flags; defaults are None so that unspecified flags do not override TOML/env."""
+    d = NodeConfig()
+    g = parser.add_argument_group("cluster")
+    if cluster_flags:
+        g.add_argument("--rank", type=int, help="this node's rank (env RANK)")
+        g.add_argument("--world-size", type=int, help="number of nodes (env WORLD_SIZE)")
+        g.add_argument("--peers", help="comma-separated host:port of every node in rank order")
+        g.add_argument("--listen", help="bind address, default [::]:<own port from --peers>")
+    g = parser.add_argument_group("algorithm")
+    g.add_argument("--algorithm", choices=ALGORITHMS, help=f"training algorithm (default {d.algorithm})")
+    g.add_argument("--topology", choices=TOPOLOGY_NAMES, help=f"communication graph (default {d.topology})")
+    g.add_argument("--peers-per-step", type=int,
+                   help=f"out-peers per step (exponential), max out-degree (random) (default {d.peers_per_step})")
+    g.add_argument("--overlap", type=int, metavar="TAU",
+                   help=f"bounded delay τ: step-k messages are mixed in by step k+τ; 0 = synchronous (default {d.overlap})")
+    g = parser.add_argument_group("training")
+    g.add_argument("--steps", type=int, help=f"training steps (default {d.steps})")
+    g.add_argument("--model", choices=MODELS, help=f"model (default {d.model})")
+    g.add_argument("--hidden", type=int, help=f"MLP hidden width (default {d.hidden})")
+    g.add_argument("--dataset", choices=DATASETS, help=f"data set (default {d.dataset})")
+    g.add_argument("--data-dir", help="folder with MNIST-style IDX files (for --dataset mnist)")
+    g.add_argument("--num-train", type=int, help="limit/size of the training set (all nodes together)")
+    g.add_argument("--num-test", type=int, help="limit/size of the held-out test set")
+    g.add_argument("--batch-size", type=int, help=f"per-node batch size (default {d.batch_size})")
+    g.add_argument("--lr", type=float, help=f"learning rate (default {d.lr})")
+    g.add_argument("--momentum", type=float, help=f"SGD momentum (default {d.momentum})")
+    g.add_argument("--weight-decay", type=float, help=f"SGD weight decay (default {d.weight_decay})")
+    g.add_argument("--seed", type=int, help=f"seed of model init, data and shards (default {d.seed})")
+    g.add_argument("--device", choices=DEVICES, help="auto = cuda when available, else cpu (default auto)")
+    g.add_argument("--threads", type=int, help=f"torch threads per node process (default {d.threads})")
+    g = parser.add_argument_group("transport")
+    g.add_argument("--chunk-mb", type=float, help=f"stream chunk size in MiB (default {d.chunk_mb})")
+    g.add_argument("--peer-timeout", type=float, help=f"seconds to wait for a peer's message (default {d.peer_timeout})")
+    g.add_argument("--step-window", type=int,
+                   help=f"accept messages whose step is within ± this many steps (default {d.step_window})")
+    g = parser.add_argument_group("output")
+    if cluster_flags:
+        g.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 = any free)")
+        g.add_argument("--out", help="folder for progress, summary and snapshot files")
+    g.add_argument("--log-every", type=int, help=f"progress/snapshot interval in steps (default {d.log_every})")
+    g.add_argument("--config", dest="config_file", help="TOML file with settings (flags and env override it)")
+
+
+def flags_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k in _FIELDS}

@@ -1,0 +1,135 @@
+"""The training engine: local steps on the de-biased model, the algorithm's hook after each.
+
+This is also the public Python API: hand in any torch model, optimizer, batches and an algorithm
+(see examples/). The engine owns the loop and timing; the algorithm owns communication math.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from p2ptrain.train.flat import FlatParameters
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda requested but CUDA is not available")
+    return torch.device(name)
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    seconds: float
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    losses: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    snapshots: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def final_loss(self) -> float:
+        tail = self.losses[-10:]
+        return sum(tail) / len(tail) if tail else math.nan
+
+    @property
+    def mean_step_seconds(self) -> float:
+        return sum(self.step_seconds) / len(self.step_seconds) if self.step_seconds else math.nan
+
+
+def cycle(loader: Iterable) -> Iterator:
+    """Endless iteration over a DataLoader (a new shuffled epoch each pass)."""
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError("the data loader yields no batches (empty shard?)")
+
+
+class DecentralizedTrainer:
+    """Runs `steps` local SGD steps, calling `algorithm.after_step` after each optimizer step."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, algorithm, *,
+                 loss_fn: Callable = F.nll_loss, device: torch.device | str | None = None, metrics=None):
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.model = model.to(self.device)
+        self.flat = FlatParameters(self.model)
+        self.optimizer = optimizer
+        self.algorithm = algorithm
+        self.loss_fn = loss_fn
+        self.metrics = metrics
+        self.flat.load(self.algorithm.setup(self.flat.get()))
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device, non_blocking=True)
+
+    def train_step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        self.model.train()
+        inputs, targets = self._to_device(inputs), self._to_device(targets)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(inputs), targets)
+        loss.backward()
+        self.optimizer.step()
+        self.flat.load(self.algorithm.after_step(step, self.flat.get()))
+        return float(loss.detach())
+
+    def fit(self, batches: Iterable, steps: int, *, on_log: Callable[[StepRecord, "DecentralizedTrainer"], None] | None = None,
+            log_every: int = 10, snapshot_every: int | None = None) -> TrainResult:
+        """Train for `steps`; `on_log` is called every `log_every` steps and at the end; the de-biased
+        flat model is snapshotted at step 0, every `snapshot_every` steps and at the end."""
+        result = TrainResult(steps=steps)
+        snapshot_every = snapshot_every or log_every
+        result.snapshots[0] = self.flat.get().detach().cpu().clone()
+        iterator = iter(batches)
+        for step in range(steps):
+            start = time.perf_counter()
+            inputs, targets = next(iterator)
+            loss = self.train_step(step, inputs, targets)
+            seconds = time.perf_counter() - start
+            result.losses.append(loss)
+            result.step_seconds.append(seconds)
+            if self.metrics is not None:
+                self.metrics.on_step(step + 1, seconds, loss)
+                for key, value in self.algorithm.stats().items():
+                    if key == "ps_weight":
+                        self.metrics.set_ps_weight(value)
+            done = step + 1
+            if done == steps:
+                final = self.algorithm.finish()
+                if final is not None:
+                    self.flat.load(final)
+            if done % snapshot_every == 0 or done == steps:
+                result.snapshots[done] = self.flat.get().detach().cpu().clone()
+            if on_log is not None and (done % log_every == 0 or done == steps):
+                window = result.losses[-log_every:]
+                on_log(StepRecord(done, sum(window) / len(window), seconds), self)
+        return result
+
+    @torch.no_grad()
+    def evaluate(self, loader: Iterable) -> tuple[float, float]:
+        """(mean loss, accuracy) of the current (de-biased) model on `loader`."""
+        self.model.eval()
+        total_loss, correct, count = 0.0, 0, 0
+        for inputs, targets in loader:
+            inputs, targets = self._to_device(inputs), self._to_device(targets)
+            output = self.model(inputs)
+            total_loss += float(self.loss_fn(output, targets, reduction="sum"))
+            correct += int((output.argmax(dim=1) == targets).sum())
+            count += targets.numel()
+        if count == 0:
+            raise ValueError("evaluation set is empty")
+        return total_loss / count, correct / count
