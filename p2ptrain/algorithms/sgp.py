@@ -43,11 +43,13 @@ class SGP(Algorithm):
         self.z: torch.Tensor | None = None
         self._outbox: deque = deque()  # (future of Ack, x-share, w-share) until acknowledged
         self.refused_shares = 0
+        self._last_step = -1
 
     def setup(self, params: torch.Tensor) -> torch.Tensor:
         self.x = params.detach().clone()
         self.w = 1.0
         self.comm.expect(KIND, params.dtype, params.numel())
+        self.comm.ready()
         self.z = self.x.clone()
         return self.z
 
@@ -74,8 +76,6 @@ class SGP(Algorithm):
         return {"ps_weight": self.w}
 
     # The seed's steps --------------------------------------------------------------------------
-    _last_step = -1
-
     def _push(self, step: int) -> None:
         self._last_step = step
         peers = self.topology.out_peers(self.rank, step)

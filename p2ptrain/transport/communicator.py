@@ -44,6 +44,12 @@ class Communicator:
     def expect(self, kind: int, dtype: torch.dtype, numel: int, **kwargs) -> None:
         self.transport.expect(kind, dtype, numel, **kwargs)
 
+    def ready(self) -> None:
+        """Call after every expect(): announce readiness and wait until all peers are ready too."""
+        self.transport.mark_ready()
+        if self.world_size > 1:
+            self.transport.wait_for_peers(timeout=self.peer_timeout, require_ready=True)
+
     def set_step(self, step: int) -> None:
         self.transport.set_step(step)
 

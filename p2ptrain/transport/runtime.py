@@ -12,6 +12,7 @@ import itertools
 import logging
 import secrets
 import threading
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -93,6 +94,7 @@ class Transport:
         self._clients: dict[int, PeerClient] = {}
         self._ids = itertools.count((secrets.randbits(31) << 32) | 1)  # unique across restarts
         self._step = 0
+        self._ready = False
 
     # Lifecycle ------------------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> "Transport":
@@ -120,7 +122,8 @@ class Transport:
 
     async def _start_server(self) -> None:
         server = grpc.aio.server(options=self.options.server_options())
-        service = PeerService(self.inbox, self.identity, self.metrics, current_step=lambda: self._step)
+        service = PeerService(self.inbox, self.identity, self.metrics, current_step=lambda: self._step,
+                              is_ready=lambda: self._ready)
         server.add_generic_rpc_handlers((service.handler(),))
         enable_reflection(server)
         port = server.add_insecure_port(self.listen)
@@ -247,27 +250,45 @@ class Transport:
     def hello(self, peer: int, timeout: float = 10.0) -> pb.HelloReply:
         return self._submit(self._hello(peer, timeout)).result(timeout + 5)
 
-    def wait_for_peers(self, timeout: float = 60.0) -> None:
-        """Hello every peer (waiting for it to come up); raise PeerError on any incompatibility."""
-        futures = {}
-        for peer in range(self.world_size):
-            if peer != self.rank:
-                futures[peer] = self._submit(self._hello(peer, timeout))
-        problems = []
-        for peer, future in futures.items():
-            try:
-                reply = future.result(timeout + 5)
-            except (grpc.aio.AioRpcError, concurrent.futures.TimeoutError) as exc:
-                problems.append(f"node {peer} at {self.peers[peer]} unreachable: {_rpc_reason(exc)}")
-                continue
-            reason = reply.reason or self.identity.compatibility(reply.world_size, reply.protocol_version,
-                                                                 reply.config_fingerprint)
-            if not reply.compatible or reason:
-                problems.append(f"node {peer} at {self.peers[peer]} incompatible: {reason}")
-            elif reply.node_id != peer:
-                problems.append(f"address {self.peers[peer]} answers as node {reply.node_id}, expected {peer}")
-        if problems:
-            raise PeerError(f"node {self.rank}: " + "; ".join(problems))
+    def mark_ready(self) -> None:
+        """Tell peers (through Hello) that this node now accepts tensors."""
+        self._ready = True
+
+    def wait_for_peers(self, timeout: float = 60.0, *, require_ready: bool = False) -> None:
+        """Hello every peer, waiting for it to come up (and, with require_ready, to have its
+        algorithm set up, so nothing we send is refused as unexpected). Raises PeerError on an
+        incompatible peer at once, or on one still unreachable / not ready after `timeout`."""
+        deadline = time.monotonic() + timeout
+        waiting = {peer for peer in range(self.world_size) if peer != self.rank}
+        last_problem: dict[int, str] = {}
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            futures = {peer: self._submit(self._hello(peer, remaining)) for peer in waiting}
+            for peer, future in futures.items():
+                try:
+                    reply = future.result(remaining + 5)
+                except (grpc.aio.AioRpcError, concurrent.futures.TimeoutError) as exc:
+                    last_problem[peer] = f"unreachable: {_rpc_reason(exc)}"
+                    continue
+                reason = reply.reason or self.identity.compatibility(
+                    reply.world_size, reply.protocol_version, reply.config_fingerprint)
+                if not reply.compatible or reason:
+                    raise PeerError(f"node {self.rank}: node {peer} at {self.peers[peer]} incompatible: {reason}")
+                if reply.node_id != peer:
+                    raise PeerError(f"node {self.rank}: address {self.peers[peer]} answers as node "
+                                    f"{reply.node_id}, expected {peer}")
+                if require_ready and not reply.ready:
+                    last_problem[peer] = "not ready (still setting up)"
+                    continue
+                waiting.discard(peer)
+            if waiting:
+                time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        if waiting:
+            problems = "; ".join(f"node {p} at {self.peers[p]} {last_problem.get(p, 'did not answer')}"
+                                 for p in sorted(waiting))
+            raise PeerError(f"node {self.rank}: after {timeout:.0f}s: {problems}")
 
 
 def _rpc_reason(exc: BaseException) -> str:

@@ -44,11 +44,12 @@ class PeerService:
     node's state is changed only by a complete, valid message."""
 
     def __init__(self, inbox: Inbox, identity: Identity, metrics=None,
-                 current_step: Callable[[], int] = lambda: 0):
+                 current_step: Callable[[], int] = lambda: 0, is_ready: Callable[[], bool] = lambda: True):
         self.inbox = inbox
         self.identity = identity
         self.metrics = metrics
         self.current_step = current_step
+        self.is_ready = is_ready
 
     async def push_tensor(self, requests, context) -> pb.Ack:
         reception = None
@@ -97,7 +98,7 @@ class PeerService:
         return pb.HelloReply(node_id=me.node_id, world_size=me.world_size,
                              protocol_version=me.protocol_version,
                              config_fingerprint=me.config_fingerprint, step=self.current_step(),
-                             compatible=not reason, reason=reason)
+                             compatible=not reason, reason=reason, ready=self.is_ready())
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {

@@ -1,0 +1,43 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def node_env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def run_processes(argvs: list[list[str]], timeout: float, log_dir: Path) -> None:
+    """Run real processes in parallel; fail with their log tails if any fails or times out."""
+    procs = []
+    try:
+        for i, argv in enumerate(argvs):
+            log = open(log_dir / f"proc{i}.log", "w")
+            procs.append((subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=node_env()), log))
+        for proc, _ in procs:
+            proc.wait(timeout=timeout)
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    failed = [(i, p.returncode) for i, (p, _) in enumerate(procs) if p.returncode != 0]
+    if failed:
+        tails = "\n".join(f"--- proc {i} (exit {code}) ---\n" + (log_dir / f"proc{i}.log").read_text()[-3000:]
+                          for i, code in failed)
+        pytest.fail(f"processes failed: {failed}\n{tails}")
+
+
+@pytest.fixture
+def python() -> str:
+    return sys.executable
