@@ -1,0 +1,37 @@
+# p2ptrain — the two commands of the README:
+#   make demo   install into .venv and run a 4-node local SGP cluster (report in runs/demo)
+#   make test   install into .venv and run the test suite (what CI runs)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP_FLAGS ?= -q
+DEMO_ARGS ?= --nodes 4 --algorithm sgp --topology exponential --peers-per-step 1 --overlap 1 \
+             --steps 300 --model mlp --dataset synthetic --out runs/demo
+
+.PHONY: install demo test test-all bench proto clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install $(PIP_FLAGS) --upgrade pip
+	$(PY) -m pip install $(PIP_FLAGS) -c constraints.txt -e '.[dev]'
+	touch $@
+
+demo: install
+	$(VENV)/bin/p2ptrain launch $(DEMO_ARGS)
+
+test: install
+	$(PY) -m pytest
+
+test-all: install
+	$(PY) -m pytest -m ''
+
+bench: install
+	$(VENV)/bin/p2ptrain bench transport --size-mb 64 --reps 10
+
+proto: install
+	$(PY) scripts/gen_proto.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,416 @@
+"""Run a cluster of `p2ptrain node` processes on this machine and watch it.
+
+The launcher owns the node processes' lifetime: nothing it starts outlives it, whether the run
+succeeds, a node fails, the run times out or the user presses Ctrl-C. Progress comes only from
+the files nodes write into the run folder, so any node honouring that contract can be launched.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, TextIO
+
+from . import report as run_report
+from .ports import free_ports, host_port
+
+TERM_GRACE_SECONDS = 5.0        # SIGTERM -> SIGKILL delay when stopping nodes
+POLL_SECONDS = 0.5              # progress / exit-status polling period
+LOG_EVERY_SECONDS = 5.0         # non-TTY: at most one progress line per node this often
+ERROR_EXIT_GRACE_SECONDS = 2.0  # after an error event, wait this long for the node's own exit code
+LOG_TAIL_LINES = 20             # log lines quoted in a ClusterError
+
+# One thread per process: N nodes share this machine's cores, and unbuffered output keeps the
+# logs current when a node is killed.
+NODE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+class ClusterError(RuntimeError):
+    """The run failed: a node exited non-zero or reported an error, or the run timed out.
+
+    `rank` / `returncode` are None when no single node is to blame (timeout).
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, returncode: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.returncode = returncode
+
+
+@dataclass
+class NodeProcessSpec:
+    """What is started for one rank; built before anything starts so it can be inspected."""
+    rank: int
+    argv: list[str]
+    env: dict[str, str]
+
+
+def node_argv(rank: int, world_size: int, peers: list[str], metrics_port: int | None,
+              out_dir: Path, extra_args: list[str], python: str = sys.executable) -> list[str]:
+    """Command line of one `p2ptrain node` process."""
+    argv = [python, "-m", "p2ptrain", "node", "--rank", str(rank), "--world-size", str(world_size),
+            "--peers", ",".join(peers), "--out", str(out_dir)]
+    if metrics_port is not None:
+        argv += ["--metrics-port", str(metrics_port)]
+    return [*argv, *extra_args]
+
+
+def node_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The launcher's environment plus NODE_ENV."""
+    return {**(os.environ if base is None else base), **NODE_ENV}
+
+
+def plan_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, host: str = "127.0.0.1",
+                 metrics: bool = True, argv_factory: Callable[..., list[str]] = node_argv) -> list[NodeProcessSpec]:
+    """Assign ports and build every node's command line."""
+    if nodes < 1:
+        raise ValueError(f"nodes must be >= 1, got {nodes}")
+    ports = free_ports(2 * nodes if metrics else nodes, host)
+    peers = [host_port(host, port) for port in ports[:nodes]]
+    metrics_ports = ports[nodes:] if metrics else [None] * nodes
+    return [NodeProcessSpec(rank=rank, env=node_env(),
+                            argv=argv_factory(rank, nodes, peers, metrics_ports[rank], Path(out_dir), list(extra_args)))
+            for rank in range(nodes)]
+
+
+def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, config: dict | None = None,
+                      host: str = "127.0.0.1", metrics: bool = True, live: bool | None = None,
+                      timeout: float | None = None, argv_factory: Callable[..., list[str]] = node_argv,
+                      stream: TextIO = sys.stderr) -> dict:
+    """Run `nodes` node processes to completion and return the run report.
+
+    Raises ClusterError on the first node failure or on timeout, after stopping every node.
+    """
+    out_dir = Path(out_dir)
+    log_dir = out_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    specs = plan_cluster(nodes, out_dir, extra_args, host=host, metrics=metrics, argv_factory=argv_factory)
+    watcher = _ProgressWatcher(out_dir, nodes)
+    view = ProgressView(stream, stream.isatty() if live is None else live, steps_from_args(extra_args))
+    processes = _NodeProcesses(specs, log_dir)
+
+    print(f"launching {nodes} nodes; run folder {out_dir}, logs in {log_dir}", file=stream, flush=True)
+    start = time.monotonic()
+    try:
+        processes.start()
+        _supervise(processes, watcher, view, start, timeout, log_dir)
+    finally:
+        processes.stop()
+        watcher.refresh(processes.returncodes(), final=True)
+        view.finish(watcher.states, time.monotonic() - start)
+    wall_seconds = time.monotonic() - start
+
+    result = run_report.build_report(out_dir, nodes, config, wall_seconds)
+    report_path = run_report.write_report(result, out_dir)
+    print(f"report: {report_path}", file=stream)
+    try:
+        print(f"plot:   {run_report.plot(result, out_dir)}", file=stream)
+    except Exception as exc:  # a cosmetic failure must not fail a finished training run
+        print(f"plot failed: {exc!r}", file=stream)
+    for warning in result["warnings"]:
+        print(f"warning: {warning}", file=stream)
+    stream.flush()
+    return result
+
+
+def steps_from_args(args: list[str]) -> int | None:
+    """The value of `--steps` in the node arguments, used as the progress total."""
+    for i, arg in enumerate(args):
+        if arg == "--steps" and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("--steps="):
+            value = arg.split("=", 1)[1]
+        else:
+            continue
+        try:
+            return int(value)
+        except ValueError:
+            return None
+    return None
+
+
+# --- supervision ---------------------------------------------------------------------------------
+
+def _supervise(processes: "_NodeProcesses", watcher: "_ProgressWatcher", view: "ProgressView",
+               start: float, timeout: float | None, log_dir: Path) -> None:
+    """Poll until every node exited 0; raise ClusterError on the first failure or on timeout."""
+    while True:
+        watcher.refresh(processes.returncodes())
+        elapsed = time.monotonic() - start
+        view.update(watcher.states, elapsed)
+        failed = [s for s in watcher.states if s.failed]
+        if failed:
+            raise _failure_error(failed, processes, watcher, log_dir)
+        if all(s.returncode == 0 for s in watcher.states):
+            return
+        if timeout is not None and elapsed >= timeout:
+            running = [s.rank for s in watcher.states if s.returncode is None]
+            raise ClusterError(f"cluster timed out after {timeout:g} s; still running: ranks "
+                               f"{', '.join(map(str, running))}\n" + _log_excerpt(log_dir, running[0]))
+        time.sleep(POLL_SECONDS if timeout is None else max(0.0, min(POLL_SECONDS, timeout - elapsed)))
+
+
+def _failure_error(failed: list["NodeState"], processes: "_NodeProcesses", watcher: "_ProgressWatcher",
+                   log_dir: Path) -> ClusterError:
+    """Describe the first failed node; nodes that reported an error get a moment to exit so
+    the message can carry their real exit code."""
+    culprit = failed[0]
+    if culprit.returncode is None:
+        processes.wait(culprit.rank, ERROR_EXIT_GRACE_SECONDS)
+        watcher.refresh(processes.returncodes())
+    if culprit.returncode is None:
+        how = "reported an error and was still running (stopped by the launcher)"
+    else:
+        how = f"exited with code {culprit.returncode}"
+    lines = [f"node {culprit.rank} failed: {how}"]
+    if culprit.message:
+        lines.append(f"error event: {culprit.message}")
+    if len(failed) > 1:
+        lines.append(f"also failed: ranks {', '.join(str(s.rank) for s in failed[1:])}")
+    lines.append(_log_excerpt(log_dir, culprit.rank))
+    return ClusterError("\n".join(lines), rank=culprit.rank, returncode=culprit.returncode)
+
+
+def _log_excerpt(log_dir: Path, rank: int) -> str:
+    path = log_dir / f"node{rank}.log"
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+            tail = f.read().decode(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+    except OSError as exc:
+        return f"(cannot read {path}: {exc})"
+    body = "\n".join(f"  {line}" for line in tail) if tail else "  (empty)"
+    return f"last {len(tail)} lines of {path}:\n{body}"
+
+
+class _NodeProcesses:
+    """The node processes and their log files.
+
+    Each node runs in its own session, so Ctrl-C in the terminal reaches only the launcher, and
+    stopping a node signals its whole process group (helpers it forked included).
+    """
+
+    def __init__(self, specs: list[NodeProcessSpec], log_dir: Path):
+        self.specs = specs
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+        self._logs: list = []
+        self._swept: set[int] = set()
+
+    def start(self) -> None:
+        for spec in self.specs:
+            log = open(self.log_dir / f"node{spec.rank}.log", "wb")
+            self._logs.append(log)
+            self.procs.append(subprocess.Popen(spec.argv, env=spec.env, stdin=subprocess.DEVNULL, stdout=log,
+                                               stderr=subprocess.STDOUT, start_new_session=True))
+
+    def returncodes(self) -> list[int | None]:
+        """Exit codes, None while running (or not started). Reaps exited nodes and sweeps their
+        process groups at once, while their pid cannot have been recycled yet."""
+        codes = [p.poll() for p in self.procs]
+        for proc, code in zip(self.procs, codes):
+            if code is not None:
+                self._sweep(proc)
+        return codes + [None] * (len(self.specs) - len(codes))
+
+    def wait(self, rank: int, seconds: float) -> None:
+        try:
+            self.procs[rank].wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def stop(self) -> None:
+        """SIGTERM every running node, SIGKILL what is left after TERM_GRACE_SECONDS, then kill
+        whatever any node left behind. Idempotent."""
+        running = [p for p in self.procs if p.poll() is None]
+        for proc in running:
+            _signal_group(proc, signal.SIGTERM)
+        interrupted = False
+        deadline = time.monotonic() + TERM_GRACE_SECONDS
+        try:
+            for proc in running:
+                try:
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        except KeyboardInterrupt:  # a second Ctrl-C skips the grace period, not the cleanup
+            interrupted = True
+        for proc in running:
+            if proc.poll() is None:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+        for proc in self.procs:
+            self._sweep(proc)
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+        if interrupted:
+            raise KeyboardInterrupt
+
+    def _sweep(self, proc: subprocess.Popen) -> None:
+        """SIGKILL what is left of an exited node's process group (orphaned helpers)."""
+        if proc.pid not in self._swept:
+            self._swept.add(proc.pid)
+            _signal_group(proc, signal.SIGKILL)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # pgid == pid because of start_new_session
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# --- progress ------------------------------------------------------------------------------------
+
+class ProgressTail:
+    """Incremental reader of one progress.jsonl: each poll reads only new bytes and keeps a
+    partial last line until the node finishes writing it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+
+    def poll(self, final: bool = False) -> list[dict]:
+        """New complete records; with final=True (writer has exited) an unterminated last line
+        counts as complete."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            data = b""
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = b"" if final else lines.pop()
+        return [r for r in map(run_report.parse_progress_line, lines) if r is not None]
+
+
+@dataclass
+class NodeState:
+    """Latest known state of one node, from its progress records and its exit code."""
+    rank: int
+    step: int | None = None
+    loss: float | None = None
+    bytes_sent: int | None = None
+    bytes_received: int | None = None
+    ps_weight: float | None = None
+    event: str | None = None
+    message: str | None = None
+    returncode: int | None = None
+
+    def apply(self, record: dict) -> None:
+        if "event" in record:
+            self.event = record["event"]
+            self.message = record.get("message", self.message)
+            return
+        for key in ("step", "loss", "bytes_sent", "bytes_received", "ps_weight"):
+            if key in record:
+                setattr(self, key, record[key])
+
+    @property
+    def failed(self) -> bool:
+        return self.event == "error" or self.returncode not in (None, 0)
+
+    @property
+    def status(self) -> str:
+        if self.returncode not in (None, 0):
+            return f"exited {self.returncode}"
+        if self.event in ("error", "done"):
+            return self.event
+        if self.returncode == 0:
+            return "exited 0"
+        return "starting" if self.step is None else "running"
+
+
+class _ProgressWatcher:
+    """NodeState for every rank, kept current from the progress files and exit codes."""
+
+    def __init__(self, out_dir: Path, nodes: int):
+        self.states = [NodeState(rank) for rank in range(nodes)]
+        self._tails = [ProgressTail(run_report.progress_path(out_dir, rank)) for rank in range(nodes)]
+
+    def refresh(self, returncodes: list[int | None], final: bool = False) -> None:
+        # Exit codes are taken before reading, so an exited node's records are all on disk.
+        for state, tail, code in zip(self.states, self._tails, returncodes):
+            for record in tail.poll(final=final or code is not None):
+                state.apply(record)
+            state.returncode = code
+
+
+class ProgressView:
+    """Shows node states: a table redrawn in place on a terminal; otherwise (CI, files) one
+    compact line per node at most every LOG_EVERY_SECONDS and a final table, so logs stay short."""
+
+    COLUMNS = (("rank", 4), ("step", 13), ("loss", 10), ("MB sent", 9), ("MB recv", 9),
+               ("ps-weight", 9), ("status", 10))
+
+    def __init__(self, stream: TextIO, live: bool, total_steps: int | None):
+        self.stream = stream
+        self.live = live
+        self.total_steps = total_steps
+        self._drawn_lines = 0
+        self._last_log = 0.0
+
+    def update(self, states: list[NodeState], elapsed: float) -> None:
+        if self.live:
+            self._redraw(self._table(states, elapsed))
+        elif elapsed - self._last_log >= LOG_EVERY_SECONDS:
+            self._last_log = elapsed
+            for state in states:
+                cells = self._cells(state)
+                self._write([f"[{elapsed:7.1f}s] node {cells['rank']}: step {cells['step']} "
+                             f"loss {cells['loss']} sent {cells['MB sent']} MB recv {cells['MB recv']} MB "
+                             f"ps-weight {cells['ps-weight']} {cells['status']}"])
+
+    def finish(self, states: list[NodeState], elapsed: float) -> None:
+        if self.live:
+            self._redraw(self._table(states, elapsed))
+        else:
+            self._write(self._table(states, elapsed))
+
+    def _cells(self, state: NodeState) -> dict[str, str]:
+        total = f"/{self.total_steps}" if self.total_steps is not None else ""
+        return {
+            "rank": str(state.rank),
+            "step": "-" if state.step is None else f"{state.step}{total}",
+            "loss": _fmt(state.loss, "{:.4f}"),
+            "MB sent": _fmt(state.bytes_sent, "{:.1f}", 1e-6),
+            "MB recv": _fmt(state.bytes_received, "{:.1f}", 1e-6),
+            "ps-weight": _fmt(state.ps_weight, "{:.3f}"),
+            "status": state.status,
+        }
+
+    def _table(self, states: list[NodeState], elapsed: float) -> list[str]:
+        def row(values: list[str]) -> str:
+            return "  ".join(v.rjust(width) for v, (_, width) in zip(values, self.COLUMNS))
+        lines = [f"p2ptrain cluster: {len(states)} nodes, {elapsed:.1f} s",
+                 row([name for name, _ in self.COLUMNS])]
+        lines += [row(list(self._cells(s).values())) for s in states]  # _cells follows COLUMNS order
+        return lines
+
+    def _redraw(self, lines: list[str]) -> None:
+        # Cursor-up cannot reach lines scrolled off the screen, so the table must fit.
+        fit = max(3, shutil.get_terminal_size().lines - 1)
+        if len(lines) > fit:
+            lines = lines[:fit - 1] + [f"... {len(lines) - fit + 1} more nodes not shown"]
+        up = f"\x1b[{self._drawn_lines}F" if self._drawn_lines else ""  # to column 0, n lines up
+        self.stream.write(up + "".join(f"\x1b[2K{line}\n" for line in lines))
+        self.stream.flush()
+        self._drawn_lines = len(lines)
+
+    def _write(self, lines: list[str]) -> None:
+        self.stream.write("".join(f"{line}\n" for line in lines))
+        self.stream.flush()
+
+
+def _fmt(value, pattern: str, scale: float = 1.0) -> str:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return "-"
+    return pattern.format(value * scale)

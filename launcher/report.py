@@ -1,0 +1,288 @@
+"""Run report: combines what every node wrote into the run folder into one JSON report and a plot.
+
+It reads only the run folder (never live processes), so a report can be rebuilt after the fact
+from any run folder, including a partial one: missing or unreadable files become warnings in the
+report instead of errors.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+REPORT_NAME = "report.json"
+PLOT_NAME = "plot.png"
+_MAX_NOTED_PATHS = 10  # how many JSON paths a non-finite-number note lists before summarising
+
+
+def progress_path(out_dir: Path, rank: int) -> Path:
+    return Path(out_dir) / f"node{rank}.progress.jsonl"
+
+
+def summary_path(out_dir: Path, rank: int) -> Path:
+    return Path(out_dir) / f"node{rank}.json"
+
+
+def snapshot_path(out_dir: Path, rank: int) -> Path:
+    return Path(out_dir) / f"node{rank}.snapshots.pt"
+
+
+def parse_progress_line(line: str | bytes) -> dict | None:
+    """One progress record, or None for a blank or garbled line (a node killed mid-write)."""
+    try:
+        record = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def load_progress(out_dir: Path, rank: int) -> list[dict]:
+    """All readable progress records of one node; [] when the node never wrote any."""
+    try:
+        data = progress_path(out_dir, rank).read_bytes()
+    except FileNotFoundError:
+        return []
+    return [r for r in map(parse_progress_line, data.splitlines()) if r is not None]
+
+
+def consensus_distance(params: torch.Tensor) -> float:
+    """sqrt(mean_i ||z_i - zbar||^2) over the rows of `params` [n, d]: how far the node models
+    are from agreeing. Computed in float64 so tiny distances near convergence are not lost."""
+    if params.dim() != 2 or params.shape[0] == 0:
+        raise ValueError(f"expected a non-empty [n, d] tensor, got shape {tuple(params.shape)}")
+    z = params.detach().to(torch.float64)
+    deviation = z - z.mean(dim=0, keepdim=True)
+    return float(deviation.pow(2).sum(dim=1).mean().sqrt())
+
+
+def build_report(out_dir: Path, nodes: int, config: dict | None, wall_seconds: float) -> dict:
+    """Collect per-node summaries, cluster aggregates, loss and consensus histories."""
+    out_dir = Path(out_dir)
+    warnings: list[str] = []
+    summaries = [_load_summary(out_dir, rank, warnings) for rank in range(nodes)]
+    progress = {rank: load_progress(out_dir, rank) for rank in range(nodes)}
+    for rank, records in progress.items():
+        if not any(r.get("event") == "done" for r in records):
+            warnings.append(f"node {rank}: no 'done' event in {progress_path(out_dir, rank).name}")
+
+    steps, distances, mean_norm = _consensus_history(out_dir, nodes, warnings)
+    final_distance = distances[-1] if distances else None
+    relative = final_distance / mean_norm if final_distance is not None and mean_norm else None
+
+    cluster = {
+        "nodes": nodes,
+        "wall_seconds": wall_seconds,
+        "consensus_step": steps[-1] if steps else None,
+        "consensus_distance": final_distance,
+        "relative_consensus_distance": relative,
+        "mean_test_accuracy": _mean(_numbers(summaries, "test_accuracy")),
+        "min_test_accuracy": _min(_numbers(summaries, "test_accuracy")),
+        "mean_final_loss": _mean(_numbers(summaries, "final_loss")),
+        "total_bytes_sent": _sum(_numbers(summaries, "bytes_sent")),
+        "total_bytes_received": _sum(_numbers(summaries, "bytes_received")),
+        "mean_step_seconds": _mean(_numbers(summaries, "mean_step_seconds")),
+    }
+    loss_history = {
+        str(rank): [[r["step"], r["loss"]] for r in records if "step" in r and "loss" in r]
+        for rank, records in progress.items()
+    }
+    return {
+        "config": dict(config or {}),
+        "nodes": summaries,
+        "cluster": cluster,
+        "history": {"steps": steps, "consensus_distance": distances, "loss": loss_history},
+        "warnings": warnings,
+    }
+
+
+def write_report(report: dict, out_dir: Path) -> Path:
+    """Write OUT/report.json as strict JSON: NaN/Infinity (e.g. a diverged loss) become null and
+    a note lists where, because most JSON readers reject the non-standard tokens."""
+    bad_paths: list[str] = []
+    clean = _json_safe(report, "", bad_paths)
+    if bad_paths:
+        shown = ", ".join(bad_paths[:_MAX_NOTED_PATHS])
+        more = len(bad_paths) - _MAX_NOTED_PATHS
+        note = f"non-finite numbers (NaN/Infinity) written as null at: {shown}"
+        clean["notes"] = [*clean.get("notes", []), note + (f" (+{more} more)" if more > 0 else "")]
+    path = Path(out_dir) / REPORT_NAME
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(clean, indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, path)  # readers never see a half-written report
+    return path
+
+
+def plot(report: dict, out_dir: Path) -> Path:
+    """OUT/plot.png: training loss per node and consensus distance, side by side.
+
+    Uses matplotlib's object API (a bare Figure renders with the Agg canvas) rather than pyplot,
+    so it needs no display and never switches the backend of a program that imports us.
+    """
+    from matplotlib.figure import Figure
+
+    history = report.get("history", {})
+    cluster = report.get("cluster", {})
+    fig = Figure(figsize=(10, 4), dpi=100, layout="constrained")
+    loss_ax, consensus_ax = fig.subplots(1, 2)
+    _plot_loss(loss_ax, history.get("loss", {}))
+    _plot_consensus(consensus_ax, history.get("steps", []), history.get("consensus_distance", []),
+                    cluster.get("relative_consensus_distance"))
+    fig.suptitle(_plot_title(cluster))
+    path = Path(out_dir) / PLOT_NAME
+    fig.savefig(path, format="png")
+    return path
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+def _load_summary(out_dir: Path, rank: int, warnings: list[str]) -> dict:
+    path = summary_path(out_dir, rank)
+    try:
+        summary = json.loads(path.read_text())
+        if not isinstance(summary, dict):
+            raise ValueError("not a JSON object")
+    except FileNotFoundError:
+        warnings.append(f"node {rank}: {path.name} missing")
+        return {"rank": rank}
+    except (OSError, ValueError) as exc:
+        warnings.append(f"node {rank}: cannot read {path.name} ({exc})")
+        return {"rank": rank}
+    return {"rank": rank, **summary}
+
+
+def _load_snapshots(out_dir: Path, nodes: int, warnings: list[str]) -> list[dict[int, torch.Tensor]] | None:
+    """Per node {step: flat params}; None (with warnings) if any node's snapshots are unusable,
+    since a consensus distance over a subset of nodes would be misleading."""
+    per_node: list[dict[int, torch.Tensor]] = []
+    for rank in range(nodes):
+        path = snapshot_path(out_dir, rank)
+        if not path.exists():
+            warnings.append(f"node {rank}: {path.name} missing; consensus distance unavailable")
+            continue
+        try:
+            blob = torch.load(path, map_location="cpu", weights_only=True)
+            steps = [int(s) for s in blob["steps"]]
+            params = torch.as_tensor(blob["params"])
+            if params.dim() != 2 or params.shape[0] != len(steps):
+                raise ValueError(f"params shape {tuple(params.shape)} does not match {len(steps)} steps")
+        except Exception as exc:  # any unreadable file is a warning, never a crash
+            warnings.append(f"node {rank}: cannot read {path.name} ({exc}); consensus distance unavailable")
+            continue
+        per_node.append(dict(zip(steps, params)))
+    if len(per_node) != nodes:
+        return None
+    dims = {row.shape[0] for snaps in per_node for row in snaps.values()}
+    if len(dims) > 1:
+        warnings.append(f"snapshot parameter sizes differ between nodes ({sorted(dims)}); "
+                        "consensus distance unavailable")
+        return None
+    return per_node
+
+
+def _consensus_history(out_dir: Path, nodes: int, warnings: list[str]) -> tuple[list[int], list[float], float | None]:
+    """Consensus distance at each snapshot step all nodes share, and ||zbar|| at the last one."""
+    per_node = _load_snapshots(out_dir, nodes, warnings) if nodes > 0 else None
+    if per_node is None:
+        return [], [], None
+    steps = sorted(set.intersection(*(set(snaps) for snaps in per_node)))
+    if not steps:
+        warnings.append("nodes share no snapshot step; consensus distance unavailable")
+        return [], [], None
+    stacks = {step: torch.stack([snaps[step] for snaps in per_node]) for step in steps}
+    distances = [consensus_distance(stacks[step]) for step in steps]
+    mean_norm = float(stacks[steps[-1]].to(torch.float64).mean(dim=0).norm())
+    return steps, distances, mean_norm
+
+
+def _numbers(summaries: Iterable[dict], key: str) -> list[float]:
+    return [s[key] for s in summaries
+            if isinstance(s.get(key), (int, float)) and not isinstance(s.get(key), bool)]
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _min(values: list[float]) -> float | None:
+    return min(values) if values else None
+
+
+def _sum(values: list[float]) -> float | None:
+    return sum(values) if values else None
+
+
+def _json_safe(obj: Any, path: str, bad_paths: list[str]) -> Any:
+    """Copy of `obj` that json.dumps(allow_nan=False) accepts; records where NaN/Inf were."""
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v, f"{path}.{k}" if path else str(k), bad_paths) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v, f"{path}[{i}]", bad_paths) for i, v in enumerate(obj)]
+    if isinstance(obj, float):
+        if math.isfinite(obj):
+            return obj
+        bad_paths.append(path)
+        return None
+    if obj is None or isinstance(obj, (bool, int, str)):
+        return obj
+    if hasattr(obj, "tolist"):  # numpy / torch scalars and arrays
+        return _json_safe(obj.tolist(), path, bad_paths)
+    return str(obj)
+
+
+def _finite_or_nan(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) else math.nan
+
+
+def _plot_loss(ax, loss_history: dict) -> None:
+    ranks = sorted(loss_history, key=int)
+    for rank in ranks:
+        points = loss_history[rank]
+        ax.plot([p[0] for p in points], [_finite_or_nan(p[1]) for p in points],
+                linewidth=1.2, label=f"node {rank}")
+    ax.set_title("Training loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(True, alpha=0.3)
+    if not any(loss_history.get(rank) for rank in ranks):
+        _no_data(ax, "no progress data")
+    elif len(ranks) <= 12:
+        ax.legend(fontsize="small", ncol=2 if len(ranks) > 6 else 1)
+    else:  # one entry per node would hide the curves
+        ax.legend([ax.lines[0]], [f"{len(ranks)} nodes"], fontsize="small")
+
+
+def _plot_consensus(ax, steps: list, distances: list, relative: float | None) -> None:
+    values = [_finite_or_nan(d) for d in distances]
+    ax.set_title("Consensus distance")
+    ax.set_xlabel("step")
+    ax.set_ylabel("RMS distance to the mean model")
+    ax.grid(True, alpha=0.3)
+    if not values:
+        _no_data(ax, "no snapshot data")
+        return
+    label = f"final {values[-1]:.3g}"
+    if isinstance(relative, (int, float)):
+        label += f" (relative {relative:.3g})"
+    ax.plot(steps, values, marker="o", markersize=3, color="tab:purple", label=label)
+    if all(v > 0 for v in values):
+        ax.set_yscale("log")
+    ax.legend(fontsize="small")
+
+
+def _no_data(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def _plot_title(cluster: dict) -> str:
+    parts = [f"{cluster.get('nodes', '?')} nodes"]
+    wall = cluster.get("wall_seconds")
+    if isinstance(wall, (int, float)):
+        parts.append(f"wall {wall:.1f} s")
+    accuracy = cluster.get("mean_test_accuracy")
+    if isinstance(accuracy, (int, float)) and math.isfinite(accuracy):
+        parts.append(f"mean test accuracy {accuracy:.3f}")
+    return " · ".join(parts)

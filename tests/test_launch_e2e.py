@@ -1,0 +1,52 @@
+"""End to end: `p2ptrain launch` runs a real 4-process SGP cluster and writes a sound report."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, node_env
+
+
+def launch(tmp_path, *args: str, timeout: float = 400) -> dict:
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "p2ptrain", "launch", "--out", str(out), "--no-live", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=node_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return json.loads((out / "report.json").read_text())
+
+
+@pytest.mark.timeout(450)
+def test_four_node_sgp_overlap_cluster_trains(tmp_path):
+    report = launch(tmp_path, "--nodes", "4", "--algorithm", "sgp", "--topology", "exponential",
+                    "--peers-per-step", "1", "--overlap", "1", "--steps", "200", "--model", "mlp",
+                    "--dataset", "synthetic", "--num-train", "6000", "--log-every", "20")
+    cluster = report["cluster"]
+    assert report["config"]["overlap"] == 1 and report["config"]["world_size"] == 4
+    assert len(report["nodes"]) == 4
+    # well above chance (10 classes) on held-out data, on every node
+    assert cluster["min_test_accuracy"] > 0.5, cluster
+    # the de-biased models agree: small consensus distance relative to the model norm
+    assert cluster["relative_consensus_distance"] < 0.1, cluster
+    for node in report["nodes"]:
+        assert node["bytes_sent"] > 0 and node["bytes_received"] > 0
+        assert node["mean_step_seconds"] > 0
+        # exponential graph is regular: every ps-weight returns to 1 once all shares are in
+        assert node["ps_weight"] == pytest.approx(1.0, abs=1e-9)
+    assert sum(n["bytes_sent"] for n in report["nodes"]) == sum(n["bytes_received"] for n in report["nodes"])
+    steps = report["history"]["steps"]
+    assert steps[0] == 0 and steps[-1] == 200
+    # the models start identical and training moves them apart only boundedly
+    assert report["history"]["consensus_distance"][0] == 0.0
+
+
+def test_launch_rejects_bad_config_before_spawning(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "p2ptrain", "launch", "--nodes", "2", "--overlap", "-1",
+                           "--out", str(tmp_path / "x")], cwd=ROOT, env=node_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "overlap" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "x").exists()
