@@ -142,7 +142,11 @@ def _coerce(name: str, value: Any) -> Any:
             return [str(p) for p in value]
         if value is None or (isinstance(value, str) and value.lower() in ("", "none") and "None" in kind):
             return None
+        if isinstance(value, bool) and kind.startswith(("int", "float")):
+            raise TypeError("a boolean is not a number")  # int(True) would silently give 1
         if kind.startswith("int"):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError("fractional value")  # int(1.5) would silently truncate
             return int(value)
         if kind.startswith("float"):
             return float(value)
@@ -160,7 +164,12 @@ def _from_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    data = data.get("node", data)  # allow a [node] table or top-level keys
+    if isinstance(data.get("node"), dict):  # allow a [node] table or top-level keys, not both
+        outside = sorted(set(data) - {"node"})
+        if outside:
+            raise ConfigError(f"config file {path}: setting(s) {outside} outside the [node] table; "
+                              "put every setting inside [node] (or use no table at all)")
+        data = data["node"]
     unknown = sorted(set(data) - set(_FIELDS))
     if unknown:
         raise ConfigError(f"config file {path}: unknown setting(s) {unknown}; valid: {sorted(_FIELDS)}")

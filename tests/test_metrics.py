@@ -1,0 +1,114 @@
+"""NodeMetrics: exact values through a real /metrics HTTP endpoint on 127.0.0.1."""
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+import torch
+
+from p2ptrain.metrics import STEP_SECONDS_BUCKETS, NodeMetrics
+
+torch.set_num_threads(1)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def served():
+    metrics = NodeMetrics(0, "sgp")
+    server, thread = metrics.serve(0, addr="127.0.0.1")
+    try:
+        yield metrics, server.server_port
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    scrape.text = text
+    return samples
+
+
+def test_exposition_has_exact_values(served):
+    metrics, port = served
+    metrics.on_sent(1, 123)
+    metrics.on_sent(1, 77)
+    metrics.on_sent(2, 5)
+    metrics.on_received(1, 4000)
+    metrics.on_rejected("bad_dtype")
+    metrics.on_rejected("bad_dtype")
+    metrics.on_rejected("truncated")
+    metrics.on_send_error(2)
+    metrics.on_refused_send(1)
+    metrics.on_step(1, 0.02, 2.5)
+    metrics.on_step(2, 0.3, None)   # no loss: the gauge keeps the last one
+    metrics.on_step(3, 20.0, 1.25)
+    metrics.set_ps_weight(0.375)
+
+    s = scrape(port)
+    assert 'p2ptrain_sent_bytes_total{node="0",peer="1"} 200.0' in scrape.text
+    assert s['p2ptrain_sent_bytes_total{node="0",peer="1"}'] == 200.0
+    assert s['p2ptrain_sent_bytes_total{node="0",peer="2"}'] == 5.0
+    assert s['p2ptrain_sent_messages_total{node="0",peer="1"}'] == 2.0
+    assert s['p2ptrain_sent_messages_total{node="0",peer="2"}'] == 1.0
+    assert s['p2ptrain_received_bytes_total{node="0",peer="1"}'] == 4000.0
+    assert s['p2ptrain_received_messages_total{node="0",peer="1"}'] == 1.0
+    assert s['p2ptrain_rejected_messages_total{node="0",reason="bad_dtype"}'] == 2.0
+    assert s['p2ptrain_rejected_messages_total{node="0",reason="truncated"}'] == 1.0
+    assert s['p2ptrain_send_errors_total{node="0",peer="2"}'] == 1.0
+    assert s['p2ptrain_refused_sends_total{node="0",peer="1"}'] == 1.0
+    assert s['p2ptrain_step_seconds_count{algorithm="sgp",node="0"}'] == 3.0
+    assert s['p2ptrain_step_seconds_sum{algorithm="sgp",node="0"}'] == pytest.approx(20.32)
+    assert s['p2ptrain_step_seconds_bucket{algorithm="sgp",le="0.025",node="0"}'] == 1.0
+    assert s['p2ptrain_step_seconds_bucket{algorithm="sgp",le="0.25",node="0"}'] == 1.0
+    assert s['p2ptrain_step_seconds_bucket{algorithm="sgp",le="0.5",node="0"}'] == 2.0
+    assert s['p2ptrain_step_seconds_bucket{algorithm="sgp",le="10.0",node="0"}'] == 2.0
+    assert s['p2ptrain_step_seconds_bucket{algorithm="sgp",le="+Inf",node="0"}'] == 3.0
+    assert s['p2ptrain_loss{algorithm="sgp",node="0"}'] == 1.25
+    assert s['p2ptrain_ps_weight{node="0"}'] == 0.375
+    assert s['p2ptrain_step{node="0"}'] == 3.0
+    # no series for peers / reasons that never happened
+    assert 'p2ptrain_received_bytes_total{node="0",peer="2"}' not in s
+    assert not any("reason=\"duplicate\"" in name for name in s)
+    # plain running totals
+    assert metrics.bytes_sent_total == 205 and metrics.bytes_received_total == 4000
+
+
+def test_histogram_buckets_are_the_declared_ones(served):
+    metrics, port = served
+    metrics.on_step(0, 0.001, 1.0)  # exactly on the first boundary: le is inclusive
+    s = scrape(port)
+    buckets = [name for name in s if name.startswith("p2ptrain_step_seconds_bucket")]
+    assert len(buckets) == len(STEP_SECONDS_BUCKETS) + 1
+    assert s['p2ptrain_step_seconds_bucket{algorithm="sgp",le="0.001",node="0"}'] == 1.0
+
+
+def test_scrape_reflects_later_changes(served):
+    metrics, port = served
+    metrics.set_ps_weight(1.0)
+    assert scrape(port)['p2ptrain_ps_weight{node="0"}'] == 1.0
+    metrics.set_ps_weight(0.5)
+    metrics.on_sent(3, 10)
+    s = scrape(port)
+    assert s['p2ptrain_ps_weight{node="0"}'] == 0.5
+    assert s['p2ptrain_sent_bytes_total{node="0",peer="3"}'] == 10.0
+
+
+def test_two_nodes_in_one_process_do_not_share_series():
+    a, b = NodeMetrics(0, "sgp"), NodeMetrics(1, "sgp")
+    a.on_sent(1, 100)
+    b.on_sent(0, 7)
+    assert a.registry.get_sample_value("p2ptrain_sent_bytes_total", {"node": "0", "peer": "1"}) == 100
+    assert a.registry.get_sample_value("p2ptrain_sent_bytes_total", {"node": "1", "peer": "0"}) is None
+    assert b.registry.get_sample_value("p2ptrain_sent_bytes_total", {"node": "1", "peer": "0"}) == 7
+    assert (a.bytes_sent_total, b.bytes_sent_total) == (100, 7)
