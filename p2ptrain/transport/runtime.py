@@ -23,6 +23,7 @@ from p2ptrain.transport.client import PeerClient
 from p2ptrain.transport.framing import DEFAULT_CHUNK_BYTES, check_chunk_bytes, tensor_bytes, wire_dtype
 from p2ptrain.transport.inbox import Inbox, Message
 from p2ptrain.transport.server import Identity, PeerService, enable_reflection
+from p2ptrain.transport.tuning import tune_process_for_transfer
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class Transport:
 
     # Lifecycle ------------------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> "Transport":
+        tune_process_for_transfer()
         ready: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(ready,), name=f"p2ptrain-comm-{self.rank}",
                                         daemon=True)
