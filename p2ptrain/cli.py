@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "gloo send/recv and a raw TCP socket; print MB/s and ratios.")
     transport.add_argument("--size-mb", type=float, default=64.0, help="payload size in MB (default 64)")
     transport.add_argument("--reps", type=int, default=10, help="timed transfers per method (default 10)")
+    transport.add_argument("--rounds", type=int, default=3,
+                           help="interleaved rounds per method, medians reported (default 3)")
     transport.add_argument("--chunk-mb", type=float, default=None, help="p2ptrain chunk size in MiB")
     transport.add_argument("--methods", default="p2ptrain,gloo,tcp",
                            help="comma-separated subset of p2ptrain,gloo,tcp (default all)")

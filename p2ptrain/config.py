@@ -21,6 +21,9 @@ ALGORITHMS = ("sgp",)
 MODELS = ("mlp", "cnn")
 DATASETS = ("synthetic", "mnist")
 DEVICES = ("auto", "cpu", "cuda")
+# Learning rates measured to train each built-in model well with momentum 0.9 (the CNN diverges
+# towards ~60% accuracy at 0.05 on the synthetic task, reaches ~93% at 0.01).
+DEFAULT_LR = {"mlp": 0.05, "cnn": 0.01}
 
 
 class ConfigError(ValueError):
@@ -48,7 +51,7 @@ class NodeConfig:
     num_train: int | None = None
     num_test: int | None = None
     batch_size: int = 32
-    lr: float = 0.05
+    lr: float | None = None                          # None: the model's default (DEFAULT_LR)
     momentum: float = 0.9
     weight_decay: float = 0.0
     seed: int = 0
@@ -90,7 +93,7 @@ class NodeConfig:
         need(self.dataset in DATASETS, f"unknown dataset {self.dataset!r}; choose from {DATASETS}")
         need(self.dataset != "mnist" or bool(self.data_dir), "--dataset mnist needs --data-dir with IDX files")
         need(self.batch_size >= 1, "batch_size must be >= 1")
-        need(self.lr >= 0 and self.momentum >= 0 and self.weight_decay >= 0, "lr, momentum, weight_decay must be >= 0")
+        need((self.lr is None or self.lr >= 0) and self.momentum >= 0 and self.weight_decay >= 0, "lr, momentum, weight_decay must be >= 0")
         need(self.device in DEVICES, f"unknown device {self.device!r}; choose from {DEVICES}")
         need(self.threads >= 1, "threads must be >= 1")
         need(0.004 <= self.chunk_mb <= 64, f"chunk_mb must be within [0.004, 64], got {self.chunk_mb}")
@@ -98,6 +101,10 @@ class NodeConfig:
         need(self.log_every >= 1, "log_every must be >= 1")
         need(self.metrics_port is None or 0 <= self.metrics_port < 65536, "metrics_port must be a port number")
         return self
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else DEFAULT_LR[self.model]
 
     @property
     def chunk_bytes(self) -> int:
@@ -214,7 +221,8 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, cluster_flags: bool =
     g.add_argument("--num-train", type=int, help="limit/size of the training set (all nodes together)")
     g.add_argument("--num-test", type=int, help="limit/size of the held-out test set")
     g.add_argument("--batch-size", type=int, help=f"per-node batch size (default {d.batch_size})")
-    g.add_argument("--lr", type=float, help=f"learning rate (default {d.lr})")
+    g.add_argument("--lr", type=float,
+                   help="learning rate (default per model: " + ", ".join(f"{m} {v}" for m, v in DEFAULT_LR.items()) + ")")
     g.add_argument("--momentum", type=float, help=f"SGD momentum (default {d.momentum})")
     g.add_argument("--weight-decay", type=float, help=f"SGD weight decay (default {d.weight_decay})")
     g.add_argument("--seed", type=int, help=f"seed of model init, data and shards (default {d.seed})")

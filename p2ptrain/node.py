@@ -114,7 +114,7 @@ def run_node(config: NodeConfig) -> dict:
         with Node(config) as node:
             device = node.device
             model = model.to(device)
-            optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
+            optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=config.momentum,
                                         weight_decay=config.weight_decay)
             trainer = DecentralizedTrainer(model, optimizer, node.algorithm(), device=device, metrics=node.metrics)
 

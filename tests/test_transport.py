@@ -575,3 +575,22 @@ def test_graceful_stop_is_prompt_and_idempotent():
     # the port is released: a new node can listen on it at once
     with Transport(1, 2, peers, listen=peers[1], options=FAST) as again:
         assert again.port == int(peers[1].rsplit(":", 1)[1])
+
+
+def test_readiness_barrier_waits_for_setup_and_survives_a_peer_that_already_left():
+    """wait_for_peers(require_ready=True) waits until the peer's algorithm is set up, and a peer
+    that announced its readiness in its own Hello counts as ready even after it has gone away
+    (a fast peer may finish its whole run before we look)."""
+    peers = loopback_addresses(2)
+    with nodes(2, ranks=[0], peers=peers) as t:
+        a = t[0]
+        a.mark_ready()
+        with nodes(2, ranks=[1], peers=peers) as t1:
+            b = t1[1]
+            with pytest.raises(PeerError, match="not ready"):
+                a.wait_for_peers(timeout=1.5, require_ready=True)
+            b.mark_ready()
+            b.wait_for_peers(timeout=5, require_ready=True)  # tells `a` it is ready
+        start = time.monotonic()
+        a.wait_for_peers(timeout=20, require_ready=True)  # b is gone, but it said it was ready
+        assert time.monotonic() - start < 5

@@ -50,9 +50,7 @@ class TransportOptions:
             ("grpc.keepalive_timeout_ms", max(1000, self.keepalive_ms // 2)),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
-            ("grpc.http2.max_frame_size", (1 << 24) - 1),
-            ("grpc.http2.write_buffer_size", limit),
-        ]
+        ]  # flow-control / frame-size knobs measured no better (p2ptrain.bench.grpc_study)
 
     def server_options(self) -> list[tuple[str, object]]:
         return self.channel_options() + [
@@ -96,6 +94,7 @@ class Transport:
         self._ids = itertools.count((secrets.randbits(31) << 32) | 1)  # unique across restarts
         self._step = 0
         self._ready = False
+        self._peers_ready: set[int] = set()  # peers that told us (in their Hello) they are ready
 
     # Lifecycle ------------------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> "Transport":
@@ -125,7 +124,7 @@ class Transport:
     async def _start_server(self) -> None:
         server = grpc.aio.server(options=self.options.server_options())
         service = PeerService(self.inbox, self.identity, self.metrics, current_step=lambda: self._step,
-                              is_ready=lambda: self._ready)
+                              is_ready=lambda: self._ready, on_peer_ready=self._peers_ready.add)
         server.add_generic_rpc_handlers((service.handler(),))
         enable_reflection(server)
         port = server.add_insecure_port(self.listen)
@@ -243,7 +242,7 @@ class Transport:
     # Membership -------------------------------------------------------------------------------
     def _hello_request(self) -> pb.HelloRequest:
         me = self.identity
-        return pb.HelloRequest(node_id=me.node_id, world_size=me.world_size,
+        return pb.HelloRequest(node_id=me.node_id, world_size=me.world_size, ready=self._ready,
                                protocol_version=me.protocol_version, config_fingerprint=me.config_fingerprint)
 
     async def _hello(self, peer: int, timeout: float) -> pb.HelloReply:
@@ -264,13 +263,18 @@ class Transport:
         waiting = {peer for peer in range(self.world_size) if peer != self.rank}
         last_problem: dict[int, str] = {}
         while waiting:
+            if require_ready:
+                waiting -= self._peers_ready  # a peer that said so in its own Hello may be gone by now
+            if not waiting:
+                break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            futures = {peer: self._submit(self._hello(peer, remaining)) for peer in waiting}
+            attempt = min(remaining, 1.0)  # short attempts: notice peers that announce themselves
+            futures = {peer: self._submit(self._hello(peer, attempt)) for peer in waiting}
             for peer, future in futures.items():
                 try:
-                    reply = future.result(remaining + 5)
+                    reply = future.result(attempt + 5)
                 except (grpc.aio.AioRpcError, concurrent.futures.TimeoutError) as exc:
                     last_problem[peer] = f"unreachable: {_rpc_reason(exc)}"
                     continue

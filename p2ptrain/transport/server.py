@@ -44,12 +44,14 @@ class PeerService:
     node's state is changed only by a complete, valid message."""
 
     def __init__(self, inbox: Inbox, identity: Identity, metrics=None,
-                 current_step: Callable[[], int] = lambda: 0, is_ready: Callable[[], bool] = lambda: True):
+                 current_step: Callable[[], int] = lambda: 0, is_ready: Callable[[], bool] = lambda: True,
+                 on_peer_ready: Callable[[int], None] = lambda node_id: None):
         self.inbox = inbox
         self.identity = identity
         self.metrics = metrics
         self.current_step = current_step
         self.is_ready = is_ready
+        self.on_peer_ready = on_peer_ready
 
     async def push_tensor(self, requests, context) -> pb.Ack:
         reception = None
@@ -95,10 +97,15 @@ class PeerService:
     async def hello(self, request: pb.HelloRequest, context) -> pb.HelloReply:
         me = self.identity
         reason = me.compatibility(request.world_size, request.protocol_version, request.config_fingerprint)
+        ready = self.is_ready()
+        if not reason and ready and request.ready and 0 <= request.node_id < me.world_size:
+            # Both sides learn from this one exchange that the other is ready: the caller need not
+            # be asked again (it may finish its run and leave before we would ask).
+            self.on_peer_ready(request.node_id)
         return pb.HelloReply(node_id=me.node_id, world_size=me.world_size,
                              protocol_version=me.protocol_version,
                              config_fingerprint=me.config_fingerprint, step=self.current_step(),
-                             compatible=not reason, reason=reason, ready=self.is_ready())
+                             compatible=not reason, reason=reason, ready=ready)
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
