@@ -50,3 +50,23 @@ def test_launch_rejects_bad_config_before_spawning(tmp_path):
     assert proc.returncode == 2
     assert "overlap" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_cnn_on_irregular_random_graph_trains(tmp_path):
+    """The GEM paper's CNN on a random directed graph: ps-weights leave 1 during training, the
+    de-biased models still agree and learn."""
+    report = launch(tmp_path, "--nodes", "4", "--topology", "random", "--peers-per-step", "2",
+                    "--overlap", "0", "--steps", "300", "--model", "cnn", "--num-train", "6000",
+                    "--log-every", "25", timeout=850)
+    cluster = report["cluster"]
+    assert cluster["min_test_accuracy"] > 0.6, cluster
+    assert cluster["relative_consensus_distance"] < 0.1, cluster
+    weights = [line["ps_weight"] for rank in range(4)
+               for line in _progress(tmp_path / "run", rank) if "ps_weight" in line]
+    assert max(abs(w - 1) for w in weights) > 0.05  # irregular in-degrees move the weights
+
+
+def _progress(out, rank):
+    return [json.loads(line) for line in (out / f"node{rank}.progress.jsonl").read_text().splitlines() if line]
