@@ -105,14 +105,15 @@ def run_node(config: NodeConfig) -> dict:
         splits = build_dataset(config.dataset, config.data_dir, seed=config.seed,
                                num_train=config.num_train, num_test=config.num_test)
         shard = node_shard(splits.train, config.rank, config.world_size, seed=config.seed)
+        device = pick_device(config.device)
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + config.rank)
         loader = torch.utils.data.DataLoader(shard, batch_size=config.batch_size, shuffle=True,
-                                             drop_last=len(shard) >= config.batch_size, generator=generator)
+                                             drop_last=len(shard) >= config.batch_size, generator=generator,
+                                             pin_memory=device.type == "cuda")
         test_loader = torch.utils.data.DataLoader(splits.test, batch_size=512)
         torch.manual_seed(config.seed)  # identical initial model on every node
         model = build_model(config.model, splits.input_shape, splits.num_classes, hidden=config.hidden)
-        with Node(config) as node:
-            device = node.device
+        with Node(config, device=device) as node:
             model = model.to(device)
             optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=config.momentum,
                                         weight_decay=config.weight_decay)
@@ -125,10 +126,6 @@ def run_node(config: NodeConfig) -> dict:
                                bytes_received=node.metrics.bytes_received_total,
                                ps_weight=stats.get("ps_weight", 1.0), step_seconds=record.seconds)
 
-            if device.type == "cuda":
-                loader = torch.utils.data.DataLoader(shard, batch_size=config.batch_size, shuffle=True,
-                                                     drop_last=len(shard) >= config.batch_size,
-                                                     generator=generator, pin_memory=True)
             result = trainer.fit(cycle(loader), config.steps, on_log=on_log, log_every=config.log_every)
             test_loss, test_accuracy = trainer.evaluate(test_loader)
             summary = {
