@@ -33,16 +33,16 @@ def _p2ptrain_node(conn: Connection, rank: int, ports: list[int], size_bytes: in
     peers = [f"127.0.0.1:{p}" for p in ports]
     with Transport(rank, 2, peers, options=options) as transport:
         transport.expect(pb.MESSAGE_KIND_BENCH, torch.float32, numel, preallocate=2)
+        start_cpu = _cpu()  # the sender may start as soon as we are marked ready
         transport.mark_ready()
         transport.wait_for_peers(timeout, require_ready=True)
         if rank == 1:  # receiver: consume each tensor so its buffer goes back to the pool
             # Receiving happens on the loop thread, ahead of this one: count the CPU of all
             # reps + 1 transfers and scale to `reps`.
-            cpu0 = _cpu()
             for step in range(reps + 1):
                 message = transport.recv(pb.MESSAGE_KIND_BENCH, step, [0], timeout=timeout)[0]
                 message.release()
-            return {"cpu": (_cpu() - cpu0) * reps / (reps + 1)}
+            return {"cpu": (_cpu() - start_cpu) * reps / (reps + 1)}
         payload = torch.rand(numel, generator=torch.Generator().manual_seed(0))
         ack = transport.send(1, payload, kind=pb.MESSAGE_KIND_BENCH, step=0).result(timeout)
         if ack.status != pb.Ack.STATUS_ACCEPTED:
