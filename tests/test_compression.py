@@ -1,0 +1,189 @@
+"""Wire codecs of seed 004 (Pipe-SGD): fp16 truncation and int8 max-|x| quantization."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.compression import (CODECS, CompressionError, Encoded, Fp16Truncate, Int8Quantize,
+                                  NoCompression, get_codec)
+
+torch.set_num_threads(1)
+
+FP16 = get_codec("fp16")
+INT8 = get_codec("int8")
+NONE = get_codec("none")
+
+
+def _wide_range(n_per_mag: int = 200, seed: int = 0) -> torch.Tensor:
+    """Random normal values scaled to magnitudes 1e-30 .. 1e30, both signs."""
+    g = torch.Generator().manual_seed(seed)
+    parts = [torch.randn(n_per_mag, generator=g) * (10.0 ** e) for e in range(-30, 31, 5)]
+    x = torch.cat(parts)
+    return x[x != 0]
+
+
+def _roundtrip(codec, x: torch.Tensor) -> tuple[Encoded, torch.Tensor]:
+    enc = codec.encode(x)
+    return enc, codec.decode(enc.payload, enc.params, enc.shape, enc.dtype)
+
+
+# -- fp16 truncation -------------------------------------------------------------------------------
+def test_fp16_relative_error_bound_over_magnitudes():
+    x = _wide_range()
+    assert x.abs().min() > 1e-37 and torch.isfinite(x).all()  # finite normals only
+    _, y = _roundtrip(FP16, x)
+    rel = ((y - x).abs() / x.abs()).max().item()
+    assert rel <= 2.0 ** -7
+
+
+def test_fp16_truncates_toward_zero_and_matches_numpy_bits():
+    x = torch.cat([_wide_range(seed=1), torch.tensor([0.0, -0.0, 1.0, -1.0, 3.0e38, -3.0e38, 1e-40])])
+    _, y = _roundtrip(FP16, x)
+    assert (y.abs() <= x.abs()).all()
+    assert (torch.sign(y) * torch.sign(x) >= 0).all()
+    ref = (x.numpy().view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    assert np.array_equal(y.numpy().view(np.uint32), ref.view(np.uint32))
+
+
+def test_fp16_payload_is_int16_upper_halves():
+    x = torch.tensor([1.0, -2.5, 1.0 + 2.0 ** -10])
+    enc = FP16.encode(x)
+    assert enc.payload.dtype == torch.int16 and enc.payload.is_contiguous()
+    expected = (x.numpy().view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
+    assert np.array_equal(enc.payload.numpy(), expected)
+    assert enc.codec == pb.CODEC_FP16_TRUNCATE and enc.params == ()
+
+
+# -- int8 quantization -----------------------------------------------------------------------------
+@pytest.mark.parametrize("mag", [1e-20, 1e-3, 1.0, 1e4, 1e20])
+def test_int8_error_bound(mag):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1000, generator=g) * mag
+    enc, y = _roundtrip(INT8, x)
+    bound = x.abs().max().item() / 127
+    assert (y - x).abs().max().item() <= bound
+    assert enc.payload.dtype == torch.int8
+    assert enc.payload.abs().max().item() <= 127
+    (scale,) = enc.params
+    assert scale == pytest.approx(x.abs().max().item() / 127, rel=1e-6)
+
+
+def test_int8_extremes_are_exact_and_all_zeros_decode_to_zeros():
+    x = torch.tensor([-4.0, 0.0, 2.0, 4.0])
+    enc, y = _roundtrip(INT8, x)
+    assert enc.payload.tolist() == [-127, 0, 64, 127]  # 2 / (4/127) = 63.5 -> round half even = 64
+    assert y[0].item() == -4.0 and y[3].item() == 4.0 and y[1].item() == 0.0
+    zeros = torch.zeros(2, 3)
+    enc, y = _roundtrip(INT8, zeros)
+    assert enc.params == (0.0,)
+    assert torch.equal(y, zeros) and torch.isfinite(y).all()
+
+
+# -- shapes, dtypes, sizes -------------------------------------------------------------------------
+@pytest.mark.parametrize("name,per_elem", [("none", 4), ("fp16", 2), ("int8", 1)])
+@pytest.mark.parametrize("shape", [(10,), (3, 4, 5), (0,), (2, 0, 3), ()])
+def test_shapes_dtypes_and_payload_bytes(name, per_elem, shape):
+    codec = CODECS[name]
+    x = torch.randn(shape)
+    enc, y = _roundtrip(codec, x)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    assert enc.shape == tuple(shape) and enc.dtype == torch.float32
+    real = enc.payload.numel() * enc.payload.element_size()
+    assert real == enc.nbytes == codec.payload_bytes(x.numel()) == per_elem * x.numel()
+    if name == "none":
+        assert torch.equal(y, x)
+
+
+def test_compression_ratio():
+    x = torch.randn(4096)
+    raw = x.numel() * x.element_size()
+    assert FP16.encode(x).nbytes * 2 == raw
+    assert INT8.encode(x).nbytes * 4 == raw
+    assert NONE.encode(x).nbytes == raw
+
+
+def test_non_contiguous_input_and_uint8_wire_buffer():
+    base = torch.randn(6, 8)
+    x = base.t()  # non-contiguous
+    assert not x.is_contiguous()
+    for codec in (FP16, INT8, NONE):
+        enc = codec.encode(x)
+        assert enc.payload.is_contiguous()
+        direct = codec.decode(enc.payload, enc.params, enc.shape)
+        # the receiver sees raw bytes: decode must accept a uint8 buffer as well
+        wire = torch.frombuffer(bytearray(enc.payload.numpy().tobytes()), dtype=torch.uint8)
+        via_bytes = codec.decode(wire, list(enc.params), list(enc.shape))
+        assert torch.equal(direct, via_bytes) and direct.shape == (8, 6)
+
+
+def test_none_passes_non_finite_values_untouched():
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.5])
+    _, y = _roundtrip(NONE, x)
+    assert torch.equal(y.view(torch.int32), x.view(torch.int32))
+
+
+# -- errors ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("codec", [FP16, INT8], ids=["fp16", "int8"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_input_rejected(codec, bad):
+    x = torch.randn(1000)
+    x[[3, 50, 999]] = bad
+    with pytest.raises(CompressionError, match="NaN/Inf") as exc:
+        codec.encode(x)
+    assert "3 non-finite of 1000" in str(exc.value)
+
+
+@pytest.mark.parametrize("codec", [FP16, INT8], ids=["fp16", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16, torch.int32])
+def test_non_float32_input_rejected(codec, dtype):
+    with pytest.raises(CompressionError, match=str(dtype)):
+        codec.encode(torch.ones(4, dtype=dtype))
+
+
+def test_decode_wrong_payload_size():
+    for codec in (FP16, INT8, NONE):
+        enc = codec.encode(torch.randn(10))
+        with pytest.raises(CompressionError, match="bytes"):
+            codec.decode(enc.payload, enc.params, (11,))
+        with pytest.raises(CompressionError, match="bytes"):
+            codec.decode(enc.payload[:-1], enc.params, (10,))
+
+
+@pytest.mark.parametrize("params", [(), (1.0, 2.0), (-0.5,), (float("nan"),), (float("inf"),)])
+def test_int8_decode_bad_scale(params):
+    enc = INT8.encode(torch.randn(10))
+    with pytest.raises(CompressionError):
+        INT8.decode(enc.payload, params, enc.shape)
+
+
+def test_fp16_decode_rejects_params():
+    enc = FP16.encode(torch.randn(4))
+    with pytest.raises(CompressionError, match="param"):
+        FP16.decode(enc.payload, (1.0,), enc.shape)
+
+
+def test_get_codec_by_name_and_wire_id():
+    assert isinstance(get_codec("none"), NoCompression)
+    assert isinstance(get_codec("fp16"), Fp16Truncate)
+    assert isinstance(get_codec("INT8"), Int8Quantize)
+    assert get_codec(pb.CODEC_NONE) is CODECS["none"]
+    assert get_codec(pb.CODEC_FP16_TRUNCATE) is CODECS["fp16"]
+    assert get_codec(pb.CODEC_INT8_QUANTIZE) is CODECS["int8"]
+    for codec in CODECS.values():
+        assert get_codec(codec.wire_id) is codec and get_codec(codec.name) is codec
+    with pytest.raises(CompressionError, match="unknown codec"):
+        get_codec("zstd")
+    with pytest.raises(CompressionError, match="unknown codec"):
+        get_codec(99)
+    with pytest.raises(CompressionError):
+        get_codec(1.0)  # type: ignore[arg-type]
+
+
+def test_large_scale_no_overflow():
+    x = torch.tensor([3.0e38, -3.0e38, 1.0])
+    _, y = _roundtrip(INT8, x)
+    assert torch.isfinite(y).all()
+    assert (y - x).abs().max().item() <= 3.0e38 / 127
+    assert math.isfinite(INT8.encode(x).params[0])
