@@ -50,6 +50,7 @@ class NodeConfig:
     data_dir: str | None = None
     num_train: int | None = None
     num_test: int | None = None
+    dirichlet_alpha: float | None = None             # non-IID Dirichlet(α) class split over nodes; None = IID
     batch_size: int = 32
     lr: float | None = None                          # None: the model's default (DEFAULT_LR)
     momentum: float = 0.9
@@ -92,6 +93,8 @@ class NodeConfig:
         need(self.model in MODELS, f"unknown model {self.model!r}; choose from {MODELS}")
         need(self.dataset in DATASETS, f"unknown dataset {self.dataset!r}; choose from {DATASETS}")
         need(self.dataset != "mnist" or bool(self.data_dir), "--dataset mnist needs --data-dir with IDX files")
+        need(self.dirichlet_alpha is None or (0 < self.dirichlet_alpha < float("inf")),
+             f"dirichlet_alpha must be a positive finite number, got {self.dirichlet_alpha}")
         need(self.batch_size >= 1, "batch_size must be >= 1")
         need((self.lr is None or self.lr >= 0) and self.momentum >= 0 and self.weight_decay >= 0, "lr, momentum, weight_decay must be >= 0")
         need(self.device in DEVICES, f"unknown device {self.device!r}; choose from {DEVICES}")
@@ -113,7 +116,8 @@ class NodeConfig:
     def fingerprint(self) -> str:
         """Hash of the settings every node of a cluster must share (checked in Hello)."""
         shared = {k: getattr(self, k) for k in ("world_size", "algorithm", "topology", "peers_per_step",
-                                                 "overlap", "model", "hidden", "dataset", "seed")}
+                                                 "overlap", "model", "hidden", "dataset", "seed",
+                                                 "dirichlet_alpha", "num_train")}
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
@@ -220,6 +224,9 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, cluster_flags: bool =
     g.add_argument("--data-dir", help="folder with MNIST-style IDX files (for --dataset mnist)")
     g.add_argument("--num-train", type=int, help="limit/size of the training set (all nodes together)")
     g.add_argument("--num-test", type=int, help="limit/size of the held-out test set")
+    g.add_argument("--dirichlet-alpha", type=float, metavar="ALPHA",
+                   help="non-IID shards: Dirichlet(ALPHA) split of each class over nodes; smaller = more "
+                        "skewed (default: IID shards)")
     g.add_argument("--batch-size", type=int, help=f"per-node batch size (default {d.batch_size})")
     g.add_argument("--lr", type=float,
                    help="learning rate (default per model: " + ", ".join(f"{m} {v}" for m, v in DEFAULT_LR.items()) + ")")

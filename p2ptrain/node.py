@@ -104,7 +104,13 @@ def run_node(config: NodeConfig) -> dict:
     try:
         splits = build_dataset(config.dataset, config.data_dir, seed=config.seed,
                                num_train=config.num_train, num_test=config.num_test)
-        shard = node_shard(splits.train, config.rank, config.world_size, seed=config.seed)
+        if config.dirichlet_alpha is None:
+            shard = node_shard(splits.train, config.rank, config.world_size, seed=config.seed)
+        else:
+            from p2ptrain.train.partition import dirichlet_shard
+
+            shard = dirichlet_shard(splits.train, config.rank, config.world_size, config.dirichlet_alpha,
+                                    seed=config.seed)
         device = pick_device(config.device)
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + config.rank)
         loader = torch.utils.data.DataLoader(shard, batch_size=config.batch_size, shuffle=True,

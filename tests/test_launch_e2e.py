@@ -70,3 +70,12 @@ def test_cnn_on_irregular_random_graph_trains(tmp_path):
 
 def _progress(out, rank):
     return [json.loads(line) for line in (out / f"node{rank}.progress.jsonl").read_text().splitlines() if line]
+
+
+@pytest.mark.timeout(450)
+def test_non_iid_dirichlet_shards_through_launch(tmp_path):
+    """--dirichlet-alpha reaches every node: small clusters still learn on skewed shards."""
+    report = launch(tmp_path, "--nodes", "3", "--overlap", "0", "--steps", "120", "--num-train", "3000",
+                    "--dirichlet-alpha", "0.5", "--log-every", "20")
+    assert report["config"]["dirichlet_alpha"] == 0.5
+    assert report["cluster"]["min_test_accuracy"] > 0.3, report["cluster"]
