@@ -78,7 +78,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from p2ptrain.bench.baselines import _run_pair, bench_gloo, bench_tcp
-from p2ptrain.transport.tuning import MALLOPT_MMAP_THRESHOLD, MALLOPT_TRIM_THRESHOLD, tune_malloc
+from p2ptrain.transport.tuning import tune_malloc
 
 _SERVICE = "p2pbench.Bench"
 _HOST = "127.0.0.1"

@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
-from collections import OrderedDict, defaultdict, deque
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
 import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.transport.framing import FramingError, WIRE_TO_TORCH, torch_dtype
+from p2ptrain.transport.framing import WIRE_TO_TORCH, torch_dtype
 
 
 class Rejection(Exception):
@@ -271,4 +271,4 @@ class Inbox:
         return sum(len(box) for boxes in self._mail.values() for box in boxes.values())
 
 
-__all__ = ["Inbox", "Message", "Rejection", "Reception", "ChannelSpec", "BufferPool", "FramingError"]
+__all__ = ["Inbox", "Message", "Rejection", "Reception", "ChannelSpec", "BufferPool"]
