@@ -32,6 +32,9 @@ class NodeMetrics:
         self.refused_sends = Counter("p2ptrain_refused_sends",
                                      "Sends the receiving peer rejected (mass re-absorbed by SGP)",
                                      peer, registry=r)
+        self.dropped_messages = Counter("p2ptrain_dropped_messages",
+                                        "Messages to a peer lost by link emulation (every lost "
+                                        "attempt of a reliable send counts)", peer, registry=r)
         self.rejected_messages = Counter("p2ptrain_rejected_messages",
                                          "Incoming messages rejected, by reason", ["node", "reason"],
                                          registry=r)
@@ -64,6 +67,9 @@ class NodeMetrics:
 
     def on_refused_send(self, peer: int) -> None:
         self.refused_sends.labels(self.node, str(peer)).inc()
+
+    def on_dropped(self, peer: int) -> None:
+        self.dropped_messages.labels(self.node, str(peer)).inc()
 
     # Training observations --------------------------------------------------------------------
     def on_step(self, step: int, seconds: float, loss: float | None) -> None:

@@ -68,6 +68,13 @@ class Communicator:
         """Already-arrived messages with step <= max_step (late ones, to be folded in)."""
         return [self._received(m) for m in self.transport.take(kind, max_step, channel)]
 
+    def ring_allreduce(self, numel: int, dtype: torch.dtype = torch.float32, *, codec=None, tag: str = ""):
+        """A RingAllReduce for flat tensors of `numel` x `dtype` (declares its channels: call
+        before ready()); calling it with (tensor, step) all-reduces the tensor in place."""
+        from p2ptrain.transport.collectives import RingAllReduce
+
+        return RingAllReduce(self, numel, dtype, codec=codec, tag=tag)
+
     def _received(self, message) -> Received:
         tensor = self.staging.to_device(message)  # CUDA: the staging releases the pinned buffer
         release = message.release if not self.staging.cuda else (lambda: None)

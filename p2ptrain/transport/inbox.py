@@ -124,7 +124,7 @@ class Inbox:
         self.step_window = step_window
         self.current_step = 0
         self.pool = BufferPool(pin_memory=pin_memory)
-        self._specs: dict[int, ChannelSpec] = {}
+        self._specs: dict[tuple[int, str | None], ChannelSpec] = {}  # (kind, channel or None=any)
         # (kind, channel) -> step -> sender -> Message
         self._mail: dict[tuple[int, str], dict[int, dict[int, Message]]] = defaultdict(
             lambda: defaultdict(dict))
@@ -134,12 +134,15 @@ class Inbox:
         self._waiters: list[tuple[object, asyncio.Future]] = []
 
     # Configuration (thread-safe enough: plain attribute writes read on the loop thread) ---------
-    def expect(self, kind: int, dtype: torch.dtype, numel: int, *, preallocate: int = 2,
-               max_payload_bytes: int | None = None) -> None:
-        """Accept messages of `kind` holding `numel` elements of `dtype`; preallocates buffers."""
+    def expect(self, kind: int, dtype: torch.dtype, numel: int, *, channel: str | None = None,
+               preallocate: int = 2, max_payload_bytes: int | None = None) -> None:
+        """Accept messages of `kind` holding `numel` elements of `dtype`; preallocates buffers.
+
+        With `channel` the spec holds only for that channel (e.g. one ring all-reduce segment,
+        whose size differs per round); otherwise for every channel without a spec of its own."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         spec = ChannelSpec(dtype, numel, max_payload_bytes or numel * itemsize)
-        self._specs[kind] = spec
+        self._specs[(kind, channel)] = spec
         self.pool.preallocate(numel * itemsize, preallocate)
 
     def set_step(self, step: int) -> None:
@@ -198,7 +201,7 @@ class Inbox:
                                               f"(world size {self.world_size})")
         if header.receiver != self.rank:
             raise Rejection("wrong_receiver", f"message for node {header.receiver} reached node {self.rank}")
-        spec = self._specs.get(header.kind)
+        spec = self._specs.get((header.kind, header.channel)) or self._specs.get((header.kind, None))
         if spec is None:
             raise Rejection("unexpected_kind", f"node {self.rank} does not accept message kind "
                                                f"{pb.MessageKind.Name(header.kind) if header.kind in pb.MessageKind.values() else header.kind}")

@@ -20,6 +20,7 @@ import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.client import PeerClient
+from p2ptrain.transport.faults import LinkEmulator, LinkTable, MessageDropped
 from p2ptrain.transport.framing import DEFAULT_CHUNK_BYTES, check_chunk_bytes, tensor_bytes, wire_dtype
 from p2ptrain.transport.inbox import Inbox, Message
 from p2ptrain.transport.server import Identity, PeerService, enable_reflection
@@ -40,6 +41,7 @@ class TransportOptions:
     step_window: int = 64              # accept messages whose step is within ± this of ours
     shutdown_grace: float = 2.0
     pin_memory: bool = False           # receive buffers in pinned memory (CUDA training)
+    links: LinkTable | None = None     # WAN emulation of outgoing links (faults.py); None = off
 
     def channel_options(self) -> list[tuple[str, object]]:
         limit = self.chunk_bytes + (1 << 20)  # a data chunk plus framing; headers are tiny
@@ -95,6 +97,10 @@ class Transport:
         self._step = 0
         self._ready = False
         self._peers_ready: set[int] = set()  # peers that told us (in their Hello) they are ready
+        links = self.options.links
+        self._links = links if links is not None and not links.is_noop else None  # None: no emulation cost
+        self._emulators: dict[int, LinkEmulator | None] = {}  # per peer, made on the loop thread
+        self._emulating: set[asyncio.Task] = set()  # sends waiting in link emulation, cancelled by stop()
 
     # Lifecycle ------------------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> "Transport":
@@ -144,6 +150,8 @@ class Transport:
                 await self._server.stop(self.options.shutdown_grace)
             for client in self._clients.values():
                 await client.close()
+            for task in self._emulating:  # else they would die pending with the loop, their futures never done
+                task.cancel()
 
         try:
             asyncio.run_coroutine_threadsafe(shutdown(), loop).result(self.options.shutdown_grace + 10)
@@ -177,11 +185,14 @@ class Transport:
     def send(self, peer: int, tensor: torch.Tensor, *, kind: int, step: int, ps_weight: float = 0.0,
              relay_count: float = 0.0, channel: str = "", codec: int = pb.CODEC_NONE,
              codec_params: tuple[float, ...] = (), dtype: torch.dtype | None = None,
-             numel: int | None = None, shape: tuple[int, ...] | None = None) -> concurrent.futures.Future:
+             numel: int | None = None, shape: tuple[int, ...] | None = None,
+             reliable: bool = False) -> concurrent.futures.Future:
         """Push `tensor` (CPU; ownership passes to the transport until the future is done).
 
         Returns a future of the peer's Ack. For codec payloads `tensor` holds the encoded bytes and
-        dtype / numel / shape describe the decoded tensor.
+        dtype / numel / shape describe the decoded tensor. Under link emulation (options.links) a
+        lost message fails the future with MessageDropped, unless `reliable`: then it is sent again
+        (paying the link's bandwidth and latency again, like a retransmission) until it arrives.
         """
         if not 0 <= peer < self.world_size or peer == self.rank:
             raise ValueError(f"node {self.rank} cannot send to {peer}")
@@ -192,9 +203,12 @@ class Transport:
             shape=list(shape if shape is not None else tensor.shape), payload_bytes=len(payload),
             codec=codec, codec_params=list(codec_params), ps_weight=ps_weight, relay_count=relay_count,
             message_id=next(self._ids), channel=channel)
-        return self._submit(self._send(peer, header, payload, tensor))
+        return self._submit(self._send(peer, header, payload, tensor, reliable))
 
-    async def _send(self, peer: int, header: pb.TensorHeader, payload: memoryview, keepalive) -> pb.Ack:
+    async def _send(self, peer: int, header: pb.TensorHeader, payload: memoryview, keepalive,
+                    reliable: bool = False) -> pb.Ack:
+        if self._links is not None:
+            await self._emulate_link(peer, len(payload), reliable)
         try:
             ack = await self._client(peer).push(header, payload, self.options.send_timeout)
         except grpc.aio.AioRpcError:
@@ -208,6 +222,25 @@ class Transport:
                 self.metrics.on_refused_send(peer)
         del keepalive  # the tensor behind `payload` may be freed now
         return ack
+
+    async def _emulate_link(self, peer: int, nbytes: int, reliable: bool) -> None:
+        """Wait as link rank -> peer would; every emulated loss is counted, and re-drawn if reliable."""
+        if peer not in self._emulators:
+            self._emulators[peer] = self._links.emulator(self.rank, peer)
+        emulator = self._emulators[peer]
+        task = asyncio.current_task()
+        self._emulating.add(task)
+        try:
+            while emulator is not None:
+                try:
+                    return await emulator.transmit(nbytes)
+                except MessageDropped:
+                    if self.metrics is not None:
+                        self.metrics.on_dropped(peer)
+                    if not reliable:
+                        raise
+        finally:
+            self._emulating.discard(task)
 
     # Receiving --------------------------------------------------------------------------------
     def expect(self, kind: int, dtype: torch.dtype, numel: int, **kwargs) -> None:

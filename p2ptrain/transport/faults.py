@@ -1,0 +1,224 @@
+"""WAN emulation on the sending side: per-link bandwidth cap, added latency (+ jitter), drop probability.
+
+Decentralized algorithms are meant for slow, lossy links; loopback is neither. A LinkTable says
+what each directed link (src rank -> dst rank) looks like, and the Transport of node `src` runs
+every message to `dst` through that link's LinkEmulator before the real gRPC push. Off by default:
+with no table (or an all-default one) the send path is untouched.
+
+Spec text (``--link``, ``--link-override``, TOML, env): comma-separated ``key=value`` with keys
+
+  bandwidth  ``200mbit``, ``1gbit``, ``500kbit``, ``64bit`` (bits/s, SI: 10^3 / 10^6 / 10^9);
+             ``25MB/s``, ``1GB/s``, ``512KB/s`` (bytes/s, SI) or ``KiB/s``, ``MiB/s``, ``GiB/s``
+             (bytes/s, binary); a plain number is bytes/s; ``unlimited`` lifts a cap
+  latency    one-way delay added to every message: ``5ms``, ``0.5s``, ``200us``; a plain number
+             is seconds
+  jitter     the added delay varies uniformly in latency ± jitter (never below 0)
+  drop       probability in [0, 1) that a message is lost, e.g. ``0.01`` or ``1%``
+
+Per-link entries are ``SRC->DST:SPEC`` (one direction) or ``SRC<->DST:SPEC`` (both); each applies
+on top of what the link had so far (the default spec, then earlier entries), so
+``0->1:latency=50ms`` keeps the default bandwidth cap.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+DEFAULT_BURST_BYTES = 64 * 1024  # bytes a capped idle link may pass at once (token-bucket depth)
+
+_NUMBER = re.compile(r"^\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*(.*?)\s*$")
+_BIT_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+_BYTE_UNIT = re.compile(r"^([kKmMgG]?)(i?)B/s$")
+_PREFIX = {"": 0, "k": 1, "m": 2, "g": 3}
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6}
+_UNLIMITED = ("unlimited", "none", "inf")
+_LINK = re.compile(r"^\s*(\d+)\s*(<->|->)\s*(\d+)\s*$")
+
+
+class MessageDropped(RuntimeError):
+    """The link emulation lost this message: it never reached the peer."""
+
+
+def _split_number(text: str, what: str) -> tuple[float, str]:
+    match = _NUMBER.match(text) if isinstance(text, str) else None
+    if not match:
+        raise ValueError(f"{what} {text!r} is not a number with an optional unit")
+    value = float(match.group(1))
+    if value < 0:
+        raise ValueError(f"{what} {text!r} is negative")
+    return value, match.group(2)
+
+
+def parse_bandwidth(text: str) -> float:
+    """Bytes per second from ``200mbit`` / ``25MB/s`` / ``1MiB/s`` / ``1000000`` (see module doc).
+
+    ``mbps``-style units are refused on purpose: tc reads them as bytes, most people as bits.
+    """
+    value, unit = _split_number(text, "bandwidth")
+    if unit.lower() in _BIT_UNITS:
+        rate = value * _BIT_UNITS[unit.lower()] / 8
+    elif unit == "":
+        rate = value
+    elif match := _BYTE_UNIT.match(unit):
+        rate = value * (1024 if match.group(2) else 1000) ** _PREFIX[match.group(1).lower()]
+    else:
+        raise ValueError(f"unknown bandwidth unit {unit!r} in {text!r}: use bit, kbit, mbit, gbit (bits/s) "
+                         "or B/s, KB/s, MB/s, GB/s, KiB/s, MiB/s, GiB/s (bytes/s)")
+    if rate <= 0:
+        raise ValueError(f"bandwidth {text!r} must be > 0 (leave it out, or say 'unlimited', for no cap)")
+    return rate
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``5ms`` / ``0.5s`` / ``200us`` / ``0.01`` (a plain number is seconds)."""
+    value, unit = _split_number(text, "duration")
+    if unit not in _DURATION_UNITS:
+        raise ValueError(f"unknown duration unit {unit!r} in {text!r}: use s, ms or us")
+    return value * _DURATION_UNITS[unit]
+
+
+def _parse_probability(text: str) -> float:
+    value, unit = _split_number(text, "drop probability")
+    if unit not in ("", "%"):
+        raise ValueError(f"drop probability {text!r}: give a fraction like 0.01 or a percentage like 1%")
+    return value / 100 if unit == "%" else value
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """What one directed link does to a message. bandwidth in bytes/s (None = no cap), times in s."""
+
+    bandwidth: float | None = None
+    latency: float = 0.0
+    jitter: float = 0.0
+    drop: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.bandwidth is not None and not (0 < self.bandwidth < math.inf):
+            raise ValueError(f"bandwidth must be a positive number of bytes/s, got {self.bandwidth}")
+        for name in ("latency", "jitter"):
+            value = getattr(self, name)
+            if not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be >= 0 seconds, got {value}")
+        if not 0 <= self.drop < 1:  # drop = 1 would make a reliable send retry forever
+            raise ValueError(f"drop probability must be in [0, 1), got {self.drop}")
+
+    @property
+    def is_noop(self) -> bool:
+        return self.bandwidth is None and self.latency == 0 and self.jitter == 0 and self.drop == 0
+
+    @classmethod
+    def parse(cls, text: str, base: "LinkSpec | None" = None) -> "LinkSpec":
+        """``bandwidth=200mbit,latency=5ms,jitter=1ms,drop=0.01``; keys left out keep `base`'s values."""
+        parsers = {"bandwidth": lambda v: None if v.strip().lower() in _UNLIMITED else parse_bandwidth(v),
+                   "latency": parse_duration, "jitter": parse_duration, "drop": _parse_probability}
+        values: dict[str, float | None] = {}
+        for item in (text or "").split(","):
+            if not item.strip():
+                continue
+            key, sep, value = item.partition("=")
+            key = key.strip().lower()
+            if not sep:
+                raise ValueError(f"link spec item {item.strip()!r} is not key=value (in {text!r})")
+            if key not in parsers:
+                raise ValueError(f"unknown link spec key {key!r} in {text!r}; valid: {', '.join(parsers)}")
+            if key in values:
+                raise ValueError(f"link spec {text!r} sets {key} twice")
+            values[key] = parsers[key](value)
+        return replace(base or cls(), **values)
+
+    def __str__(self) -> str:
+        bandwidth = "unlimited" if self.bandwidth is None else f"{self.bandwidth * 8 / 1e6:g}mbit"
+        return (f"bandwidth={bandwidth},latency={self.latency * 1e3:g}ms,jitter={self.jitter * 1e3:g}ms,"
+                f"drop={self.drop:g}")
+
+
+@dataclass(frozen=True)
+class LinkTable:
+    """A default LinkSpec for every link, per-(src, dst) overrides, and the seed of the links' RNGs."""
+
+    default: LinkSpec = LinkSpec()
+    overrides: Mapping[tuple[int, int], LinkSpec] = field(default_factory=dict, hash=False)
+    seed: int = 0
+
+    @classmethod
+    def parse(cls, default: str | None = None, per_link: Iterable[str] | Mapping[str, str] = (),
+              seed: int = 0) -> "LinkTable":
+        """From ``--link`` text and ``--link-override`` entries (``SRC->DST:SPEC`` / ``SRC<->DST:SPEC``,
+        or a mapping ``{"SRC->DST": SPEC}`` as in a TOML table). Entries apply in order."""
+        base = LinkSpec.parse(default or "")
+        entries = [f"{k}:{v}" for k, v in per_link.items()] if isinstance(per_link, Mapping) else list(per_link)
+        overrides: dict[tuple[int, int], LinkSpec] = {}
+        for entry in entries:
+            link, sep, spec = str(entry).partition(":")
+            match = _LINK.match(link)
+            if not sep or not match:
+                raise ValueError(f"link override {entry!r} is not SRC->DST:SPEC or SRC<->DST:SPEC "
+                                 "(e.g. 0->1:latency=50ms)")
+            src, arrow, dst = int(match.group(1)), match.group(2), int(match.group(3))
+            if src == dst:
+                raise ValueError(f"link override {entry!r}: a node has no link to itself")
+            pairs = [(src, dst), (dst, src)] if arrow == "<->" else [(src, dst)]
+            for pair in pairs:
+                overrides[pair] = LinkSpec.parse(spec, overrides.get(pair, base))
+        return cls(base, overrides, seed)
+
+    @property
+    def is_noop(self) -> bool:
+        return self.default.is_noop and all(spec.is_noop for spec in self.overrides.values())
+
+    def spec_for(self, src: int, dst: int) -> LinkSpec:
+        return self.overrides.get((src, dst), self.default)
+
+    def check_ranks(self, world_size: int) -> None:
+        """Raise ValueError for an override naming a rank outside 0..world_size-1 (a likely typo)."""
+        for src, dst in self.overrides:
+            if not (0 <= src < world_size and 0 <= dst < world_size):
+                raise ValueError(f"link override {src}->{dst} names a rank outside 0..{world_size - 1}")
+
+    def emulator(self, src: int, dst: int) -> "LinkEmulator | None":
+        """The emulator of link src -> dst, None where that link is untouched. Its RNG is seeded from
+        (seed, src, dst), so a run's drops and jitter are reproducible."""
+        spec = self.spec_for(src, dst)
+        if spec.is_noop:
+            return None
+        return LinkEmulator(spec, random.Random(f"p2ptrain-link/{self.seed}/{src}->{dst}"))
+
+
+class LinkEmulator:
+    """One directed link, used on the sending node's event-loop thread (not thread-safe).
+
+    transmit() first paces the message through a token bucket (`burst` bytes deep, refilled at the
+    bandwidth): messages occupy the link one after another in call order, N bytes for
+    N / bandwidth. Then it waits latency ± jitter, concurrently with later messages, so latency
+    delays but does not serialize them. A dropped message still occupied the link, and fails only
+    when it would have arrived: loss is noticed late, and a retransmission pays for the link again.
+    """
+
+    def __init__(self, spec: LinkSpec, rng: random.Random, burst: int = DEFAULT_BURST_BYTES):
+        self.spec = spec
+        self.rng = rng
+        self.burst = burst
+        self._idle_at = 0.0  # when the link would be idle had every message left at full rate
+
+    async def transmit(self, nbytes: int) -> None:
+        """Wait as the link would for an `nbytes` message; raise MessageDropped if it is lost."""
+        spec = self.spec
+        # Draw everything before the first await: the RNG sequence follows call order, not timing.
+        dropped = spec.drop > 0 and self.rng.random() < spec.drop
+        delay = spec.latency + (self.rng.uniform(-spec.jitter, spec.jitter) if spec.jitter else 0.0)
+        if spec.bandwidth is not None:
+            loop = asyncio.get_running_loop()
+            now = loop.time()
+            self._idle_at = max(self._idle_at, now) + nbytes / spec.bandwidth
+            wait = self._idle_at - self.burst / spec.bandwidth - now  # a full bucket lets `burst` through early
+            if wait > 0:
+                await asyncio.sleep(wait)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if dropped:
+            raise MessageDropped(f"message of {nbytes} bytes dropped by link emulation (drop={spec.drop:g})")
