@@ -14,6 +14,7 @@ import torch
 
 class Algorithm(ABC):
     name = "algorithm"
+    uses_gradients = False  # True: the engine calls reduce_gradients after every backward
 
     @abstractmethod
     def setup(self, params: torch.Tensor) -> torch.Tensor:
@@ -22,6 +23,11 @@ class Algorithm(ABC):
     @abstractmethod
     def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:
         """`params` = model after the local optimizer step of `step`; returns the model for step+1."""
+
+    def reduce_gradients(self, step: int, grads: torch.Tensor) -> torch.Tensor | None:
+        """Flat local gradient of `step` (a copy the algorithm may keep); returns the gradient to
+        apply, or None to skip this step's optimizer update."""
+        return grads
 
     def finish(self) -> torch.Tensor | None:
         """Flush in-flight communication at the end of training; returns final parameters, if changed."""

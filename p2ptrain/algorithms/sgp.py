@@ -83,7 +83,7 @@ class SGP(Algorithm):
         share_w = p * self.w
         for peer in peers:
             share_x = self.x * p  # a fresh tensor per peer: ownership passes to the transport
-            future = self.comm.send(peer, share_x, kind=KIND, step=step, ps_weight=share_w)
+            future = self.comm.send(peer, share_x, kind=KIND, step=step, ps_weight=share_w, reliable=True)
             self._outbox.append((future, share_x, share_w))
         self.x.mul_(p)
         self.w *= p

@@ -34,6 +34,25 @@ class FlatParameters:
         """The live flat buffer (a view shared with the model; clone before keeping it)."""
         return self.buffer
 
+    def grads(self) -> torch.Tensor:
+        """All gradients as one flat tensor (a copy; zeros where a parameter got no gradient)."""
+        return torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1)
+                          for p in self.params])
+
+    def load_grads(self, values: torch.Tensor) -> None:
+        """Write a flat gradient back into every parameter's .grad (what the optimizer applies)."""
+        if values.shape != self.buffer.shape:
+            raise ValueError(f"flat gradient size mismatch: {tuple(values.shape)} vs {tuple(self.buffer.shape)}")
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            chunk = values[offset:offset + n].view_as(p)
+            if p.grad is None:
+                p.grad = chunk.clone()
+            else:
+                p.grad.copy_(chunk)
+            offset += n
+
     def load(self, values: torch.Tensor) -> None:
         if values.shape != self.buffer.shape:
             raise ValueError(f"flat parameter size mismatch: {tuple(values.shape)} vs {tuple(self.buffer.shape)}")

@@ -48,6 +48,14 @@ class TrainResult:
     def mean_step_seconds(self) -> float:
         return sum(self.step_seconds) / len(self.step_seconds) if self.step_seconds else math.nan
 
+    @property
+    def steady_step_seconds(self) -> float:
+        """Mean step time without the first 10% of steps (at least 1, at most 10): connection
+        set-up, allocator and cache warm-up land there, not in the steady state."""
+        skip = min(10, max(1, len(self.step_seconds) // 10)) if len(self.step_seconds) > 1 else 0
+        tail = self.step_seconds[skip:]
+        return sum(tail) / len(tail) if tail else math.nan
+
 
 def cycle(loader: Iterable) -> Iterator:
     """Endless iteration over a DataLoader (a new shuffled epoch each pass)."""
@@ -61,7 +69,7 @@ def cycle(loader: Iterable) -> Iterator:
 
 
 class DecentralizedTrainer:
-    """Runs `steps` local SGD steps, calling `algorithm.after_step` after each optimizer step."""
+    """Runs `steps` local SGD steps with the algorithm's hooks (see p2ptrain.algorithms.base)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, algorithm, *,
                  loss_fn: Callable = F.nll_loss, device: torch.device | str | None = None, metrics=None):
@@ -83,6 +91,12 @@ class DecentralizedTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model(inputs), targets)
         loss.backward()
+        if self.algorithm.uses_gradients:
+            grads = self.algorithm.reduce_gradients(step, self.flat.grads())
+            if grads is None:  # e.g. the first pipelined Pipe-SGD step: nothing aggregated yet
+                self.flat.load(self.algorithm.after_step(step, self.flat.get()))
+                return float(loss.detach())
+            self.flat.load_grads(grads)
         self.optimizer.step()
         self.flat.load(self.algorithm.after_step(step, self.flat.get()))
         return float(loss.detach())

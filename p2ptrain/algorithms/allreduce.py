@@ -1,0 +1,44 @@
+"""AllReduce-SGD: the synchronous baseline of seed 003 (Alg. 3) and seed 000 (AR-SGD).
+
+    x_i^{t+1/2} = x_i^t - γ ∇f_i(x_i^t)                (engine: local optimizer step)
+    x_i^{t+1}   = (1/n) Σ_j x_j^{t+1/2}                (ring all-reduce of the model)
+
+With `average="gradients"` the mean is taken over gradients before the optimizer step instead,
+which is classic data-parallel SGD (identical models stay identical, momentum included). A codec
+compresses every ring hop (seed 004); gradients tolerate it far better than models do.
+"""
+from __future__ import annotations
+
+import torch
+
+from p2ptrain.algorithms.base import Algorithm
+
+AVERAGE_WHAT = ("models", "gradients")
+
+
+class AllReduceSGD(Algorithm):
+    name = "allreduce"
+
+    def __init__(self, comm, *, average: str = "models", codec: str = "none"):
+        if average not in AVERAGE_WHAT:
+            raise ValueError(f"average must be one of {AVERAGE_WHAT}, got {average!r}")
+        self.comm = comm
+        self.average = average
+        self.codec = codec
+        self.uses_gradients = average == "gradients"
+        self.allreduce = None
+
+    def setup(self, params: torch.Tensor) -> torch.Tensor:
+        self.allreduce = self.comm.ring_allreduce(params.numel(), params.dtype, codec=self.codec)
+        self.comm.ready()
+        return params
+
+    def reduce_gradients(self, step: int, grads: torch.Tensor) -> torch.Tensor:
+        self.comm.set_step(step)
+        return self.allreduce(grads, step)
+
+    def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:
+        if self.uses_gradients:
+            return params
+        self.comm.set_step(step)
+        return self.allreduce(params, step)

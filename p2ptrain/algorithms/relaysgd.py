@@ -1,0 +1,154 @@
+"""RelaySGD (seed 003 Alg. 2; Vogels et al. 2021) on a chain, a binary tree or double binary trees.
+
+Per node i, step t and tree, in the seed's notation (m^{(-1)} = 0, c^{(-1)} = 0):
+    x_i^{(t+1/2)} = x_i^{(t)} - γ ∇f_i(x_i^{(t)})              (engine: local optimizer step)
+    for each neighbour j:  send m_{i→j}^{(t)} = x_i^{(t+1/2)} + Σ_{k∈N_i\\j} m_{k→i}^{(t-1)}
+                                c_{i→j}^{(t)} = 1 + Σ_{k∈N_i\\j} c_{k→i}^{(t-1)}
+                           receive m_{j→i}^{(t)}, c_{j→i}^{(t)}
+    n̄_i^{(t+1)} = 1 + Σ_j c_{j→i}^{(t)},   x_i^{(t+1)} = (x_i^{(t+1/2)} + Σ_j m_{j→i}^{(t)}) / n̄_i^{(t+1)}
+Relaying without weights delivers node j's model to node i unscaled, τ_ij steps late, so every
+node averages all n models uniformly (once t ≥ its eccentricity, n̄_i = n): no gossip
+matrix, hence no dependence on data heterogeneity. Because the averaged model is what is relayed
+next, x itself converges to consensus rather than hitting the exact average in finite time; the
+relay mechanism (RelaySum) alone is exact for fixed inputs after `diameter` steps.
+
+With several trees (double binary trees) each relays its own contiguous coordinate range on its
+own channel; counters travel in the header's relay_count.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Sequence
+
+import torch
+
+from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.algorithms.base import Algorithm
+from p2ptrain.topology.trees import Tree, build_relay_trees, coordinate_slices
+
+KIND = pb.MESSAGE_KIND_RELAY
+
+
+class RelaySum:
+    """The relay mechanism of one node on one tree: messages m_{k→i} and counters c_{k→i}.
+
+    `post(t, x)` sends m_{i→j}^{(t)} built from `x` and the step t-1 messages kept from the last
+    `collect`; `collect(t)` receives step t's and keeps them; `average(x)` is
+    (x + Σ_j m_{j→i}) / n̄_i. A relayed sum cannot survive a lost message, so any refused or failed
+    send raises (fault tolerance is a later concern).
+    """
+
+    def __init__(self, comm, tree: Tree, channel: str):
+        if tree.world_size != comm.world_size:
+            raise ValueError(f"tree over {tree.world_size} nodes, cluster has {comm.world_size}")
+        self.comm = comm
+        self.rank = comm.rank
+        self.tree = tree
+        self.channel = channel
+        self.neighbors = tree.neighbors(self.rank)
+        self.messages: dict[int, torch.Tensor] = {}  # m_{j→i} of the last collected step
+        self.counts: dict[int, float] = {j: 0.0 for j in self.neighbors}  # c_{j→i}
+        self._sends: list[tuple[concurrent.futures.Future, int, int]] = []  # (ack, peer, step)
+
+    def expect(self, like: torch.Tensor) -> None:
+        """Declare this channel's message size; call before comm.ready()."""
+        self.comm.expect(KIND, like.dtype, like.numel(), channel=self.channel,
+                         preallocate=max(1, len(self.neighbors)))
+        self.messages = {j: torch.zeros_like(like) for j in self.neighbors}  # m^{(-1)} = 0
+
+    def post(self, step: int, x: torch.Tensor) -> None:
+        self._check_acks(wait=False)
+        for j in self.neighbors:
+            m = x.clone()  # fresh per peer: ownership passes to the transport
+            c = 1.0
+            for k in self.neighbors:
+                if k != j:
+                    m.add_(self.messages[k])
+                    c += self.counts[k]
+            future = self.comm.send(j, m, kind=KIND, step=step, relay_count=c, channel=self.channel,
+                                    reliable=True)  # emulated link losses are re-sent, never dropped
+            self._sends.append((future, j, step))
+
+    def collect(self, step: int) -> None:
+        received = self.comm.recv(KIND, step, self.neighbors, channel=self.channel)
+        for j, message in received.items():
+            self.messages[j].copy_(message.tensor)  # out of the pooled buffer, then give it back
+            self.counts[j] = message.relay_count
+            message.release()
+
+    def average(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(x + Σ_j m_{j→i}) / n̄_i, written into `out` when given."""
+        total = x.clone() if out is None else out.copy_(x)
+        for m in self.messages.values():
+            total.add_(m)
+        return total.div_(self.n_bar)
+
+    @property
+    def n_bar(self) -> float:
+        """n̄_i = 1 + Σ_j c_{j→i}: how many models the current average holds."""
+        return 1.0 + sum(self.counts.values())
+
+    def drain(self) -> None:
+        """Wait until every sent message is acknowledged."""
+        self._check_acks(wait=True)
+
+    def _check_acks(self, wait: bool) -> None:
+        pending = []
+        for future, peer, step in self._sends:
+            if not (wait or future.done()):
+                pending.append((future, peer, step))
+                continue
+            exc = future.exception()
+            if exc is not None:
+                raise RuntimeError(f"node {self.rank}: relay message of step {step} to {peer} "
+                                   f"({self.channel}) failed: {exc}") from exc
+            ack = future.result()
+            if ack.status == pb.Ack.STATUS_REJECTED:
+                raise RuntimeError(f"node {self.rank}: node {peer} refused the step-{step} relay message "
+                                   f"({self.channel}): {ack.reason}: {ack.detail}; a relay sum cannot "
+                                   f"lose a message")
+        self._sends = pending
+
+
+class RelaySGD(Algorithm):
+    name = "relaysgd"
+
+    def __init__(self, comm, trees: str | Sequence[Tree] = "double-binary-trees"):
+        """`trees`: a name from TREE_NAMES, or trees whose k-th relays the k-th of
+        len(trees) contiguous coordinate ranges."""
+        if isinstance(trees, str):
+            trees = build_relay_trees(trees, comm.world_size)
+        if not trees:
+            raise ValueError("RelaySGD needs at least one tree")
+        self.comm = comm
+        self.rank = comm.rank
+        self.relays = [RelaySum(comm, tree, f"tree{k}") for k, tree in enumerate(trees)]
+        self.slices: list[slice] = []
+
+    def setup(self, params: torch.Tensor) -> torch.Tensor:
+        x = params.detach().reshape(-1)
+        self.slices = coordinate_slices(x.numel(), len(self.relays))
+        for relay, sl in zip(self.relays, self.slices):
+            relay.expect(x[sl])
+        self.comm.ready()
+        return params
+
+    def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:
+        self.comm.set_step(step)
+        x_half = params.detach().reshape(-1)  # x^{(t+1/2)}
+        for relay, sl in zip(self.relays, self.slices):  # all trees' messages out before waiting
+            relay.post(step, x_half[sl])
+        x_next = torch.empty_like(x_half)
+        for relay, sl in zip(self.relays, self.slices):
+            relay.collect(step)
+            relay.average(x_half[sl], out=x_next[sl])
+        return x_next.view_as(params)
+
+    def finish(self) -> None:
+        """Wait for every ack so nothing is left on the wire (the model needs no final mix)."""
+        for relay in self.relays:
+            relay.drain()
+        return None
+
+    def stats(self) -> dict[str, float]:
+        return {"relay_n": sum(r.n_bar for r in self.relays) / len(self.relays)}

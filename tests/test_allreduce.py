@@ -1,0 +1,202 @@
+"""Ring all-reduce, AllReduce-SGD, Pipe-SGD and D-PSGD over real gRPC on loopback, each against a
+single-process reference of the same math written here with plain tensors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from p2ptrain.algorithms.allreduce import AllReduceSGD
+from p2ptrain.algorithms.dpsgd import DPSGD
+from p2ptrain.algorithms.pipesgd import PipeSGD
+from p2ptrain.topology.undirected import CompleteGraph, UndirectedRing
+from p2ptrain.transport.collectives import segment_bounds
+from tests.cluster import run_cluster
+
+LR = 0.1
+
+
+def vector(rank: int, numel: int, salt: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * salt + rank)
+    return torch.randn(numel, generator=g)
+
+
+def gradient(rank: int, step: int, x: torch.Tensor) -> torch.Tensor:
+    """A deterministic, node- and model-dependent stand-in for a stochastic gradient."""
+    return 0.3 * (rank + 1) * x + vector(rank, x.numel(), salt=step + 1)
+
+
+def test_segment_bounds_cover_everything_once():
+    for numel, parts in [(10, 3), (3, 5), (0, 4), (17, 1)]:
+        bounds = segment_bounds(numel, parts)
+        assert len(bounds) == parts and bounds[0][0] == 0 and bounds[-1][1] == numel
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        sizes = [e - s for s, e in bounds]
+        assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize("n,numel", [(2, 10), (3, 1001), (5, 3), (4, 64)])
+def test_ring_allreduce_sum_and_mean_exact(n, numel):
+    def body(rank, comm):
+        reduce = comm.ring_allreduce(numel)
+        comm.ready()
+        a = reduce(vector(rank, numel), step=0, average=False)
+        b = reduce(vector(rank, numel, salt=1), step=1, average=True)
+        return a, b
+
+    results = run_cluster(n, body)
+    expected_sum = sum(vector(r, numel) for r in range(n))
+    expected_mean = sum(vector(r, numel, salt=1) for r in range(n)) / n
+    for a, b in results:
+        torch.testing.assert_close(a, expected_sum, atol=1e-5, rtol=0)
+        torch.testing.assert_close(b, expected_mean, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("codec,bound", [("fp16", 2 ** -7), ("int8", 1 / 127)])
+def test_ring_allreduce_compressed_hops_stay_within_error_bound_and_agree(codec, bound):
+    n, numel = 4, 5000
+
+    def body(rank, comm):
+        reduce = comm.ring_allreduce(numel, codec=codec)
+        comm.ready()
+        return reduce(vector(rank, numel), step=0, average=True)
+
+    results = run_cluster(n, body)
+    exact = sum(vector(r, numel) for r in range(n)) / n
+    for result in results:
+        assert torch.equal(result, results[0])  # every node ends with the same bits
+    # each of the n-1 reduce hops plus the final encoding loses at most `bound` of the running
+    # magnitude; the inputs are O(1) normals, so partial sums stay below sum |x_j|
+    scale = sum(vector(r, numel).abs() for r in range(n)).max() / n
+    error = (results[0] - exact).abs().max()
+    assert error <= n * bound * scale
+    assert error > 0  # it really was compressed
+
+
+def test_ring_allreduce_rejects_wrong_size():
+    def body(rank, comm):
+        reduce = comm.ring_allreduce(8)
+        comm.ready()
+        with pytest.raises(ValueError, match="declared for 8"):
+            reduce(torch.zeros(9), step=0)
+        return True
+
+    assert run_cluster(2, body) == [True, True]
+
+
+def local_step(rank, step, x):
+    return x - LR * gradient(rank, step, x)
+
+
+@pytest.mark.parametrize("average", ["models", "gradients"])
+def test_allreduce_sgd_matches_reference(average):
+    n, numel, steps = 4, 33, 5
+
+    def body(rank, comm):
+        algo = AllReduceSGD(comm, average=average)
+        x = algo.setup(vector(0, numel, salt=99).clone())  # identical start
+        history = []
+        for step in range(steps):
+            if average == "gradients":
+                g = algo.reduce_gradients(step, gradient(rank, step, x))
+                x = algo.after_step(step, x - LR * g)
+            else:
+                x = algo.after_step(step, local_step(rank, step, x))
+            history.append(x.clone())
+        return history
+
+    results = run_cluster(n, body)
+    xs = [vector(0, numel, salt=99).clone() for _ in range(n)]
+    for step in range(steps):
+        if average == "gradients":
+            g = sum(gradient(r, step, xs[r]) for r in range(n)) / n
+            xs = [x - LR * g for x in xs]
+        else:
+            mean = sum(local_step(r, step, xs[r]) for r in range(n)) / n
+            xs = [mean.clone() for _ in range(n)]
+        for r in range(n):
+            torch.testing.assert_close(results[r][step], xs[r], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_pipesgd_applies_one_step_stale_mean_gradient(warmup):
+    n, numel, steps = 3, 21, 6
+
+    def body(rank, comm):
+        algo = PipeSGD(comm, warmup=warmup)
+        x = algo.setup(vector(0, numel, salt=7).clone())
+        history = []
+        for step in range(steps):
+            g = algo.reduce_gradients(step, gradient(rank, step, x))
+            if g is not None:
+                x = x - LR * g
+            x = algo.after_step(step, x)
+            history.append(x.clone())
+        algo.finish()
+        return history
+
+    results = run_cluster(n, body)
+    w = vector(0, numel, salt=7).clone()
+    g_sum = {}
+    for step in range(steps):
+        g_sum[step] = sum(gradient(r, step, w) for r in range(n)) / n
+        if step < warmup:
+            w = w - LR * g_sum[step]
+        elif step > warmup:
+            w = w - LR * g_sum[step - 1]  # one iteration stale
+        for r in range(n):
+            torch.testing.assert_close(results[r][step], w, atol=1e-5, rtol=0)
+
+
+def test_pipesgd_with_int8_stays_close_to_exact():
+    n, numel, steps = 3, 40, 4
+
+    def run(codec):
+        def body(rank, comm):
+            algo = PipeSGD(comm, codec=codec)
+            x = algo.setup(torch.ones(numel))
+            for step in range(steps):
+                g = algo.reduce_gradients(step, gradient(rank, step, x))
+                x = algo.after_step(step, x if g is None else x - LR * g)
+            algo.finish()
+            return x
+        return run_cluster(n, body)
+
+    exact, quantized = run("none"), run("int8")
+    assert all(torch.equal(q, quantized[0]) for q in quantized)
+    assert 0 < (exact[0] - quantized[0]).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("graph_cls,n", [(UndirectedRing, 5), (UndirectedRing, 2), (CompleteGraph, 4)])
+def test_dpsgd_matches_metropolis_reference(graph_cls, n):
+    numel, steps = 17, 5
+    graph = graph_cls(n)
+    W = torch.tensor(graph.metropolis_matrix(), dtype=torch.float64)
+    assert torch.allclose(W, W.T) and torch.allclose(W.sum(0), torch.ones(n, dtype=torch.float64))
+
+    def body(rank, comm):
+        algo = DPSGD(comm, graph)
+        x = algo.setup(vector(rank, numel))
+        history = []
+        for step in range(steps):
+            x = algo.after_step(step, local_step(rank, step, x))
+            history.append(x.clone())
+        algo.finish()
+        return history
+
+    results = run_cluster(n, body)
+    X = torch.stack([vector(r, numel) for r in range(n)]).double()
+    for step in range(steps):
+        grads = torch.stack([gradient(r, step, X[r].float()) for r in range(n)]).double()
+        X = W @ X - LR * grads  # x^{t+1} = Σ_j W_ij x_j^t - γ ∇f_i(x_i^t)
+        for r in range(n):
+            torch.testing.assert_close(results[r][step].double(), X[r], atol=1e-5, rtol=0)
+
+
+def test_dpsgd_refuses_a_directed_topology():
+    from p2ptrain.topology import ExponentialGraph
+
+    class FakeComm:
+        rank, world_size = 0, 4
+
+    with pytest.raises(ValueError, match="undirected"):
+        DPSGD(FakeComm(), ExponentialGraph(4))
