@@ -2,7 +2,8 @@
 
   p2ptrain node    run one node (flags, env RANK/WORLD_SIZE/P2PTRAIN_*, or --config FILE.toml)
   p2ptrain launch  run a local cluster of N node processes with live progress and a report
-  p2ptrain bench   benchmarks (transport)
+  p2ptrain bench   benchmarks (transport, algorithms)
+  p2ptrain reproduce  re-run a figure of the source documents (relaysgd)
 """
 from __future__ import annotations
 
@@ -54,6 +55,24 @@ def build_parser() -> argparse.ArgumentParser:
                            help="comma-separated subset of p2ptrain,gloo,tcp (default all)")
     transport.add_argument("--json", action="store_true", help="print JSON instead of a table")
     transport.set_defaults(func=cmd_bench_transport)
+
+    from p2ptrain.bench import algorithms as bench_algorithms
+
+    algorithms = bench_sub.add_parser(
+        "algorithms", help="every algorithm on the same model, data and emulated links",
+        description=bench_algorithms.__doc__.split("\n\n")[1].replace("\n", " "))
+    bench_algorithms.add_arguments(algorithms)
+    algorithms.set_defaults(func=cmd_bench_algorithms)
+
+    from p2ptrain.bench import reproduce
+
+    repro = sub.add_parser("reproduce", help="re-run a figure of the source documents",
+                           description="Re-run an experiment of the seeds at a size that runs here in minutes.")
+    repro_sub = repro.add_subparsers(dest="experiment", required=True, metavar="EXPERIMENT")
+    relay = repro_sub.add_parser("relaysgd", help="seed 003 fig. 5.2: AllReduce vs D-PSGD vs RelaySGD over "
+                                                  "Dirichlet alpha", description=reproduce.__doc__)
+    reproduce.add_arguments(relay)
+    relay.set_defaults(func=cmd_reproduce_relaysgd)
     return parser
 
 
@@ -115,6 +134,18 @@ def cmd_bench_transport(args: argparse.Namespace) -> int:
     from p2ptrain.bench.transport import main as bench_main
 
     return bench_main(args)
+
+
+def cmd_bench_algorithms(args: argparse.Namespace) -> int:
+    from p2ptrain.bench.algorithms import main as bench_main
+
+    return bench_main(args)
+
+
+def cmd_reproduce_relaysgd(args: argparse.Namespace) -> int:
+    from p2ptrain.bench.reproduce import main as reproduce_main
+
+    return reproduce_main(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 Environment: torchrun's RANK / WORLD_SIZE, and P2PTRAIN_<FIELD> for any field (e.g.
 P2PTRAIN_PEERS="node0:50051,node1:50051", P2PTRAIN_OVERLAP=1), which is what docker-compose uses.
+List settings in one string: peers comma-separated, link_overrides semicolon-separated.
 """
 from __future__ import annotations
 
@@ -13,11 +14,17 @@ import os
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
+from p2ptrain.algorithms import ALGORITHM_NAMES, ALGORITHM_TOPOLOGIES, default_topology
+from p2ptrain.algorithms.allreduce import AVERAGE_WHAT
+from p2ptrain.compression import CODECS
 from p2ptrain.topology import TOPOLOGY_NAMES
 
-ALGORITHMS = ("sgp",)
+if TYPE_CHECKING:
+    from p2ptrain.transport.faults import LinkTable
+
+ALGORITHMS = ALGORITHM_NAMES
 MODELS = ("mlp", "cnn")
 DATASETS = ("synthetic", "mnist")
 DEVICES = ("auto", "cpu", "cuda")
@@ -39,9 +46,12 @@ class NodeConfig:
     listen: str | None = None                        # bind address (default: [::]:<own peer port>)
     # Algorithm
     algorithm: str = "sgp"
-    topology: str = "exponential"
+    topology: str | None = None                      # None: the algorithm's default (see ALGORITHM_TOPOLOGIES)
     peers_per_step: int = 1
     overlap: int = 0                                 # τ: bounded delay of SGP messages, in steps
+    average: str = "models"                          # allreduce: average models or gradients
+    compression: str = "none"                        # allreduce / pipesgd: codec of every ring hop
+    warmup_steps: int = 0                            # pipesgd: synchronous steps before pipelining
     # Training
     steps: int = 300
     model: str = "mlp"
@@ -62,6 +72,9 @@ class NodeConfig:
     chunk_mb: float = 4.0
     peer_timeout: float = 120.0
     step_window: int = 64
+    # Link emulation (transport/faults.py); off by default, may differ per node (not in the fingerprint)
+    link: str | None = None                          # spec of every outgoing link: "bandwidth=200mbit,latency=5ms"
+    link_overrides: list[str] = field(default_factory=list)  # "SRC->DST:SPEC" / "SRC<->DST:SPEC", in order
     # Observability and output
     metrics_port: int | None = None                  # serve Prometheus /metrics here (0 = any free port)
     log_every: int = 10
@@ -85,7 +98,15 @@ class NodeConfig:
                      f"peer address {addr!r} is not host:port")
             need(len(set(self.peers)) == len(self.peers), "peer addresses must be distinct")
         need(self.algorithm in ALGORITHMS, f"unknown algorithm {self.algorithm!r}; choose from {ALGORITHMS}")
-        need(self.topology in TOPOLOGY_NAMES, f"unknown topology {self.topology!r}; choose from {TOPOLOGY_NAMES}")
+        need(self.topology is None or self.topology in TOPOLOGY_NAMES,
+             f"unknown topology {self.topology!r}; choose from {TOPOLOGY_NAMES}")
+        if self.algorithm in ALGORITHMS:
+            allowed = ALGORITHM_TOPOLOGIES[self.algorithm]
+            need(self.resolved_topology in allowed,
+                 f"{self.algorithm} cannot run on topology {self.topology!r}; choose from {allowed}")
+        need(self.average in AVERAGE_WHAT, f"unknown average {self.average!r}; choose from {AVERAGE_WHAT}")
+        need(self.compression in CODECS, f"unknown compression {self.compression!r}; choose from {tuple(CODECS)}")
+        need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
         need(self.peers_per_step >= 1, "peers_per_step must be >= 1")
         need(self.overlap >= 0, f"overlap τ must be >= 0, got {self.overlap}")
         need(self.overlap < self.step_window, "overlap τ must be smaller than step_window")
@@ -103,7 +124,25 @@ class NodeConfig:
         need(self.peer_timeout > 0, "peer_timeout must be > 0")
         need(self.log_every >= 1, "log_every must be >= 1")
         need(self.metrics_port is None or 0 <= self.metrics_port < 65536, "metrics_port must be a port number")
+        try:
+            self.link_table()
+        except ValueError as exc:
+            raise ConfigError(f"link emulation: {exc}") from None
         return self
+
+    def link_table(self) -> "LinkTable | None":
+        """The emulation of this node's outgoing links (seeded from `seed`); None when off."""
+        if not self.link and not self.link_overrides:
+            return None
+        from p2ptrain.transport.faults import LinkTable  # the transport package imports grpc and torch
+
+        table = LinkTable.parse(self.link, self.link_overrides, seed=self.seed)
+        table.check_ranks(self.world_size)
+        return table
+
+    @property
+    def resolved_topology(self) -> str:
+        return self.topology or default_topology(self.algorithm)
 
     @property
     def learning_rate(self) -> float:
@@ -115,9 +154,9 @@ class NodeConfig:
 
     def fingerprint(self) -> str:
         """Hash of the settings every node of a cluster must share (checked in Hello)."""
-        shared = {k: getattr(self, k) for k in ("world_size", "algorithm", "topology", "peers_per_step",
-                                                 "overlap", "model", "hidden", "dataset", "seed",
-                                                 "dirichlet_alpha", "num_train")}
+        shared = {k: getattr(self, k) for k in ("world_size", "algorithm", "resolved_topology", "peers_per_step",
+                                                 "overlap", "average", "compression", "warmup_steps", "model",
+                                                 "hidden", "dataset", "seed", "dirichlet_alpha", "num_train")}
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
@@ -151,6 +190,14 @@ def _coerce(name: str, value: Any) -> Any:
             if isinstance(value, str):
                 return [p.strip() for p in value.split(",") if p.strip()]
             return [str(p) for p in value]
+        if name == "link_overrides":  # env: ";"-separated; TOML: a list, or a table {"0->1" = SPEC}
+            if isinstance(value, str):
+                return [e.strip() for e in value.split(";") if e.strip()]
+            if isinstance(value, Mapping):
+                return [f"{k}:{v}" for k, v in value.items()]
+            if isinstance(value, (list, tuple)):
+                return [str(e) for e in value]
+            raise TypeError("not a list")
         if value is None or (isinstance(value, str) and value.lower() in ("", "none") and "None" in kind):
             return None
         if isinstance(value, bool) and kind.startswith(("int", "float")):
@@ -211,11 +258,20 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, cluster_flags: bool =
         g.add_argument("--listen", help="bind address, default [::]:<own port from --peers>")
     g = parser.add_argument_group("algorithm")
     g.add_argument("--algorithm", choices=ALGORITHMS, help=f"training algorithm (default {d.algorithm})")
-    g.add_argument("--topology", choices=TOPOLOGY_NAMES, help=f"communication graph (default {d.topology})")
+    g.add_argument("--topology", choices=TOPOLOGY_NAMES,
+                   help="communication graph; default per algorithm: " + ", ".join(
+                       f"{a} {t[0]}" for a, t in ALGORITHM_TOPOLOGIES.items()))
     g.add_argument("--peers-per-step", type=int,
                    help=f"out-peers per step (exponential), max out-degree (random) (default {d.peers_per_step})")
     g.add_argument("--overlap", type=int, metavar="TAU",
                    help=f"bounded delay τ: step-k messages are mixed in by step k+τ; 0 = synchronous (default {d.overlap})")
+    g.add_argument("--average", choices=AVERAGE_WHAT,
+                   help=f"allreduce: average models after the step or gradients before it (default {d.average})")
+    g.add_argument("--compression", choices=tuple(CODECS),
+                   help="allreduce/pipesgd: codec of every ring hop: fp16 = 16-bit truncation, int8 = 8-bit "
+                        f"scalar quantization (default {d.compression})")
+    g.add_argument("--warmup-steps", type=int,
+                   help=f"pipesgd: synchronous all-reduce steps before pipelining (default {d.warmup_steps})")
     g = parser.add_argument_group("training")
     g.add_argument("--steps", type=int, help=f"training steps (default {d.steps})")
     g.add_argument("--model", choices=MODELS, help=f"model (default {d.model})")
@@ -240,12 +296,28 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, cluster_flags: bool =
     g.add_argument("--peer-timeout", type=float, help=f"seconds to wait for a peer's message (default {d.peer_timeout})")
     g.add_argument("--step-window", type=int,
                    help=f"accept messages whose step is within ± this many steps (default {d.step_window})")
+    g.add_argument("--link", metavar="SPEC",
+                   help="emulate a WAN on every outgoing link: comma-separated bandwidth=200mbit (or 25MB/s), "
+                        "latency=5ms, jitter=1ms, drop=0.01 (default: off)")
+    g.add_argument("--link-override", "--link-overrides", dest="link_overrides", action=_JoinAppend,
+                   metavar="SRC->DST:SPEC",
+                   help="a spec for one link on top of --link: 0->1:latency=50ms (one direction) or "
+                        "0<->1:drop=0.1 (both); repeatable, later ones apply on top")
     g = parser.add_argument_group("output")
     if cluster_flags:
         g.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 = any free)")
         g.add_argument("--out", help="folder for progress, summary and snapshot files")
     g.add_argument("--log-every", type=int, help=f"progress/snapshot interval in steps (default {d.log_every})")
     g.add_argument("--config", dest="config_file", help="TOML file with settings (flags and env override it)")
+
+
+class _JoinAppend(argparse.Action):
+    """A repeatable flag kept as one ";"-joined string (the env form), so that `p2ptrain launch`
+    can pass it on to its node processes as a single flag."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        previous = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, f"{previous};{values}" if previous else values)
 
 
 def flags_from_args(args: argparse.Namespace) -> dict[str, Any]:

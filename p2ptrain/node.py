@@ -14,10 +14,9 @@ from pathlib import Path
 
 import torch
 
-from p2ptrain.algorithms import SGP, Algorithm
+from p2ptrain.algorithms import Algorithm, build_algorithm
 from p2ptrain.config import NodeConfig
 from p2ptrain.metrics import NodeMetrics
-from p2ptrain.topology import build_topology
 from p2ptrain.train import DecentralizedTrainer, StepRecord, cycle, pick_device
 from p2ptrain.transport import Transport, TransportOptions
 from p2ptrain.transport.communicator import Communicator
@@ -37,7 +36,7 @@ class Node:
             config.rank, config.world_size, peers, listen=config.listen,
             options=TransportOptions(chunk_bytes=config.chunk_bytes, step_window=config.step_window,
                                      send_timeout=config.peer_timeout,
-                                     pin_memory=self.device.type == "cuda"),
+                                     pin_memory=self.device.type == "cuda", links=config.link_table()),
             metrics=self.metrics, config_fingerprint=config.fingerprint())
         self.comm = Communicator(self.transport, self.device, peer_timeout=config.peer_timeout)
         self.metrics_port: int | None = None
@@ -68,10 +67,9 @@ class Node:
     def algorithm(self) -> Algorithm:
         """The configured algorithm, bound to this node's communicator."""
         cfg = self.config
-        topology = build_topology(cfg.topology, cfg.world_size, peers_per_step=cfg.peers_per_step, seed=cfg.seed)
-        if cfg.algorithm == "sgp":
-            return SGP(self.comm, topology, overlap=cfg.overlap)
-        raise ValueError(f"unknown algorithm {cfg.algorithm!r}")
+        return build_algorithm(cfg.algorithm, self.comm, topology=cfg.resolved_topology, overlap=cfg.overlap,
+                               peers_per_step=cfg.peers_per_step, seed=cfg.seed, average=cfg.average,
+                               compression=cfg.compression, warmup=cfg.warmup_steps)
 
 
 class ProgressWriter:
@@ -140,6 +138,7 @@ def run_node(config: NodeConfig) -> dict:
                 "bytes_sent": node.metrics.bytes_sent_total,
                 "bytes_received": node.metrics.bytes_received_total,
                 "mean_step_seconds": result.mean_step_seconds,
+                "steady_step_seconds": result.steady_step_seconds,
                 "ps_weight": trainer.algorithm.stats().get("ps_weight", 1.0),
                 "wall_seconds": time.time() - started, "device": device.type,
                 "metrics_port": node.metrics_port,

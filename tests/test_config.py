@@ -106,7 +106,12 @@ def test_invalid_toml_and_missing_file(tmp_path):
     ({"flags": {"world_size": 2, "peers": "127.0.0.1:1,127.0.0.1:99999"}},
      "peer address '127.0.0.1:99999' is not host:port"),
     ({"flags": {"world_size": 2, "peers": "a:1,a:1"}}, "peer addresses must be distinct"),
-    ({"flags": {"algorithm": "dpsgd"}}, "unknown algorithm 'dpsgd'"),
+    ({"flags": {"algorithm": "easgd"}}, "unknown algorithm 'easgd'"),
+    ({"flags": {"algorithm": "dpsgd", "topology": "exponential"}}, "dpsgd cannot run on topology 'exponential'"),
+    ({"flags": {"algorithm": "relaysgd", "topology": "ring"}}, "relaysgd cannot run on topology 'ring'"),
+    ({"flags": {"compression": "zip"}}, "unknown compression 'zip'"),
+    ({"flags": {"average": "both"}}, "unknown average 'both'"),
+    ({"flags": {"warmup_steps": -1}}, "warmup_steps must be >= 0"),
     ({"flags": {"topology": "torus"}}, "unknown topology 'torus'"),
     ({"flags": {"overlap": -1}}, "overlap τ must be >= 0, got -1"),
     ({"flags": {"overlap": 64}}, "overlap τ must be smaller than step_window"),
@@ -253,3 +258,14 @@ def test_unparsable_flag_is_an_argparse_error(capsys):
         cli.main(["node", "--rank", "abc"])
     assert info.value.code == 2
     assert "invalid int value: 'abc'" in capsys.readouterr().err
+
+
+def test_topology_defaults_per_algorithm_and_enters_the_fingerprint():
+    from p2ptrain.config import NodeConfig
+
+    assert NodeConfig(algorithm="sgp").resolved_topology == "exponential"
+    assert NodeConfig(algorithm="dpsgd").resolved_topology == "ring"
+    assert NodeConfig(algorithm="relaysgd").resolved_topology == "double-binary-trees"
+    assert NodeConfig(algorithm="dpsgd").fingerprint() == NodeConfig(algorithm="dpsgd", topology="ring").fingerprint()
+    assert NodeConfig(algorithm="pipesgd").fingerprint() != NodeConfig(algorithm="pipesgd",
+                                                                        compression="int8").fingerprint()

@@ -79,3 +79,23 @@ def test_non_iid_dirichlet_shards_through_launch(tmp_path):
                     "--dirichlet-alpha", "0.5", "--log-every", "20")
     assert report["config"]["dirichlet_alpha"] == 0.5
     assert report["cluster"]["min_test_accuracy"] > 0.3, report["cluster"]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("algorithm,extra", [
+    ("allreduce", []),
+    ("dpsgd", []),
+    ("relaysgd", []),
+    ("pipesgd", ["--compression", "int8", "--warmup-steps", "5"]),
+])
+def test_every_algorithm_trains_the_demo_task(tmp_path, algorithm, extra):
+    report = launch(tmp_path, "--nodes", "4", "--algorithm", algorithm, *extra, "--steps", "120",
+                    "--num-train", "4000", "--log-every", "20", "--no-metrics")
+    cluster = report["cluster"]
+    assert report["config"]["algorithm"] == algorithm
+    assert cluster["min_test_accuracy"] > 0.5, cluster
+    assert sum(n["bytes_sent"] for n in report["nodes"]) == sum(n["bytes_received"] for n in report["nodes"])
+    if algorithm in ("allreduce", "pipesgd"):  # exact averaging keeps the models identical
+        assert cluster["consensus_distance"] == 0.0, cluster
+    else:
+        assert 0 < cluster["relative_consensus_distance"] < 0.2, cluster

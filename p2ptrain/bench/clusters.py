@@ -1,0 +1,90 @@
+"""Run one local cluster per experiment variant and boil each run down to a few numbers.
+
+Shared by `p2ptrain bench algorithms` and `p2ptrain reproduce ...`: every variant is a real
+`p2ptrain launch`-style cluster of node processes on loopback, differing only in node flags.
+"""
+from __future__ import annotations
+
+import io
+import math
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass
+class VariantResult:
+    name: str
+    args: list[str]
+    nodes: int
+    steps: int
+    step_seconds: float          # steady-state mean over nodes
+    bytes_per_step: float        # payload bytes sent per step per node
+    test_accuracy: float         # mean over nodes
+    min_test_accuracy: float
+    consensus_distance: float | None
+    wall_seconds: float
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_variant(name: str, nodes: int, steps: int, node_args: list[str], out_dir: Path, *,
+                timeout: float | None = None, keep: bool = True, echo=None) -> VariantResult:
+    """Run one cluster; a failed run comes back with `error` set rather than aborting the sweep."""
+    from launcher import run_local_cluster
+    from launcher.local import ClusterError
+
+    run_dir = Path(out_dir) / _slug(name)
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    args = ["--steps", str(steps), *node_args]
+    log = io.StringIO()
+    try:
+        report = run_local_cluster(nodes, run_dir, args, metrics=False, live=False, timeout=timeout, stream=log)
+    except ClusterError as exc:
+        if echo:
+            echo(log.getvalue()[-2000:])
+        return VariantResult(name, args, nodes, steps, math.nan, math.nan, math.nan, math.nan, None, math.nan,
+                             error=str(exc).splitlines()[0])
+    summaries = [s for s in report["nodes"] if s]
+    cluster = report["cluster"]
+
+    def mean(key: str) -> float:
+        values = [s[key] for s in summaries if isinstance(s.get(key), (int, float))]
+        return sum(values) / len(values) if values else math.nan
+
+    result = VariantResult(
+        name=name, args=args, nodes=nodes, steps=steps,
+        step_seconds=mean("steady_step_seconds"),
+        bytes_per_step=mean("bytes_sent") / steps,
+        test_accuracy=mean("test_accuracy"),
+        min_test_accuracy=min((s["test_accuracy"] for s in summaries if s.get("test_accuracy") is not None),
+                              default=math.nan),
+        consensus_distance=cluster.get("relative_consensus_distance"),
+        wall_seconds=cluster.get("wall_seconds", math.nan))
+    if not keep:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return result
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-").replace("--", "-")
+
+
+def print_table(rows: list[list[str]], headers: list[str], stream=sys.stdout) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+    line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w)  # noqa: E731
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    print(line(headers), file=stream)
+    print("  ".join("-" * w for w in widths), file=stream)
+    for row in rows:
+        print(line(row), file=stream)
+
+
+def fmt(value, pattern: str = "{:.3f}") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return pattern.format(value)

@@ -1,0 +1,65 @@
+"""`p2ptrain bench algorithms` and `p2ptrain reproduce relaysgd` run real clusters end to end
+(tiny sizes here; the real figures come from the full commands)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from p2ptrain.bench.algorithms import VARIANTS, check_targets
+from p2ptrain.bench.clusters import VariantResult
+from tests.conftest import ROOT, node_env
+
+
+def result(name, seconds):
+    return VariantResult(name, [], 8, 10, seconds, 1.0, 0.5, 0.5, 0.0, 1.0)
+
+
+def test_targets_are_ratios_of_steady_step_times():
+    checks = {c[0]: c for c in check_targets([result("allreduce", 1.0), result("sgp-tau0", 0.5),
+                                              result("sgp-tau1", 0.4), result("pipesgd-int8", 0.6)])}
+    assert checks["SGP tau=1 vs SGP tau=0"][1] == pytest.approx(0.8) and not checks["SGP tau=1 vs SGP tau=0"][3]
+    assert checks["1-peer SGP tau=0 vs ring all-reduce"][3]
+    assert not checks["Pipe-SGD int8 vs synchronous all-reduce"][3]
+
+
+def run(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "p2ptrain", *args], cwd=ROOT, env=node_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(300)
+def test_bench_algorithms_runs_variants_over_emulated_links(tmp_path):
+    proc = run("bench", "algorithms", "--nodes", "2", "--steps", "6", "--hidden", "16",
+               "--variants", "allreduce,sgp-tau1,pipesgd-int8", "--bandwidth", "50mbit", "--latency", "2ms",
+               "--out", str(tmp_path), "--json", "--extra", "--num-train 600 --num-test 200")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table, _, payload = proc.stdout.partition("\n[")
+    rows = json.loads("[" + payload)
+    assert [r["name"] for r in rows] == ["allreduce", "sgp-tau1", "pipesgd-int8"]
+    for row in rows:
+        assert row["error"] is None and row["step_seconds"] > 0.002  # 2 ms latency per hop at least
+        assert "--link" in row["args"]
+    by_name = {r["name"]: r for r in rows}
+    # int8 ring hops carry a quarter of the float32 bytes of plain all-reduce
+    assert by_name["pipesgd-int8"]["bytes_per_step"] < 0.3 * by_name["allreduce"]["bytes_per_step"]
+    assert "x AR" in table and "1.00" in table
+
+
+def test_bench_algorithms_rejects_unknown_variant(tmp_path):
+    proc = run("bench", "algorithms", "--variants", "allreduce,warp", "--out", str(tmp_path))
+    assert proc.returncode == 2 and "warp" in proc.stderr and "Traceback" not in proc.stderr
+    assert set(VARIANTS) >= {"allreduce", "dpsgd", "sgp-tau0", "sgp-tau1", "relaysgd", "pipesgd-int8"}
+
+
+@pytest.mark.timeout(300)
+def test_reproduce_relaysgd_prints_the_alpha_table(tmp_path):
+    proc = run("reproduce", "relaysgd", "--nodes", "3", "--steps", "5", "--alphas", "0.1",
+               "--out", str(tmp_path), "--num-train", "600", "--extra", "--num-test 200 --hidden 16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].split()[:2] == ["algorithm", "alpha=0.1"]
+    assert [line.split()[0] for line in lines[2:5]] == ["allreduce", "dpsgd", "relaysgd"]
+    assert "alpha=0.1: relaysgd is" in proc.stdout
