@@ -8,7 +8,7 @@ PIP_FLAGS ?= -q
 DEMO_ARGS ?= --nodes 4 --algorithm sgp --topology exponential --peers-per-step 1 --overlap 1 \
              --steps 300 --model mlp --dataset synthetic --out runs/demo
 
-.PHONY: install demo test test-all bench proto clean
+.PHONY: install demo test test-all bench bench-algorithms reproduce proto clean
 
 install: $(VENV)/.installed
 
@@ -29,6 +29,12 @@ test-all: install
 
 bench: install
 	$(VENV)/bin/p2ptrain bench transport --size-mb 64 --reps 10
+
+bench-algorithms: install
+	$(VENV)/bin/p2ptrain bench algorithms --nodes 8 --bandwidth 200mbit --latency 5ms
+
+reproduce: install
+	$(VENV)/bin/p2ptrain reproduce relaysgd
 
 proto: install
 	$(PY) scripts/gen_proto.py

@@ -48,6 +48,11 @@ class NodeProcessSpec:
     rank: int
     argv: list[str]
     env: dict[str, str]
+    name: str = ""  # log file stem; default node{rank}
+
+    @property
+    def log_name(self) -> str:
+        return f"{self.name or f'node{self.rank}'}.log"
 
 
 def node_argv(rank: int, world_size: int, peers: list[str], metrics_port: int | None,
@@ -81,10 +86,13 @@ def plan_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, host: str 
 def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, config: dict | None = None,
                       host: str = "127.0.0.1", metrics: bool = True, live: bool | None = None,
                       timeout: float | None = None, argv_factory: Callable[..., list[str]] = node_argv,
-                      stream: TextIO = sys.stderr) -> dict:
+                      stream: TextIO = sys.stderr, services: list[NodeProcessSpec] = (),
+                      service_grace: float = 30.0) -> dict:
     """Run `nodes` node processes to completion and return the run report.
 
-    Raises ClusterError on the first node failure or on timeout, after stopping every node.
+    `services` (e.g. a parameter server) start first and may finish on their own once the nodes
+    are done (they get `service_grace` seconds); one exiting non-zero fails the run.
+    Raises ClusterError on the first node failure or on timeout, after stopping every process.
     """
     out_dir = Path(out_dir)
     log_dir = out_dir / "logs"
@@ -93,14 +101,19 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
     watcher = _ProgressWatcher(out_dir, nodes)
     view = ProgressView(stream, stream.isatty() if live is None else live, steps_from_args(extra_args))
     processes = _NodeProcesses(specs, log_dir)
+    service_processes = _NodeProcesses(list(services), log_dir)
 
-    print(f"launching {nodes} nodes; run folder {out_dir}, logs in {log_dir}", file=stream, flush=True)
+    print(f"launching {nodes} nodes{f' and {len(services)} service(s)' if services else ''}; run folder "
+          f"{out_dir}, logs in {log_dir}", file=stream, flush=True)
     start = time.monotonic()
     try:
+        service_processes.start()
         processes.start()
-        _supervise(processes, watcher, view, start, timeout, log_dir)
+        _supervise(processes, watcher, view, start, timeout, log_dir, service_processes)
+        _wait_services(service_processes, service_grace, log_dir)
     finally:
         processes.stop()
+        service_processes.stop()
         watcher.refresh(processes.returncodes(), final=True)
         view.finish(watcher.states, time.monotonic() - start)
     wall_seconds = time.monotonic() - start
@@ -134,12 +147,33 @@ def steps_from_args(args: list[str]) -> int | None:
     return None
 
 
+def parameter_server_cluster(workers: int, out: Path, node_args: list[str], *, metrics: bool) -> dict:
+    """run_local_cluster keyword arguments for one `p2ptrain ps` process (a service) plus `workers`
+    asynchronous `--role worker` nodes pointed at it (GEM and its baselines)."""
+    ps_port, ps_metrics = free_ports(2)
+    address = f"127.0.0.1:{ps_port}"
+    ps_argv = [sys.executable, "-m", "p2ptrain", "ps", "--world-size", str(workers), "--listen", address,
+               "--out", str(out), *node_args]
+    if metrics:
+        ps_argv += ["--metrics-port", str(ps_metrics)]
+
+    def worker_argv(rank, world_size, peers, metrics_port, out_dir, extra_args, python=sys.executable):
+        argv = node_argv(rank, world_size, peers, metrics_port, out_dir, extra_args, python)
+        at = argv.index("--peers")
+        return [*argv[:at], *argv[at + 2:], "--role", "worker", "--ps-address", address]
+
+    return {"services": [NodeProcessSpec(rank=-1, argv=ps_argv, env=node_env(), name="ps")],
+            "argv_factory": worker_argv}
+
+
 # --- supervision ---------------------------------------------------------------------------------
 
 def _supervise(processes: "_NodeProcesses", watcher: "_ProgressWatcher", view: "ProgressView",
-               start: float, timeout: float | None, log_dir: Path) -> None:
+               start: float, timeout: float | None, log_dir: Path,
+               services: "_NodeProcesses | None" = None) -> None:
     """Poll until every node exited 0; raise ClusterError on the first failure or on timeout."""
     while True:
+        _check_services(services, log_dir)
         watcher.refresh(processes.returncodes())
         elapsed = time.monotonic() - start
         view.update(watcher.states, elapsed)
@@ -153,6 +187,23 @@ def _supervise(processes: "_NodeProcesses", watcher: "_ProgressWatcher", view: "
             raise ClusterError(f"cluster timed out after {timeout:g} s; still running: ranks "
                                f"{', '.join(map(str, running))}\n" + _log_excerpt(log_dir, running[0]))
         time.sleep(POLL_SECONDS if timeout is None else max(0.0, min(POLL_SECONDS, timeout - elapsed)))
+
+
+def _check_services(services: "_NodeProcesses | None", log_dir: Path) -> None:
+    if services is None:
+        return
+    for spec, code in zip(services.specs, services.returncodes()):
+        if code not in (None, 0):
+            raise ClusterError(f"{spec.name} exited with code {code}\n" + _log_excerpt(log_dir, spec.log_name))
+
+
+def _wait_services(services: "_NodeProcesses", grace: float, log_dir: Path) -> None:
+    """After the nodes: let services finish on their own (a parameter server stops once every
+    worker said done), then check how they ended."""
+    deadline = time.monotonic() + grace
+    while any(code is None for code in services.returncodes()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    _check_services(services, log_dir)
 
 
 def _failure_error(failed: list["NodeState"], processes: "_NodeProcesses", watcher: "_ProgressWatcher",
@@ -176,8 +227,8 @@ def _failure_error(failed: list["NodeState"], processes: "_NodeProcesses", watch
     return ClusterError("\n".join(lines), rank=culprit.rank, returncode=culprit.returncode)
 
 
-def _log_excerpt(log_dir: Path, rank: int) -> str:
-    path = log_dir / f"node{rank}.log"
+def _log_excerpt(log_dir: Path, rank: int | str) -> str:
+    path = log_dir / (rank if isinstance(rank, str) else f"node{rank}.log")
     try:
         with open(path, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
@@ -204,7 +255,7 @@ class _NodeProcesses:
 
     def start(self) -> None:
         for spec in self.specs:
-            log = open(self.log_dir / f"node{spec.rank}.log", "wb")
+            log = open(self.log_dir / spec.log_name, "wb")
             self._logs.append(log)
             self.procs.append(subprocess.Popen(spec.argv, env=spec.env, stdin=subprocess.DEVNULL, stdout=log,
                                                stderr=subprocess.STDOUT, start_new_session=True))

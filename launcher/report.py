@@ -90,13 +90,26 @@ def build_report(out_dir: Path, nodes: int, config: dict | None, wall_seconds: f
         str(rank): [[r["step"], r["loss"]] for r in records if "step" in r and "loss" in r]
         for rank, records in progress.items()
     }
-    return {
+    history = {"steps": steps, "consensus_distance": distances, "loss": loss_history}
+    for key in ("staleness", "pi_median"):  # asynchronous parameter-server workers (GEM)
+        series = {str(rank): [[r["step"], r[key]] for r in records if "step" in r and r.get(key) is not None]
+                  for rank, records in progress.items()}
+        if any(series.values()):
+            history[key] = series
+    result = {
         "config": dict(config or {}),
         "nodes": summaries,
         "cluster": cluster,
-        "history": {"steps": steps, "consensus_distance": distances, "loss": loss_history},
+        "history": history,
         "warnings": warnings,
     }
+    ps_path = Path(out_dir) / "ps.json"
+    if ps_path.exists():
+        try:
+            result["ps"] = json.loads(ps_path.read_text())
+        except (OSError, ValueError) as exc:
+            warnings.append(f"parameter server: cannot read {ps_path.name} ({exc})")
+    return result
 
 
 def write_report(report: dict, out_dir: Path) -> Path:
@@ -126,8 +139,16 @@ def plot(report: dict, out_dir: Path) -> Path:
 
     history = report.get("history", {})
     cluster = report.get("cluster", {})
-    fig = Figure(figsize=(10, 4), dpi=100, layout="constrained")
-    loss_ax, consensus_ax = fig.subplots(1, 2)
+    extra = [key for key in ("staleness", "pi_median") if history.get(key)]
+    fig = Figure(figsize=(5 * (2 + len(extra)), 4), dpi=100, layout="constrained")
+    loss_ax, consensus_ax, *extra_axes = fig.subplots(1, 2 + len(extra))
+    for key, ax in zip(extra, extra_axes):
+        for rank, points in sorted(history[key].items(), key=lambda kv: int(kv[0])):
+            if points:
+                ax.plot(*zip(*points), linewidth=1, label=f"worker {rank}")
+        ax.set_xlabel("step")
+        ax.set_title({"staleness": "commit staleness τ (mean per log interval)",
+                      "pi_median": "median GEM scaling π"}[key])
     _plot_loss(loss_ax, history.get("loss", {}))
     _plot_consensus(consensus_ax, history.get("steps", []), history.get("consensus_distance", []),
                     cluster.get("relative_consensus_distance"))

@@ -1,9 +1,11 @@
 """The `p2ptrain` command: node, launch, bench.
 
-  p2ptrain node    run one node (flags, env RANK/WORLD_SIZE/P2PTRAIN_*, or --config FILE.toml)
+  p2ptrain node    run one node (flags, env RANK/WORLD_SIZE/P2PTRAIN_*, or --config FILE.toml);
+                   --role worker --ps HOST:PORT: an asynchronous parameter-server worker (GEM)
+  p2ptrain ps      run a parameter server for --world-size workers (GEM, seed 001)
   p2ptrain launch  run a local cluster of N node processes with live progress and a report
   p2ptrain bench   benchmarks (transport, algorithms)
-  p2ptrain reproduce  re-run a figure of the source documents (relaysgd)
+  p2ptrain reproduce  re-run a figure of the source documents (relaysgd, gem)
 """
 from __future__ import annotations
 
@@ -26,6 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
                                       "environment (RANK, WORLD_SIZE, P2PTRAIN_<SETTING>) < flags.")
     add_node_arguments(node)
     node.set_defaults(func=cmd_node)
+
+    ps = sub.add_parser("ps", help="run a parameter server (GEM) for --world-size workers",
+                        description="Serve the central variable θ (θ_0 from --model/--hidden/--dataset/--seed) "
+                                    "to --world-size asynchronous workers (`p2ptrain node --role worker`), "
+                                    "listening on --listen or the port of --ps-address; stop once every "
+                                    "worker is done, or after --peer-timeout seconds without any call. "
+                                    "Writes OUT/ps.json, OUT/ps.progress.jsonl, OUT/ps.snapshots.pt.")
+    add_node_arguments(ps)
+    ps.set_defaults(func=cmd_ps)
 
     launch = sub.add_parser("launch", help="run a local cluster of N node processes",
                             description="Run N node processes on free loopback ports, show live "
@@ -73,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "Dirichlet alpha", description=reproduce.__doc__)
     reproduce.add_arguments(relay)
     relay.set_defaults(func=cmd_reproduce_relaysgd)
+
+    from p2ptrain.bench import reproduce_gem
+
+    gem = repro_sub.add_parser("gem", help="seed 001 §4.1-4.2: GEM vs DOWNPOUR vs adaptive staleness vs the "
+                                           "synchronous proxy over worker counts", description=reproduce_gem.__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    reproduce_gem.add_arguments(gem)
+    gem.set_defaults(func=cmd_reproduce_gem)
     return parser
 
 
@@ -86,10 +105,33 @@ def cmd_node(args: argparse.Namespace) -> int:
     from p2ptrain.node import run_node
 
     config = _config_from_args(args)
+    if config.role == "ps":
+        return _serve_ps(config)
+    if config.role == "worker":
+        from p2ptrain.ps.worker import run_worker
+
+        summary = run_worker(config)
+        print(f"worker {config.rank} ({config.ps_policy}): test accuracy {summary['test_accuracy']:.4f}, final "
+              f"loss {summary['final_loss']}, mean staleness {summary.get('mean_staleness')}, "
+              f"median pi {summary.get('pi_median')}")
+        return 0
     summary = run_node(config)
     print(f"node {config.rank}: test accuracy {summary['test_accuracy']:.4f}, final loss "
           f"{summary['final_loss']:.4f}, {summary['mean_step_seconds'] * 1000:.1f} ms/step")
     return 0
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    return _serve_ps(_config_from_args(args, role="ps"))
+
+
+def _serve_ps(config: NodeConfig) -> int:
+    from p2ptrain.ps.server import run_ps
+
+    summary = run_ps(config)
+    print(f"parameter server: {summary['commits']} commits from {summary['workers_done']}/{summary['workers']} "
+          f"workers, mean staleness {summary['mean_staleness']}, test accuracy {summary['test_accuracy']:.4f}")
+    return 0 if summary["complete"] else 1
 
 
 def _node_flags_as_argv(args: argparse.Namespace) -> list[str]:
@@ -112,13 +154,24 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     if args.nodes < 1:
         raise ConfigError("--nodes must be >= 1")
-    placeholder_peers = [f"127.0.0.1:{20000 + i}" for i in range(args.nodes)]
-    config = _config_from_args(args, world_size=args.nodes, rank=0, peers=placeholder_peers)  # validate early
+    gem = args.algorithm == "gem"
+    if gem:  # one parameter server + --nodes workers
+        config = _config_from_args(args, world_size=args.nodes, rank=0, role="worker",
+                                   ps_address="127.0.0.1:20000")  # validate early
+    else:
+        placeholder_peers = [f"127.0.0.1:{20000 + i}" for i in range(args.nodes)]
+        config = _config_from_args(args, world_size=args.nodes, rank=0, peers=placeholder_peers)
     shown = {k: v for k, v in config.to_dict().items() if k not in ("rank", "peers", "listen", "out",
-                                                                    "metrics_port")}
+                                                                    "metrics_port", "role", "ps_address")}
+    node_args = _node_flags_as_argv(args)
+    extra = {}
+    if gem:
+        from launcher.local import parameter_server_cluster
+
+        extra = parameter_server_cluster(args.nodes, Path(args.out), node_args, metrics=not args.no_metrics)
     try:
-        report = run_local_cluster(args.nodes, Path(args.out), _node_flags_as_argv(args), config=shown,
-                                   metrics=not args.no_metrics, live=args.live, timeout=args.timeout)
+        report = run_local_cluster(args.nodes, Path(args.out), node_args, config=shown,
+                                   metrics=not args.no_metrics, live=args.live, timeout=args.timeout, **extra)
     except ClusterError as exc:
         print(f"p2ptrain launch: {exc}", file=sys.stderr)
         return 1
@@ -144,6 +197,12 @@ def cmd_bench_algorithms(args: argparse.Namespace) -> int:
 
 def cmd_reproduce_relaysgd(args: argparse.Namespace) -> int:
     from p2ptrain.bench.reproduce import main as reproduce_main
+
+    return reproduce_main(args)
+
+
+def cmd_reproduce_gem(args: argparse.Namespace) -> int:
+    from p2ptrain.bench.reproduce_gem import main as reproduce_main
 
     return reproduce_main(args)
 

@@ -18,13 +18,22 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from p2ptrain.algorithms import ALGORITHM_NAMES, ALGORITHM_TOPOLOGIES, default_topology
 from p2ptrain.algorithms.allreduce import AVERAGE_WHAT
+from p2ptrain.algorithms.gem import DEFAULT_CLAMP as GEM_DEFAULT_CLAMP
+from p2ptrain.algorithms.gem import DEFAULT_EPSILON as GEM_DEFAULT_EPSILON
+from p2ptrain.algorithms.gem import FLOAT32_TINY
+from p2ptrain.algorithms.gem import POLICIES as GEM_POLICIES
+from p2ptrain.algorithms.gem import parse_clamp
 from p2ptrain.compression import CODECS
 from p2ptrain.topology import TOPOLOGY_NAMES
 
 if TYPE_CHECKING:
     from p2ptrain.transport.faults import LinkTable
 
-ALGORITHMS = ALGORITHM_NAMES
+# Peer algorithms, plus gem: asynchronous workers around a parameter server (p2ptrain.ps), which
+# `launch` runs as one `p2ptrain ps` process and --nodes `--role worker` processes.
+ALGORITHMS = (*ALGORITHM_NAMES, "gem")
+ROLES = ("peer", "ps", "worker")  # peer: decentralized node; ps / worker: parameter server (GEM, seed 001)
+PS_POLICIES = GEM_POLICIES
 MODELS = ("mlp", "cnn")
 DATASETS = ("synthetic", "mnist")
 DEVICES = ("auto", "cpu", "cuda")
@@ -52,6 +61,13 @@ class NodeConfig:
     average: str = "models"                          # allreduce: average models or gradients
     compression: str = "none"                        # allreduce / pipesgd: codec of every ring hop
     warmup_steps: int = 0                            # pipesgd: synchronous steps before pipelining
+    # Parameter server (GEM, seed 001): world_size = number of workers, rank = worker id
+    role: str = "peer"                               # peer | ps | worker
+    ps_address: str | None = None                    # host:port of the parameter server
+    ps_policy: str = "gem"                           # worker rule: gem | downpour | adaptive-staleness | proxy
+    gem_kappa: float = 1.0                           # κ: proxy energy amplification (App. B, eq. 27)
+    gem_epsilon: float = GEM_DEFAULT_EPSILON         # ε of π's denominator (Algorithm 1)
+    gem_clamp: str | None = GEM_DEFAULT_CLAMP        # "lo,hi": clamp π to [lo, hi]; None = unclamped
     # Training
     steps: int = 300
     model: str = "mlp"
@@ -88,7 +104,8 @@ class NodeConfig:
 
         need(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
         need(0 <= self.rank < self.world_size, f"rank {self.rank} outside 0..{self.world_size - 1}")
-        if self.world_size > 1 or self.peers:
+        need(self.role in ROLES, f"unknown role {self.role!r}; choose from {ROLES}")
+        if self.role == "peer" and (self.world_size > 1 or self.peers):
             need(len(self.peers) == self.world_size,
                  f"--peers lists {len(self.peers)} addresses but world size is {self.world_size}: "
                  "give one host:port per node, in rank order")
@@ -97,10 +114,14 @@ class NodeConfig:
                 need(bool(sep and host and port.isdigit() and 0 < int(port) < 65536),
                      f"peer address {addr!r} is not host:port")
             need(len(set(self.peers)) == len(self.peers), "peer addresses must be distinct")
+        self._validate_ps(need)
         need(self.algorithm in ALGORITHMS, f"unknown algorithm {self.algorithm!r}; choose from {ALGORITHMS}")
         need(self.topology is None or self.topology in TOPOLOGY_NAMES,
              f"unknown topology {self.topology!r}; choose from {TOPOLOGY_NAMES}")
-        if self.algorithm in ALGORITHMS:
+        if self.algorithm == "gem":
+            need(self.role != "peer", "--algorithm gem runs as a parameter server (p2ptrain ps) and workers "
+                                      "(--role worker), or through p2ptrain launch")
+        elif self.algorithm in ALGORITHMS:
             allowed = ALGORITHM_TOPOLOGIES[self.algorithm]
             need(self.resolved_topology in allowed,
                  f"{self.algorithm} cannot run on topology {self.topology!r}; choose from {allowed}")
@@ -130,6 +151,32 @@ class NodeConfig:
             raise ConfigError(f"link emulation: {exc}") from None
         return self
 
+    def _validate_ps(self, need) -> None:
+        need(self.ps_policy in PS_POLICIES, f"unknown ps_policy {self.ps_policy!r}; choose from {PS_POLICIES}")
+        if self.ps_address is not None:
+            host, sep, port = self.ps_address.rpartition(":")
+            need(bool(sep and host and port.isdigit() and 0 < int(port) < 65536),
+                 f"ps_address {self.ps_address!r} is not host:port")
+        if self.role == "worker" and self.ps_policy != "proxy":
+            need(self.ps_address is not None, "a worker needs --ps-address HOST:PORT of the parameter server")
+        if self.role == "ps":
+            need(bool(self.listen or self.ps_address), "the parameter server needs --listen or --ps-address")
+            need(self.ps_policy != "proxy", "--ps-policy proxy trains on one worker process without a parameter "
+                                            "server; run it with --role worker")
+        if self.ps_policy == "proxy" and self.role == "worker":
+            need(self.world_size == 1, "--ps-policy proxy is synchronous momentum SGD on one process: use "
+                                       "--world-size 1 (its batch is --batch-size)")
+        need(self.gem_kappa >= 0 and self.gem_kappa < float("inf"),
+             f"gem_kappa must be a finite number >= 0, got {self.gem_kappa}")
+        need(FLOAT32_TINY <= self.gem_epsilon < float("inf"),
+             f"gem_epsilon must be a normal float32 > 0 (>= {FLOAT32_TINY:.3g}), got {self.gem_epsilon}")
+        need(self.role == "peer" or self.momentum < 1,
+             f"momentum μ must be < 1 for a parameter-server worker, got {self.momentum}")
+        try:
+            parse_clamp(self.gem_clamp)
+        except ValueError as exc:
+            raise ConfigError(f"gem_clamp: {exc}") from None
+
     def link_table(self) -> "LinkTable | None":
         """The emulation of this node's outgoing links (seeded from `seed`); None when off."""
         if not self.link and not self.link_overrides:
@@ -142,6 +189,8 @@ class NodeConfig:
 
     @property
     def resolved_topology(self) -> str:
+        if self.algorithm not in ALGORITHM_TOPOLOGIES:  # gem: a star around the parameter server
+            return self.topology or "star"
         return self.topology or default_topology(self.algorithm)
 
     @property
@@ -272,6 +321,28 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, cluster_flags: bool =
                         f"scalar quantization (default {d.compression})")
     g.add_argument("--warmup-steps", type=int,
                    help=f"pipesgd: synchronous all-reduce steps before pipelining (default {d.warmup_steps})")
+    g = parser.add_argument_group("parameter server (GEM, seed 001)")
+    if cluster_flags:
+        g.add_argument("--role", choices=ROLES,
+                       help="peer: decentralized node; ps: parameter server for --world-size workers (same as "
+                            "`p2ptrain ps`); worker: asynchronous worker --rank of the server at --ps-address "
+                            f"(default {d.role})")
+        g.add_argument("--ps-address", "--ps", dest="ps_address", metavar="HOST:PORT",
+                       help="the parameter server (workers connect to it; the server listens on its port "
+                            "unless --listen is given)")
+    g.add_argument("--ps-policy", choices=PS_POLICIES,
+                   help="worker rule: gem = scale updates by π (Alg. 1), downpour = π 1, adaptive-staleness = "
+                        "the server applies Δθ/(τ+1), proxy = the target: momentum SGD (--lr, --momentum) on "
+                        f"one process, no server (default {d.ps_policy})")
+    g.add_argument("--gem-kappa", type=float, metavar="KAPPA",
+                   help=f"κ: amplifies the proxy energy, π = (κ|m| - |θ-s|)/(|Δθ|+ε) (default {d.gem_kappa}); "
+                        "GEM's μ is --momentum")
+    g.add_argument("--gem-epsilon", type=float, metavar="EPS",
+                   help=f"ε in π's denominator; only acts where Δθ is ~0 (default {d.gem_epsilon:g})")
+    g.add_argument("--gem-clamp", metavar="LO,HI",
+                   help="clamp π element-wise to [LO, HI]; 'none' = the paper's unclamped formula, whose negative "
+                        f"π amplify the drift and diverge with several workers (default {d.gem_clamp}, as the "
+                        "authors' code)")
     g = parser.add_argument_group("training")
     g.add_argument("--steps", type=int, help=f"training steps (default {d.steps})")
     g.add_argument("--model", choices=MODELS, help=f"model (default {d.model})")
@@ -286,7 +357,8 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, cluster_flags: bool =
     g.add_argument("--batch-size", type=int, help=f"per-node batch size (default {d.batch_size})")
     g.add_argument("--lr", type=float,
                    help="learning rate (default per model: " + ", ".join(f"{m} {v}" for m, v in DEFAULT_LR.items()) + ")")
-    g.add_argument("--momentum", type=float, help=f"SGD momentum (default {d.momentum})")
+    g.add_argument("--momentum", type=float,
+                   help=f"SGD momentum; for ps workers GEM's μ and the proxy's momentum (default {d.momentum})")
     g.add_argument("--weight-decay", type=float, help=f"SGD weight decay (default {d.weight_decay})")
     g.add_argument("--seed", type=int, help=f"seed of model init, data and shards (default {d.seed})")
     g.add_argument("--device", choices=DEVICES, help="auto = cuda when available, else cpu (default auto)")

@@ -84,3 +84,69 @@ class NodeMetrics:
     def serve(self, port: int, addr: str = "0.0.0.0"):
         """Serve /metrics on `port` (0 picks a free one); returns (server, thread)."""
         return start_http_server(port, addr=addr, registry=self.registry)
+
+
+# Parameter server (GEM, seed 001) ------------------------------------------------------------------
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+
+
+class PsMetrics:
+    """Series of the parameter server, labelled per worker: rate(p2ptrain_commits_total[1m]) is
+    commits per second. Commits are applied on the server's event loop, so no locking is needed."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.commits = Counter("p2ptrain_commits", "Commits applied to the central variable", ["worker"],
+                               registry=r)
+        self.staleness = Histogram("p2ptrain_commit_staleness",
+                                   "Staleness τ of applied commits: versions applied between the update's "
+                                   "base version and the commit", ["worker"], buckets=STALENESS_BUCKETS,
+                                   registry=r)
+        self.pull_bytes = Counter("p2ptrain_pull_bytes", "Central-variable bytes sent to a worker by Pull",
+                                  ["worker"], registry=r)
+        self.commit_bytes = Counter("p2ptrain_commit_bytes", "Update bytes of applied commits", ["worker"],
+                                    registry=r)
+        self.rejected_commits = Counter("p2ptrain_rejected_commits",
+                                        "Commits rejected or aborted (nothing applied), by reason", ["reason"],
+                                        registry=r)
+        self.version = Gauge("p2ptrain_ps_version", "Version of the central variable (commits applied)",
+                             registry=r)
+        self.workers_done = Gauge("p2ptrain_ps_workers_done", "Workers that said they are done", registry=r)
+
+    def on_pull(self, worker: int, nbytes: int) -> None:
+        self.pull_bytes.labels(str(worker)).inc(nbytes)
+
+    def on_commit(self, worker: int, nbytes: int, staleness: int, version: int) -> None:
+        self.commits.labels(str(worker)).inc()
+        self.commit_bytes.labels(str(worker)).inc(nbytes)
+        self.staleness.labels(str(worker)).observe(staleness)
+        self.version.set(version)
+
+    def on_rejected(self, reason: str) -> None:
+        self.rejected_commits.labels(reason).inc()
+
+    def on_done(self, workers_done: int) -> None:
+        self.workers_done.set(workers_done)
+
+    def serve(self, port: int, addr: str = "0.0.0.0"):
+        return start_http_server(port, addr=addr, registry=self.registry)
+
+
+class WorkerMetrics(NodeMetrics):
+    """A parameter-server worker: NodeMetrics (commits count as sent to peer "ps", pulls as received
+    from it) plus GEM's median scaling factor and the staleness the server reported."""
+
+    def __init__(self, node: int | str, algorithm: str = "gem", registry: CollectorRegistry | None = None):
+        super().__init__(node, algorithm, registry)
+        r = self.registry
+        self.pi_median = Gauge("p2ptrain_gem_pi_median",
+                               "Median scaling factor π of the latest commit (1 for downpour, 1/(τ+1) for "
+                               "adaptive staleness)", ["node", "algorithm"], registry=r)
+        self.worker_staleness = Gauge("p2ptrain_worker_staleness",
+                                      "Staleness τ of this worker's latest commit, as the server applied it",
+                                      ["node"], registry=r)
+
+    def on_commit(self, pi_median: float, staleness: int) -> None:
+        self.pi_median.labels(self.node, self.algorithm).set(pi_median)
+        self.worker_staleness.labels(self.node).set(staleness)

@@ -88,11 +88,34 @@ class ProgressWriter:
             self._file.close()
 
 
-def run_node(config: NodeConfig) -> dict:
-    """Train one node end to end; returns (and writes) its summary."""
+def training_setup(config: NodeConfig):
+    """(train loader of this rank's shard, test loader, model on its device, device): the same for
+    every role, so peers, parameter-server workers and the proxy train on identical data/models."""
     from p2ptrain.train.data import build_dataset, node_shard
     from p2ptrain.train.models import build_model
 
+    splits = build_dataset(config.dataset, config.data_dir, seed=config.seed,
+                           num_train=config.num_train, num_test=config.num_test)
+    if config.dirichlet_alpha is None:
+        shard = node_shard(splits.train, config.rank, config.world_size, seed=config.seed)
+    else:
+        from p2ptrain.train.partition import dirichlet_shard
+
+        shard = dirichlet_shard(splits.train, config.rank, config.world_size, config.dirichlet_alpha,
+                                seed=config.seed)
+    device = pick_device(config.device)
+    generator = torch.Generator().manual_seed(config.seed * 1_000_003 + config.rank)
+    loader = torch.utils.data.DataLoader(shard, batch_size=config.batch_size, shuffle=True,
+                                         drop_last=len(shard) >= config.batch_size, generator=generator,
+                                         pin_memory=device.type == "cuda")
+    test_loader = torch.utils.data.DataLoader(splits.test, batch_size=512)
+    torch.manual_seed(config.seed)  # identical initial model on every node (and θ_0 on the server)
+    model = build_model(config.model, splits.input_shape, splits.num_classes, hidden=config.hidden).to(device)
+    return loader, test_loader, model, device
+
+
+def run_node(config: NodeConfig) -> dict:
+    """Train one node end to end; returns (and writes) its summary."""
     torch.set_num_threads(config.threads)
     out = Path(config.out) if config.out else None
     if out:
@@ -100,25 +123,8 @@ def run_node(config: NodeConfig) -> dict:
     progress = ProgressWriter(out, config.rank)
     started = time.time()
     try:
-        splits = build_dataset(config.dataset, config.data_dir, seed=config.seed,
-                               num_train=config.num_train, num_test=config.num_test)
-        if config.dirichlet_alpha is None:
-            shard = node_shard(splits.train, config.rank, config.world_size, seed=config.seed)
-        else:
-            from p2ptrain.train.partition import dirichlet_shard
-
-            shard = dirichlet_shard(splits.train, config.rank, config.world_size, config.dirichlet_alpha,
-                                    seed=config.seed)
-        device = pick_device(config.device)
-        generator = torch.Generator().manual_seed(config.seed * 1_000_003 + config.rank)
-        loader = torch.utils.data.DataLoader(shard, batch_size=config.batch_size, shuffle=True,
-                                             drop_last=len(shard) >= config.batch_size, generator=generator,
-                                             pin_memory=device.type == "cuda")
-        test_loader = torch.utils.data.DataLoader(splits.test, batch_size=512)
-        torch.manual_seed(config.seed)  # identical initial model on every node
-        model = build_model(config.model, splits.input_shape, splits.num_classes, hidden=config.hidden)
+        loader, test_loader, model, device = training_setup(config)
         with Node(config, device=device) as node:
-            model = model.to(device)
             optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=config.momentum,
                                         weight_decay=config.weight_decay)
             trainer = DecentralizedTrainer(model, optimizer, node.algorithm(), device=device, metrics=node.metrics)

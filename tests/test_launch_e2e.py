@@ -99,3 +99,15 @@ def test_every_algorithm_trains_the_demo_task(tmp_path, algorithm, extra):
         assert cluster["consensus_distance"] == 0.0, cluster
     else:
         assert 0 < cluster["relative_consensus_distance"] < 0.2, cluster
+
+
+@pytest.mark.timeout(400)
+def test_parameter_server_with_eight_gem_workers_trains(tmp_path):
+    report = launch(tmp_path, "--nodes", "8", "--algorithm", "gem", "--ps-policy", "gem", "--steps", "60",
+                    "--num-train", "4000", "--batch-size", "64", "--log-every", "10", "--no-metrics")
+    ps = report["ps"]
+    assert ps["complete"] and ps["workers_done"] == 8
+    assert ps["commits"] == 8 * 60  # every worker step committed exactly once
+    assert ps["test_accuracy"] > 0.5, ps
+    assert report["history"]["staleness"] and report["history"]["pi_median"]
+    assert all(n["test_accuracy"] > 0.4 for n in report["nodes"]), report["nodes"]

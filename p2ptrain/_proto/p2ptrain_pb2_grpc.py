@@ -141,3 +141,166 @@ class Peer:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ParameterServerStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Pull = channel.unary_stream(
+                '/p2ptrain.v1.ParameterServer/Pull',
+                request_serializer=p2ptrain__pb2.PullRequest.SerializeToString,
+                response_deserializer=p2ptrain__pb2.TensorChunk.FromString,
+                _registered_method=True)
+        self.Commit = channel.stream_unary(
+                '/p2ptrain.v1.ParameterServer/Commit',
+                request_serializer=p2ptrain__pb2.TensorChunk.SerializeToString,
+                response_deserializer=p2ptrain__pb2.CommitReply.FromString,
+                _registered_method=True)
+        self.Done = channel.unary_unary(
+                '/p2ptrain.v1.ParameterServer/Done',
+                request_serializer=p2ptrain__pb2.DoneRequest.SerializeToString,
+                response_deserializer=p2ptrain__pb2.DoneReply.FromString,
+                _registered_method=True)
+
+
+class ParameterServerServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Pull(self, request, context):
+        """The central variable θ: TensorChunk{header (kind PS_PARAMS, step = version)}, then data chunks.
+        A consistent snapshot: commits applied while it streams are not in it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request_iterator, context):
+        """One update: TensorChunk{header (kind PS_COMMIT, sender = worker, step = base version)}, then data
+        chunks. Applied whole, after the last chunk arrived, or not at all.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Done(self, request, context):
+        """The worker has finished; the server stops once every expected worker said so.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ParameterServerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Pull': grpc.unary_stream_rpc_method_handler(
+                    servicer.Pull,
+                    request_deserializer=p2ptrain__pb2.PullRequest.FromString,
+                    response_serializer=p2ptrain__pb2.TensorChunk.SerializeToString,
+            ),
+            'Commit': grpc.stream_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=p2ptrain__pb2.TensorChunk.FromString,
+                    response_serializer=p2ptrain__pb2.CommitReply.SerializeToString,
+            ),
+            'Done': grpc.unary_unary_rpc_method_handler(
+                    servicer.Done,
+                    request_deserializer=p2ptrain__pb2.DoneRequest.FromString,
+                    response_serializer=p2ptrain__pb2.DoneReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'p2ptrain.v1.ParameterServer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('p2ptrain.v1.ParameterServer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ParameterServer:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Pull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/p2ptrain.v1.ParameterServer/Pull',
+            p2ptrain__pb2.PullRequest.SerializeToString,
+            p2ptrain__pb2.TensorChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/p2ptrain.v1.ParameterServer/Commit',
+            p2ptrain__pb2.TensorChunk.SerializeToString,
+            p2ptrain__pb2.CommitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Done(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/p2ptrain.v1.ParameterServer/Done',
+            p2ptrain__pb2.DoneRequest.SerializeToString,
+            p2ptrain__pb2.DoneReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -26,24 +26,30 @@ class VariantResult:
     consensus_distance: float | None
     wall_seconds: float
     error: str | None = None
+    final_loss: float = math.nan  # mean over nodes of the training loss of the last steps
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def run_variant(name: str, nodes: int, steps: int, node_args: list[str], out_dir: Path, *,
-                timeout: float | None = None, keep: bool = True, echo=None) -> VariantResult:
-    """Run one cluster; a failed run comes back with `error` set rather than aborting the sweep."""
+                timeout: float | None = None, keep: bool = True, echo=None,
+                parameter_server: bool = False) -> VariantResult:
+    """Run one cluster; a failed run comes back with `error` set rather than aborting the sweep.
+    With `parameter_server` the nodes are asynchronous workers around one `p2ptrain ps`, and the
+    test accuracy is that of the server's final θ."""
     from launcher import run_local_cluster
-    from launcher.local import ClusterError
+    from launcher.local import ClusterError, parameter_server_cluster
 
     run_dir = Path(out_dir) / _slug(name)
     if run_dir.exists():
         shutil.rmtree(run_dir)
     args = ["--steps", str(steps), *node_args]
     log = io.StringIO()
+    extra = parameter_server_cluster(nodes, run_dir, args, metrics=False) if parameter_server else {}
     try:
-        report = run_local_cluster(nodes, run_dir, args, metrics=False, live=False, timeout=timeout, stream=log)
+        report = run_local_cluster(nodes, run_dir, args, metrics=False, live=False, timeout=timeout, stream=log,
+                                   **extra)
     except ClusterError as exc:
         if echo:
             echo(log.getvalue()[-2000:])
@@ -64,7 +70,10 @@ def run_variant(name: str, nodes: int, steps: int, node_args: list[str], out_dir
         min_test_accuracy=min((s["test_accuracy"] for s in summaries if s.get("test_accuracy") is not None),
                               default=math.nan),
         consensus_distance=cluster.get("relative_consensus_distance"),
-        wall_seconds=cluster.get("wall_seconds", math.nan))
+        wall_seconds=cluster.get("wall_seconds", math.nan), final_loss=mean("final_loss"))
+    if parameter_server and isinstance(report.get("ps"), dict):
+        accuracy = report["ps"].get("test_accuracy")
+        result.test_accuracy = result.min_test_accuracy = math.nan if accuracy is None else accuracy
     if not keep:
         shutil.rmtree(run_dir, ignore_errors=True)
     return result

@@ -1,0 +1,569 @@
+"""The parameter server: central variable θ (flat float32) and its version, served over gRPC.
+
+Pull streams a consistent snapshot of θ with its version; Commit receives a worker's update into a
+buffer and applies it only once the stream is complete and valid, in one synchronous step on the
+server's event loop: commits are applied one at a time, never torn, never lost, and each is recorded
+with its staleness τ = (version when applied) − (version its gradient was computed at).
+
+Everything of grpc.aio lives on one dedicated event-loop thread (uvloop when available), like the
+node Transport; the owning thread talks to it through ParameterServer's blocking methods.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import hashlib
+import json
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+
+from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.algorithms.gem import staleness_scale
+from p2ptrain.transport.framing import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, DecodedChunk, FramingError,
+                                        check_chunk_bytes, deserialize_chunk, encode_header, iter_data_chunks,
+                                        serialize_identity, tensor_bytes)
+from p2ptrain.transport.inbox import BufferPool, Reception, Rejection
+from p2ptrain.transport.runtime import TransportOptions, _new_loop
+from p2ptrain.transport.server import PROTOCOL_VERSION
+
+log = logging.getLogger(__name__)
+
+PS_SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name  # "p2ptrain.v1.ParameterServer"
+PULL_METHOD = f"/{PS_SERVICE_NAME}/Pull"
+COMMIT_METHOD = f"/{PS_SERVICE_NAME}/Commit"
+DONE_METHOD = f"/{PS_SERVICE_NAME}/Done"
+_ITEMSIZE = 4  # θ is float32
+_DEDUP_WINDOW = 64  # remembered message ids per worker (a retried commit is acknowledged, not re-applied)
+_RECENT = 256  # commits in the "recent" staleness mean
+
+
+def grpc_options() -> list[tuple[str, object]]:
+    """Channel / server options of both sides: messages up to the largest chunk any peer may use
+    (so a worker and the server need not agree on --chunk-mb), the node transport's keepalive."""
+    return TransportOptions(chunk_bytes=MAX_CHUNK_BYTES).channel_options()
+
+
+def ps_fingerprint(config) -> str:
+    """Hash of the settings the server and its workers must share: the model (θ's layout) and the
+    data sharding (data set, size, seed, Dirichlet α, number of workers = world size)."""
+    shared = {k: getattr(config, k) for k in ("world_size", "model", "hidden", "dataset", "num_train", "seed",
+                                               "dirichlet_alpha")}
+    return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class AppliedCommit:
+    """One applied commit: `applied_at` is θ's version just before it (0 for the first commit), so
+    the applied_at of all commits are exactly 0, 1, 2, ...; staleness = applied_at − base_version."""
+
+    worker: int
+    base_version: int
+    applied_at: int
+    staleness: int
+    scale: float
+    message_id: int
+
+    def reply(self, status: int = pb.Ack.STATUS_ACCEPTED, nbytes: int = 0) -> pb.CommitReply:
+        return pb.CommitReply(ack=pb.Ack(status=status, message_id=self.message_id, bytes_received=nbytes),
+                              version=self.applied_at + 1, staleness=self.staleness, scale=self.scale)
+
+
+class CentralVariable:
+    """θ, its version and the commit book-keeping. Used only on the server's event-loop thread,
+    where every method runs to completion without awaiting: that is what makes an apply atomic."""
+
+    def __init__(self, theta: torch.Tensor, workers: int, *, snapshot_every: int = 0, keep_log: bool = False):
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.theta = theta.detach().to("cpu", torch.float32, copy=True).contiguous().reshape(-1)
+        if self.theta.numel() == 0:
+            raise ValueError("the central variable is empty")
+        self.numel = self.theta.numel()
+        self.nbytes = self.numel * _ITEMSIZE
+        self.workers = workers
+        self.version = 0
+        self.pool = BufferPool()
+        self.pool.preallocate(self.nbytes, 2)
+        self._snapshot: tuple[int, torch.Tensor] | None = None
+        self._in_progress: set[tuple[int, int]] = set()
+        self._seen: dict[int, collections.OrderedDict[int, AppliedCommit]] = collections.defaultdict(
+            collections.OrderedDict)
+        self.staleness_counts: collections.Counter[int] = collections.Counter()
+        self.rejections: collections.Counter[str] = collections.Counter()
+        self.scalings: collections.Counter[str] = collections.Counter()
+        self.commits_per_worker = [0] * workers
+        self.recent_staleness: collections.deque[int] = collections.deque(maxlen=_RECENT)
+        self.pull_bytes = 0
+        self.commit_bytes = 0
+        self.done: dict[int, int] = {}  # worker -> steps it reported
+        self.last_activity = time.monotonic()
+        self.log: list[AppliedCommit] | None = [] if keep_log else None
+        self.snapshot_every = snapshot_every
+        self.snapshots: dict[int, torch.Tensor] = {0: self.theta.clone()} if snapshot_every else {}
+
+    # Pull -------------------------------------------------------------------------------------
+    def snapshot(self) -> tuple[int, torch.Tensor]:
+        """(version, θ at that version): a copy made at most once per version, never written again,
+        so streaming it while later commits apply cannot tear it."""
+        if self._snapshot is None or self._snapshot[0] != self.version:
+            self._snapshot = (self.version, self.theta.clone())
+        return self._snapshot
+
+    def check_worker(self, worker: int) -> None:
+        if not 0 <= worker < self.workers:
+            raise Rejection("unknown_worker", f"worker {worker} is not one of the {self.workers} workers "
+                                              f"(ids 0..{self.workers - 1}) this server expects")
+
+    # Commit -----------------------------------------------------------------------------------
+    def open_commit(self, header: pb.TensorHeader) -> Reception:
+        """Validate a commit header and reserve a receive buffer; raises Rejection."""
+        self.last_activity = time.monotonic()
+        if header.kind != pb.MESSAGE_KIND_PS_COMMIT:
+            raise Rejection("unexpected_kind", f"a commit must be of kind MESSAGE_KIND_PS_COMMIT, got {header.kind}")
+        self.check_worker(header.sender)
+        if header.dtype != pb.DTYPE_FLOAT32:
+            raise Rejection("bad_dtype", f"the central variable is float32, got wire dtype {header.dtype}")
+        if header.codec != pb.CODEC_NONE:
+            raise Rejection("bad_codec", "commits are uncompressed (CODEC_NONE)")
+        if header.numel != self.numel or (header.shape and math.prod(header.shape) != header.numel):
+            raise Rejection("bad_size", f"expected {self.numel} elements, got numel {header.numel} shape "
+                                        f"{list(header.shape)}")
+        if header.payload_bytes != self.nbytes:
+            raise Rejection("bad_size", f"expected {self.nbytes} payload bytes, got {header.payload_bytes}")
+        if header.commit_scaling not in pb.CommitScaling.values():
+            raise Rejection("bad_scaling", f"unknown commit scaling {header.commit_scaling}")
+        if header.step > self.version:
+            raise Rejection("future_version", f"base version {header.step} is newer than θ's version {self.version}")
+        key = (header.sender, header.message_id)
+        if header.message_id in self._seen[header.sender]:
+            raise Rejection("duplicate", f"commit {header.message_id} of worker {header.sender} was applied already")
+        if key in self._in_progress:
+            raise Rejection("duplicate", f"commit {header.message_id} of worker {header.sender} is being received")
+        self._in_progress.add(key)
+        return Reception(self, header, self.pool.acquire(self.nbytes))
+
+    def abort(self, reception: Reception) -> None:
+        """Drop a partial or rejected commit: nothing of it reaches θ."""
+        self._in_progress.discard((reception.header.sender, reception.header.message_id))
+        self.pool.release(reception.buffer)
+
+    def apply(self, reception: Reception) -> AppliedCommit:
+        """Apply a completely received commit, or reject it whole; returns its record."""
+        header = reception.header
+        try:
+            if not reception.complete():
+                raise Rejection("truncated", f"stream ended after {reception.received} of {header.payload_bytes} "
+                                             "payload bytes")
+            update = reception.buffer.view(torch.float32)
+            if not bool(torch.isfinite(update).all()):
+                raise Rejection("non_finite", f"the update of worker {header.sender} holds NaN or Inf")
+            tau = self.version - header.step
+            if header.commit_scaling == pb.COMMIT_SCALING_STALENESS:
+                scale = staleness_scale(tau)
+                self.theta.add_(update, alpha=scale)
+            else:
+                scale = 1.0
+                self.theta.add_(update)
+        finally:
+            self.abort(reception)  # buffer back to the pool, id no longer in progress
+        record = AppliedCommit(worker=header.sender, base_version=header.step, applied_at=self.version,
+                               staleness=tau, scale=scale, message_id=header.message_id)
+        self.version += 1
+        seen = self._seen[header.sender]
+        seen[header.message_id] = record
+        while len(seen) > _DEDUP_WINDOW:
+            seen.popitem(last=False)
+        self.staleness_counts[tau] += 1
+        self.recent_staleness.append(tau)
+        self.commits_per_worker[header.sender] += 1
+        self.scalings[pb.CommitScaling.Name(header.commit_scaling)] += 1
+        self.commit_bytes += self.nbytes
+        if self.log is not None:
+            self.log.append(record)
+        if self.snapshot_every and self.version % self.snapshot_every == 0:
+            self.snapshots[self.version] = self.theta.clone()
+        return record
+
+    def applied(self, worker: int, message_id: int) -> AppliedCommit | None:
+        return self._seen.get(worker, {}).get(message_id)
+
+    # Statistics -------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        total = sum(self.staleness_counts.values())
+        mean = sum(t * c for t, c in self.staleness_counts.items()) / total if total else math.nan
+        recent = sum(self.recent_staleness) / len(self.recent_staleness) if self.recent_staleness else math.nan
+        return {
+            "version": self.version, "commits": total, "workers": self.workers, "workers_done": len(self.done),
+            "mean_staleness": mean, "recent_staleness": recent,
+            "max_staleness": max(self.staleness_counts) if total else None,
+            "staleness_histogram": {str(t): self.staleness_counts[t] for t in sorted(self.staleness_counts)},
+            "commits_per_worker": list(self.commits_per_worker), "rejected": dict(self.rejections),
+            "scalings": dict(self.scalings), "pull_bytes": self.pull_bytes, "commit_bytes": self.commit_bytes,
+        }
+
+
+class ParameterServerService:
+    """gRPC handlers. A bad commit ends in a rejecting CommitReply (the server keeps serving); a bad
+    Pull / Done request is aborted with INVALID_ARGUMENT or FAILED_PRECONDITION."""
+
+    def __init__(self, state: CentralVariable, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, fingerprint: str = "",
+                 metrics=None, on_all_done=lambda: None):
+        self.state = state
+        self.chunk_bytes = check_chunk_bytes(chunk_bytes)
+        self.fingerprint = fingerprint
+        self.metrics = metrics
+        self.on_all_done = on_all_done
+
+    async def _refuse(self, context, rejection: Rejection, code=grpc.StatusCode.INVALID_ARGUMENT):
+        self.state.rejections[rejection.reason] += 1
+        if self.metrics is not None:
+            self.metrics.on_rejected(rejection.reason)
+        await context.abort(code, f"{rejection.reason}: {rejection.detail}")
+
+    async def pull(self, request: pb.PullRequest, context):
+        state = self.state
+        state.last_activity = time.monotonic()
+        try:
+            state.check_worker(request.worker)
+        except Rejection as rejection:
+            await self._refuse(context, rejection)
+        if request.protocol_version != PROTOCOL_VERSION:
+            await self._refuse(context, Rejection("incompatible", f"protocol {request.protocol_version!r} != "
+                                                                  f"{PROTOCOL_VERSION!r}"),
+                               grpc.StatusCode.FAILED_PRECONDITION)
+        if request.config_fingerprint and self.fingerprint and request.config_fingerprint != self.fingerprint:
+            await self._refuse(context, Rejection(
+                "incompatible", f"worker {request.worker}'s settings (fingerprint {request.config_fingerprint}) "
+                                f"differ from the server's ({self.fingerprint}): model, hidden, dataset, "
+                                "num_train, seed, dirichlet_alpha and world_size must agree"),
+                grpc.StatusCode.FAILED_PRECONDITION)
+        version, theta = state.snapshot()
+        payload = tensor_bytes(theta)
+        yield encode_header(pb.TensorHeader(
+            receiver=request.worker, step=version, kind=pb.MESSAGE_KIND_PS_PARAMS, dtype=pb.DTYPE_FLOAT32,
+            shape=[state.numel], numel=state.numel, payload_bytes=len(payload)))
+        for chunk in iter_data_chunks(payload, self.chunk_bytes):
+            yield chunk
+        state.pull_bytes += len(payload)
+        if self.metrics is not None:
+            self.metrics.on_pull(request.worker, len(payload))
+
+    async def commit(self, requests, context) -> pb.CommitReply:
+        state = self.state
+        reception = pending = None
+        header: pb.TensorHeader | None = None
+        try:
+            async for chunk in requests:
+                if isinstance(chunk, FramingError):
+                    raise Rejection("malformed_chunk", str(chunk))
+                assert isinstance(chunk, DecodedChunk)
+                if reception is None:
+                    if chunk.header is None:
+                        raise Rejection("missing_header", "the first chunk of a commit must be a header")
+                    header = chunk.header
+                    reception = state.open_commit(header)
+                elif chunk.header is not None:
+                    raise Rejection("unexpected_header", "a second header inside one commit")
+                else:
+                    reception.write(chunk.data)
+            if reception is None:
+                raise Rejection("empty_stream", "commit stream closed before any header")
+            pending, reception = reception, None  # apply() releases it whatever happens
+            record = state.apply(pending)  # synchronous: no other coroutine runs until θ is updated
+            state.last_activity = time.monotonic()
+            if self.metrics is not None:
+                self.metrics.on_commit(record.worker, state.nbytes, record.staleness, state.version)
+            return record.reply(nbytes=pending.received)
+        except Rejection as rejection:
+            received = (reception or pending).received if (reception or pending) is not None else 0
+            if reception is not None:
+                state.abort(reception)
+            if rejection.reason == "duplicate" and header is not None:
+                previous = state.applied(header.sender, header.message_id)
+                if previous is not None:  # a retry of an applied commit: acknowledge with the original's record
+                    return previous.reply(pb.Ack.STATUS_DUPLICATE)
+            state.rejections[rejection.reason] += 1
+            if self.metrics is not None:
+                self.metrics.on_rejected(rejection.reason)
+            count = state.rejections[rejection.reason]
+            if count == 1 or count % 100 == 0:  # a diverged worker may send NaNs every step
+                log.warning("parameter server rejected a commit (%d so far for this reason): %s", count, rejection)
+            return pb.CommitReply(ack=pb.Ack(status=pb.Ack.STATUS_REJECTED, reason=rejection.reason,
+                                             detail=rejection.detail, bytes_received=received))
+        except BaseException:  # cancelled / connection lost mid-stream: nothing of it was applied
+            if reception is not None:
+                state.abort(reception)
+                state.rejections["aborted_stream"] += 1
+                if self.metrics is not None:
+                    self.metrics.on_rejected("aborted_stream")
+            raise
+
+    async def done(self, request: pb.DoneRequest, context) -> pb.DoneReply:
+        state = self.state
+        state.last_activity = time.monotonic()
+        try:
+            state.check_worker(request.worker)
+        except Rejection as rejection:
+            await self._refuse(context, rejection)
+        first = request.worker not in state.done
+        state.done[request.worker] = request.steps
+        if self.metrics is not None:
+            self.metrics.on_done(len(state.done))
+        if first and len(state.done) == state.workers:
+            self.on_all_done()
+        return pb.DoneReply(version=state.version, workers_done=len(state.done), workers=state.workers)
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(PS_SERVICE_NAME, {
+            "Pull": grpc.unary_stream_rpc_method_handler(
+                self.pull, request_deserializer=pb.PullRequest.FromString, response_serializer=serialize_identity),
+            "Commit": grpc.stream_unary_rpc_method_handler(
+                self.commit, request_deserializer=deserialize_chunk,
+                response_serializer=pb.CommitReply.SerializeToString),
+            "Done": grpc.unary_unary_rpc_method_handler(
+                self.done, request_deserializer=pb.DoneRequest.FromString,
+                response_serializer=pb.DoneReply.SerializeToString),
+        })
+
+
+class ParameterServer:
+    """Serves θ on `listen` from its own event-loop thread. start() binds (port 0 picks one: see
+    .port); wait() blocks until every worker said Done or nothing happened for `idle_timeout`."""
+
+    def __init__(self, theta: torch.Tensor, workers: int, *, listen: str = "[::]:0",
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, fingerprint: str = "", metrics=None,
+                 snapshot_every: int = 0, keep_log: bool = False, shutdown_grace: float = 2.0):
+        self.state = CentralVariable(theta, workers, snapshot_every=snapshot_every, keep_log=keep_log)
+        self.listen = listen
+        self.chunk_bytes = check_chunk_bytes(chunk_bytes)
+        self.fingerprint = fingerprint
+        self.metrics = metrics
+        self.shutdown_grace = shutdown_grace
+        self.port: int | None = None
+        self.all_done = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: grpc.aio.Server | None = None
+
+    # Lifecycle ------------------------------------------------------------------------------
+    def start(self, timeout: float = 30.0) -> "ParameterServer":
+        ready: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="p2ptrain-ps", daemon=True)
+        self._thread.start()
+        ready.result(timeout)  # re-raises a bind failure here
+        return self
+
+    def _run(self, ready: concurrent.futures.Future) -> None:
+        loop = self._loop = _new_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._start_server())
+        except BaseException as exc:  # noqa: BLE001 - hand any start-up failure to start()
+            ready.set_exception(exc)
+            loop.close()
+            return
+        ready.set_result(None)
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    async def _start_server(self) -> None:
+        server = grpc.aio.server(options=grpc_options() + [("grpc.so_reuseport", 0)])
+        service = ParameterServerService(self.state, chunk_bytes=self.chunk_bytes, fingerprint=self.fingerprint,
+                                         metrics=self.metrics, on_all_done=self.all_done.set)
+        server.add_generic_rpc_handlers((service.handler(),))
+        from grpc_reflection.v1alpha import reflection
+
+        reflection.enable_server_reflection((PS_SERVICE_NAME, reflection.SERVICE_NAME), server)
+        port = server.add_insecure_port(self.listen)
+        if port == 0:
+            raise OSError(f"parameter server could not listen on {self.listen}")
+        await server.start()
+        self._server, self.port = server, port
+
+    def stop(self) -> None:
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            return
+
+        async def shutdown() -> None:
+            if self._server is not None:
+                await self._server.stop(self.shutdown_grace)
+
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), loop).result(self.shutdown_grace + 10)
+        except Exception as exc:  # noqa: BLE001 - shutting down anyway
+            log.warning("unclean parameter-server shutdown: %s", exc)
+        loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def __enter__(self) -> "ParameterServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def wait(self, idle_timeout: float | None = None, poll: float = 0.2) -> bool:
+        """True once every worker said Done; False after `idle_timeout` seconds without any Pull,
+        Commit or Done (e.g. a worker died)."""
+        while not self.all_done.wait(poll):
+            if idle_timeout is not None and time.monotonic() - self.state.last_activity > idle_timeout:
+                return False
+        return True
+
+    # Thread-safe reads ------------------------------------------------------------------------
+    def call(self, fn, *args):
+        """Run fn(*args) on the server's loop (where the state lives) and return its result."""
+        if self._loop is None:
+            return fn(*args)
+
+        async def run():
+            return fn(*args)
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(30)
+
+    def stats(self) -> dict:
+        return self.call(self.state.stats)
+
+    def theta(self) -> tuple[int, torch.Tensor]:
+        """(version, a copy of θ)."""
+        return self.call(lambda: (self.state.version, self.state.theta.clone()))
+
+    def commit_log(self) -> list[AppliedCommit]:
+        return self.call(lambda: list(self.state.log or []))
+
+    def snapshots(self) -> dict[int, torch.Tensor]:
+        return self.call(lambda: dict(self.state.snapshots))
+
+
+# `p2ptrain ps` -------------------------------------------------------------------------------------
+def ps_listen_address(config) -> str:
+    """--listen, else all interfaces on the port of --ps-address."""
+    if config.listen:
+        return config.listen
+    if config.ps_address:
+        return f"[::]:{config.ps_address.rsplit(':', 1)[1]}"
+    raise ValueError("the parameter server needs --listen or --ps-address")
+
+
+def run_ps(config) -> dict:
+    """Serve θ_0 (the model that `model`, `hidden`, `dataset` and `seed` define, so every worker
+    builds the same architecture) to `world_size` workers until all of them said Done or nothing
+    happened for `peer_timeout` seconds. Writes OUT/ps.progress.jsonl (about once a second),
+    OUT/ps.json (commits, staleness histogram, final θ's test loss / accuracy) and
+    OUT/ps.snapshots.pt (θ every log_every × world_size versions); returns the summary."""
+    from p2ptrain.metrics import PsMetrics
+    from p2ptrain.train.data import build_dataset
+    from p2ptrain.train.flat import FlatParameters
+    from p2ptrain.train.models import build_model
+
+    torch.set_num_threads(config.threads)
+    out = Path(config.out) if config.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    progress = open(out / "ps.progress.jsonl", "a", buffering=1) if out else None
+
+    def write(**record) -> None:
+        if progress is not None:
+            progress.write(json.dumps({"role": "ps", "time": time.time(), **record}) + "\n")
+
+    started = time.time()
+    metrics_server = None
+    try:
+        splits = build_dataset(config.dataset, config.data_dir, seed=config.seed, num_train=config.num_train,
+                               num_test=config.num_test)
+        torch.manual_seed(config.seed)
+        model = build_model(config.model, splits.input_shape, splits.num_classes, hidden=config.hidden)
+        flat = FlatParameters(model)
+        metrics = PsMetrics()
+        metrics_port = None
+        if config.metrics_port is not None:
+            metrics_server, _ = metrics.serve(config.metrics_port)
+            metrics_port = metrics_server.server_port
+        server = ParameterServer(flat.get(), config.world_size, listen=ps_listen_address(config),
+                                 chunk_bytes=config.chunk_bytes, fingerprint=ps_fingerprint(config),
+                                 metrics=metrics, snapshot_every=config.log_every * config.world_size)
+        with server:
+            log.info("parameter server: %d parameters, %d workers, listening on port %d", flat.numel,
+                     config.world_size, server.port)
+            write(event="listening", port=server.port, numel=flat.numel, workers=config.world_size)
+            last_time, last_commits = time.monotonic(), 0
+            complete = False
+            while True:
+                if server.all_done.wait(1.0):
+                    complete = True
+                    break
+                stats = server.stats()
+                now = time.monotonic()
+                write(version=stats["version"], commits=stats["commits"],
+                      commits_per_second=(stats["commits"] - last_commits) / max(now - last_time, 1e-9),
+                      staleness=_finite_or_none(stats["recent_staleness"]), workers_done=stats["workers_done"],
+                      pull_bytes=stats["pull_bytes"], commit_bytes=stats["commit_bytes"])
+                last_time, last_commits = now, stats["commits"]
+                if now - server.state.last_activity > config.peer_timeout:
+                    log.warning("parameter server: nothing happened for %.0fs with %d of %d workers done; stopping",
+                                config.peer_timeout, stats["workers_done"], config.world_size)
+                    break
+            version, theta = server.theta()
+            stats = server.stats()
+            snapshots = server.snapshots()
+        flat.load(theta)
+        test_loss, test_accuracy = evaluate(model, torch.utils.data.DataLoader(splits.test, batch_size=512))
+        wall = time.time() - started
+        summary = {
+            "role": "ps", **stats, "complete": complete, "numel": flat.numel, "test_loss": test_loss,
+            "test_accuracy": test_accuracy, "wall_seconds": wall,
+            "commits_per_second": stats["commits"] / wall if wall > 0 else None, "metrics_port": metrics_port,
+            "port": server.port,
+        }
+        summary = {k: _finite_or_none(v) for k, v in summary.items()}
+        if out:
+            versions = sorted(snapshots)
+            if versions:
+                torch.save({"steps": versions, "params": torch.stack([snapshots[v] for v in versions])},
+                           out / "ps.snapshots.pt")
+            (out / "ps.json").write_text(json.dumps(summary, indent=2))
+        write(event="done" if complete else "incomplete", version=version)
+        return summary
+    except BaseException as exc:
+        write(event="error", message=f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        if progress is not None:
+            progress.close()
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, device: torch.device | str = "cpu") -> tuple[float, float]:
+    """(mean NLL loss, accuracy) of a log-probability model on `loader`; NaNs for an empty loader."""
+    import torch.nn.functional as F
+
+    model.eval()
+    total, correct, count = 0.0, 0, 0
+    for inputs, targets in loader:
+        inputs, targets = inputs.to(device), targets.to(device)
+        output = model(inputs)
+        total += float(F.nll_loss(output, targets, reduction="sum"))
+        correct += int((output.argmax(dim=1) == targets).sum())
+        count += targets.numel()
+    return (total / count, correct / count) if count else (math.nan, math.nan)
+
+
+def _finite_or_none(value):
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+__all__ = ["ParameterServer", "ParameterServerService", "CentralVariable", "AppliedCommit", "ps_fingerprint",
+           "run_ps", "grpc_options", "PS_SERVICE_NAME", "PULL_METHOD", "COMMIT_METHOD", "DONE_METHOD"]

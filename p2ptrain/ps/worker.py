@@ -1,0 +1,264 @@
+"""Asynchronous parameter-server workers (seed 001, Algorithm 1) and the proxy they are compared to.
+
+    m ← 0;  s ← Pull()
+    loop:   Δθ ← −η ∇L(s);   θ ← Pull();   Commit(Ψ(Δθ));   s ← θ
+
+Ψ is p2ptrain.algorithms.gem's rule for `--ps-policy` gem | downpour | adaptive-staleness. Each
+commit carries the version of s (the θ its gradient was computed at), so the server's staleness τ
+counts every commit applied since then, including this worker's own previous one (s was pulled
+before it was applied: with one worker τ = 1). The authors' code instead evaluates the next
+gradient at θ + the worker's own update; we follow Algorithm 1 as written.
+
+`--ps-policy proxy` is the target dynamics the workers are matched to (§3.1, eq. 14): synchronous
+momentum SGD, torch.optim.SGD(lr=η, momentum=μ), on one process with batch --batch-size (the
+worker batch b the proxy energy is estimated from, eq. 23; pass --batch-size n·b for the paper's
+large-batch comparison B = n·b). It needs no parameter server and writes the same files.
+
+Both write what `p2ptrain node` writes: OUT/node{rank}.progress.jsonl (step, time, loss, bytes,
+plus staleness = mean τ and pi_median over the last log_every steps), OUT/node{rank}.json and
+OUT/node{rank}.snapshots.pt (the worker's s every log_every steps).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.algorithms.gem import build_rule, parse_clamp
+from p2ptrain.ps.client import PsClient, PsError
+from p2ptrain.ps.server import evaluate, ps_fingerprint
+from p2ptrain.train.flat import FlatParameters
+from p2ptrain.train.loop import TrainResult, cycle
+
+log = logging.getLogger(__name__)
+
+
+def _training_setup(config):
+    """Data shard, loaders, model and device of worker `rank`, exactly as `p2ptrain node` builds them."""
+    from p2ptrain.node import training_setup
+
+    torch.set_num_threads(config.threads)
+    return training_setup(config)
+
+
+class _Report:
+    """Progress lines, summary and snapshots in the launcher's format (see p2ptrain.node.run_node)."""
+
+    def __init__(self, config):
+        from p2ptrain.node import ProgressWriter
+
+        self.config = config
+        self.out = Path(config.out) if config.out else None
+        if self.out:
+            self.out.mkdir(parents=True, exist_ok=True)
+        self.progress = ProgressWriter(self.out, config.rank)
+        self.result = TrainResult(steps=config.steps)
+        self.staleness: list[float] = []
+        self.pi: list[float] = []
+        self.started = time.time()
+
+    def step(self, step: int, loss: float, seconds: float, staleness: float, pi: float, **extra) -> None:
+        """Record finished step `step` (1-based); writes a progress line every log_every steps."""
+        self.result.losses.append(loss)
+        self.result.step_seconds.append(seconds)
+        self.staleness.append(staleness)
+        self.pi.append(pi)
+        every = self.config.log_every
+        if step % every == 0 or step == self.config.steps:
+            window = self.result.losses[-every:]
+            self.progress.write(step=step, time=time.time(), loss=sum(window) / len(window), step_seconds=seconds,
+                                staleness=_mean(self.staleness[-every:]), pi_median=_median(self.pi[-every:]),
+                                **extra)
+
+    def finish(self, summary: dict, snapshots: dict[int, torch.Tensor]) -> dict:
+        result = self.result
+        summary = {"rank": self.config.rank, "role": "worker", "policy": self.config.ps_policy,
+                   "steps": self.config.steps, "final_loss": result.final_loss,
+                   "mean_step_seconds": result.mean_step_seconds, "steady_step_seconds": result.steady_step_seconds,
+                   "mean_staleness": _mean(self.staleness), "pi_median": _median(self.pi),
+                   "wall_seconds": time.time() - self.started, **summary}
+        summary = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
+        if self.out:
+            steps = sorted(snapshots)
+            torch.save({"steps": steps, "params": torch.stack([snapshots[s] for s in steps])},
+                       self.out / f"node{self.config.rank}.snapshots.pt")
+            (self.out / f"node{self.config.rank}.json").write_text(json.dumps(summary, indent=2))
+        self.progress.write(event="done")
+        return summary
+
+    def error(self, exc: BaseException) -> None:
+        self.progress.write(event="error", message=f"{type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        self.progress.close()
+
+
+def run_worker(config) -> dict:
+    """Worker `rank` of `world_size` against the parameter server at `ps_address` (Algorithm 1);
+    `--ps-policy proxy` runs run_proxy instead. Returns (and writes) the summary."""
+    if config.ps_policy == "proxy":
+        return run_proxy(config)
+    from p2ptrain.metrics import WorkerMetrics
+
+    report = _Report(config)
+    metrics_server = None
+    client = None
+    try:
+        loader, test_loader, model, device = _training_setup(config)
+        rule = build_rule(config.ps_policy, kappa=config.gem_kappa, momentum=config.momentum,
+                          epsilon=config.gem_epsilon, clamp=parse_clamp(config.gem_clamp))
+        scaling = pb.COMMIT_SCALING_STALENESS if rule.server_scales_by_staleness else pb.COMMIT_SCALING_NONE
+        metrics = WorkerMetrics(config.rank, algorithm=config.ps_policy)
+        metrics_port = None
+        if config.metrics_port is not None:
+            metrics_server, _ = metrics.serve(config.metrics_port)
+            metrics_port = metrics_server.server_port
+        client = PsClient(config.ps_address, config.rank, chunk_bytes=config.chunk_bytes,
+                          fingerprint=ps_fingerprint(config), timeout=config.peer_timeout)
+        flat = FlatParameters(model)
+        nbytes = flat.numel * 4
+        host = torch.empty(flat.numel, dtype=torch.float32, pin_memory=device.type == "cuda")
+        theta = host if device.type == "cpu" else torch.empty(flat.numel, dtype=torch.float32, device=device)
+        lr, wd = config.learning_rate, config.weight_decay
+
+        def pull() -> int:
+            _, version = client.pull(host)
+            metrics.on_received("ps", nbytes)
+            if theta is not host:
+                theta.copy_(host, non_blocking=True)
+            return version
+
+        s_version = pull()  # s ← Pull()
+        flat.load(theta)
+        s = flat.get()  # s is the model's own flat buffer: the gradient below is ∇L(s)
+        snapshots = {0: s.detach().cpu().clone()}
+        batches = iter(cycle(loader))
+        rejected = 0
+        version = s_version
+        for step in range(config.steps):
+            started = time.perf_counter()
+            inputs, targets = next(batches)
+            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            model.train()
+            model.zero_grad(set_to_none=True)
+            loss = F.nll_loss(model(inputs), targets)
+            loss.backward()
+            delta = flat.grads()
+            if wd:
+                delta.add_(s, alpha=wd)
+            delta.mul_(-lr)  # Δθ ← −η ∇L(s)
+            version = pull()  # θ ← Pull()
+            update, pi = rule(delta, theta, s)
+            reply = client.commit(update.to("cpu", torch.float32).contiguous(), s_version, scaling=scaling)
+            if reply.ack.status == pb.Ack.STATUS_REJECTED:
+                if reply.ack.reason != "non_finite":  # anything else is a bug or a misconfiguration
+                    raise PsError(f"worker {config.rank}: the parameter server rejected a commit: "
+                                  f"{reply.ack.reason}: {reply.ack.detail}", reply.ack.reason)
+                rejected += 1  # a diverged worker: its NaN/Inf update is dropped, θ stays finite
+                if rejected == 1 or rejected % 100 == 0:
+                    log.warning("worker %d: %d non-finite updates rejected (diverging?)", config.rank, rejected)
+                staleness = math.nan
+            else:
+                metrics.on_sent("ps", nbytes)
+                staleness = reply.staleness
+                if rule.server_scales_by_staleness:
+                    pi = reply.scale
+                metrics.on_commit(pi, staleness)
+            flat.load(theta)  # s ← θ
+            s_version = version
+            seconds = time.perf_counter() - started
+            loss_value = float(loss.detach())
+            metrics.on_step(step + 1, seconds, loss_value)
+            report.step(step + 1, loss_value, seconds, staleness, pi, version=version,
+                        bytes_sent=metrics.bytes_sent_total, bytes_received=metrics.bytes_received_total,
+                        rejected=rejected)
+            done = step + 1
+            if done % config.log_every == 0 or done == config.steps:
+                snapshots[done] = s.detach().cpu().clone()
+        final_version = pull()  # evaluate the central variable as it is when this worker stops
+        flat.load(theta)
+        client.done(config.steps)
+        test_loss, test_accuracy = evaluate(model, test_loader, device)
+        return report.finish({
+            "test_accuracy": test_accuracy, "test_loss": test_loss, "final_version": final_version,
+            "commits": config.steps - rejected, "rejected_commits": rejected,
+            "bytes_sent": metrics.bytes_sent_total, "bytes_received": metrics.bytes_received_total,
+            "device": device.type, "metrics_port": metrics_port, "ps_address": config.ps_address,
+        }, snapshots)
+    except BaseException as exc:
+        report.error(exc)
+        raise
+    finally:
+        if client is not None:
+            client.close()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        report.close()
+
+
+def run_proxy(config) -> dict:
+    """The target proxy: momentum SGD (η = lr, μ = momentum) on this one process, no server."""
+    from p2ptrain.metrics import NodeMetrics
+
+    report = _Report(config)
+    metrics_server = None
+    try:
+        loader, test_loader, model, device = _training_setup(config)
+        metrics = NodeMetrics(config.rank, algorithm="proxy")
+        metrics_port = None
+        if config.metrics_port is not None:
+            metrics_server, _ = metrics.serve(config.metrics_port)
+            metrics_port = metrics_server.server_port
+        optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=config.momentum,
+                                    weight_decay=config.weight_decay)
+        flat = FlatParameters(model)
+        snapshots = {0: flat.get().detach().cpu().clone()}
+        batches = iter(cycle(loader))
+        for step in range(config.steps):
+            started = time.perf_counter()
+            inputs, targets = next(batches)
+            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            model.train()
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.nll_loss(model(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            seconds = time.perf_counter() - started
+            loss_value = float(loss.detach())
+            metrics.on_step(step + 1, seconds, loss_value)
+            report.step(step + 1, loss_value, seconds, 0.0, math.nan, version=step + 1, bytes_sent=0,
+                        bytes_received=0)
+            done = step + 1
+            if done % config.log_every == 0 or done == config.steps:
+                snapshots[done] = flat.get().detach().cpu().clone()
+        test_loss, test_accuracy = evaluate(model, test_loader, device)
+        return report.finish({"test_accuracy": test_accuracy, "test_loss": test_loss, "bytes_sent": 0,
+                              "bytes_received": 0, "device": device.type, "metrics_port": metrics_port},
+                             snapshots)
+    except BaseException as exc:
+        report.error(exc)
+        raise
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        report.close()
+
+
+def _mean(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+def _median(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return statistics.median(finite) if finite else math.nan
+
+
+__all__ = ["run_worker", "run_proxy"]
