@@ -81,7 +81,8 @@ def report(results: dict, algorithms: list[str], alphas: list[float], stream) ->
             run = results.get((other, alpha))
             if base and run and not base.error and not run.error:
                 gap = 100 * (base.test_accuracy - run.test_accuracy)
-                print(f"alpha={alpha:g}: {other} is {gap:+.1f} points below allreduce", file=stream)
+                side = "below" if gap >= 0 else "above"
+                print(f"alpha={alpha:g}: {other} is {abs(gap):.1f} points {side} allreduce", file=stream)
 
 
 def _cell(result: VariantResult | None) -> str:
