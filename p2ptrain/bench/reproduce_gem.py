@@ -25,7 +25,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--lr", type=float, default=0.05, help="η (default 0.05, the seed's)")
     parser.add_argument("--misspecified-lr", type=float, default=0.1,
                         help="η of the §4.2 run (default 0.1; 0 skips it)")
-    parser.add_argument("--misspecified-workers", type=int, default=8, help="workers in the §4.2 run (default 8)")
+    parser.add_argument("--misspecified-workers", type=int, default=32,
+                        help="workers in the §4.2 run (default 32: where DOWNPOUR diverges at η = 0.1 here)")
     parser.add_argument("--model", default="mlp", help="model (default mlp; the seed's CNN: cnn)")
     parser.add_argument("--batch-size", type=int, default=64, help="worker batch b (default 64, the seed's)")
     parser.add_argument("--num-train", type=int, default=12000, help="training samples (default 12000)")
