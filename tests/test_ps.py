@@ -176,6 +176,9 @@ def test_a_worker_that_disconnects_mid_stream_leaves_theta_untouched(server):
     def failing():
         yield encode_header(commit_header(0, numel, version, 1))
         yield chunks[0]
+        # crash only once the server holds the half-received commit (else, on a loaded machine, the
+        # cancel can overtake the header and there is nothing on the server to abort)
+        wait_until(lambda: server.call(lambda: len(server.state._in_progress)) == 1, what="the half-sent commit")
         raise ConnectionError("worker crashed")
 
     channel, commit = raw_commit_stub(server.address)
