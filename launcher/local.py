@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from . import report as run_report
+from . import prometheus as scrape_config
 from .ports import free_ports, host_port
 
 TERM_GRACE_SECONDS = 5.0        # SIGTERM -> SIGKILL delay when stopping nodes
@@ -24,6 +25,8 @@ POLL_SECONDS = 0.5              # progress / exit-status polling period
 LOG_EVERY_SECONDS = 5.0         # non-TTY: at most one progress line per node this often
 ERROR_EXIT_GRACE_SECONDS = 2.0  # after an error event, wait this long for the node's own exit code
 LOG_TAIL_LINES = 20             # log lines quoted in a ClusterError
+NETNS_NODE_PORT = 50051         # with one address per node (own namespace) every node uses these ports
+NETNS_METRICS_PORT = 9400
 
 # One thread per process: N nodes share this machine's cores, and unbuffered output keeps the
 # logs current when a node is killed.
@@ -49,6 +52,7 @@ class NodeProcessSpec:
     argv: list[str]
     env: dict[str, str]
     name: str = ""  # log file stem; default node{rank}
+    host: str = ""  # address the process is reached at when it differs per rank (netns); "" = the cluster's host
 
     @property
     def log_name(self) -> str:
@@ -71,33 +75,56 @@ def node_env(base: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def plan_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, host: str = "127.0.0.1",
-                 metrics: bool = True, argv_factory: Callable[..., list[str]] = node_argv) -> list[NodeProcessSpec]:
-    """Assign ports and build every node's command line."""
+                 metrics: bool = True, argv_factory: Callable[..., list[str]] = node_argv,
+                 hosts: list[str] | None = None, argv_prefixes: list[list[str]] | None = None) -> list[NodeProcessSpec]:
+    """Assign ports and build every node's command line.
+
+    `hosts` gives every rank its own address (its own network namespace, launcher/netns.py): ports
+    there cannot be probed from here and are all free, so each node listens on its address with
+    NETNS_NODE_PORT (metrics on NETNS_METRICS_PORT). `argv_prefixes[rank]` goes in front of the
+    rank's command (`ip netns exec NS`).
+    """
     if nodes < 1:
         raise ValueError(f"nodes must be >= 1, got {nodes}")
-    ports = free_ports(2 * nodes if metrics else nodes, host)
-    peers = [host_port(host, port) for port in ports[:nodes]]
-    metrics_ports = ports[nodes:] if metrics else [None] * nodes
-    return [NodeProcessSpec(rank=rank, env=node_env(),
-                            argv=argv_factory(rank, nodes, peers, metrics_ports[rank], Path(out_dir), list(extra_args)))
-            for rank in range(nodes)]
+    for name, per_rank in (("hosts", hosts), ("argv_prefixes", argv_prefixes)):
+        if per_rank is not None and len(per_rank) != nodes:
+            raise ValueError(f"{name} needs one entry per node: {len(per_rank)} for {nodes} nodes")
+    if hosts is None:
+        ports = free_ports(2 * nodes if metrics else nodes, host)
+        peers = [host_port(host, port) for port in ports[:nodes]]
+        metrics_ports = ports[nodes:] if metrics else [None] * nodes
+    else:
+        peers = [host_port(h, NETNS_NODE_PORT) for h in hosts]
+        metrics_ports = [NETNS_METRICS_PORT if metrics else None] * nodes
+    specs = []
+    for rank in range(nodes):
+        argv = argv_factory(rank, nodes, peers, metrics_ports[rank], Path(out_dir), list(extra_args))
+        if hosts is not None:
+            argv += ["--listen", peers[rank]]
+        specs.append(NodeProcessSpec(rank=rank, env=node_env(), host=hosts[rank] if hosts else "",
+                                     argv=[*(argv_prefixes[rank] if argv_prefixes else []), *argv]))
+    return specs
 
 
 def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, config: dict | None = None,
                       host: str = "127.0.0.1", metrics: bool = True, live: bool | None = None,
                       timeout: float | None = None, argv_factory: Callable[..., list[str]] = node_argv,
                       stream: TextIO = sys.stderr, services: list[NodeProcessSpec] = (),
-                      service_grace: float = 30.0) -> dict:
+                      service_grace: float = 30.0, hosts: list[str] | None = None,
+                      argv_prefixes: list[list[str]] | None = None, faults: list["FaultEvent"] = ()) -> dict:
     """Run `nodes` node processes to completion and return the run report.
 
     `services` (e.g. a parameter server) start first and may finish on their own once the nodes
     are done (they get `service_grace` seconds); one exiting non-zero fails the run.
+    `hosts` / `argv_prefixes`: one address / command prefix per rank (see plan_cluster).
     Raises ClusterError on the first node failure or on timeout, after stopping every process.
     """
     out_dir = Path(out_dir)
     log_dir = out_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    specs = plan_cluster(nodes, out_dir, extra_args, host=host, metrics=metrics, argv_factory=argv_factory)
+    specs = plan_cluster(nodes, out_dir, extra_args, host=host, metrics=metrics, argv_factory=argv_factory,
+                         hosts=hosts, argv_prefixes=argv_prefixes)
+    scrape_config.write_launch_config(out_dir, [*services, *specs], host)  # OUT/prometheus.yml
     watcher = _ProgressWatcher(out_dir, nodes)
     view = ProgressView(stream, stream.isatty() if live is None else live, steps_from_args(extra_args))
     processes = _NodeProcesses(specs, log_dir)
@@ -109,7 +136,8 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
     try:
         service_processes.start()
         processes.start()
-        _supervise(processes, watcher, view, start, timeout, log_dir, service_processes)
+        _supervise(processes, watcher, view, start, timeout, log_dir, service_processes, faults=faults,
+                   stream=stream)
         _wait_services(service_processes, service_grace, log_dir)
     finally:
         processes.stop()
@@ -166,21 +194,85 @@ def parameter_server_cluster(workers: int, out: Path, node_args: list[str], *, m
             "argv_factory": worker_argv}
 
 
+# --- faults: kill and restart nodes mid-run --------------------------------------------------------
+
+@dataclass(frozen=True)
+class FaultEvent:
+    """Kill (SIGKILL, no goodbye) or restart one node once the cluster reaches a step (the highest
+    step any node reported), e.g. to check that the others train on and the node rejoins."""
+    action: str  # "kill" | "restart"
+    rank: int
+    at_step: int
+
+    @classmethod
+    def parse(cls, action: str, spec: str, nodes: int) -> "FaultEvent":
+        rank, sep, step = spec.partition("@")
+        if not (sep and rank.strip().isdigit() and step.strip().isdigit()):
+            raise ValueError(f"--{action} {spec!r}: expected RANK@STEP, e.g. 2@100")
+        event = cls(action, int(rank), int(step))
+        if not 0 <= event.rank < nodes:
+            raise ValueError(f"--{action} {spec!r}: rank {event.rank} outside 0..{nodes - 1}")
+        return event
+
+
+def fault_plan(kills: list[str], restarts: list[str], nodes: int) -> list[FaultEvent]:
+    """Validated events in step order; a restart needs an earlier kill of the same rank."""
+    events = [FaultEvent.parse("kill", k, nodes) for k in kills] + \
+             [FaultEvent.parse("restart", r, nodes) for r in restarts]
+    events.sort(key=lambda e: (e.at_step, e.action != "kill"))
+    down: set[int] = set()
+    for event in events:
+        if event.action == "kill":
+            if event.rank in down:
+                raise ValueError(f"node {event.rank} is killed twice without a restart in between")
+            down.add(event.rank)
+        else:
+            if event.rank not in down:
+                raise ValueError(f"--restart {event.rank}@{event.at_step}: node {event.rank} is not killed before")
+            down.discard(event.rank)
+    if len(down) >= nodes:
+        raise ValueError("the fault plan leaves no node running")
+    return events
+
+
+def _apply_faults(events: list[FaultEvent], processes: "_NodeProcesses", watcher: "_ProgressWatcher",
+                  stream: TextIO) -> None:
+    """Fire every due event (in order); fired events are removed from `events`."""
+    cluster_step = max((s.step or 0 for s in watcher.states), default=0)
+    while events and events[0].at_step <= cluster_step:
+        event = events.pop(0)
+        state = watcher.states[event.rank]
+        if event.action == "kill":
+            processes.kill(event.rank)
+            state.down = True
+        else:
+            processes.restart(event.rank)
+            state.down, state.returncode, state.event, state.message = False, None, None, None
+            state.restarts += 1
+        print(f"fault: {event.action} node {event.rank} at cluster step {cluster_step}", file=stream, flush=True)
+
+
 # --- supervision ---------------------------------------------------------------------------------
 
 def _supervise(processes: "_NodeProcesses", watcher: "_ProgressWatcher", view: "ProgressView",
                start: float, timeout: float | None, log_dir: Path,
-               services: "_NodeProcesses | None" = None) -> None:
-    """Poll until every node exited 0; raise ClusterError on the first failure or on timeout."""
+               services: "_NodeProcesses | None" = None, faults: list[FaultEvent] = (),
+               stream: TextIO = sys.stderr) -> None:
+    """Poll until every node exited 0 (or was killed for good by the fault plan); raise
+    ClusterError on the first failure or on timeout."""
+    faults = list(faults)
     while True:
         _check_services(services, log_dir)
         watcher.refresh(processes.returncodes())
+        if faults:
+            _apply_faults(faults, processes, watcher, stream)
         elapsed = time.monotonic() - start
         view.update(watcher.states, elapsed)
         failed = [s for s in watcher.states if s.failed]
         if failed:
             raise _failure_error(failed, processes, watcher, log_dir)
-        if all(s.returncode == 0 for s in watcher.states):
+        if all(s.returncode == 0 or s.down for s in watcher.states) and not any(
+                e.action == "restart" for e in faults):
             return
         if timeout is not None and elapsed >= timeout:
             running = [s.rank for s in watcher.states if s.returncode is None]
@@ -269,6 +361,23 @@ class _NodeProcesses:
                 self._sweep(proc)
         return codes + [None] * (len(self.specs) - len(codes))
 
+    def kill(self, rank: int) -> None:
+        """SIGKILL node `rank`'s process group, as a crash would."""
+        proc = self.procs[rank]
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait()
+        self._sweep(proc)
+
+    def restart(self, rank: int) -> None:
+        """Start node `rank` again with the same command; its log continues in the same file."""
+        spec = self.specs[rank]
+        log = open(self.log_dir / spec.log_name, "ab")
+        log.write(b"\n--- restarted by the launcher ---\n")
+        log.flush()
+        self._logs.append(log)
+        self.procs[rank] = subprocess.Popen(spec.argv, env=spec.env, stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+
     def wait(self, rank: int, seconds: float) -> None:
         try:
             self.procs[rank].wait(timeout=seconds)
@@ -355,6 +464,8 @@ class NodeState:
     event: str | None = None
     message: str | None = None
     returncode: int | None = None
+    down: bool = False   # killed by the fault plan (not a failure)
+    restarts: int = 0
 
     def apply(self, record: dict) -> None:
         if "event" in record:
@@ -367,10 +478,12 @@ class NodeState:
 
     @property
     def failed(self) -> bool:
-        return self.event == "error" or self.returncode not in (None, 0)
+        return not self.down and (self.event == "error" or self.returncode not in (None, 0))
 
     @property
     def status(self) -> str:
+        if self.down:
+            return "killed"
         if self.returncode not in (None, 0):
             return f"exited {self.returncode}"
         if self.event in ("error", "done"):

@@ -4,6 +4,7 @@
                    --role worker --ps HOST:PORT: an asynchronous parameter-server worker (GEM)
   p2ptrain ps      run a parameter server for --world-size workers (GEM, seed 001)
   p2ptrain launch  run a local cluster of N node processes with live progress and a report
+  p2ptrain compose write a docker-compose file: N nodes (+ parameter server), Prometheus, Grafana
   p2ptrain bench   benchmarks (transport, algorithms)
   p2ptrain reproduce  re-run a figure of the source documents (relaysgd, gem)
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -48,8 +50,38 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--live", dest="live", action="store_true", default=None,
                         help="redraw the progress table in place (default: when stderr is a terminal)")
     launch.add_argument("--no-live", dest="live", action="store_false", help="print plain progress lines")
+    launch.add_argument("--kill", action="append", default=[], metavar="RANK@STEP",
+                        help="SIGKILL node RANK once the cluster reaches STEP (repeatable); the others train on")
+    launch.add_argument("--restart", action="append", default=[], metavar="RANK@STEP",
+                        help="start a killed node again at STEP: it fetches the model from a live peer and "
+                             "rejoins (repeatable)")
+    launch.add_argument("--netns", action="store_true",
+                        help="run every node in its own Linux network namespace (veth + bridge, own IP); "
+                             "needs root or CAP_NET_ADMIN")
+    launch.add_argument("--bandwidth", metavar="RATE",
+                        help="with --netns: real per-node cap (tc tbf) on upload and download, e.g. 100mbit "
+                             "or 12MB/s")
+    launch.add_argument("--netns-subnet", metavar="CIDR",
+                        help="with --netns: private IPv4 subnet for the nodes (default: a free 10.x.y.0/24)")
     add_node_arguments(launch, cluster_flags=False)
     launch.set_defaults(func=cmd_launch)
+
+    compose = sub.add_parser("compose", help="write a docker-compose file: N nodes, Prometheus, Grafana",
+                             description="Print (or write to --out) a docker-compose file: services node0..node{N-1} "
+                                         "running `p2ptrain node` with the node flags given here, addressed by "
+                                         "service name; with --ps also a parameter server and N GEM workers in "
+                                         "the `ps` profile (with --algorithm gem they are the whole cluster); "
+                                         "Prometheus scraping every process and Grafana with the p2ptrain "
+                                         "dashboard. Run it from the repository (the build context).")
+    compose.add_argument("--nodes", type=int, required=True, help="number of nodes (and of ps workers)")
+    compose.add_argument("--ps", action="store_true",
+                         help="add the parameter server and GEM workers as profile `ps` (docker compose --profile ps up)")
+    compose.add_argument("--out", help="write the file here (paths in it are relative to its folder); default stdout")
+    compose.add_argument("--port", type=int, default=50051, help="gRPC port of every container (default 50051)")
+    compose.add_argument("--metrics-port", type=int, default=9100,
+                         help="/metrics port of every container (default 9100)")
+    add_node_arguments(compose, cluster_flags=False)
+    compose.set_defaults(func=cmd_compose)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
@@ -143,9 +175,20 @@ def _node_flags_as_argv(args: argparse.Namespace) -> list[str]:
         if not action.option_strings:
             continue
         value = getattr(args, action.dest, None)
-        if value is not None:
+        if value is None or action.dest == "auth_token":  # the token goes by environment (_pass_token_by_environment)
+            continue
+        if action.nargs == 0:  # a switch (store_true): the flag alone
+            argv += [action.option_strings[0]] if value else []
+        else:
             argv += [action.option_strings[0], str(value)]
     return argv
+
+
+def _pass_token_by_environment(args: argparse.Namespace) -> None:
+    """Hand --auth-token to the node processes as P2PTRAIN_AUTH_TOKEN, which (unlike argv) other
+    users cannot read from the process table."""
+    if getattr(args, "auth_token", None) is not None:
+        os.environ["P2PTRAIN_AUTH_TOKEN"] = args.auth_token
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
@@ -155,6 +198,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.nodes < 1:
         raise ConfigError("--nodes must be >= 1")
     gem = args.algorithm == "gem"
+    netns = _netns_options(args, gem)
     if gem:  # one parameter server + --nodes workers
         config = _config_from_args(args, world_size=args.nodes, rank=0, role="worker",
                                    ps_address="127.0.0.1:20000")  # validate early
@@ -164,15 +208,39 @@ def cmd_launch(args: argparse.Namespace) -> int:
     shown = {k: v for k, v in config.to_dict().items() if k not in ("rank", "peers", "listen", "out",
                                                                     "metrics_port", "role", "ps_address")}
     node_args = _node_flags_as_argv(args)
+    _pass_token_by_environment(args)
+    from launcher.local import fault_plan
+
+    try:
+        faults = fault_plan(args.kill, args.restart, args.nodes)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if faults and gem:
+        raise ConfigError("--kill/--restart apply to peer clusters, not to --algorithm gem")
     extra = {}
     if gem:
         from launcher.local import parameter_server_cluster
 
         extra = parameter_server_cluster(args.nodes, Path(args.out), node_args, metrics=not args.no_metrics)
+    netns_errors: tuple = ()  # not root, or building / removing the namespaces failed
+    if netns is not None:
+        from launcher.netns import NetnsCluster, NetnsError, NetnsUnavailable
+
+        netns_errors = (NetnsError, NetnsUnavailable)
     try:
-        report = run_local_cluster(args.nodes, Path(args.out), node_args, config=shown,
-                                   metrics=not args.no_metrics, live=args.live, timeout=args.timeout, **extra)
+        if netns is not None:
+            with NetnsCluster(args.nodes, stream=sys.stderr, **netns) as namespaces:
+                report = run_local_cluster(args.nodes, Path(args.out), node_args, config=shown,
+                                           metrics=not args.no_metrics, live=args.live, timeout=args.timeout,
+                                           faults=faults, **namespaces.cluster_kwargs())
+        else:
+            report = run_local_cluster(args.nodes, Path(args.out), node_args, config=shown,
+                                       metrics=not args.no_metrics, live=args.live, timeout=args.timeout,
+                                       faults=faults, **extra)
     except ClusterError as exc:
+        print(f"p2ptrain launch: {exc}", file=sys.stderr)
+        return 1
+    except netns_errors as exc:
         print(f"p2ptrain launch: {exc}", file=sys.stderr)
         return 1
     cluster = report.get("cluster", {})
@@ -180,6 +248,74 @@ def cmd_launch(args: argparse.Namespace) -> int:
     cd = cluster.get("consensus_distance")
     print(f"mean test accuracy {acc if acc is None else f'{acc:.4f}'}, consensus distance "
           f"{cd if cd is None else f'{cd:.3g}'}, wall {cluster.get('wall_seconds', 0):.1f}s")
+    return 0
+
+
+def _netns_options(args: argparse.Namespace, gem: bool) -> dict | None:
+    """NetnsCluster keyword arguments from --netns/--bandwidth/--netns-subnet (None without --netns),
+    validated before anything starts."""
+    if not args.netns:
+        if args.bandwidth is not None or args.netns_subnet is not None:
+            raise ConfigError("--bandwidth and --netns-subnet need --netns (without namespaces, emulate a cap "
+                              "with --link bandwidth=RATE)")
+        return None
+    if gem:
+        raise ConfigError("--netns does not run a parameter server (--algorithm gem) yet")
+    from launcher.netns import parse_subnet
+    from p2ptrain.transport.faults import parse_bandwidth
+
+    try:
+        bandwidth = None if args.bandwidth is None else parse_bandwidth(args.bandwidth)
+    except ValueError as exc:
+        raise ConfigError(f"--bandwidth: {exc}") from None
+    try:
+        if args.netns_subnet is not None:
+            parse_subnet(args.netns_subnet, args.nodes)
+        elif args.nodes > 253:
+            raise ValueError(f"{args.nodes} nodes do not fit the automatic /24: give a larger --netns-subnet")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return {"bandwidth": bandwidth, "subnet": args.netns_subnet}
+
+
+def cmd_compose(args: argparse.Namespace) -> int:
+    """Generate the compose file, then check every service's command the way the container will
+    parse it (CLI parser + NodeConfig validation), so a bad flag fails here and not in N containers."""
+    import shlex
+
+    from launcher import compose
+
+    if getattr(args, "auth_token", None) is not None:
+        raise ConfigError("p2ptrain compose does not write secrets into the compose file: give --auth-token-file "
+                          "FILE (mounted into every container) instead of --auth-token")
+    node_args = _node_flags_as_argv(args)
+    canonical = ["--nodes", str(args.nodes), *(["--ps"] if args.ps else []),
+                 *([] if args.port == 50051 else ["--port", str(args.port)]),
+                 *([] if args.metrics_port == 9100 else ["--metrics-port", str(args.metrics_port)]), *node_args]
+    base_dir = Path(args.out).parent if args.out else Path.cwd()
+    try:
+        spec = compose.compose_spec(args.nodes, node_args, ps=args.ps, port=args.port,
+                                    metrics_port=args.metrics_port, base_dir=base_dir)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    parser = build_parser()
+    for name, service in spec["services"].items():
+        if "command" in service:
+            parsed = parser.parse_args(service["command"])
+            try:
+                NodeConfig.from_sources(toml_path=parsed.config_file, env=service.get("environment", {}), flags={
+                    **flags_from_args(parsed), **({"role": "ps"} if parsed.command == "ps" else {})})
+            except ConfigError as exc:
+                raise ConfigError(f"service {name}: {exc}") from None
+    if not (compose.REPO / "Dockerfile").exists():
+        print(f"warning: build context {compose.REPO} has no Dockerfile; run `p2ptrain compose` from a checkout "
+              "of the repository", file=sys.stderr)
+    text = compose.render(spec, " ".join(["p2ptrain compose", *map(shlex.quote, canonical)]))
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}: {len(spec['services'])} services", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
     return 0
 
 

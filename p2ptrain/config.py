@@ -88,13 +88,31 @@ class NodeConfig:
     chunk_mb: float = 4.0
     peer_timeout: float = 120.0
     step_window: int = 64
+    link_deadline: float = 10.0                      # longest wait for a peer's message of one step; then
+                                                     # the link counts as dropped for that step
+    slowdown: str | None = None                      # emulate slower machines: "4" (this node) or "0=4,3=2"
+                                                     # (per rank, so one launch flag serves every node)
     # Link emulation (transport/faults.py); off by default, may differ per node (not in the fingerprint)
     link: str | None = None                          # spec of every outgoing link: "bandwidth=200mbit,latency=5ms"
     link_overrides: list[str] = field(default_factory=list)  # "SRC->DST:SPEC" / "SRC<->DST:SPEC", in order
+    # Relay forwarding (transport/relay.py); may differ per node (not in the fingerprint)
+    relay_routes: list[str] = field(default_factory=list)  # "SRC->DST:VIA[,VIA2]" / "SRC<->DST:VIA"
+    relays: str | None = None                        # relay candidates when a peer proves unreachable: "1,2" / "any"
+    relay_retry_after: float = 30.0                  # seconds before a link found unreachable is tried directly again
     # Observability and output
     metrics_port: int | None = None                  # serve Prometheus /metrics here (0 = any free port)
     log_every: int = 10
     out: str | None = None
+    # Security (transport/security.py): all off by default. The token never goes into the
+    # fingerprint, repr, to_dict() or any report; prefer auth_token_file / env P2PTRAIN_AUTH_TOKEN
+    # over --auth-token, which process listings show.
+    tls_cert: str | None = None                      # PEM cert this node serves with (and offers under mTLS)
+    tls_key: str | None = None                       # its PEM private key
+    tls_ca: str | None = None                        # PEM CA bundle trusted for peers' / the server's certs
+    tls_server_name: str | None = None               # name to expect in server certs instead of the address host
+    tls_require_client_cert: bool = False            # servers demand client certs signed by tls_ca (mutual TLS)
+    auth_token: str | None = field(default=None, repr=False)  # shared secret every RPC must carry
+    auth_token_file: str | None = None               # file holding the token (first line, whitespace stripped)
 
     # -- validation -------------------------------------------------------------------------------
     def validate(self) -> "NodeConfig":
@@ -143,13 +161,69 @@ class NodeConfig:
         need(self.threads >= 1, "threads must be >= 1")
         need(0.004 <= self.chunk_mb <= 64, f"chunk_mb must be within [0.004, 64], got {self.chunk_mb}")
         need(self.peer_timeout > 0, "peer_timeout must be > 0")
+        need(0 < self.link_deadline < float("inf"), f"link_deadline must be > 0 seconds, got {self.link_deadline}")
+        try:
+            self.compute_slowdown
+        except ValueError as exc:
+            raise ConfigError(f"slowdown {self.slowdown!r}: {exc}") from None
         need(self.log_every >= 1, "log_every must be >= 1")
         need(self.metrics_port is None or 0 <= self.metrics_port < 65536, "metrics_port must be a port number")
         try:
             self.link_table()
         except ValueError as exc:
             raise ConfigError(f"link emulation: {exc}") from None
+        self._validate_relays(need)
+        self._validate_security(need)
         return self
+
+    def _validate_relays(self, need) -> None:
+        need(0 < self.relay_retry_after < float("inf"), f"relay_retry_after must be > 0 seconds, got "
+                                                          f"{self.relay_retry_after}")
+        if not self.relay_routes and self.relays is None:
+            return
+        from p2ptrain.transport.relay import parse_relay_routes, parse_relays  # imports grpc and torch
+
+        try:
+            parse_relay_routes(self.relay_routes, self.world_size)
+            parse_relays(self.relays, self.world_size)
+        except ValueError as exc:
+            raise ConfigError(f"relay forwarding: {exc}") from None
+
+    def _validate_security(self, need) -> None:
+        if not (self.tls_cert or self.tls_key or self.tls_ca or self.tls_server_name or self.tls_require_client_cert
+                or self.auth_token is not None or self.auth_token_file):
+            return
+        need((self.tls_cert is None) == (self.tls_key is None), "--tls-cert and --tls-key come together")
+        for name in ("tls_cert", "tls_key", "tls_ca", "auth_token_file"):
+            path = getattr(self, name)
+            if path is not None:
+                need(os.path.isfile(path) and os.access(path, os.R_OK),
+                     f"{name} {path!r} is not a readable file")
+        need(not (self.auth_token is not None and self.auth_token_file),
+             "give the auth token once: --auth-token (env P2PTRAIN_AUTH_TOKEN) or --auth-token-file")
+        if self.role in ("peer", "ps"):  # these serve: TLS needs their own certificate
+            need(not self.tls_ca or bool(self.tls_cert),
+                 f"a TLS {'parameter server' if self.role == 'ps' else 'node'} needs --tls-cert and --tls-key "
+                 "besides --tls-ca")
+        need(not self.tls_require_client_cert or bool(self.tls_ca and self.tls_cert),
+             "--tls-require-client-cert needs --tls-ca (to check client certificates) and --tls-cert/--tls-key")
+        need(not self.tls_server_name or bool(self.tls_ca or self.tls_cert),
+             "--tls-server-name only applies to TLS: give --tls-ca (and --tls-cert/--tls-key)")
+        try:
+            self.security()
+        except ValueError as exc:  # SecurityError: an empty token, a token file that is not text, ...
+            raise ConfigError(str(exc)) from None
+
+    def security(self):
+        """The transport's Security (TLS files, token) of these settings; plaintext when none is set."""
+        from p2ptrain.transport.security import PLAINTEXT, Security, read_token_file
+
+        token = read_token_file(self.auth_token_file) if self.auth_token_file else self.auth_token
+        if token is None and not (self.tls_cert or self.tls_ca):
+            return PLAINTEXT
+        return Security(tls_cert=self.tls_cert, tls_key=self.tls_key, tls_ca=self.tls_ca,
+                        tls_server_name=self.tls_server_name, token=token,
+                        require_client_cert=self.tls_require_client_cert)
 
     def _validate_ps(self, need) -> None:
         need(self.ps_policy in PS_POLICIES, f"unknown ps_policy {self.ps_policy!r}; choose from {PS_POLICIES}")
@@ -194,6 +268,11 @@ class NodeConfig:
         return self.topology or default_topology(self.algorithm)
 
     @property
+    def compute_slowdown(self) -> float:
+        """This node's compute slow-down factor (>= 1) from `slowdown`."""
+        return parse_slowdown(self.slowdown, self.world_size).get(self.rank, 1.0)
+
+    @property
     def learning_rate(self) -> float:
         return self.lr if self.lr is not None else DEFAULT_LR[self.model]
 
@@ -209,7 +288,11 @@ class NodeConfig:
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every setting, for reports and logs: the auth token is redacted."""
+        values = dataclasses.asdict(self)
+        if values.get("auth_token") is not None:
+            values["auth_token"] = "<redacted>"
+        return values
 
     # -- sources ----------------------------------------------------------------------------------
     @classmethod
@@ -231,6 +314,32 @@ class NodeConfig:
 _FIELDS = {f.name: f for f in fields(NodeConfig)}
 
 
+def parse_slowdown(spec: str | float | None, world_size: int) -> dict[int, float]:
+    """"4" -> every rank 4; "0=4,3=2" -> ranks 0 and 3 (others 1). Factors must be finite and >= 1."""
+    if spec is None or str(spec).strip() == "":
+        return {}
+    text = str(spec).strip()
+    entries = [e.strip() for e in text.split(",") if e.strip()]
+    factors: dict[int, float] = {}
+    for entry in entries:
+        rank_text, sep, factor_text = entry.rpartition("=")
+        try:
+            factor = float(factor_text)
+        except ValueError:
+            raise ValueError(f"{factor_text!r} is not a number (FACTOR or RANK=FACTOR,...)") from None
+        if not 1.0 <= factor < float("inf"):
+            raise ValueError(f"factor {factor_text} must be >= 1 (1 = full speed)")
+        if not sep:
+            if len(entries) > 1:
+                raise ValueError("give one FACTOR for every node, or RANK=FACTOR entries")
+            return {rank: factor for rank in range(world_size)}
+        if not rank_text.strip().isdigit() or not 0 <= int(rank_text) < world_size:
+            raise ValueError(f"rank {rank_text!r} is not in 0..{world_size - 1}")
+        factors[int(rank_text)] = factor
+    return factors
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def _coerce(name: str, value: Any) -> Any:
     """Strings from env / TOML into the field's type, with a clear error naming the field."""
     kind = str(_FIELDS[name].type)
@@ -239,7 +348,9 @@ def _coerce(name: str, value: Any) -> Any:
             if isinstance(value, str):
                 return [p.strip() for p in value.split(",") if p.strip()]
             return [str(p) for p in value]
-        if name == "link_overrides":  # env: ";"-separated; TOML: a list, or a table {"0->1" = SPEC}
+        if name == "relays" and isinstance(value, (list, tuple)):  # TOML: relays = [1, 2]
+            return ",".join(str(v) for v in value)
+        if name in ("link_overrides", "relay_routes"):  # env: ";"-separated; TOML: a list, or a table {"0->1" = SPEC}
             if isinstance(value, str):
                 return [e.strip() for e in value.split(";") if e.strip()]
             if isinstance(value, Mapping):
@@ -247,8 +358,16 @@ def _coerce(name: str, value: Any) -> Any:
             if isinstance(value, (list, tuple)):
                 return [str(e) for e in value]
             raise TypeError("not a list")
+        if name == "auth_token" and isinstance(value, str):
+            return value  # "" must fail validation, not silently mean "no token"
         if value is None or (isinstance(value, str) and value.lower() in ("", "none") and "None" in kind):
             return None
+        if kind.startswith("bool"):
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+                return value.strip().lower() in _TRUE
+            raise TypeError("not a boolean")
         if isinstance(value, bool) and kind.startswith(("int", "float")):
             raise TypeError("a boolean is not a number")  # int(True) would silently give 1
         if kind.startswith("int"):
@@ -366,6 +485,13 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, cluster_flags: bool =
     g = parser.add_argument_group("transport")
     g.add_argument("--chunk-mb", type=float, help=f"stream chunk size in MiB (default {d.chunk_mb})")
     g.add_argument("--peer-timeout", type=float, help=f"seconds to wait for a peer's message (default {d.peer_timeout})")
+    g.add_argument("--link-deadline", type=float, metavar="SECONDS",
+                   help="longest wait for a peer's message of one step; after it the link counts as dropped "
+                        "for that step (push-sum shares that come later are folded in; a peer that then does "
+                        f"not answer a probe is considered dead) (default {d.link_deadline})")
+    g.add_argument("--slowdown", metavar="FACTOR|RANK=FACTOR,...",
+                   help="emulate slower machines: every step's compute takes FACTOR times as long, on every "
+                        "node or per rank (e.g. 0=4,3=2: node 0 four times slower, node 3 twice) (default 1)")
     g.add_argument("--step-window", type=int,
                    help=f"accept messages whose step is within ± this many steps (default {d.step_window})")
     g.add_argument("--link", metavar="SPEC",
@@ -374,7 +500,34 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, cluster_flags: bool =
     g.add_argument("--link-override", "--link-overrides", dest="link_overrides", action=_JoinAppend,
                    metavar="SRC->DST:SPEC",
                    help="a spec for one link on top of --link: 0->1:latency=50ms (one direction) or "
-                        "0<->1:drop=0.1 (both); repeatable, later ones apply on top")
+                        "0<->1:drop=0.1 (both); repeatable, later ones apply on top; 0<->2:block cuts a "
+                        "link (the peer is then reached through a relay)")
+    g.add_argument("--relay-route", "--relay-routes", dest="relay_routes", action=_JoinAppend,
+                   metavar="SRC->DST:VIA[,VIA2]",
+                   help="send SRC's messages for DST through relay VIA (then VIA2, ...): 0->3:1, or 0<->3:1 "
+                        "for both directions (the way back reverses the relays); repeatable")
+    g.add_argument("--relays", metavar="RANKS|any",
+                   help="relay candidates for peers found unreachable by a failed connect: 1,2 (then any peer "
+                        "reached directly), or 'any'; turns on fast-failing direct connects (default: off, "
+                        "a blocked link still falls back to peers reached directly)")
+    g.add_argument("--relay-retry-after", type=float, metavar="SECONDS",
+                   help=f"how long a link found unreachable is left to relays before a direct try (default "
+                        f"{d.relay_retry_after:g})")
+    g = parser.add_argument_group("security", "TLS and a shared-secret token for every RPC (default: plaintext, open)")
+    g.add_argument("--tls-cert", metavar="PEM", help="certificate (chain) this node / server presents; enables TLS")
+    g.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
+    g.add_argument("--tls-ca", metavar="PEM",
+                   help="CA bundle trusted for peers' and the parameter server's certificates (default: system "
+                        "roots); a worker with only --tls-ca talks TLS to the server")
+    g.add_argument("--tls-server-name", metavar="NAME",
+                   help="host name to expect in server certificates when it differs from the address (e.g. "
+                        "certificates issued for a DNS name, peers given by IP)")
+    g.add_argument("--tls-require-client-cert", action="store_true", default=None,
+                   help="mutual TLS: servers refuse clients without a certificate signed by --tls-ca")
+    g.add_argument("--auth-token", metavar="TOKEN",
+                   help="shared secret every RPC must carry (refused with UNAUTHENTICATED otherwise); visible "
+                        "in process listings: prefer --auth-token-file or env P2PTRAIN_AUTH_TOKEN")
+    g.add_argument("--auth-token-file", metavar="FILE", help="file holding the shared secret")
     g = parser.add_argument_group("output")
     if cluster_flags:
         g.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 = any free)")

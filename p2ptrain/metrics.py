@@ -44,9 +44,35 @@ class NodeMetrics:
                           registry=r)
         self.ps_weight = Gauge("p2ptrain_ps_weight", "Push-sum weight w of the node", ["node"], registry=r)
         self.step = Gauge("p2ptrain_step", "Current training step", ["node"], registry=r)
+        # Faults and membership (issue 5)
+        self.link_timeouts = Counter("p2ptrain_link_timeouts",
+                                     "Waits for a peer's message that hit their deadline (the link counts as "
+                                     "dropped for that step; a late message is folded in later)", peer,
+                                     registry=r)
+        self.peer_up = Gauge("p2ptrain_peer_up", "1 while this node considers the peer alive, else 0", peer,
+                             registry=r)
+        self.live_peers = Gauge("p2ptrain_live_peers", "Peers this node considers alive (itself excluded)",
+                                ["node"], registry=r)
+        self.membership_changes = Counter("p2ptrain_membership_changes",
+                                          "Peers declared dead or seen alive again", ["node", "peer"],
+                                          registry=r)
+        self.state_transfers = Counter("p2ptrain_state_transfers",
+                                       "Model states sent to (re)joining peers", peer, registry=r)
+        self.forwarded_bytes = Counter("p2ptrain_forwarded_bytes",
+                                       "Payload bytes this node relayed on to the next hop (peer)", peer,
+                                       registry=r)
+        self.forwarded_messages = Counter("p2ptrain_forwarded_messages",
+                                          "Messages this node relayed on to the next hop (peer)", peer,
+                                          registry=r)
+        self.model_projection = Gauge("p2ptrain_model_projection",
+                                      "Model projected on fixed random unit directions (the same on every "
+                                      "node): stddev across nodes per direction estimates the consensus "
+                                      "distance", ["node", "direction"], registry=r)
         # Plain running totals: cheap to read for progress lines without walking the registry.
         self.bytes_sent_total = 0
         self.bytes_received_total = 0
+        self.dropped_total = 0
+        self.link_timeouts_total = 0
 
     # Transport observations -------------------------------------------------------------------
     def on_sent(self, peer: int, nbytes: int) -> None:
@@ -70,6 +96,7 @@ class NodeMetrics:
 
     def on_dropped(self, peer: int) -> None:
         self.dropped_messages.labels(self.node, str(peer)).inc()
+        self.dropped_total += 1
 
     # Training observations --------------------------------------------------------------------
     def on_step(self, step: int, seconds: float, loss: float | None) -> None:
@@ -80,6 +107,29 @@ class NodeMetrics:
 
     def set_ps_weight(self, weight: float) -> None:
         self.ps_weight.labels(self.node).set(weight)
+
+    def set_model_projection(self, values) -> None:
+        for direction, value in enumerate(values):
+            self.model_projection.labels(self.node, str(direction)).set(float(value))
+
+    # Faults, membership, relaying -------------------------------------------------------------
+    def on_link_timeout(self, peer: int) -> None:
+        self.link_timeouts.labels(self.node, str(peer)).inc()
+        self.link_timeouts_total += 1
+
+    def set_peer_up(self, peer: int, up: bool, live_peers: int) -> None:
+        self.peer_up.labels(self.node, str(peer)).set(1 if up else 0)
+        self.live_peers.labels(self.node).set(live_peers)
+
+    def on_membership_change(self, peer: int) -> None:
+        self.membership_changes.labels(self.node, str(peer)).inc()
+
+    def on_state_transfer(self, peer: int) -> None:
+        self.state_transfers.labels(self.node, str(peer)).inc()
+
+    def on_forwarded(self, next_hop: int, nbytes: int) -> None:
+        self.forwarded_bytes.labels(self.node, str(next_hop)).inc(nbytes)
+        self.forwarded_messages.labels(self.node, str(next_hop)).inc()
 
     def serve(self, port: int, addr: str = "0.0.0.0"):
         """Serve /metrics on `port` (0 picks a free one); returns (server, thread)."""

@@ -35,8 +35,10 @@ class Node:
         self.transport = Transport(
             config.rank, config.world_size, peers, listen=config.listen,
             options=TransportOptions(chunk_bytes=config.chunk_bytes, step_window=config.step_window,
-                                     send_timeout=config.peer_timeout,
-                                     pin_memory=self.device.type == "cuda", links=config.link_table()),
+                                     send_timeout=config.peer_timeout, link_deadline=config.link_deadline,
+                                     pin_memory=self.device.type == "cuda", links=config.link_table(),
+                                     security=config.security(), relay_routes=tuple(config.relay_routes),
+                                     relays=config.relays, relay_retry_after=config.relay_retry_after),
             metrics=self.metrics, config_fingerprint=config.fingerprint())
         self.comm = Communicator(self.transport, self.device, peer_timeout=config.peer_timeout)
         self.metrics_port: int | None = None
@@ -48,7 +50,10 @@ class Node:
             server, _ = self.metrics.serve(self.config.metrics_port)
             self._metrics_server = server
             self.metrics_port = server.server_port
-        if wait_for_peers and self.config.world_size > 1:
+        if self.config.world_size > 1 and self.transport.cluster_running():
+            self.comm.joining = True  # a restarted node: its peers train on; fetch state, don't wait for all
+            log.info("node %d: the cluster is already training; rejoining", self.config.rank)
+        elif wait_for_peers and self.config.world_size > 1:
             self.transport.wait_for_peers(timeout=self.config.peer_timeout)
         return self
 
@@ -127,7 +132,8 @@ def run_node(config: NodeConfig) -> dict:
         with Node(config, device=device) as node:
             optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=config.momentum,
                                         weight_decay=config.weight_decay)
-            trainer = DecentralizedTrainer(model, optimizer, node.algorithm(), device=device, metrics=node.metrics)
+            trainer = DecentralizedTrainer(model, optimizer, node.algorithm(), device=device, metrics=node.metrics,
+                                           slowdown=config.compute_slowdown)
 
             def on_log(record: StepRecord, trainer: DecentralizedTrainer) -> None:
                 stats = trainer.algorithm.stats()
@@ -143,11 +149,16 @@ def run_node(config: NodeConfig) -> dict:
                 "test_accuracy": test_accuracy, "test_loss": test_loss,
                 "bytes_sent": node.metrics.bytes_sent_total,
                 "bytes_received": node.metrics.bytes_received_total,
+                "forwarded_messages": _counter_total(node.metrics, "p2ptrain_forwarded_messages_total"),
+                "forwarded_bytes": _counter_total(node.metrics, "p2ptrain_forwarded_bytes_total"),
                 "mean_step_seconds": result.mean_step_seconds,
                 "steady_step_seconds": result.steady_step_seconds,
                 "ps_weight": trainer.algorithm.stats().get("ps_weight", 1.0),
                 "wall_seconds": time.time() - started, "device": device.type,
-                "metrics_port": node.metrics_port,
+                "metrics_port": node.metrics_port, "start_step": trainer.start_step,
+                "rejoined": trainer.start_step > 0,
+                "dead_peers": sorted(node.transport.membership.dead()),
+                "dropped_messages": node.metrics.dropped_total, "link_timeouts": node.metrics.link_timeouts_total,
             }
         if out:
             steps = sorted(result.snapshots)
@@ -161,6 +172,11 @@ def run_node(config: NodeConfig) -> dict:
         raise
     finally:
         progress.close()
+
+
+def _counter_total(metrics: NodeMetrics, sample: str) -> int:
+    """A counter summed over its labels (e.g. what this node relayed, to every next hop)."""
+    return int(sum(s.value for m in metrics.registry.collect() for s in m.samples if s.name == sample))
 
 
 def _finite(summary: dict) -> dict:

@@ -10,21 +10,25 @@ import concurrent.futures
 from typing import Callable
 
 from launcher.ports import free_ports
+from p2ptrain.metrics import NodeMetrics
 from p2ptrain.transport import Transport, TransportOptions
 from p2ptrain.transport.communicator import Communicator
 
 
 def run_cluster(n: int, body: Callable[[int, Communicator], object], *, timeout: float = 120.0,
                 options: TransportOptions | None = None,
-                options_for: Callable[[int], TransportOptions] | None = None) -> list:
-    """Run body on n nodes concurrently; returns the per-rank results, re-raising the first failure."""
+                options_for: Callable[[int], TransportOptions] | None = None, metrics: bool = False) -> list:
+    """Run body on n nodes concurrently; returns the per-rank results, re-raising the first failure.
+    With `metrics` every transport gets its own NodeMetrics (comm.transport.metrics)."""
     ports = free_ports(n)
     peers = [f"127.0.0.1:{port}" for port in ports]
     transports = []
     try:
         for rank in range(n):
             opts = options_for(rank) if options_for else (options or TransportOptions(send_timeout=30.0))
-            transports.append(Transport(rank, n, peers, listen=peers[rank], options=opts).start())
+            node_metrics = NodeMetrics(rank) if metrics else None
+            transports.append(Transport(rank, n, peers, listen=peers[rank], options=opts,
+                                        metrics=node_metrics).start())
         comms = [Communicator(t, "cpu", peer_timeout=timeout) for t in transports]
         with concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="node") as pool:
             futures = [pool.submit(body, rank, comms[rank]) for rank in range(n)]

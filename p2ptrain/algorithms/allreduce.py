@@ -35,10 +35,10 @@ class AllReduceSGD(Algorithm):
 
     def reduce_gradients(self, step: int, grads: torch.Tensor) -> torch.Tensor:
         self.comm.set_step(step)
-        return self.allreduce(grads, step)
+        return self.allreduce.reduce_or_keep(grads, step)
 
     def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:
         if self.uses_gradients:
             return params
         self.comm.set_step(step)
-        return self.allreduce(params, step)
+        return self.allreduce.reduce_or_keep(params, step)

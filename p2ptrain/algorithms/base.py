@@ -29,6 +29,16 @@ class Algorithm(ABC):
         apply, or None to skip this step's optimizer update."""
         return grads
 
+    def donate_state(self, peer: int, step: int, params: torch.Tensor) -> torch.Tensor | None:
+        """Send this node's state to a (re)joining `peer` (called by the engine at a step boundary,
+        with the current parameters); returns new parameters if donating changed them. Default:
+        a copy of the model; push-sum algorithms split their mass instead (see SGP)."""
+        from p2ptrain._proto import p2ptrain_pb2 as pb
+
+        self.comm.send(peer, params.detach().clone(), kind=pb.MESSAGE_KIND_STATE, step=step, ps_weight=1.0,
+                       reliable=True)
+        return None
+
     def finish(self) -> torch.Tensor | None:
         """Flush in-flight communication at the end of training; returns final parameters, if changed."""
         return None

@@ -10,10 +10,15 @@ The gradient is taken at the node's own x_i^t, so the averaging of x^t can run w
 
 Node i sends x_i^{t+1} to its neighbours as soon as it has it, i.e. while step t+1 computes.
 W are Metropolis weights W_ij = 1 / (1 + max(d_i, d_j)).
+
+Faults: models are sent unreliably (a lost model is not mass: nothing needs to be re-sent). A
+neighbour whose x_j^t misses the link deadline (or is dead) is left out of that step's mix, its
+weight W_ij staying on x_i (the row still sums to 1); a model that comes later is stale and dropped.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 
 import torch
 
@@ -22,6 +27,7 @@ from p2ptrain.algorithms.base import Algorithm
 from p2ptrain.topology.undirected import UndirectedGraph
 
 KIND = pb.MESSAGE_KIND_GOSSIP
+log = logging.getLogger(__name__)
 
 
 class DPSGD(Algorithm):
@@ -50,17 +56,21 @@ class DPSGD(Algorithm):
     def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:
         self.comm.set_step(step)
         mixed = params.clone()
-        for sender, message in self.comm.recv(KIND, step, self.neighbors).items():
+        for sender, message in self.comm.gather(KIND, step, self.neighbors).items():
             mixed.add_(message.tensor - self.x, alpha=self.weights[sender])
             message.release()
+        for stale in self.comm.take(KIND, step):  # models that missed their step: out of date now
+            stale.release()
         self.x = mixed
         self._share(step + 1)
         return mixed
 
     def finish(self) -> None:
         """Consume the neighbours' last (unused) models and wait for our own sends to land."""
-        for message in self.comm.recv(KIND, self._next_step, self.neighbors).values():
+        for message in self.comm.gather(KIND, self._next_step, self.neighbors).values():
             message.release()
+        for stale in self.comm.take(KIND, self._next_step):
+            stale.release()
         self._check_acks(wait=True)
         return None
 
@@ -68,8 +78,8 @@ class DPSGD(Algorithm):
         self._check_acks(wait=False)
         self._next_step = step
         snapshot = self.x.clone()  # read-only from here on, shared by all sends
-        for peer in self.neighbors:
-            self._acks.append(self.comm.send(peer, snapshot, kind=KIND, step=step, reliable=True))
+        for peer in self.comm.live(self.neighbors):
+            self._acks.append(self.comm.send(peer, snapshot, kind=KIND, step=step))
 
     def _check_acks(self, wait: bool) -> None:
         pending = []
@@ -77,7 +87,10 @@ class DPSGD(Algorithm):
             if not wait and not future.done():
                 pending.append(future)
                 continue
-            ack = future.result()
-            if ack.status == pb.Ack.STATUS_REJECTED:
-                raise RuntimeError(f"node {self.rank}: D-PSGD model refused: {ack.reason}: {ack.detail}")
+            exc = future.exception()
+            if exc is not None:  # lost on the link, or the peer is dead: it mixes without us
+                log.debug("node %d: a D-PSGD model was not delivered: %s", self.rank, exc)
+            elif future.result().status == pb.Ack.STATUS_REJECTED:
+                ack = future.result()
+                log.warning("node %d: D-PSGD model refused: %s: %s", self.rank, ack.reason, ack.detail)
         self._acks = pending

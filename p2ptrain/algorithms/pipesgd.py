@@ -43,9 +43,9 @@ class PipeSGD(Algorithm):
     def reduce_gradients(self, step: int, grads: torch.Tensor) -> torch.Tensor | None:
         self.comm.set_step(step)
         if step < self.warmup:
-            return self.allreduce(grads, step)  # synchronous warm-up
+            return self.allreduce.reduce_or_keep(grads, step)  # synchronous warm-up
         previous = self._in_flight
-        self._in_flight = self._comm_thread.submit(self.allreduce, grads, step)
+        self._in_flight = self._comm_thread.submit(self.allreduce.reduce_or_keep, grads, step)
         return previous.result() if previous is not None else None
 
     def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ own channel; counters travel in the header's relay_count.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 from typing import Sequence
 
 import torch
@@ -27,6 +28,7 @@ from p2ptrain.algorithms.base import Algorithm
 from p2ptrain.topology.trees import Tree, build_relay_trees, coordinate_slices
 
 KIND = pb.MESSAGE_KIND_RELAY
+log = logging.getLogger(__name__)
 
 
 class RelaySum:
@@ -65,16 +67,26 @@ class RelaySum:
                 if k != j:
                     m.add_(self.messages[k])
                     c += self.counts[k]
-            future = self.comm.send(j, m, kind=KIND, step=step, relay_count=c, channel=self.channel,
-                                    reliable=True)  # emulated link losses are re-sent, never dropped
+            if not self.comm.live([j]):
+                continue  # a dead neighbour: its subtree drops out of our averages until it is back
+            future = self.comm.send(j, m, kind=KIND, step=step, relay_count=c, channel=self.channel)
             self._sends.append((future, j, step))
 
     def collect(self, step: int) -> None:
-        received = self.comm.recv(KIND, step, self.neighbors, channel=self.channel)
-        for j, message in received.items():
+        """m_{j→i}, c_{j→i} of this step; a message lost or late (link deadline) is dropped together
+        with its count (m = 0, c = 0 for this step), so n̄ still counts exactly the models summed."""
+        received = self.comm.gather(KIND, step, self.neighbors, channel=self.channel)
+        for j in self.neighbors:
+            message = received.get(j)
+            if message is None:
+                self.messages[j].zero_()
+                self.counts[j] = 0.0
+                continue
             self.messages[j].copy_(message.tensor)  # out of the pooled buffer, then give it back
             self.counts[j] = message.relay_count
             message.release()
+        for stale in self.comm.take(KIND, step, channel=self.channel):  # late: superseded already
+            stale.release()
 
     def average(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """(x + Σ_j m_{j→i}) / n̄_i, written into `out` when given."""
@@ -99,14 +111,13 @@ class RelaySum:
                 pending.append((future, peer, step))
                 continue
             exc = future.exception()
-            if exc is not None:
-                raise RuntimeError(f"node {self.rank}: relay message of step {step} to {peer} "
-                                   f"({self.channel}) failed: {exc}") from exc
-            ack = future.result()
-            if ack.status == pb.Ack.STATUS_REJECTED:
-                raise RuntimeError(f"node {self.rank}: node {peer} refused the step-{step} relay message "
-                                   f"({self.channel}): {ack.reason}: {ack.detail}; a relay sum cannot "
-                                   f"lose a message")
+            if exc is not None:  # lost or the peer is dead: the receiver drops message and count
+                log.debug("node %d: relay message of step %d to %d (%s) not delivered: %s", self.rank, step,
+                          peer, self.channel, exc)
+            elif future.result().status == pb.Ack.STATUS_REJECTED:
+                ack = future.result()
+                log.warning("node %d: node %d refused the step-%d relay message (%s): %s: %s", self.rank, peer,
+                            step, self.channel, ack.reason, ack.detail)
         self._sends = pending
 
 

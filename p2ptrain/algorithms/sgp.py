@@ -6,9 +6,16 @@ Per node i and step k, in the seed's notation:
     x_i^{k+1} = p x_i^{k+1/2} + Σ_j received x-shares,   w_i^{k+1} = p w_i^k + Σ_j received w-shares
     z_i^{k+1} = x_i^{k+1} / w_i^{k+1}
 With overlap τ ≥ 1 the shares sent at step k are mixed in at step k+τ (the loop waits only if they
-are not there by then); τ = 0 is synchronous. Shares that arrive even later (or were sent in steps
-whose receive point has passed) are folded in at the next mix: push-sum mass is never dropped.
-A share the receiver definitively refuses is re-absorbed by the sender for the same reason.
+are not there by then); τ = 0 is synchronous. Push-sum mass is never lost (Σ_i w_i = n, counting
+the shares in flight, is what makes the de-biased z_i converge to the average):
+- a share is waited for at most the link deadline; one that comes later is folded in at the next mix
+  (and awaited once more in finish());
+- the transport retransmits a lost share with the same message id (the receiver drops a duplicate),
+  so a share is delivered at most once;
+- a share the receiver definitively refuses, or that cannot be delivered because the receiver is
+  dead, is re-absorbed by the sender;
+- dead peers are skipped (p = 1 / (live out-degree + 1)); a rejoining peer gets half of a donor's
+  (x, w), which keeps Σ w and z of the donor unchanged.
 
 The engine computes with z and applies the optimizer there; the resulting change z' - z is applied
 to x, which is exactly x - γ d for any optimizer direction d (momentum included).
@@ -16,6 +23,7 @@ to x, which is exactly x - γ d for any optimizer direction d (momentum included
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 import torch
@@ -26,6 +34,7 @@ from p2ptrain.topology import Topology
 
 log = logging.getLogger(__name__)
 KIND = pb.MESSAGE_KIND_PUSH_SUM
+FINISH_WAIT_SECONDS = 10.0  # finish(): how long to wait in all for shares that missed their deadline
 
 
 class SGP(Algorithm):
@@ -41,35 +50,62 @@ class SGP(Algorithm):
         self.x: torch.Tensor | None = None
         self.w = 1.0
         self.z: torch.Tensor | None = None
-        self._outbox: deque = deque()  # (future of Ack, x-share, w-share) until acknowledged
+        self._outbox: deque = deque()  # (future of Ack, x-share, w-share, receiver, step) until acknowledged
         self.refused_shares = 0
         self._last_step = -1
+        self._missing: set[tuple[int, int]] = set()  # (sender, step) shares awaited in vain so far
+        self.ledger: list[tuple] | None = None  # set to [] to record every mass movement (tests)
 
     def setup(self, params: torch.Tensor) -> torch.Tensor:
-        self.x = params.detach().clone()
-        self.w = 1.0
+        joined = getattr(self.comm, "joined", None)
+        self.w = joined.ps_weight if joined is not None else 1.0  # a rejoined node: its share of a donor's w
+        self.x = params.detach().clone() * self.w  # (params are z; the donor sent its x / 2 = z w / 2)
         self.comm.expect(KIND, params.dtype, params.numel())
         self.comm.ready()
-        self.z = self.x.clone()
+        self.z = self.x / self.w
         return self.z
 
     def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:
         self.comm.set_step(step)
         self.x.add_(params - self.z)  # x^{k+1/2} = x^k + (z' - z)
         self._push(step)
-        self._reabsorb_refused()
+        self._reabsorb_refused(step)
         if step >= self.tau:
-            self._mix(step - self.tau)
+            self._mix(step - self.tau, step)
+        self._record("w", step, self.w)
         return self._debias()
 
     def finish(self) -> torch.Tensor:
-        """Receive the shares still in flight (the last τ steps) so no mass is left on the wire."""
+        """Receive the shares still in flight (the last τ steps, and earlier ones that missed their
+        deadline) so no mass is left on the wire; wait for every ack (re-absorbing refusals)."""
         last = self._last_step
+        after = last + 1  # the ledger books what finish() receives after the last step
         for step in range(max(0, last - self.tau + 1), last + 1):
-            self._mix(step)
-        for future, _, _ in self._outbox:
-            future.exception()  # wait for every ack
-        self._reabsorb_refused()
+            self._mix(step, after)
+        # A live sender's share does come (it is re-sent until acknowledged, or re-absorbed only if
+        # the sender thinks we are dead): worth a longer wait than one step's deadline.
+        budget = min(self.comm.peer_timeout, max(self.comm.transport.options.link_deadline, FINISH_WAIT_SECONDS))
+        end = time.monotonic() + budget  # one budget for all of them
+        for sender, step in sorted(self._missing, key=lambda m: m[1]):
+            if (sender, step) in self._missing:
+                wait = max(0.0, end - time.monotonic())
+                self._fold(self.comm.gather(KIND, step, [sender], deadline=wait).values(), after)
+        self._fold(self.comm.take(KIND, last), after)
+        for entry in self._outbox:
+            entry[0].exception()  # wait for every ack
+        self._reabsorb_refused(after)
+        self._record("w", after, self.w)
+        return self._debias()
+
+    def donate_state(self, peer: int, step: int, params: torch.Tensor) -> torch.Tensor:
+        """Give a (re)joining peer half of (x, w): Σ w is conserved and both have this node's z."""
+        share_x, share_w = self.x * 0.5, self.w * 0.5
+        future = self.comm.send(peer, share_x / share_w, kind=pb.MESSAGE_KIND_STATE, step=step,
+                                ps_weight=share_w, reliable=True)  # sent as z: the engine loads a model
+        self._outbox.append((future, share_x, share_w, peer, step))
+        self.x.mul_(0.5)
+        self.w *= 0.5
+        self._record("send", step, share_w, peer)
         return self._debias()
 
     def stats(self) -> dict[str, float]:
@@ -78,39 +114,54 @@ class SGP(Algorithm):
     # The seed's steps --------------------------------------------------------------------------
     def _push(self, step: int) -> None:
         self._last_step = step
-        peers = self.topology.out_peers(self.rank, step)
-        p = 1.0 / (len(peers) + 1)  # uniform weights: column i of P^(k)
+        peers = self.comm.live(self.topology.out_peers(self.rank, step))
+        p = 1.0 / (len(peers) + 1)  # uniform weights: column i of P^(k), over the live out-peers
         share_w = p * self.w
         for peer in peers:
             share_x = self.x * p  # a fresh tensor per peer: ownership passes to the transport
             future = self.comm.send(peer, share_x, kind=KIND, step=step, ps_weight=share_w, reliable=True)
-            self._outbox.append((future, share_x, share_w))
+            self._outbox.append((future, share_x, share_w, peer, step))
+            self._record("send", step, share_w, peer)
         self.x.mul_(p)
         self.w *= p
 
-    def _mix(self, step: int) -> None:
-        """Add the step-`step` shares of all in-neighbours (waiting for them) and any late ones."""
+    def _mix(self, step: int, now: int) -> None:
+        """Add the step-`step` shares of the in-neighbours that arrive within the link deadline, and
+        any late ones that arrived meanwhile; remember the missing ones (they are folded in later)."""
         senders = self.topology.in_peers(self.rank, step)
-        arrived = list(self.comm.recv(KIND, step, senders).values())
-        arrived += self.comm.take(KIND, step)  # shares of earlier steps that came late
-        for share in arrived:
+        arrived = self.comm.gather(KIND, step, senders)
+        self._missing.update((s, step) for s in self.comm.live(senders) if s not in arrived)
+        self._fold(arrived.values(), now)
+        self._fold(self.comm.take(KIND, step), now)  # shares of earlier steps that came late
+
+    def _fold(self, shares, now: int) -> None:
+        for share in shares:
             self.x.add_(share.tensor)
             self.w += share.ps_weight
+            self._missing.discard((share.sender, share.step))
+            self._record("mix", now, share.ps_weight, share.sender, share.step)
             share.release()
 
-    def _reabsorb_refused(self) -> None:
-        """Acks come back in order of sending; re-absorb shares the receiver refused."""
+    def _reabsorb_refused(self, now: int) -> None:
+        """Acks come back in order of sending; re-absorb the shares that did not get through: the
+        receiver refused them, or it is dead (the transport gave up after probing it)."""
         while self._outbox and self._outbox[0][0].done():
-            future, share_x, share_w = self._outbox.popleft()
+            future, share_x, share_w, peer, sent = self._outbox.popleft()
             exc = future.exception()
-            if exc is not None:
-                raise RuntimeError(f"node {self.rank}: sending a push-sum share failed: {exc}") from exc
-            ack = future.result()
-            if ack.status == pb.Ack.STATUS_REJECTED:
-                log.warning("node %d: share refused (%s: %s); re-absorbing it", self.rank, ack.reason, ack.detail)
-                self.x.add_(share_x)
-                self.w += share_w
-                self.refused_shares += 1
+            if exc is None and future.result().status != pb.Ack.STATUS_REJECTED:
+                continue  # accepted, or a duplicate of a retransmission that was accepted
+            why = f"{type(exc).__name__}: {exc}" if exc is not None else \
+                f"{future.result().reason}: {future.result().detail}"
+            log.warning("node %d: step-%d share for node %d not delivered (%s); re-absorbing it", self.rank,
+                        sent, peer, why)
+            self.x.add_(share_x)
+            self.w += share_w
+            self.refused_shares += 1
+            self._record("reabsorb", now, share_w, peer, sent)
+
+    def _record(self, event: str, step: int, weight: float, peer: int = -1, sent: int = -1) -> None:
+        if self.ledger is not None:
+            self.ledger.append((event, step, weight, peer, sent))
 
     def _debias(self) -> torch.Tensor:
         self.z = self.x / self.w

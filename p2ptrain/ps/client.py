@@ -19,6 +19,7 @@ from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.ps.server import COMMIT_METHOD, DONE_METHOD, PULL_METHOD, grpc_options
 from p2ptrain.transport.framing import (DEFAULT_CHUNK_BYTES, FramingError, check_chunk_bytes, deserialize_chunk,
                                         encode_header, iter_data_chunks, serialize_identity, tensor_bytes)
+from p2ptrain.transport.security import PLAINTEXT, Security
 from p2ptrain.transport.server import PROTOCOL_VERSION
 
 _RETRY_CODES = (grpc.StatusCode.UNAVAILABLE,)
@@ -37,14 +38,16 @@ class PsClient:
     """Worker `worker`'s channel to the parameter server at `address` ("host:port")."""
 
     def __init__(self, address: str, worker: int, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 fingerprint: str = "", timeout: float | None = 120.0, retries: int = 3):
+                 fingerprint: str = "", timeout: float | None = 120.0, retries: int = 3,
+                 security: Security = PLAINTEXT):
         self.address = address
         self.worker = worker
         self.chunk_bytes = check_chunk_bytes(chunk_bytes)
         self.fingerprint = fingerprint
         self.timeout = timeout
         self.retries = retries
-        self.channel = grpc.insecure_channel(address, options=grpc_options())
+        self.channel = security.channel(address, grpc_options())
+        self.metadata = security.call_metadata()  # the auth token, sent with every call
         self._pull = self.channel.unary_stream(PULL_METHOD, request_serializer=pb.PullRequest.SerializeToString,
                                                response_deserializer=deserialize_chunk)
         self._commit = self.channel.stream_unary(COMMIT_METHOD, request_serializer=serialize_identity,
@@ -58,7 +61,7 @@ class PsClient:
         waits for the server to come up, until the client's timeout."""
         request = pb.PullRequest(worker=self.worker, protocol_version=PROTOCOL_VERSION,
                                  config_fingerprint=self.fingerprint)
-        call = self._pull(request, timeout=self.timeout, wait_for_ready=True)
+        call = self._pull(request, timeout=self.timeout, wait_for_ready=True, metadata=self.metadata)
         try:
             header, view, received = None, None, 0
             for chunk in call:
@@ -120,7 +123,7 @@ class PsClient:
 
         for attempt in itertools.count():
             try:
-                return self._commit(chunks(), timeout=self.timeout, wait_for_ready=True)
+                return self._commit(chunks(), timeout=self.timeout, wait_for_ready=True, metadata=self.metadata)
             except grpc.RpcError as exc:
                 if exc.code() in _RETRY_CODES and attempt < self.retries:
                     continue
@@ -131,7 +134,7 @@ class PsClient:
     def done(self, steps: int) -> pb.DoneReply:
         try:
             return self._done(pb.DoneRequest(worker=self.worker, steps=steps), timeout=self.timeout,
-                              wait_for_ready=True)
+                              wait_for_ready=True, metadata=self.metadata)
         except grpc.RpcError as exc:
             raise PsError(f"Done to the parameter server at {self.address} failed: {_describe(exc)}",
                           exc.code().name) from None

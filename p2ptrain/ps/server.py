@@ -32,6 +32,7 @@ from p2ptrain.transport.framing import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, De
                                         serialize_identity, tensor_bytes)
 from p2ptrain.transport.inbox import BufferPool, Reception, Rejection
 from p2ptrain.transport.runtime import TransportOptions, _new_loop
+from p2ptrain.transport.security import PLAINTEXT, Security
 from p2ptrain.transport.server import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
@@ -340,7 +341,9 @@ class ParameterServer:
 
     def __init__(self, theta: torch.Tensor, workers: int, *, listen: str = "[::]:0",
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, fingerprint: str = "", metrics=None,
-                 snapshot_every: int = 0, keep_log: bool = False, shutdown_grace: float = 2.0):
+                 snapshot_every: int = 0, keep_log: bool = False, shutdown_grace: float = 2.0,
+                 security: Security = PLAINTEXT):
+        self.security = security  # TLS / auth token (transport/security.py)
         self.state = CentralVariable(theta, workers, snapshot_every=snapshot_every, keep_log=keep_log)
         self.listen = listen
         self.chunk_bytes = check_chunk_bytes(chunk_bytes)
@@ -377,14 +380,15 @@ class ParameterServer:
             loop.close()
 
     async def _start_server(self) -> None:
-        server = grpc.aio.server(options=grpc_options() + [("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(options=grpc_options() + [("grpc.so_reuseport", 0)],
+                                 interceptors=self.security.server_interceptors(self.metrics))
         service = ParameterServerService(self.state, chunk_bytes=self.chunk_bytes, fingerprint=self.fingerprint,
                                          metrics=self.metrics, on_all_done=self.all_done.set)
         server.add_generic_rpc_handlers((service.handler(),))
         from grpc_reflection.v1alpha import reflection
 
         reflection.enable_server_reflection((PS_SERVICE_NAME, reflection.SERVICE_NAME), server)
-        port = server.add_insecure_port(self.listen)
+        port = self.security.add_port(server, self.listen)
         if port == 0:
             raise OSError(f"parameter server could not listen on {self.listen}")
         await server.start()
@@ -492,7 +496,8 @@ def run_ps(config) -> dict:
             metrics_port = metrics_server.server_port
         server = ParameterServer(flat.get(), config.world_size, listen=ps_listen_address(config),
                                  chunk_bytes=config.chunk_bytes, fingerprint=ps_fingerprint(config),
-                                 metrics=metrics, snapshot_every=config.log_every * config.world_size)
+                                 metrics=metrics, snapshot_every=config.log_every * config.world_size,
+                                 security=config.security())
         with server:
             log.info("parameter server: %d parameters, %d workers, listening on port %d", flat.numel,
                      config.world_size, server.port)

@@ -121,7 +121,8 @@ def run_worker(config) -> dict:
             metrics_server, _ = metrics.serve(config.metrics_port)
             metrics_port = metrics_server.server_port
         client = PsClient(config.ps_address, config.rank, chunk_bytes=config.chunk_bytes,
-                          fingerprint=ps_fingerprint(config), timeout=config.peer_timeout)
+                          fingerprint=ps_fingerprint(config), timeout=config.peer_timeout,
+                          security=config.security())
         flat = FlatParameters(model)
         nbytes = flat.numel * 4
         host = torch.empty(flat.numel, dtype=torch.float32, pin_memory=device.type == "cuda")

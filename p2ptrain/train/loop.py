@@ -5,6 +5,7 @@ This is also the public Python API: hand in any torch model, optimizer, batches 
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from p2ptrain.train.flat import FlatParameters
+
+log = logging.getLogger(__name__)
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -72,7 +75,10 @@ class DecentralizedTrainer:
     """Runs `steps` local SGD steps with the algorithm's hooks (see p2ptrain.algorithms.base)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, algorithm, *,
-                 loss_fn: Callable = F.nll_loss, device: torch.device | str | None = None, metrics=None):
+                 loss_fn: Callable = F.nll_loss, device: torch.device | str | None = None, metrics=None,
+                 slowdown: float = 1.0):
+        if not slowdown >= 1.0:
+            raise ValueError(f"slowdown must be >= 1 (1 = full speed), got {slowdown}")
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model = model.to(self.device)
         self.flat = FlatParameters(self.model)
@@ -80,17 +86,31 @@ class DecentralizedTrainer:
         self.algorithm = algorithm
         self.loss_fn = loss_fn
         self.metrics = metrics
+        self.slowdown = slowdown
+        self.start_step = 0
+        self._directions: torch.Tensor | None = None
+        comm = getattr(algorithm, "comm", None)
+        if comm is not None and comm.joining:  # a restarted node: resume from a live peer's state
+            params = self.flat.get()
+            state = comm.fetch_state(params.numel(), params.dtype)
+            self.flat.load(state.tensor)
+            self.start_step = state.step + 1
         self.flat.load(self.algorithm.setup(self.flat.get()))
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.device, non_blocking=True)
 
     def train_step(self, step: int, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        started = time.perf_counter()
         self.model.train()
         inputs, targets = self._to_device(inputs), self._to_device(targets)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model(inputs), targets)
         loss.backward()
+        if self.slowdown > 1.0:  # emulate a slower machine: stretch this step's compute
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - started))
         if self.algorithm.uses_gradients:
             grads = self.algorithm.reduce_gradients(step, self.flat.grads())
             if grads is None:  # e.g. the first pipelined Pipe-SGD step: nothing aggregated yet
@@ -99,17 +119,40 @@ class DecentralizedTrainer:
             self.flat.load_grads(grads)
         self.optimizer.step()
         self.flat.load(self.algorithm.after_step(step, self.flat.get()))
+        self._serve_joiners(step)
         return float(loss.detach())
 
+    def _serve_joiners(self, step: int) -> None:
+        """Give (re)joining peers this node's state, at a step boundary where it is consistent."""
+        comm = getattr(self.algorithm, "comm", None)
+        if comm is None:
+            return
+        for peer in comm.state_requests():
+            changed = self.algorithm.donate_state(peer, step, self.flat.get())
+            if changed is not None:
+                self.flat.load(changed)
+            if self.metrics is not None:
+                self.metrics.on_state_transfer(peer)
+            log.info("step %d: sent this node's state to rejoining peer %d", step, peer)
+
+    def model_projection(self, directions: int = 4) -> list[float]:
+        """<params, v_k> for fixed Gaussian directions v_k (seeded, identical on every node): for two
+        nodes, E[(<x_i, v> - <x_j, v>)^2] = |x_i - x_j|^2, so the spread across nodes estimates the
+        consensus distance without moving any model (exported as p2ptrain_model_projection)."""
+        params = self.flat.get().detach().float()
+        if self._directions is None or self._directions.shape[0] != directions:
+            generator = torch.Generator().manual_seed(20261121)
+            self._directions = torch.randn(directions, params.numel(), generator=generator).to(params.device)
+        return (self._directions @ params).tolist()
     def fit(self, batches: Iterable, steps: int, *, on_log: Callable[[StepRecord, "DecentralizedTrainer"], None] | None = None,
             log_every: int = 10, snapshot_every: int | None = None) -> TrainResult:
         """Train for `steps`; `on_log` is called every `log_every` steps and at the end; the de-biased
         flat model is snapshotted at step 0, every `snapshot_every` steps and at the end."""
         result = TrainResult(steps=steps)
         snapshot_every = snapshot_every or log_every
-        result.snapshots[0] = self.flat.get().detach().cpu().clone()
+        result.snapshots[self.start_step] = self.flat.get().detach().cpu().clone()
         iterator = iter(batches)
-        for step in range(steps):
+        for step in range(self.start_step, steps):
             start = time.perf_counter()
             inputs, targets = next(iterator)
             loss = self.train_step(step, inputs, targets)
@@ -128,6 +171,8 @@ class DecentralizedTrainer:
                     self.flat.load(final)
             if done % snapshot_every == 0 or done == steps:
                 result.snapshots[done] = self.flat.get().detach().cpu().clone()
+            if self.metrics is not None and (done % log_every == 0 or done == steps):
+                self.metrics.set_model_projection(self.model_projection())
             if on_log is not None and (done % log_every == 0 or done == steps):
                 window = result.losses[-log_every:]
                 on_log(StepRecord(done, sum(window) / len(window), seconds), self)

@@ -5,23 +5,27 @@ import grpc
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.framing import encode_header, iter_data_chunks, serialize_identity
+from p2ptrain.transport.security import PLAINTEXT, Security
 from p2ptrain.transport.server import HELLO_METHOD, PUSH_METHOD
 
 
 class PeerClient:
     """Channel to one peer. Created and used only on the node's event-loop thread."""
 
-    def __init__(self, address: str, options: list[tuple[str, object]], chunk_bytes: int):
+    def __init__(self, address: str, options: list[tuple[str, object]], chunk_bytes: int,
+                 security: Security = PLAINTEXT):
         self.address = address
         self.chunk_bytes = chunk_bytes
-        self.channel = grpc.aio.insecure_channel(address, options=options)
+        self.channel = security.aio_channel(address, options)
+        self.metadata = security.call_metadata()  # the auth token, sent with every call
         self._push = self.channel.stream_unary(PUSH_METHOD, request_serializer=serialize_identity,
                                                response_deserializer=pb.Ack.FromString)
         self._hello = self.channel.unary_unary(HELLO_METHOD,
                                                request_serializer=pb.HelloRequest.SerializeToString,
                                                response_deserializer=pb.HelloReply.FromString)
 
-    async def push(self, header: pb.TensorHeader, payload: memoryview, timeout: float | None) -> pb.Ack:
+    async def push(self, header: pb.TensorHeader, payload: memoryview, timeout: float | None,
+                   wait_for_ready: bool = True) -> pb.Ack:
         """Stream header + payload chunks; waits for the peer to come up (wait_for_ready) until
         `timeout`. Raises grpc.aio.AioRpcError on transport failure."""
         chunk_bytes = self.chunk_bytes
@@ -30,10 +34,15 @@ class PeerClient:
             yield encode_header(header)
             yield from iter_data_chunks(payload, chunk_bytes)
 
-        return await self._push(chunks(), timeout=timeout, wait_for_ready=True)
+        return await self._push(chunks(), timeout=timeout, wait_for_ready=wait_for_ready, metadata=self.metadata)
 
-    async def hello(self, request: pb.HelloRequest, timeout: float | None) -> pb.HelloReply:
-        return await self._hello(request, timeout=timeout, wait_for_ready=True)
+    def open_push(self, timeout: float | None, wait_for_ready: bool = True):
+        """A PushTensor call to write pre-encoded chunks into one by one (relay forwarding)."""
+        return self._push(timeout=timeout, wait_for_ready=wait_for_ready, metadata=self.metadata)
+
+    async def hello(self, request: pb.HelloRequest, timeout: float | None,
+                    wait_for_ready: bool = True) -> pb.HelloReply:
+        return await self._hello(request, timeout=timeout, wait_for_ready=wait_for_ready, metadata=self.metadata)
 
     async def close(self) -> None:
         await self.channel.close()

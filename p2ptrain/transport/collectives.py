@@ -15,11 +15,14 @@ mailbox never mixes rounds; the step number keeps consecutive all-reduces apart.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 
 import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.compression import Codec, NoCompression, get_codec
+
+log = logging.getLogger(__name__)
 
 KIND = pb.MESSAGE_KIND_ALLREDUCE
 
@@ -28,6 +31,10 @@ def segment_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
     """[start, end) of each of `parts` nearly equal consecutive segments."""
     edges = [k * numel // parts for k in range(parts + 1)]
     return list(zip(edges[:-1], edges[1:]))
+
+
+class CollectiveIncomplete(TimeoutError):
+    """A collective could not complete (a peer missed the link deadline, refused, or is dead)."""
 
 
 class RingAllReduce:
@@ -39,6 +46,7 @@ class RingAllReduce:
         self.rank, self.n = comm.rank, comm.world_size
         self.numel, self.dtype = numel, dtype
         self.codec = get_codec(codec) if isinstance(codec, str) else (codec or NoCompression())
+        self._failed_at: int | None = None  # step of the last incomplete round
         self.tag, self.kind = tag, kind
         self.bounds = segment_bounds(numel, self.n)
         self.next, self.prev = (self.rank + 1) % self.n, (self.rank - 1) % self.n
@@ -72,12 +80,46 @@ class RingAllReduce:
 
     # The collective -------------------------------------------------------------------------------
     def __call__(self, tensor: torch.Tensor, step: int, *, average: bool = True) -> torch.Tensor:
-        """Sum (or mean) of `tensor` over all nodes, written into `tensor` and returned."""
+        """Sum (or mean) of `tensor` over all nodes, written into `tensor` and returned.
+
+        Raises CollectiveIncomplete, with `tensor` restored, when a ring neighbour's segment misses
+        the link deadline or a node is dead (the ring is not re-formed: callers fall back to their
+        local value for this step and the next call tries again)."""
         if tensor.numel() != self.numel or tensor.dtype != self.dtype:
             raise ValueError(f"all-reduce declared for {self.numel} x {self.dtype}, "
                              f"got {tensor.numel()} x {tensor.dtype}")
         if self.n == 1:
             return tensor
+        if self._failed_at is not None:  # segments of a failed round may still come: throw them away
+            self._discard_through(step - 1)
+        if not self.comm.all_alive():
+            self._failed_at = step
+            raise CollectiveIncomplete(f"node {self.rank}: all-reduce of step {step} skipped: a node is dead")
+        original = tensor.clone()
+        try:
+            return self._ring(tensor, step, average)
+        except CollectiveIncomplete:
+            tensor.copy_(original)
+            self._failed_at = step
+            raise
+
+    def reduce_or_keep(self, tensor: torch.Tensor, step: int, *, average: bool = True) -> torch.Tensor:
+        """The all-reduce, or `tensor` unchanged when it cannot complete (a dropped link costs this
+        step's averaging, never the run)."""
+        try:
+            return self(tensor, step, average=average)
+        except CollectiveIncomplete as exc:
+            log.warning("%s; keeping the local value for this step", exc)
+            return tensor
+
+    def _discard_through(self, step: int) -> None:
+        for r in range(self.n - 1):
+            for phase in ("rs", "ag"):
+                for stale in self.comm.take(self.kind, step, channel=self._channel(phase, r)):
+                    stale.release()
+        self._failed_at = None
+
+    def _ring(self, tensor: torch.Tensor, step: int, average: bool) -> torch.Tensor:
         flat = tensor.view(-1)
         segment = lambda k: flat[self.bounds[k][0]:self.bounds[k][1]]  # noqa: E731
         acks: list[concurrent.futures.Future] = []
@@ -115,7 +157,11 @@ class RingAllReduce:
                               shape=(numel,), reliable=True)
 
     def _recv(self, step: int, phase: str, r: int):
-        return self.comm.recv(self.kind, step, [self.prev], channel=self._channel(phase, r))[self.prev]
+        got = self.comm.gather(self.kind, step, [self.prev], channel=self._channel(phase, r))
+        if self.prev not in got:
+            raise CollectiveIncomplete(f"node {self.rank}: step-{step} all-reduce segment ({phase} round {r}) "
+                                       f"from node {self.prev} missed the link deadline")
+        return got[self.prev]
 
     def _decode(self, received, numel: int) -> torch.Tensor:
         if received.codec == pb.CODEC_NONE:
@@ -124,10 +170,14 @@ class RingAllReduce:
 
     def _check(self, acks: list[concurrent.futures.Future]) -> None:
         for future in acks:
+            exc = future.exception()
+            if exc is not None:
+                raise CollectiveIncomplete(f"node {self.rank}: all-reduce message to node {self.next} "
+                                           f"failed: {exc}")
             ack = future.result()
             if ack.status == pb.Ack.STATUS_REJECTED:
-                raise RuntimeError(f"node {self.rank}: all-reduce message refused by node {self.next}: "
-                                   f"{ack.reason}: {ack.detail}")
+                raise CollectiveIncomplete(f"node {self.rank}: all-reduce message refused by node {self.next}: "
+                                           f"{ack.reason}: {ack.detail}")
 
 
 def _own(encoded) -> torch.Tensor:

@@ -6,13 +6,19 @@ facade stages them through host memory and the node's Transport.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from p2ptrain.transport.runtime import Transport
+from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.transport.runtime import PeerError, Transport
 from p2ptrain.transport.staging import Staging
+
+log = logging.getLogger(__name__)
+STATE = pb.MESSAGE_KIND_STATE
 
 
 @dataclass
@@ -40,15 +46,56 @@ class Communicator:
         self.world_size = transport.world_size
         self.staging = Staging(device)
         self.peer_timeout = peer_timeout
+        self.joining = False        # set before setup: this node (re)joins a running cluster
+        self.joined: Received | None = None  # the state it got (model, ps-weight, donor's step)
 
     def expect(self, kind: int, dtype: torch.dtype, numel: int, **kwargs) -> None:
         self.transport.expect(kind, dtype, numel, **kwargs)
 
     def ready(self) -> None:
-        """Call after every expect(): announce readiness and wait until all peers are ready too."""
+        """Call after every expect(): announce readiness and wait until all peers are ready too
+        (a rejoining node instead tells the live peers it is back and at which step)."""
         self.transport.mark_ready()
-        if self.world_size > 1:
+        if self.joining:
+            self.transport.announce_ready()
+        elif self.world_size > 1:
             self.transport.wait_for_peers(timeout=self.peer_timeout, require_ready=True)
+
+    # Membership and (re)joining -------------------------------------------------------------------
+    def live(self, peers: list[int]) -> list[int]:
+        """The peers not considered dead (algorithms neither send to nor wait for dead peers)."""
+        return self.transport.membership.live(peers)
+
+    def all_alive(self) -> bool:
+        return not self.transport.membership.dead()
+
+    def fetch_state(self, numel: int, dtype: torch.dtype, timeout: float | None = None) -> Received:
+        """Rejoin: ask a live peer for its model state and wait for it (like hivemind's
+        load_state_from_peers). Returns the state; the node resumes at `state.step + 1`."""
+        timeout = self.peer_timeout if timeout is None else timeout
+        self.transport.expect(STATE, dtype, numel, preallocate=1)
+        self.transport.membership.rejoining()
+        deadline = time.monotonic() + timeout
+        while True:
+            donor = self.transport.request_state(max(1.0, deadline - time.monotonic()))
+            try:
+                message = self.transport.recv_any(STATE, donor, timeout=min(self.peer_timeout,
+                                                                           max(1.0, deadline - time.monotonic())))
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise PeerError(f"node {self.rank}: no state from any peer within {timeout:.0f}s") from None
+                log.warning("node %d: donor %d sent no state; asking another peer", self.rank, donor)
+                continue
+            state = self._received(message)
+            self.joined = state
+            self.transport.resume_at(state.step + 1)
+            log.info("node %d: rejoined with node %d's state of step %d (ps-weight %.4g)", self.rank, donor,
+                     state.step, state.ps_weight)
+            return state
+
+    def state_requests(self) -> list[int]:
+        """Peers that asked for this node's state (served by the engine at a step boundary)."""
+        return self.transport.take_state_requests() if self.transport.has_state_requests() else []
 
     def set_step(self, step: int) -> None:
         self.transport.set_step(step)
@@ -62,6 +109,13 @@ class Communicator:
         """Wait for each sender's step-`step` message (TimeoutError after the peer timeout)."""
         messages = self.transport.recv(kind, step, senders, channel=channel,
                                        timeout=self.peer_timeout if timeout is None else timeout)
+        return {sender: self._received(m) for sender, m in messages.items()}
+
+    def gather(self, kind: int, step: int, senders: list[int], *, channel: str = "",
+               deadline: float | None = None) -> dict[int, Received]:
+        """The step-`step` messages of the live senders that arrive within the link deadline; a
+        missing one counts as a dropped link for this step (see Transport.gather)."""
+        messages = self.transport.gather(kind, step, senders, channel=channel, deadline=deadline)
         return {sender: self._received(m) for sender, m in messages.items()}
 
     def take(self, kind: int, max_step: int, *, channel: str = "") -> list[Received]:

@@ -14,6 +14,9 @@ Spec text (``--link``, ``--link-override``, TOML, env): comma-separated ``key=va
              is seconds
   jitter     the added delay varies uniformly in latency ± jitter (never below 0)
   drop       probability in [0, 1) that a message is lost, e.g. ``0.01`` or ``1%``
+  block      (no value, or ``blocked=true``) the link is down, as behind a firewall or NAT: every
+             send fails at once with LinkUnreachable, which the send path treats like a refused
+             connect (it goes through a relay, see relay.py); ``blocked=false`` lifts it
 
 Per-link entries are ``SRC->DST:SPEC`` (one direction) or ``SRC<->DST:SPEC`` (both); each applies
 on top of what the link had so far (the default spec, then earlier entries), so
@@ -41,6 +44,10 @@ _LINK = re.compile(r"^\s*(\d+)\s*(<->|->)\s*(\d+)\s*$")
 
 class MessageDropped(RuntimeError):
     """The link emulation lost this message: it never reached the peer."""
+
+
+class LinkUnreachable(ConnectionError):
+    """The emulated link is blocked: the peer cannot be reached directly (nothing was sent)."""
 
 
 def _split_number(text: str, what: str) -> tuple[float, str]:
@@ -88,6 +95,15 @@ def _parse_probability(text: str) -> float:
     return value / 100 if unit == "%" else value
 
 
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("true", "yes", "1", "on"):
+        return True
+    if value in ("false", "no", "0", "off"):
+        return False
+    raise ValueError(f"blocked={text!r}: give true or false")
+
+
 @dataclass(frozen=True)
 class LinkSpec:
     """What one directed link does to a message. bandwidth in bytes/s (None = no cap), times in s."""
@@ -96,6 +112,7 @@ class LinkSpec:
     latency: float = 0.0
     jitter: float = 0.0
     drop: float = 0.0
+    blocked: bool = False
 
     def __post_init__(self) -> None:
         if self.bandwidth is not None and not (0 < self.bandwidth < math.inf):
@@ -109,19 +126,24 @@ class LinkSpec:
 
     @property
     def is_noop(self) -> bool:
-        return self.bandwidth is None and self.latency == 0 and self.jitter == 0 and self.drop == 0
+        return (self.bandwidth is None and self.latency == 0 and self.jitter == 0 and self.drop == 0
+                and not self.blocked)
 
     @classmethod
     def parse(cls, text: str, base: "LinkSpec | None" = None) -> "LinkSpec":
-        """``bandwidth=200mbit,latency=5ms,jitter=1ms,drop=0.01``; keys left out keep `base`'s values."""
+        """``bandwidth=200mbit,latency=5ms,jitter=1ms,drop=0.01`` (or ``block``); keys left out keep
+        `base`'s values."""
         parsers = {"bandwidth": lambda v: None if v.strip().lower() in _UNLIMITED else parse_bandwidth(v),
-                   "latency": parse_duration, "jitter": parse_duration, "drop": _parse_probability}
+                   "latency": parse_duration, "jitter": parse_duration, "drop": _parse_probability,
+                   "blocked": _parse_bool}
         values: dict[str, float | None] = {}
         for item in (text or "").split(","):
             if not item.strip():
                 continue
             key, sep, value = item.partition("=")
             key = key.strip().lower()
+            if key in ("block", "blocked") and not sep:  # bare flag: "0<->2:block"
+                key, sep, value = "blocked", "=", "true"
             if not sep:
                 raise ValueError(f"link spec item {item.strip()!r} is not key=value (in {text!r})")
             if key not in parsers:
@@ -134,7 +156,7 @@ class LinkSpec:
     def __str__(self) -> str:
         bandwidth = "unlimited" if self.bandwidth is None else f"{self.bandwidth * 8 / 1e6:g}mbit"
         return (f"bandwidth={bandwidth},latency={self.latency * 1e3:g}ms,jitter={self.jitter * 1e3:g}ms,"
-                f"drop={self.drop:g}")
+                f"drop={self.drop:g}" + (",blocked=true" if self.blocked else ""))
 
 
 @dataclass(frozen=True)
@@ -174,6 +196,10 @@ class LinkTable:
     def spec_for(self, src: int, dst: int) -> LinkSpec:
         return self.overrides.get((src, dst), self.default)
 
+    def is_blocked(self, src: int, dst: int) -> bool:
+        """Whether link src -> dst is emulated as down (the peer is reachable only through a relay)."""
+        return self.spec_for(src, dst).blocked
+
     def check_ranks(self, world_size: int) -> None:
         """Raise ValueError for an override naming a rank outside 0..world_size-1 (a likely typo)."""
         for src, dst in self.overrides:
@@ -206,8 +232,11 @@ class LinkEmulator:
         self._idle_at = 0.0  # when the link would be idle had every message left at full rate
 
     async def transmit(self, nbytes: int) -> None:
-        """Wait as the link would for an `nbytes` message; raise MessageDropped if it is lost."""
+        """Wait as the link would for an `nbytes` message; raise MessageDropped if it is lost, and
+        LinkUnreachable at once (before any wait or draw) if the link is blocked."""
         spec = self.spec
+        if spec.blocked:
+            raise LinkUnreachable("link blocked by link emulation (peer unreachable directly)")
         # Draw everything before the first await: the RNG sequence follows call order, not timing.
         dropped = spec.drop > 0 and self.rng.random() < spec.drop
         delay = spec.latency + (self.rng.uniform(-spec.jitter, spec.jitter) if spec.jitter else 0.0)

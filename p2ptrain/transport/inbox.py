@@ -19,6 +19,10 @@ from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.framing import WIRE_TO_TORCH, torch_dtype
 
 
+# Codec params per wire codec (compression.py: int8 sends its scale, the others none).
+_CODEC_PARAMS = {pb.CODEC_NONE: 0, pb.CODEC_FP16_TRUNCATE: 0, pb.CODEC_INT8_QUANTIZE: 1}
+
+
 class Rejection(Exception):
     """A message refused with a reason code (goes into the Ack and the rejected-messages metric)."""
 
@@ -132,6 +136,8 @@ class Inbox:
         self._in_progress: set[tuple[int, int]] = set()
         self._dedup_window = dedup_window
         self._waiters: list[tuple[object, asyncio.Future]] = []
+        self.on_deliver = lambda sender: None           # e.g. membership: a message proves the sender alive
+        self.excluded = lambda: frozenset()             # senders not worth waiting for (dead peers)
 
     # Configuration (thread-safe enough: plain attribute writes read on the loop thread) ---------
     def expect(self, kind: int, dtype: torch.dtype, numel: int, *, channel: str | None = None,
@@ -192,6 +198,7 @@ class Inbox:
             shape=tuple(header.shape) or (header.numel,), message_id=header.message_id,
             _release=lambda: self.pool.release(buffer))
         box[header.sender] = message
+        self.on_deliver(header.sender)
         self._wake_waiters()
         return message
 
@@ -201,6 +208,8 @@ class Inbox:
                                               f"(world size {self.world_size})")
         if header.receiver != self.rank:
             raise Rejection("wrong_receiver", f"message for node {header.receiver} reached node {self.rank}")
+        if header.route:
+            raise Rejection("bad_route", f"message for node {self.rank} still has relay hops {list(header.route)}")
         spec = self._specs.get((header.kind, header.channel)) or self._specs.get((header.kind, None))
         if spec is None:
             raise Rejection("unexpected_kind", f"node {self.rank} does not accept message kind "
@@ -209,10 +218,11 @@ class Inbox:
             raise Rejection("bad_dtype", f"expected {spec.dtype}, got wire dtype {header.dtype}")
         if header.numel != spec.numel:
             raise Rejection("bad_size", f"expected {spec.numel} elements, got {header.numel}")
-        if header.shape and math.prod(header.shape) != header.numel:
+        if header.shape and (min(header.shape) < 0 or math.prod(header.shape) != header.numel):  # [-4, -4]
             raise Rejection("bad_shape", f"shape {list(header.shape)} does not hold {header.numel} elements")
         if header.codec not in pb.Codec.values():
             raise Rejection("bad_codec", f"unknown codec {header.codec}")
+        self._validate_codec(header, spec)
         itemsize = torch.empty((), dtype=spec.dtype).element_size()
         if header.codec == pb.CODEC_NONE and header.payload_bytes != header.numel * itemsize:
             raise Rejection("bad_size", f"{header.payload_bytes} payload bytes for {header.numel} "
@@ -222,10 +232,30 @@ class Inbox:
                                         f"{spec.max_payload_bytes} allowed")
         if not (math.isfinite(header.ps_weight) and math.isfinite(header.relay_count)):
             raise Rejection("bad_weight", "non-finite push-sum weight or relay counter")
-        if abs(header.step - self.current_step) > self.step_window:
+        if header.kind != pb.MESSAGE_KIND_STATE and abs(header.step - self.current_step) > self.step_window:
+            # (a state transfer carries the donor's step, which a rejoining node is far behind of)
             raise Rejection("stale_step" if header.step < self.current_step else "future_step",
                             f"step {header.step} outside [{self.current_step - self.step_window}, "
                             f"{self.current_step + self.step_window}]")
+
+    @staticmethod
+    def _validate_codec(header: pb.TensorHeader, spec: ChannelSpec) -> None:
+        """A codec payload must decode (compression.py) without raising on the training thread:
+        exact encoded size, the codec's number of params, params finite scales >= 0."""
+        from p2ptrain.compression import get_codec
+
+        params = header.codec_params
+        if len(params) != _CODEC_PARAMS[header.codec] or not all(math.isfinite(p) and p >= 0 for p in params):
+            raise Rejection("bad_codec_params", f"codec {header.codec} takes {_CODEC_PARAMS[header.codec]} finite "
+                                                f"param(s) >= 0, got {list(params)}")
+        if header.codec == pb.CODEC_NONE:
+            return
+        if not spec.dtype.is_floating_point:
+            raise Rejection("bad_codec", f"codec {header.codec} cannot decode to {spec.dtype}")
+        expected = get_codec(header.codec).payload_bytes(header.numel)
+        if header.payload_bytes != expected:
+            raise Rejection("bad_size", f"{header.payload_bytes} payload bytes for {header.numel} elements "
+                                        f"in codec {header.codec}, which takes {expected}")
 
     # Consumer side (loop thread; the training thread reaches it through the Transport) ----------
     def _wake_waiters(self) -> None:
@@ -233,13 +263,19 @@ class Inbox:
             if not future.done() and ready():
                 future.set_result(None)
 
+    def wake(self) -> None:
+        """Re-check every waiter (e.g. a peer was declared dead: stop waiting for it)."""
+        self._wake_waiters()
+
     async def wait_for(self, kind: int, step: int, senders: list[int], channel: str = "",
-                       timeout: float | None = None) -> dict[int, Message]:
-        """Wait until every sender's step-`step` message is here; pop and return them."""
+                       timeout: float | None = None, partial: bool = False) -> dict[int, Message]:
+        """Wait until every sender's step-`step` message is here (senders in `excluded()`, i.e.
+        dead peers, are not waited for); pop and return them. After `timeout` raise TimeoutError,
+        or with `partial` return the messages that did arrive (the rest will be late)."""
         wanted = set(senders)
 
         def ready() -> bool:
-            return wanted.issubset(self._mail[(kind, channel)].get(step, {}))
+            return (wanted - self.excluded()).issubset(self._mail[(kind, channel)].get(step, {}))
 
         if not ready():
             waiter = (ready, asyncio.get_running_loop().create_future())
@@ -247,9 +283,10 @@ class Inbox:
             try:
                 await asyncio.wait_for(waiter[1], timeout)
             except asyncio.TimeoutError:
-                have = set(self._mail[(kind, channel)].get(step, {}))
-                raise TimeoutError(f"node {self.rank}: step-{step} messages from {sorted(wanted - have)} "
-                                   f"did not arrive within {timeout:.1f}s") from None
+                if not partial:
+                    have = set(self._mail[(kind, channel)].get(step, {}))
+                    raise TimeoutError(f"node {self.rank}: step-{step} messages from {sorted(wanted - have)} "
+                                       f"did not arrive within {timeout:.1f}s") from None
             finally:
                 self._waiters.remove(waiter)
         return self._pop(kind, channel, step, wanted)

@@ -23,6 +23,9 @@ from p2ptrain.transport.client import PeerClient
 from p2ptrain.transport.faults import LinkEmulator, LinkTable, MessageDropped
 from p2ptrain.transport.framing import DEFAULT_CHUNK_BYTES, check_chunk_bytes, tensor_bytes, wire_dtype
 from p2ptrain.transport.inbox import Inbox, Message
+from p2ptrain.transport.membership import Membership
+from p2ptrain.transport.relay import Relay
+from p2ptrain.transport.security import PLAINTEXT, Security
 from p2ptrain.transport.server import Identity, PeerService, enable_reflection
 from p2ptrain.transport.tuning import tune_process_for_transfer
 
@@ -31,6 +34,16 @@ log = logging.getLogger(__name__)
 
 class PeerError(RuntimeError):
     """A peer is unreachable or incompatible."""
+
+
+class PeerUnreachable(PeerError):
+    """The peer is considered dead (refused connections and did not answer a probe): the message
+    was not delivered, so its sender still owns it (SGP re-absorbs a push-sum share)."""
+
+
+# Failures after which the same message (same id: the receiver dedups) is simply tried again.
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+              grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 
 
 @dataclass(frozen=True)
@@ -42,6 +55,14 @@ class TransportOptions:
     shutdown_grace: float = 2.0
     pin_memory: bool = False           # receive buffers in pinned memory (CUDA training)
     links: LinkTable | None = None     # WAN emulation of outgoing links (faults.py); None = off
+    link_deadline: float = 10.0        # longest wait for a peer's message of one step: then the link
+                                       # counts as dropped for that step (late messages are folded in later)
+    probe_timeout: float = 2.0         # a peer that misses a deadline and does not answer a Hello
+                                       # within this is declared dead
+    security: Security = PLAINTEXT     # TLS and auth token of server and channels (security.py)
+    relay_routes: tuple[str, ...] = ()  # "SRC->DST:VIA[,VIA2]": peers reached through relays (relay.py)
+    relays: str | None = None          # relay candidates ("1,2" / "any") when a peer proves unreachable
+    relay_retry_after: float = 30.0    # seconds before a direct link found unreachable is tried again
 
     def channel_options(self) -> list[tuple[str, object]]:
         limit = self.chunk_bytes + (1 << 20)  # a data chunk plus framing; headers are tiny
@@ -52,6 +73,11 @@ class TransportOptions:
             ("grpc.keepalive_timeout_ms", max(1000, self.keepalive_ms // 2)),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
+            # A peer that was down (crash, restart) must be reachable again within a second, not
+            # after gRPC's default reconnect backoff of up to 2 minutes.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
         ]  # flow-control / frame-size knobs measured no better (p2ptrain.bench.grpc_study)
 
     def server_options(self) -> list[tuple[str, object]]:
@@ -101,6 +127,15 @@ class Transport:
         self._links = links if links is not None and not links.is_noop else None  # None: no emulation cost
         self._emulators: dict[int, LinkEmulator | None] = {}  # per peer, made on the loop thread
         self._emulating: set[asyncio.Task] = set()  # sends waiting in link emulation, cancelled by stop()
+        self.membership = Membership(rank, world_size, metrics)
+        self.membership.on_change = lambda: self.inbox.wake()  # stop waiting for a peer declared dead
+        self.inbox.on_deliver = self.membership.heard_from
+        self.inbox.excluded = self.membership.dead
+        self._reached: set[int] = set()      # peers we delivered to: later connect failures fail fast
+        self._probing: set[int] = set()
+        self._background: set[asyncio.Task] = set()
+        self._state_requests: list[int] = []  # peers that asked for our model state (Hello want_state)
+        self.resume_step = 0                  # the step a rejoined node resumes at (sent in its Hellos)
 
     # Lifecycle ------------------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> "Transport":
@@ -128,12 +163,15 @@ class Transport:
             loop.close()
 
     async def _start_server(self) -> None:
-        server = grpc.aio.server(options=self.options.server_options())
+        server = grpc.aio.server(options=self.options.server_options(),
+                                 interceptors=self.options.security.server_interceptors(self.metrics))
         service = PeerService(self.inbox, self.identity, self.metrics, current_step=lambda: self._step,
-                              is_ready=lambda: self._ready, on_peer_ready=self._peers_ready.add)
+                              is_ready=lambda: self._ready, on_peer_ready=self._peers_ready.add,
+                              on_hello=self._on_hello)
+        service.forwarder = self._relay = Relay(self)  # route choice of sends, forwarding for others
         server.add_generic_rpc_handlers((service.handler(),))
         enable_reflection(server)
-        port = server.add_insecure_port(self.listen)
+        port = self.options.security.add_port(server, self.listen)
         if port == 0:
             raise PeerError(f"node {self.rank} could not listen on {self.listen}")
         await server.start()
@@ -151,6 +189,8 @@ class Transport:
             for client in self._clients.values():
                 await client.close()
             for task in self._emulating:  # else they would die pending with the loop, their futures never done
+                task.cancel()
+            for task in self._background:
                 task.cancel()
 
         try:
@@ -178,7 +218,7 @@ class Transport:
         client = self._clients.get(peer)
         if client is None:
             client = self._clients[peer] = PeerClient(self.peers[peer], self.options.channel_options(),
-                                                      self.options.chunk_bytes)
+                                                      self.options.chunk_bytes, self.options.security)
         return client
 
     # Sending ----------------------------------------------------------------------------------
@@ -207,14 +247,26 @@ class Transport:
 
     async def _send(self, peer: int, header: pb.TensorHeader, payload: memoryview, keepalive,
                     reliable: bool = False) -> pb.Ack:
-        if self._links is not None:
-            await self._emulate_link(peer, len(payload), reliable)
-        try:
-            ack = await self._client(peer).push(header, payload, self.options.send_timeout)
-        except grpc.aio.AioRpcError:
-            if self.metrics is not None:
-                self.metrics.on_send_error(peer)
-            raise
+        deadline = time.monotonic() + self.options.send_timeout
+        while True:
+            if not self.membership.alive(peer) and header.kind != pb.MESSAGE_KIND_STATE:  # (a joiner asked)
+                raise PeerUnreachable(f"node {self.rank}: peer {peer} is considered dead")
+            # Until a peer was reached once, wait for it to come up (nodes start in any order);
+            # afterwards a refused connect fails at once, so a crash is noticed within a probe.
+            wait = peer not in self._reached
+            remaining = max(0.05, deadline - time.monotonic())
+            try:  # direct or through relays (declared, or when the peer proves unreachable): relay.py
+                ack = await self._relay.push(peer, header, payload, reliable, remaining, wait_for_ready=wait)
+                break
+            except grpc.aio.AioRpcError as exc:
+                if self.metrics is not None:
+                    self.metrics.on_send_error(peer)
+                if not reliable or exc.code() not in _RETRYABLE or time.monotonic() >= deadline:
+                    raise
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and not await self._probe(peer):
+                    raise PeerUnreachable(f"node {self.rank}: peer {peer} unreachable: {_rpc_reason(exc)}") from exc
+                await asyncio.sleep(0.05)  # then the same message id again: a delivered copy is a duplicate
+        self._reached.add(peer)
         if self.metrics is not None:
             if ack.status == pb.Ack.STATUS_ACCEPTED:
                 self.metrics.on_sent(peer, len(payload))
@@ -268,6 +320,73 @@ class Transport:
         future = self._submit(self.inbox.wait_for(kind, step, list(senders), channel, timeout))
         return future.result()
 
+    def gather(self, kind: int, step: int, senders: list[int], *, channel: str = "",
+               deadline: float | None = None) -> dict[int, Message]:
+        """The step-`step` messages of the senders worth waiting for (membership.awaited), waiting
+        at most `deadline` (default options.link_deadline) seconds. A sender that missed it counts
+        as a dropped link for this step (its message is folded in later, if it comes) and gets a
+        Hello probe: one that does not answer is declared dead and not waited for again."""
+        awaited = self.membership.awaited(senders, step)
+        if not awaited:
+            return {}
+        timeout = self.options.link_deadline if deadline is None else deadline
+        return self._submit(self._gather(kind, step, awaited, channel, timeout)).result()
+
+    async def _gather(self, kind: int, step: int, senders: list[int], channel: str,
+                      timeout: float) -> dict[int, Message]:
+        got = await self.inbox.wait_for(kind, step, senders, channel, timeout, partial=True)
+        for peer in senders:
+            if peer not in got and self.membership.alive(peer):
+                if self.metrics is not None:
+                    self.metrics.on_link_timeout(peer)
+                self._spawn(self._probe(peer))
+        return got
+
+    async def _reset_client(self, peer: int) -> None:
+        client = self._clients.pop(peer, None)
+        if client is not None:
+            await client.close()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _probe(self, peer: int) -> bool:
+        """Hello `peer` without waiting for a connection; declare it dead if it does not answer."""
+        if peer in self._probing:
+            return self.membership.alive(peer)
+        self._probing.add(peer)
+        try:
+            await self._client(peer).hello(self._hello_request(), self.options.probe_timeout,
+                                           wait_for_ready=False)
+            return True
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+            self.membership.mark_dead(peer, f"no answer to a probe: {_rpc_reason(exc)}")
+            return False
+        finally:
+            self._probing.discard(peer)
+
+    def _on_hello(self, request: pb.HelloRequest) -> None:
+        if not self.membership.alive(request.node_id):  # back from the dead: connect afresh, no backoff
+            self._spawn(self._reset_client(request.node_id))
+        if request.ready:
+            self.membership.mark_alive(request.node_id, since_step=request.step or None)
+        if request.want_state and request.node_id not in self._state_requests:
+            log.info("node %d: peer %d asks for our state (to rejoin)", self.rank, request.node_id)
+            self._state_requests.append(request.node_id)
+
+    def has_state_requests(self) -> bool:
+        return bool(self._state_requests)  # a racy peek from the training thread; take_ decides
+
+    def take_state_requests(self) -> list[int]:
+        """Peers that asked (in a Hello) for our model state since the last call."""
+        return self._submit(self._call(self._pop_state_requests)).result()
+
+    def _pop_state_requests(self) -> list[int]:
+        requests, self._state_requests = self._state_requests, []
+        return requests
+
     def take(self, kind: int, max_step: int, channel: str = "") -> list[Message]:
         """Messages of `kind` with step <= max_step that already arrived (non-blocking)."""
         return self._submit(self._call(self.inbox.take, kind, max_step, channel)).result()
@@ -276,13 +395,79 @@ class Transport:
     def _hello_request(self) -> pb.HelloRequest:
         me = self.identity
         return pb.HelloRequest(node_id=me.node_id, world_size=me.world_size, ready=self._ready,
-                               protocol_version=me.protocol_version, config_fingerprint=me.config_fingerprint)
+                               protocol_version=me.protocol_version, config_fingerprint=me.config_fingerprint,
+                               step=self.resume_step)
 
     async def _hello(self, peer: int, timeout: float) -> pb.HelloReply:
         return await self._client(peer).hello(self._hello_request(), timeout)  # client made on the loop
 
     def hello(self, peer: int, timeout: float = 10.0) -> pb.HelloReply:
         return self._submit(self._hello(peer, timeout)).result(timeout + 5)
+
+    def resume_at(self, step: int) -> None:
+        """A rejoined node continues at `step`: centre its step window there and say so in Hellos."""
+        self.resume_step = step
+        self.set_step(step)
+
+    def request_state(self, timeout: float) -> int:
+        """Ask live peers, in rank order, for their model state (Hello with want_state) until one
+        that is ready accepts; returns its rank. The state arrives as a MESSAGE_KIND_STATE push."""
+        deadline = time.monotonic() + timeout
+        request = self._hello_request()
+        request.want_state = True
+        problems: dict[int, str] = {}
+        while True:
+            for peer in [p for p in range(self.world_size) if p != self.rank]:
+                try:
+                    reply = self._submit(self._client_call(peer, request, 2.0)).result(10)
+                except (grpc.aio.AioRpcError, concurrent.futures.TimeoutError) as exc:
+                    problems[peer] = _rpc_reason(exc)
+                    continue
+                if reply.compatible and reply.ready:
+                    return peer
+                problems[peer] = reply.reason or "not ready"
+            if time.monotonic() >= deadline:
+                raise PeerError(f"node {self.rank}: no peer can give its state: {problems}")
+            time.sleep(0.5)
+
+    async def _client_call(self, peer: int, request: pb.HelloRequest, timeout: float) -> pb.HelloReply:
+        return await self._client(peer).hello(request, timeout, wait_for_ready=False)
+
+    def recv_any(self, kind: int, sender: int, timeout: float) -> Message:
+        """The first message of `kind` from `sender`, whatever its step (a state transfer)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for message in self.take(kind, 2 ** 62):
+                if message.sender == sender:
+                    return message
+                message.release()
+            time.sleep(0.02)
+        raise TimeoutError(f"node {self.rank}: nothing of kind {kind} from {sender} within {timeout:.0f}s")
+
+    def cluster_running(self, timeout: float = 2.0) -> bool:
+        """True when some compatible, ready peer is past step 0: this node was restarted into a
+        running cluster (at a fresh start no node passes step 0 before every node is ready)."""
+        futures = [self._submit(self._client_call(peer, self._hello_request(), timeout))
+                   for peer in range(self.world_size) if peer != self.rank]
+        running = False
+        for future in futures:
+            try:
+                reply = future.result(timeout + 5)
+            except (grpc.aio.AioRpcError, concurrent.futures.TimeoutError):
+                continue
+            running |= bool(reply.compatible and reply.ready and reply.step > 0)
+        return running
+
+    def announce_ready(self) -> None:
+        """Tell every peer (one Hello each, failures ignored) that this node is ready again and
+        resumes at `resume_step`, so they send to it and wait for it from that step on."""
+        futures = [self._submit(self._client_call(peer, self._hello_request(), 2.0))
+                   for peer in range(self.world_size) if peer != self.rank]
+        for future in futures:
+            try:
+                future.result(10)
+            except (grpc.aio.AioRpcError, concurrent.futures.TimeoutError):
+                pass
 
     def mark_ready(self) -> None:
         """Tell peers (through Hello) that this node now accepts tensors."""
@@ -293,7 +478,8 @@ class Transport:
         algorithm set up, so nothing we send is refused as unexpected). Raises PeerError on an
         incompatible peer at once, or on one still unreachable / not ready after `timeout`."""
         deadline = time.monotonic() + timeout
-        waiting = {peer for peer in range(self.world_size) if peer != self.rank}
+        waiting = {peer for peer in range(self.world_size)
+                   if peer != self.rank and not self._relay.table.skip_hello(peer)}  # routed: not greeted
         last_problem: dict[int, str] = {}
         while waiting:
             if require_ready:
@@ -321,6 +507,8 @@ class Transport:
                 if require_ready and not reply.ready:
                     last_problem[peer] = "not ready (still setting up)"
                     continue
+                self._reached.add(peer)
+                self._relay.table.mark_reached(peer)  # a relay candidate from now on
                 waiting.discard(peer)
             if waiting:
                 time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))

@@ -45,13 +45,16 @@ class PeerService:
 
     def __init__(self, inbox: Inbox, identity: Identity, metrics=None,
                  current_step: Callable[[], int] = lambda: 0, is_ready: Callable[[], bool] = lambda: True,
-                 on_peer_ready: Callable[[int], None] = lambda node_id: None):
+                 on_peer_ready: Callable[[int], None] = lambda node_id: None,
+                 on_hello: Callable[[pb.HelloRequest], None] = lambda request: None):
         self.inbox = inbox
         self.identity = identity
         self.metrics = metrics
         self.current_step = current_step
         self.is_ready = is_ready
         self.on_peer_ready = on_peer_ready
+        self.on_hello = on_hello
+        self.forwarder = None  # relay.Relay: streams addressed to another node are piped on by it
 
     async def push_tensor(self, requests, context) -> pb.Ack:
         reception = None
@@ -63,6 +66,8 @@ class PeerService:
                 if reception is None:
                     if chunk.header is None:
                         raise Rejection("missing_header", "the first chunk of a stream must be a header")
+                    if self.forwarder is not None and chunk.header.receiver != self.identity.node_id:
+                        return await self.forwarder.forward(chunk.header, requests, context)  # relay.py
                     reception = self.inbox.open(chunk.header)
                 elif chunk.header is not None:
                     raise Rejection("unexpected_header", "a second header inside one stream")
@@ -102,6 +107,8 @@ class PeerService:
             # Both sides learn from this one exchange that the other is ready: the caller need not
             # be asked again (it may finish its run and leave before we would ask).
             self.on_peer_ready(request.node_id)
+        if not reason and 0 <= request.node_id < me.world_size and request.node_id != me.node_id:
+            self.on_hello(request)  # membership: a ready caller is alive; want_state asks for our model
         return pb.HelloReply(node_id=me.node_id, world_size=me.world_size,
                              protocol_version=me.protocol_version,
                              config_fingerprint=me.config_fingerprint, step=self.current_step(),

@@ -1,0 +1,548 @@
+"""Linux network-namespace cluster: every node its own namespace, address and tbf-shaped link.
+
+Loopback has neither distinct hosts nor a bandwidth limit. Here each rank gets a namespace
+``p2p<run>n<rank>`` joined to a per-run bridge ``p2pbr<run>`` by a veth pair (``p2p<run>h<rank>`` on
+the host, ``eth0`` inside), an address of a private /24 that clashes with no route of this machine,
+and optionally a real kernel bandwidth cap: ``tc qdisc ... tbf`` on the namespace end (the node's
+upload) and on the host end (its download), like an access link. The bridge holds the subnet's last
+address, so the launcher (and Prometheus) on the host reach every node's metrics port.
+
+Delay and loss are not done here (``tc netem`` is missing on these machines): the in-process link
+emulation (``--link``) still works inside namespaces.
+
+Everything a run creates is removed when the `NetnsCluster` context exits, on success, error,
+Ctrl-C or SIGTERM. A SIGKILLed launcher leaves resources behind: a state file per run under
+STATE_DIR names its owner, and `sweep_stale()` (run at every start, or
+``python -m launcher.netns sweep``) removes runs whose owner is gone.
+Needs root (CAP_NET_ADMIN for links and qdiscs, CAP_SYS_ADMIN for ``ip netns``).
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+PREFIX = "p2p"
+STATE_DIR = Path("/run/p2ptrain-netns")   # one file per live run: owner pid + its start time
+NS_IFNAME = "eth0"                        # the veth end inside every namespace
+# Candidate subnets 10.<a>.<b>.0/24 for a run; the first free one after a run-dependent offset.
+SUBNET_FIRST_A, SUBNET_LAST_A = 200, 254
+# tbf: the bucket must hold at least one timer tick of traffic (rate / HZ, HZ <= 250 assumed) and
+# a few MTU-sized frames (GSO super-packets are segmented by tbf); larger buckets only let short
+# bursts exceed the rate. Packets may queue for TBF_LATENCY before being dropped: long enough that
+# TCP is not forced into loss recovery at every burst, short enough not to bloat round trips.
+TBF_MIN_BURST_BYTES = 16 * 1024
+TBF_HZ = 250
+TBF_LATENCY = "100ms"
+_CAP_NET_ADMIN, _CAP_SYS_ADMIN = 12, 21
+_RUN_ID = re.compile(r"^[0-9a-f]{4}$")
+_OWNED = re.compile(rf"^{PREFIX}(?:br([0-9a-f]{{4}})|([0-9a-f]{{4}})[nh]\d+)$")
+
+
+class NetnsUnavailable(RuntimeError):
+    """This process cannot build namespaces here (not root, no `ip`, not Linux); str() says why."""
+
+
+class NetnsError(RuntimeError):
+    """A command building or removing the namespaces failed."""
+
+
+def missing_privilege() -> str | None:
+    """Why namespaces cannot be made here, or None if the prerequisites look fine."""
+    if not sys.platform.startswith("linux"):
+        return f"network namespaces need Linux, this is {sys.platform}"
+    if shutil.which("ip") is None:
+        return "`ip` (iproute2) not found on PATH"
+    caps = _effective_caps()  # root in a container may lack them too
+    missing = [name for bit, name in ((_CAP_NET_ADMIN, "CAP_NET_ADMIN"), (_CAP_SYS_ADMIN, "CAP_SYS_ADMIN"))
+               if not caps >> bit & 1]
+    if missing:
+        return f"running as uid {os.geteuid()} without {' and '.join(missing)}"
+    return None
+
+
+def probe() -> str | None:
+    """missing_privilege(), then really add and delete a namespace (containers may forbid it)."""
+    reason = missing_privilege()
+    if reason:
+        return reason
+    name = f"{PREFIX}probe{os.getpid() % 100000}"
+    added = _ip("netns", "add", name, check=False)
+    _ip("netns", "del", name, check=False)
+    if added.returncode != 0:
+        return f"`ip netns add` failed: {added.stderr.strip()}"
+    return None
+
+
+def _effective_caps() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    except OSError:
+        pass
+    return -1 if os.geteuid() == 0 else 0  # no /proc: trust root
+
+
+def tbf_args(rate: float) -> list[str]:
+    """`tc` arguments of a tbf qdisc capping a link at `rate` bytes/s (see TBF_* above)."""
+    burst = max(TBF_MIN_BURST_BYTES, math.ceil(rate / TBF_HZ))
+    return ["tbf", "rate", f"{round(rate * 8)}bit", "burst", str(burst), "latency", TBF_LATENCY]
+
+
+def format_rate(rate: float) -> str:
+    return f"{rate * 8 / 1e6:g}mbit ({rate / 1e6:.3g} MB/s)"
+
+
+@dataclass(frozen=True)
+class NetnsNode:
+    rank: int
+    namespace: str
+    host_ifname: str
+    address: str
+
+
+class NetnsCluster:
+    """Bridge + one shaped namespace per rank for the lifetime of a `with` block.
+
+    `bandwidth` (bytes/s, None = unshaped) caps each node's upload and, with `shape_ingress`,
+    its download. `subnet` (a CIDR) overrides the automatic choice. `cluster_kwargs()` gives
+    run_local_cluster what it needs to start the nodes inside.
+    """
+
+    def __init__(self, nodes: int, *, bandwidth: float | None = None, subnet: str | None = None,
+                 shape_ingress: bool = True, run_id: str | None = None, stream: TextIO | None = None):
+        if nodes < 1:
+            raise ValueError(f"nodes must be >= 1, got {nodes}")
+        if bandwidth is not None and not (bandwidth > 0 and math.isfinite(bandwidth)):
+            raise ValueError(f"bandwidth must be a positive number of bytes/s, got {bandwidth!r}")
+        if run_id is not None and not _RUN_ID.match(run_id):
+            raise ValueError(f"run id must be 4 lowercase hex digits, got {run_id!r}")
+        self.size = nodes
+        self.bandwidth = bandwidth
+        self.shape_ingress = shape_ingress
+        self.stream = stream
+        if subnet is None and nodes > 253:
+            raise ValueError(f"{nodes} nodes do not fit the automatic /24 subnet: give a larger --netns-subnet")
+        self._requested_subnet = parse_subnet(subnet, nodes) if subnet is not None else None
+        self._requested_run_id = run_id
+        self.run_id = ""
+        self.bridge = ""
+        self.subnet: ipaddress.IPv4Network | None = None
+        self.bridge_address = ""
+        self.nodes: list[NetnsNode] = []
+        self._old_sigterm = None
+
+    # lifecycle ------------------------------------------------------------------------------
+    def __enter__(self) -> "NetnsCluster":
+        reason = missing_privilege()
+        if reason:
+            raise NetnsUnavailable(f"--netns needs root or CAP_NET_ADMIN ({reason})")
+        if self.bandwidth is not None and shutil.which("tc") is None:
+            raise NetnsUnavailable("--bandwidth needs `tc` (iproute2), not found on PATH")
+        try:
+            sweep_stale()
+        except NetnsError as exc:  # someone else's leftovers must not stop this run
+            print(f"netns: warning: {exc}", file=self.stream or sys.stderr, flush=True)
+        self._install_sigterm()
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove everything of this run; Ctrl-C / SIGTERM wait until it is done. Idempotent."""
+        try:
+            if self.run_id:
+                with _signals_deferred():
+                    remove_run(self.run_id)
+        finally:
+            self._restore_sigterm()
+
+    def _install_sigterm(self) -> None:
+        # SIGTERM would end Python without running `finally`; make it unwind like Ctrl-C does.
+        if threading.current_thread() is threading.main_thread():
+            self._old_sigterm = (signal.signal(signal.SIGTERM, _raise_exit),)
+
+    def _restore_sigterm(self) -> None:
+        if self._old_sigterm is not None:  # a 1-tuple: the old handler may itself be None
+            signal.signal(signal.SIGTERM, self._old_sigterm[0] or signal.SIG_DFL)
+            self._old_sigterm = None
+
+    def _create(self) -> None:
+        self.run_id = _claim_run_id(self._requested_run_id)  # the state file exists before any resource
+        self.bridge = f"{PREFIX}br{self.run_id}"
+        if self._requested_subnet is not None:
+            check_free(self._requested_subnet)
+        self.subnet = self._requested_subnet or pick_subnet(self.run_id)
+        self.bridge_address = str(self.subnet.broadcast_address - 1)  # .254 of a /24; nodes from .1
+        self.nodes = [NetnsNode(rank, f"{PREFIX}{self.run_id}n{rank}", f"{PREFIX}{self.run_id}h{rank}",
+                                str(self.subnet.network_address + rank + 1)) for rank in range(self.size)]
+        prefixlen = self.subnet.prefixlen
+        _ip("link", "add", self.bridge, "type", "bridge", "forward_delay", "0")
+        # Bridged frames must not pass through iptables (e.g. a FORWARD DROP policy set by docker).
+        _ip("link", "set", self.bridge, "type", "bridge", "nf_call_iptables", "0", check=False)
+        _ip("addr", "add", f"{self.bridge_address}/{prefixlen}", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for node in self.nodes:
+            _ip("netns", "add", node.namespace)
+            _ip("link", "add", node.host_ifname, "type", "veth", "peer", "name", NS_IFNAME,
+                "netns", node.namespace)
+            _ip("link", "set", node.host_ifname, "master", self.bridge, "up")
+            _ip("-n", node.namespace, "link", "set", "lo", "up")
+            _ip("-n", node.namespace, "addr", "add", f"{node.address}/{prefixlen}", "dev", NS_IFNAME)
+            _ip("-n", node.namespace, "link", "set", NS_IFNAME, "up")
+            if self.bandwidth is not None:
+                _run(["ip", "netns", "exec", node.namespace, "tc", "qdisc", "add", "dev", NS_IFNAME, "root",
+                      *tbf_args(self.bandwidth)])
+                if self.shape_ingress:
+                    _run(["tc", "qdisc", "add", "dev", node.host_ifname, "root", *tbf_args(self.bandwidth)])
+        if self.stream is not None:
+            cap = "unshaped" if self.bandwidth is None else (
+                f"{'upload and download' if self.shape_ingress else 'upload'} capped at "
+                f"{format_rate(self.bandwidth)} by tc {' '.join(tbf_args(self.bandwidth))}")
+            print(f"netns: {self.size} namespaces {self.nodes[0].namespace}..{self.nodes[-1].namespace} on bridge "
+                  f"{self.bridge} ({self.bridge_address}), subnet {self.subnet}, {cap}", file=self.stream, flush=True)
+
+    # what the launcher needs ------------------------------------------------------------------
+    @property
+    def addresses(self) -> list[str]:
+        return [node.address for node in self.nodes]
+
+    def exec_prefix(self, rank: int) -> list[str]:
+        """Run a command inside rank's namespace."""
+        return ["ip", "netns", "exec", self.nodes[rank].namespace]
+
+    def cluster_kwargs(self) -> dict:
+        """Keyword arguments for run_local_cluster / plan_cluster: one address and one
+        `ip netns exec` prefix per rank."""
+        return {"hosts": self.addresses, "argv_prefixes": [self.exec_prefix(r) for r in range(self.size)]}
+
+
+def _raise_exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+class _signals_deferred:
+    """Hold SIGINT / SIGTERM (main thread only) so a second Ctrl-C cannot cut a cleanup short;
+    they are delivered when the block ends."""
+
+    def __enter__(self):
+        self._active = threading.current_thread() is threading.main_thread()
+        if self._active:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+
+    def __exit__(self, *exc):
+        if self._active:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+# --- subnets -------------------------------------------------------------------------------------
+
+def parse_subnet(text: str, nodes: int) -> ipaddress.IPv4Network:
+    """A private IPv4 network with room for `nodes` and the bridge; ValueError says what is wrong."""
+    try:
+        subnet = ipaddress.IPv4Network(text, strict=False)
+    except ValueError as exc:
+        raise ValueError(f"--netns-subnet {text!r} is not an IPv4 network like 10.77.3.0/24: {exc}") from None
+    if not subnet.is_private:
+        raise ValueError(f"--netns-subnet {subnet} is not a private network (use 10/8, 172.16/12 or 192.168/16)")
+    if subnet.num_addresses - 2 < nodes + 1:
+        raise ValueError(f"--netns-subnet {subnet} has room for {max(0, subnet.num_addresses - 3)} nodes, "
+                         f"need {nodes} (plus one address for the bridge)")
+    return subnet
+
+
+def check_free(subnet: ipaddress.IPv4Network) -> None:
+    clash = [net for net in used_networks() if net.overlaps(subnet)]
+    if clash:
+        raise NetnsError(f"subnet {subnet} overlaps {', '.join(map(str, clash))}, already routed here")
+
+
+_ROUTE_TYPES = {"unicast", "local", "broadcast", "multicast", "throw", "unreachable", "prohibit",
+                "blackhole", "nat", "anycast"}
+
+
+def used_networks() -> list[ipaddress.IPv4Network]:
+    """Destinations of every IPv4 route of this machine (all tables), default routes left out."""
+    lines = _ip("-4", "route", "show", "table", "all").stdout.splitlines()
+    networks = []
+    for line in lines:
+        tokens = line.split()
+        if tokens and tokens[0] in _ROUTE_TYPES:
+            tokens = tokens[1:]
+        if not tokens or tokens[0] == "default":
+            continue
+        try:
+            networks.append(ipaddress.IPv4Network(tokens[0], strict=False))
+        except ValueError:
+            continue
+    return networks
+
+
+def pick_subnet(run_id: str) -> ipaddress.IPv4Network:
+    """A 10.a.b.0/24 (a in SUBNET_FIRST_A..SUBNET_LAST_A) overlapping no route here; the search
+    starts at an offset derived from the run id so concurrent runs rarely race for one."""
+    used = used_networks()
+    count = (SUBNET_LAST_A - SUBNET_FIRST_A + 1) * 256
+    start = int(run_id, 16) % count
+    for k in range(count):
+        index = (start + k) % count
+        subnet = ipaddress.IPv4Network(f"10.{SUBNET_FIRST_A + index // 256}.{index % 256}.0/24")
+        if not any(subnet.overlaps(net) for net in used):
+            return subnet
+    raise NetnsError(f"no free /24 in 10.{SUBNET_FIRST_A}-{SUBNET_LAST_A}.x.0; pass --netns-subnet")
+
+
+# --- run ownership and cleanup ------------------------------------------------------------------
+
+def _process_start(pid: int) -> str | None:
+    """Start time of a process in clock ticks since boot (tells a recycled pid apart)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _claim_run_id(requested: str | None) -> str:
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    owner = json.dumps({"pid": os.getpid(), "start": _process_start(os.getpid())})
+    taken = set(owned_runs())
+    for _ in range(100):
+        run_id = requested or secrets.token_hex(2)
+        if run_id in taken:
+            if requested:
+                raise NetnsError(f"netns run {run_id} already has namespaces or links here")
+            continue
+        try:
+            with open(STATE_DIR / run_id, "x") as f:  # exclusive: two launchers never share an id
+                f.write(owner)
+            return run_id
+        except FileExistsError:
+            if requested:
+                raise NetnsError(f"netns run {run_id} is in use (state file {STATE_DIR / run_id})") from None
+    raise NetnsError("could not find a free netns run id")
+
+
+def owned_runs() -> dict[str, list[str]]:
+    """Run id -> the namespaces and host links named like ours (p2pbr<id>, p2p<id>n<i>, p2p<id>h<i>)."""
+    names = [line.split()[0] for line in _ip("netns", "list").stdout.splitlines() if line.strip()]
+    names += [line.split(":")[1].strip().split("@")[0] for line in _ip("-o", "link", "show").stdout.splitlines()]
+    runs: dict[str, list[str]] = {}
+    for name in names:
+        match = _OWNED.match(name)
+        if match:
+            runs.setdefault(match.group(1) or match.group(2), []).append(name)
+    for state in STATE_DIR.glob("*") if STATE_DIR.is_dir() else ():
+        if _RUN_ID.match(state.name):
+            runs.setdefault(state.name, [])
+    return runs
+
+
+def run_is_live(run_id: str) -> bool:
+    """True while the process that created the run still runs."""
+    try:
+        owner = json.loads((STATE_DIR / run_id).read_text())
+    except (OSError, ValueError):
+        return False
+    return owner.get("start") is not None and _process_start(int(owner["pid"])) == owner["start"]
+
+
+def remove_run(run_id: str) -> None:
+    """Kill what still runs in the run's namespaces, delete its veths, namespaces and bridge,
+    then its state file. Missing pieces are fine; anything else that fails raises NetnsError."""
+    if not _RUN_ID.match(run_id):
+        raise ValueError(f"run id must be 4 lowercase hex digits, got {run_id!r}")
+    names = owned_runs().get(run_id, [])
+    namespaces = [n for n in names if re.fullmatch(rf"{PREFIX}{run_id}n\d+", n)]
+    errors = []
+    for ns in namespaces:  # a namespace stays alive while a process is in it
+        for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+    for name in names:
+        if name not in namespaces and re.fullmatch(rf"{PREFIX}{run_id}h\d+", name):
+            errors += _quiet(_ip("link", "del", name, check=False))  # deletes both veth ends
+    for ns in namespaces:
+        errors += _quiet(_ip("netns", "del", ns, check=False))
+    if f"{PREFIX}br{run_id}" in names:
+        errors += _quiet(_ip("link", "del", f"{PREFIX}br{run_id}", check=False))
+    if errors:
+        raise NetnsError(f"cleanup of netns run {run_id} incomplete:\n" + "\n".join(errors))
+    try:
+        (STATE_DIR / run_id).unlink()
+    except FileNotFoundError:
+        pass
+
+
+def sweep_stale() -> list[str]:
+    """Remove every run whose creator is gone (a SIGKILLed launcher); returns their ids."""
+    stale = [run_id for run_id in owned_runs() if not run_is_live(run_id)]
+    for run_id in stale:
+        remove_run(run_id)
+    return stale
+
+
+def _quiet(proc: subprocess.CompletedProcess) -> list[str]:
+    """Errors of a removal, "already gone" not counted."""
+    text = proc.stderr.strip()
+    if proc.returncode == 0 or "Cannot find device" in text or "No such file" in text or "does not exist" in text:
+        return []
+    return [f"{' '.join(proc.args)}: {text}"]
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return _run(["ip", *args], check=check)
+
+
+def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if check and proc.returncode != 0:
+        raise NetnsError(f"`{' '.join(argv)}` failed (exit {proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+# --- measuring a link ---------------------------------------------------------------------------
+
+PROBE_PORT = 50061
+
+
+def measure_throughput(cluster: NetnsCluster, src: int, dst: int, size_bytes: int = 4_000_000,
+                       reps: int = 4, timeout: float = 120.0) -> dict:
+    """Push a float32 tensor of `size_bytes` from rank `src` to rank `dst` `reps` times with
+    p2ptrain's Transport, each from its own namespace; one untimed warm-up push first (drains the
+    tbf bucket, opens the TCP window). A push counts when the receiver has acknowledged the whole
+    tensor, so the figure is payload goodput: with a cap it sits a few % under it (headers)."""
+    if src == dst or not (0 <= src < cluster.size and 0 <= dst < cluster.size):
+        raise ValueError(f"need two distinct ranks of {cluster.size}, got {src} -> {dst}")
+    peers = ",".join(f"{cluster.nodes[r].address}:{PROBE_PORT}" for r in (src, dst))
+    argv = [sys.executable, "-m", "launcher.netns", "_probe", "--peers", peers, "--size-bytes", str(size_bytes),
+            "--reps", str(reps), "--timeout", str(timeout)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        p for p in (str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")) if p)}
+    procs = [subprocess.Popen([*cluster.exec_prefix(rank), *argv, "--rank", str(i)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, rank in enumerate((src, dst))]  # probe rank 0 sends, 1 receives
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout + 30)
+            if proc.returncode != 0:
+                raise NetnsError(f"throughput probe failed (exit {proc.returncode}): {err.strip()[-2000:]}")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    sender = next(r for r in results if "seconds" in r)
+    return {"bytes": size_bytes * reps, "seconds": sender["seconds"],
+            "mb_per_s": size_bytes * reps / sender["seconds"] / 1e6, "src": src, "dst": dst}
+
+
+def _probe_main(args: argparse.Namespace) -> int:
+    """One end of measure_throughput; rank 0 sends, rank 1 receives. Prints one JSON line."""
+    import torch
+
+    from p2ptrain._proto import p2ptrain_pb2 as pb
+    from p2ptrain.transport import Transport, TransportOptions
+
+    torch.set_num_threads(1)
+    peers = args.peers.split(",")
+    numel = args.size_bytes // 4
+    options = TransportOptions(step_window=args.reps + 2, send_timeout=args.timeout)
+    with Transport(args.rank, 2, peers, listen=peers[args.rank], options=options) as transport:
+        transport.expect(pb.MESSAGE_KIND_BENCH, torch.float32, numel, preallocate=2)
+        transport.mark_ready()
+        transport.wait_for_peers(args.timeout, require_ready=True)
+        if args.rank == 1:
+            for step in range(args.reps + 1):
+                transport.recv(pb.MESSAGE_KIND_BENCH, step, [0], timeout=args.timeout)[0].release()
+            print(json.dumps({"received": args.reps + 1}))
+            return 0
+        payload = torch.rand(numel, generator=torch.Generator().manual_seed(0))
+        start = 0.0
+        for step in range(args.reps + 1):
+            if step == 1:
+                start = time.perf_counter()
+            ack = transport.send(1, payload, kind=pb.MESSAGE_KIND_BENCH, step=step).result(args.timeout)
+            if ack.status != pb.Ack.STATUS_ACCEPTED:
+                raise RuntimeError(f"push {step} refused: {ack.reason} {ack.detail}")
+        print(json.dumps({"seconds": time.perf_counter() - start}))
+        return 0
+
+
+# --- command line -------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launcher.netns",
+                                     description="Inspect and clean up p2ptrain network-namespace runs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="runs with namespaces/links here, and whether their launcher lives")
+    sub.add_parser("sweep", help="remove every run whose launcher is gone")
+    cleanup = sub.add_parser("cleanup", help="remove the given runs, live or not")
+    cleanup.add_argument("run_ids", nargs="+", metavar="RUN_ID")
+    measure = sub.add_parser("measure", help="build a 2-node netns cluster and measure rank 0 -> 1 throughput")
+    measure.add_argument("--bandwidth", default=None, help="cap, e.g. 50mbit (default: unshaped)")
+    measure.add_argument("--size-mb", type=float, default=4.0)
+    measure.add_argument("--reps", type=int, default=4)
+    probe_parser = sub.add_parser("_probe")  # internal: one end of measure_throughput
+    probe_parser.add_argument("--rank", type=int, required=True)
+    probe_parser.add_argument("--peers", required=True)
+    probe_parser.add_argument("--size-bytes", type=int, required=True)
+    probe_parser.add_argument("--reps", type=int, required=True)
+    probe_parser.add_argument("--timeout", type=float, required=True)
+    args = parser.parse_args(argv)
+    if args.command == "_probe":
+        return _probe_main(args)
+    reason = missing_privilege()
+    if reason:
+        print(f"launcher.netns: needs root or CAP_NET_ADMIN ({reason})", file=sys.stderr)
+        return 1
+    try:
+        if args.command == "list":
+            for run_id, names in sorted(owned_runs().items()):
+                print(f"{run_id} {'live' if run_is_live(run_id) else 'stale'}: {' '.join(sorted(names)) or '-'}")
+        elif args.command == "sweep":
+            print(f"removed {len(removed := sweep_stale())} stale run(s) {' '.join(removed)}".rstrip())
+        elif args.command == "cleanup":
+            for run_id in args.run_ids:
+                remove_run(run_id)
+                print(f"removed run {run_id}")
+        else:
+            from p2ptrain.transport.faults import parse_bandwidth
+
+            rate = parse_bandwidth(args.bandwidth) if args.bandwidth else None
+            with NetnsCluster(2, bandwidth=rate, stream=sys.stderr) as cluster:
+                result = measure_throughput(cluster, 0, 1, int(args.size_mb * 1e6) // 4 * 4, args.reps)
+            cap = f", cap {rate / 1e6:.3g} MB/s ({result['mb_per_s'] / rate * 1e6:.0%} of it)" if rate else ""
+            print(f"rank 0 -> 1: {result['mb_per_s']:.2f} MB/s over {result['bytes'] / 1e6:.0f} MB{cap}")
+    except (NetnsError, NetnsUnavailable, ValueError) as exc:
+        print(f"launcher.netns: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Optional TLS and a shared-secret token for every gRPC server and channel of p2ptrain.
+
+Without settings everything stays plaintext and open (a trusted LAN, a laptop). With a token, every
+RPC (PushTensor, Hello, the parameter server's Pull / Commit / Done, and server reflection) must
+carry `authorization: Bearer <token>` or is aborted with UNAUTHENTICATED before any handler runs, so
+a stranger can neither push tensors nor commit to θ. With TLS (server cert + key, clients trusting
+`tls_ca`) the token and the tensors are also encrypted and the server is authenticated; with
+`require_client_cert` the server also demands a client certificate signed by `tls_ca` (mutual TLS).
+
+One `Security` value describes a process: its server side (cert, key, client-cert policy) and its
+client side (trusted CA, optional client cert, target-name override, token to send).
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+TOKEN_METADATA_KEY = "authorization"  # gRPC metadata keys are lower case
+_BEARER = "Bearer "
+
+
+class SecurityError(ValueError):
+    """Unusable TLS / token settings (missing file, cert without key, empty token, ...)."""
+
+
+def check_token(token: str) -> str:
+    """A token must be non-empty visible ASCII: it travels as an HTTP/2 header value."""
+    if not token or not token.strip():
+        raise SecurityError("the auth token is empty")
+    if any(not 0x21 <= ord(c) <= 0x7E for c in token):
+        raise SecurityError("the auth token must be visible ASCII without spaces (it travels as a header value)")
+    return token
+
+
+def read_token_file(path: str | Path) -> str:
+    """The token in `path` (surrounding whitespace, e.g. the final newline, removed)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise SecurityError(f"cannot read the auth token file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise SecurityError(f"the auth token file {path} is not text") from None
+    return check_token(text.strip())
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise SecurityError(f"cannot read the TLS {what} {path}: {exc.strerror or exc}") from None
+
+
+@dataclass(frozen=True)
+class Security:
+    """TLS files and token of one process; the default (all None) is plaintext without a token."""
+
+    tls_cert: str | None = None          # PEM certificate chain this process presents (server; client under mTLS)
+    tls_key: str | None = None           # its PEM private key
+    tls_ca: str | None = None            # PEM CA bundle trusted for peers' certificates (None: system roots)
+    tls_server_name: str | None = None   # expected name in the server cert, when it differs from the address host
+    token: str | None = field(default=None, repr=False)  # shared secret; never printed
+    require_client_cert: bool = False    # server: demand a client cert signed by tls_ca (mutual TLS)
+
+    def __post_init__(self):
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise SecurityError("--tls-cert and --tls-key come together")
+        if self.require_client_cert and not (self.tls_ca and self.tls_cert):
+            raise SecurityError("--tls-require-client-cert needs --tls-ca (to check client certificates) "
+                                "and --tls-cert/--tls-key")
+        if self.token is not None:
+            check_token(self.token)
+
+    @property
+    def tls(self) -> bool:
+        """Channels use TLS when this process has a certificate or trusts a CA."""
+        return bool(self.tls_cert or self.tls_ca)
+
+    # Server side --------------------------------------------------------------------------------
+    def server_credentials(self) -> grpc.ServerCredentials:
+        if not self.tls_cert:
+            raise SecurityError("a TLS server needs --tls-cert and --tls-key")
+        pair = (_read(self.tls_key, "key"), _read(self.tls_cert, "certificate"))
+        roots = _read(self.tls_ca, "CA bundle") if self.require_client_cert else None
+        return grpc.ssl_server_credentials([pair], root_certificates=roots,
+                                           require_client_auth=self.require_client_cert)
+
+    def add_port(self, server, address: str) -> int:
+        """Bind `address` (TLS when a server cert is set); returns the port, 0 on failure."""
+        if self.tls_cert:
+            return server.add_secure_port(address, self.server_credentials())
+        return server.add_insecure_port(address)
+
+    def server_interceptors(self, metrics=None) -> list:
+        return [TokenInterceptor(self.token, metrics)] if self.token else []
+
+    # Client side --------------------------------------------------------------------------------
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        roots = _read(self.tls_ca, "CA bundle") if self.tls_ca else None
+        key = cert = None
+        if self.tls_cert:  # offered only when the server asks for one (mutual TLS)
+            key, cert = _read(self.tls_key, "key"), _read(self.tls_cert, "certificate")
+        return grpc.ssl_channel_credentials(root_certificates=roots, private_key=key, certificate_chain=cert)
+
+    def channel_options(self, options: list[tuple[str, object]]) -> list[tuple[str, object]]:
+        if self.tls and self.tls_server_name:
+            return [*options, ("grpc.ssl_target_name_override", self.tls_server_name)]
+        return list(options)
+
+    def aio_channel(self, address: str, options: list[tuple[str, object]]) -> grpc.aio.Channel:
+        """A grpc.aio channel to `address`: TLS or plaintext as configured."""
+        if self.tls:
+            return grpc.aio.secure_channel(address, self.channel_credentials(), options=self.channel_options(options))
+        return grpc.aio.insecure_channel(address, options=options)
+
+    def channel(self, address: str, options: list[tuple[str, object]]) -> grpc.Channel:
+        """A synchronous grpc channel (the parameter-server client)."""
+        if self.tls:
+            return grpc.secure_channel(address, self.channel_credentials(), options=self.channel_options(options))
+        return grpc.insecure_channel(address, options=options)
+
+    def call_metadata(self) -> tuple[tuple[str, str], ...] | None:
+        """Metadata every call carries: the token, when one is set."""
+        return ((TOKEN_METADATA_KEY, _BEARER + self.token),) if self.token else None
+
+
+PLAINTEXT = Security()
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """Aborts every RPC (reflection included) whose `authorization` metadata is not the token,
+    with UNAUTHENTICATED, before the handler (and so before any state) is reached."""
+
+    DETAILS = "missing or wrong auth token (send metadata 'authorization: Bearer <token>')"
+
+    def __init__(self, token: str, metrics=None):
+        self._expected = (_BEARER + check_token(token)).encode()
+        self.metrics = metrics
+        self.refused = 0
+
+    def _authorized(self, metadata) -> bool:
+        for key, value in metadata or ():
+            if key == TOKEN_METADATA_KEY:
+                given = value.encode() if isinstance(value, str) else bytes(value)
+                return hmac.compare_digest(given, self._expected)
+        return False
+
+    async def intercept_service(self, continuation, handler_call_details):
+        if self._authorized(handler_call_details.invocation_metadata):
+            return await continuation(handler_call_details)
+        self.refused += 1
+        if self.metrics is not None:
+            self.metrics.on_rejected("unauthenticated")
+        if self.refused == 1 or self.refused % 100 == 0:
+            log.warning("refused %d call(s) without the right auth token (latest: %s)", self.refused,
+                        handler_call_details.method)
+        # Answer with a handler of the method's own shape, so gRPC reads the call the way it was made.
+        handler = await continuation(handler_call_details)
+        return _refusing_handler(handler)
+
+
+async def _abort(request, context):
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, TokenInterceptor.DETAILS)
+
+
+async def _abort_streaming(request, context):
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, TokenInterceptor.DETAILS)
+    yield  # pragma: no cover - makes this an async generator, as response-streaming handlers are
+
+
+def _refusing_handler(handler) -> grpc.RpcMethodHandler:
+    request_streaming = bool(handler and handler.request_streaming)
+    response_streaming = bool(handler and handler.response_streaming)
+    if request_streaming and response_streaming:
+        return grpc.stream_stream_rpc_method_handler(_abort_streaming)
+    if request_streaming:
+        return grpc.stream_unary_rpc_method_handler(_abort)
+    if response_streaming:
+        return grpc.unary_stream_rpc_method_handler(_abort_streaming)
+    return grpc.unary_unary_rpc_method_handler(_abort)
+
+
+__all__ = ["Security", "SecurityError", "TokenInterceptor", "PLAINTEXT", "TOKEN_METADATA_KEY", "check_token",
+           "read_token_file"]
