@@ -45,6 +45,11 @@ class PeerStub:
                 request_serializer=p2ptrain__pb2.HelloRequest.SerializeToString,
                 response_deserializer=p2ptrain__pb2.HelloReply.FromString,
                 _registered_method=True)
+        self.Settle = channel.unary_unary(
+                '/p2ptrain.v1.Peer/Settle',
+                request_serializer=p2ptrain__pb2.SettleRequest.SerializeToString,
+                response_deserializer=p2ptrain__pb2.SettleReply.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -64,6 +69,13 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Settle(self, request, context):
+        """The fate of messages whose Ack never came (see SettleRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +88,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Hello,
                     request_deserializer=p2ptrain__pb2.HelloRequest.FromString,
                     response_serializer=p2ptrain__pb2.HelloReply.SerializeToString,
+            ),
+            'Settle': grpc.unary_unary_rpc_method_handler(
+                    servicer.Settle,
+                    request_deserializer=p2ptrain__pb2.SettleRequest.FromString,
+                    response_serializer=p2ptrain__pb2.SettleReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +149,33 @@ class Peer:
             '/p2ptrain.v1.Peer/Hello',
             p2ptrain__pb2.HelloRequest.SerializeToString,
             p2ptrain__pb2.HelloReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Settle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/p2ptrain.v1.Peer/Settle',
+            p2ptrain__pb2.SettleRequest.SerializeToString,
+            p2ptrain__pb2.SettleReply.FromString,
             options,
             channel_credentials,
             insecure,

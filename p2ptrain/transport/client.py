@@ -6,7 +6,7 @@ import grpc
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.framing import encode_header, iter_data_chunks, serialize_identity
 from p2ptrain.transport.security import PLAINTEXT, Security
-from p2ptrain.transport.server import HELLO_METHOD, PUSH_METHOD
+from p2ptrain.transport.server import HELLO_METHOD, PUSH_METHOD, SETTLE_METHOD
 
 
 class PeerClient:
@@ -23,6 +23,9 @@ class PeerClient:
         self._hello = self.channel.unary_unary(HELLO_METHOD,
                                                request_serializer=pb.HelloRequest.SerializeToString,
                                                response_deserializer=pb.HelloReply.FromString)
+        self._settle = self.channel.unary_unary(SETTLE_METHOD,
+                                                request_serializer=pb.SettleRequest.SerializeToString,
+                                                response_deserializer=pb.SettleReply.FromString)
 
     async def push(self, header: pb.TensorHeader, payload: memoryview, timeout: float | None,
                    wait_for_ready: bool = True) -> pb.Ack:
@@ -43,6 +46,10 @@ class PeerClient:
     async def hello(self, request: pb.HelloRequest, timeout: float | None,
                     wait_for_ready: bool = True) -> pb.HelloReply:
         return await self._hello(request, timeout=timeout, wait_for_ready=wait_for_ready, metadata=self.metadata)
+
+    async def settle(self, request: pb.SettleRequest, timeout: float | None) -> pb.SettleReply:
+        """Ask the peer which of our messages it delivered (it voids the rest); fails fast if down."""
+        return await self._settle(request, timeout=timeout, wait_for_ready=False, metadata=self.metadata)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -95,6 +95,10 @@ class RingAllReduce:
         if not self.comm.all_alive():
             self._failed_at = step
             raise CollectiveIncomplete(f"node {self.rank}: all-reduce of step {step} skipped: a node is dead")
+        if not self.comm.make_room(self.next, 2 * (self.n - 1)):  # a stalled neighbour holds our last round
+            self._failed_at = step
+            raise CollectiveIncomplete(f"node {self.rank}: all-reduce of step {step} skipped: node {self.next} "
+                                       "acknowledges nothing")
         original = tensor.clone()
         try:
             return self._ring(tensor, step, average)

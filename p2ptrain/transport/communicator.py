@@ -48,6 +48,12 @@ class Communicator:
         self.peer_timeout = peer_timeout
         self.joining = False        # set before setup: this node (re)joins a running cluster
         self.joined: Received | None = None  # the state it got (model, ps-weight, donor's step)
+        self.late_states: list[Received] = []  # further states that arrived while rejoining (see fetch_state)
+
+    @property
+    def link_deadline(self) -> float:
+        """Seconds a message of one step is waited for before its link counts as dropped."""
+        return self.transport.options.link_deadline
 
     def expect(self, kind: int, dtype: torch.dtype, numel: int, **kwargs) -> None:
         self.transport.expect(kind, dtype, numel, **kwargs)
@@ -63,35 +69,65 @@ class Communicator:
 
     # Membership and (re)joining -------------------------------------------------------------------
     def live(self, peers: list[int]) -> list[int]:
-        """The peers not considered dead (algorithms neither send to nor wait for dead peers)."""
+        """The peers not considered dead or lagging (algorithms neither send to nor wait for them)."""
         return self.transport.membership.live(peers)
 
+    def make_room(self, peer: int, window: int) -> bool:
+        """Before sending to `peer`: True once fewer than `window` of our messages to it await their
+        Ack. A peer that stays silent a whole link deadline gets a probe (and is declared dead if
+        it does not answer); then this returns False and the caller skips it this step. This is
+        what keeps a stalled peer from soaking up push-sum mass (or memory) it cannot give back."""
+        waiting = self.transport.outstanding(peer)
+        if len(waiting) < window:
+            return True
+        oldest = waiting[:len(waiting) - window + 1]
+        concurrent.futures.wait(oldest, timeout=self.transport.options.link_deadline)
+        if all(f.done() for f in oldest):
+            return True
+        log.warning("node %d: node %d acknowledged none of our last %d messages within the link deadline; "
+                    "skipping it this step", self.rank, peer, len(waiting))
+        self.transport.probe(peer)
+        return False
+
     def all_alive(self) -> bool:
-        return not self.transport.membership.dead()
+        """No peer is dead or lagging (a collective over all nodes can complete)."""
+        membership = self.transport.membership
+        return not membership.dead() and not any(membership.lagging(p) for p in membership.peers)
+
+    def must_catch_up(self) -> bool:
+        """A peer declared this node dead (it stalled), or it trails the cluster by more than the
+        lag limit: it must rejoin through a state transfer (see DecentralizedTrainer)."""
+        return self.transport.membership.must_catch_up()
 
     def fetch_state(self, numel: int, dtype: torch.dtype, timeout: float | None = None) -> Received:
         """Rejoin: ask a live peer for its model state and wait for it (like hivemind's
-        load_state_from_peers). Returns the state; the node resumes at `state.step + 1`."""
+        load_state_from_peers). Returns the state; the node resumes at `state.step + 1` as a new
+        incarnation, so peers that declared it dead take it back."""
         timeout = self.peer_timeout if timeout is None else timeout
         self.transport.expect(STATE, dtype, numel, preallocate=1)
         self.transport.membership.rejoining()
         deadline = time.monotonic() + timeout
-        while True:
-            donor = self.transport.request_state(max(1.0, deadline - time.monotonic()))
-            try:
-                message = self.transport.recv_any(STATE, donor, timeout=min(self.peer_timeout,
-                                                                           max(1.0, deadline - time.monotonic())))
-            except TimeoutError:
-                if time.monotonic() >= deadline:
-                    raise PeerError(f"node {self.rank}: no state from any peer within {timeout:.0f}s") from None
-                log.warning("node %d: donor %d sent no state; asking another peer", self.rank, donor)
-                continue
-            state = self._received(message)
-            self.joined = state
-            self.transport.resume_at(state.step + 1)
-            log.info("node %d: rejoined with node %d's state of step %d (ps-weight %.4g)", self.rank, donor,
-                     state.step, state.ps_weight)
-            return state
+        try:
+            while True:
+                donor = self.transport.request_state(max(1.0, deadline - time.monotonic()))
+                try:
+                    messages = self.transport.recv_any(STATE, timeout=min(self.peer_timeout, max(
+                        1.0, deadline - time.monotonic())))
+                except TimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise PeerError(f"node {self.rank}: no state from any peer within {timeout:.0f}s") from None
+                    log.warning("node %d: donor %d sent no state; asking another peer", self.rank, donor)
+                    continue
+                state, *late = [self._received(m) for m in messages]
+                self.late_states.extend(late)  # an earlier donor answered too: SGP merges that mass as well
+                self.joined = state
+                donor = state.sender
+                self.transport.rejoined(state.step + 1)
+                log.info("node %d: rejoined with node %d's state of step %d (ps-weight %.4g)", self.rank, donor,
+                         state.step, state.ps_weight)
+                return state
+        finally:
+            self.transport.unexpect(STATE)  # a state push nobody asked for is refused (the donor keeps it)
 
     def state_requests(self) -> list[int]:
         """Peers that asked for this node's state (served by the engine at a step boundary)."""

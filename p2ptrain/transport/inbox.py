@@ -133,10 +133,11 @@ class Inbox:
         self._mail: dict[tuple[int, str], dict[int, dict[int, Message]]] = defaultdict(
             lambda: defaultdict(dict))
         self._seen: dict[int, OrderedDict[int, None]] = defaultdict(OrderedDict)
+        self._voided: dict[int, OrderedDict[int, None]] = defaultdict(OrderedDict)  # settled, never delivered
         self._in_progress: set[tuple[int, int]] = set()
         self._dedup_window = dedup_window
         self._waiters: list[tuple[object, asyncio.Future]] = []
-        self.on_deliver = lambda sender: None           # e.g. membership: a message proves the sender alive
+        self.on_deliver = lambda sender, step: None     # e.g. membership: the sender is alive, at `step`
         self.excluded = lambda: frozenset()             # senders not worth waiting for (dead peers)
 
     # Configuration (thread-safe enough: plain attribute writes read on the loop thread) ---------
@@ -151,14 +152,33 @@ class Inbox:
         self._specs[(kind, channel)] = spec
         self.pool.preallocate(numel * itemsize, preallocate)
 
+    def unexpect(self, kind: int, channel: str | None = None) -> None:
+        """Stop accepting messages of `kind` (e.g. state transfers once a rejoin is done)."""
+        self._specs.pop((kind, channel), None)
+
     def set_step(self, step: int) -> None:
         self.current_step = step
+
+    def settle(self, sender: int, message_ids: list[int]) -> list[int]:
+        """Of `sender`'s `message_ids` (sent while a link failed), the ones delivered; the others are
+        voided for good, so a copy still on its way is refused and the sender may take them back."""
+        seen, voided = self._seen[sender], self._voided[sender]
+        delivered = [m for m in message_ids if m in seen]
+        for message_id in message_ids:
+            if message_id not in seen:
+                voided[message_id] = None
+        while len(voided) > self._dedup_window:
+            voided.popitem(last=False)
+        return delivered
 
     # Receive path (loop thread) ---------------------------------------------------------------
     def open(self, header: pb.TensorHeader) -> Reception:
         """Validate a header and reserve a buffer; raises Rejection, or Duplicate via Rejection."""
         self._validate(header)
         key = (header.sender, header.message_id)
+        if header.message_id in self._voided[header.sender]:
+            raise Rejection("voided", f"message {header.message_id} from {header.sender} was settled as never "
+                                      "delivered")
         if header.message_id in self._seen[header.sender] or key in self._in_progress:
             raise Rejection("duplicate", f"message {header.message_id} from {header.sender} already received")
         self._in_progress.add(key)
@@ -178,6 +198,10 @@ class Inbox:
             self.abort(reception)
             raise Rejection("truncated", f"stream ended after {reception.received} of "
                                          f"{header.payload_bytes} payload bytes")
+        if header.message_id in self._voided[header.sender]:  # settled while it was being received
+            self.abort(reception)
+            raise Rejection("voided", f"message {header.message_id} from {header.sender} was settled as never "
+                                      "delivered")
         box = self._mail[(header.kind, header.channel)][header.step]
         if header.sender in box:
             self.abort(reception)
@@ -198,7 +222,7 @@ class Inbox:
             shape=tuple(header.shape) or (header.numel,), message_id=header.message_id,
             _release=lambda: self.pool.release(buffer))
         box[header.sender] = message
-        self.on_deliver(header.sender)
+        self.on_deliver(header.sender, header.step)
         self._wake_waiters()
         return message
 

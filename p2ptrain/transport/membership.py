@@ -1,35 +1,55 @@
-"""Which peers a node considers alive, and from which step it expects their messages.
+"""Which peers a node considers alive, how far along they are, and who must rejoin.
 
-A crashed peer must not stall the others: a node that fails to reach a peer (its connect is
-refused, or it misses a deadline and then does not answer a Hello probe) declares it dead, and
-the algorithms neither send to it nor wait for it. A (re)joining peer announces itself with a
-ready Hello carrying the step it resumes at; from then on it is alive again, and messages are
-awaited from it only for steps at or after that step (it never sent the earlier ones).
+A crashed or stalled peer must not stall the others, and must not corrupt them when it comes back:
+- **Dead.** A node that fails to reach a peer (its connect is refused, or it misses a deadline and
+  then does not answer a Hello probe) declares it dead: the algorithms neither send to it nor wait
+  for it. Its messages are still accepted (push-sum mass must land somewhere), but every reply
+  tells it that it is excluded (`Ack.sender_excluded`, `HelloReply.caller_excluded`).
+- **Back only through a rejoin.** A dead peer is alive again only when it announces a *new
+  incarnation* (HelloRequest.incarnation): a restarted process, or a stalled one that took a state
+  transfer to catch up. A stalled process that simply resumes keeps its old incarnation and stays
+  dead until it has rejoined, so nobody pushes mass into a node that is hundreds of steps behind.
+- **Lagging.** Every message, Ack and Hello carries its sender's step. A peer that was last seen
+  more than `max_lag` steps behind us (compared with our step *when we saw it*: knowledge is never
+  extrapolated, so a peer we rarely hear from is not judged on old news) is treated like a dead one
+  for sending and waiting (a bounded delay never lets a healthy peer fall that far behind); the
+  lagging node sees the same gap from its side and catches up through a state transfer.
+- **Rejoining.** A node that rejoins waits only for peers it has heard from since (they learn of it
+  at different steps); messages of the others are folded in whenever they come.
+- **Donating.** A node hands its state only to a peer it saw leave (declared dead, lagging, or a new
+  incarnation of it asked), never to a Hello(want_state) from a peer that never went away.
 
-A node that itself rejoins has the mirror problem: its peers learn of it at different steps, so
-it waits only for peers it has heard from since (it is "unconfirmed" about the others, whose
-messages are still folded in whenever they come).
-
-Written on the transport's loop thread, read from the training thread: every set is replaced,
-never mutated, so a reader always sees a consistent snapshot.
+Written on the transport's loop thread, read from the training thread: every set and dict is
+replaced, never mutated, so a reader always sees a consistent snapshot.
 """
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from typing import Callable, Iterable
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MAX_LAG = 16  # steps; see TransportOptions.max_lag
+
 
 class Membership:
-    def __init__(self, rank: int, world_size: int, metrics=None):
+    def __init__(self, rank: int, world_size: int, metrics=None, *, max_lag: int = DEFAULT_MAX_LAG):
+        if max_lag < 1:
+            raise ValueError(f"max_lag must be >= 1 step, got {max_lag}")
         self.rank = rank
         self.world_size = world_size
         self.metrics = metrics
+        self.max_lag = max_lag
+        self.step = 0                                   # this node's current step (Transport.set_step)
         self._dead: frozenset[int] = frozenset()
         self._unconfirmed: frozenset[int] = frozenset()
-        self._alive_since: dict[int, int] = {}   # peer -> first step we expect from it after a rejoin
+        self._alive_since: dict[int, int] = {}          # peer -> first step we expect from it after a rejoin
+        self._seen_at: dict[int, tuple[int, int]] = {}  # peer -> (its step, our step) when last seen
+        self._incarnations: dict[int, int] = {}         # peer -> incarnation last seen
+        self._dead_incarnation: dict[int, int | None] = {}  # peer -> the incarnation that was declared dead
+        self._excluded_by: frozenset[int] = frozenset()  # peers that told us they consider us dead
         self._changed_at: dict[int, float] = {}
         self.on_change: Callable[[], None] = lambda: None  # e.g. wake receivers waiting on a dead peer
         if metrics is not None:
@@ -47,20 +67,58 @@ class Membership:
     def dead(self) -> frozenset[int]:
         return self._dead
 
+    def lagging(self, peer: int) -> bool:
+        """`peer` was last seen more than max_lag steps behind us."""
+        seen = self._seen_at.get(peer)
+        return seen is not None and seen[1] - seen[0] > self.max_lag
+
     def live(self, peers: Iterable[int]) -> list[int]:
+        """The peers to send to: not dead, not lagging."""
         dead = self._dead
-        return [p for p in peers if p not in dead]
+        return [p for p in peers if p not in dead and not self.lagging(p)]
 
     def awaited(self, peers: Iterable[int], step: int) -> list[int]:
-        """The peers whose step-`step` message is worth waiting for: alive, heard from since our own
-        rejoin, and not rejoined after `step` themselves."""
+        """The peers whose step-`step` message is worth waiting for: alive, not lagging, heard from
+        since our own rejoin, and not rejoined after `step` themselves."""
         dead, unconfirmed, since = self._dead, self._unconfirmed, self._alive_since
-        return [p for p in peers if p not in dead and p not in unconfirmed and step >= since.get(p, 0)]
+        return [p for p in peers if p not in dead and p not in unconfirmed and step >= since.get(p, 0)
+                and not self.lagging(p)]
+
+    def peer_step(self, peer: int) -> int | None:
+        seen = self._seen_at.get(peer)
+        return None if seen is None else seen[0]
+
+    def excluded_by(self) -> frozenset[int]:
+        """Peers that consider this node dead: it must rejoin before they wait for it again."""
+        return self._excluded_by
+
+    def behind(self) -> int:
+        """By how many steps the median live peer was ahead of this node when last seen (<= 0: not behind)."""
+        dead = self._dead
+        gaps = [theirs - ours for p, (theirs, ours) in self._seen_at.items() if p not in dead]
+        return int(statistics.median(gaps)) if gaps else 0
+
+    def must_catch_up(self) -> bool:
+        """This node must rejoin through a state transfer: a peer excluded it, or it trails the
+        cluster by more than max_lag steps."""
+        return bool(self._excluded_by) or self.behind() > self.max_lag
+
+    def excludes(self, peer: int) -> bool:
+        """We consider `peer` dead (its replies should tell it to rejoin)."""
+        return peer in self._dead
+
+    def may_donate_to(self, peer: int, incarnation: int = 0) -> bool:
+        """Hand our state only to a peer we saw leave: declared dead, lagging, or restarted (a new
+        incarnation asks). A Hello(want_state) from a peer that never went away gets nothing."""
+        known = self._incarnations.get(peer)
+        restarted = bool(incarnation) and known is not None and incarnation != known
+        return peer in self._dead or self.lagging(peer) or restarted
 
     # Writes (loop thread) ------------------------------------------------------------------------
     def mark_dead(self, peer: int, why: str) -> None:
         if peer in self._dead or peer == self.rank:
             return
+        self._dead_incarnation = {**self._dead_incarnation, peer: self._incarnations.get(peer)}
         self._dead = self._dead | {peer}
         self._changed(peer, False)
         log.warning("node %d: peer %d considered dead (%s)", self.rank, peer, why)
@@ -69,21 +127,61 @@ class Membership:
         """`peer` is up; with `since_step` it (re)joined and resumes at that step."""
         if since_step is not None and since_step > self._alive_since.get(peer, 0):
             self._alive_since = {**self._alive_since, peer: since_step}
+            self.note_step(peer, since_step)
         if peer in self._dead:
             self._dead = self._dead - {peer}
             self._changed(peer, True)
             log.info("node %d: peer %d is alive again (resumes at step %s)", self.rank, peer, since_step)
 
-    def heard_from(self, peer: int) -> None:
-        """A message from `peer` arrived: it is alive and (after our rejoin) confirmed."""
+    def note_step(self, peer: int, step: int) -> None:
+        """`peer` is at `step` now (from a message header, an Ack or a Hello); older news is ignored."""
+        if 0 <= peer < self.world_size and peer != self.rank and step >= self._seen_at.get(peer, (-1, 0))[0]:
+            self._seen_at = {**self._seen_at, peer: (step, self.step)}
+
+    def hello(self, peer: int, *, ready: bool, incarnation: int, current_step: int, resume_step: int) -> None:
+        """A Hello from `peer`. A new incarnation is a restarted or caught-up process: a ready one
+        is alive from `resume_step` on; one that is not ready yet (it is fetching state) means its
+        earlier self is gone. The same incarnation never revives a peer declared dead."""
+        known = self._incarnations.get(peer)
+        if incarnation:
+            self._incarnations = {**self._incarnations, peer: incarnation}
+        new = bool(incarnation) and incarnation != known
+        if new and known is not None:
+            self._seen_at = {p: s for p, s in self._seen_at.items() if p != peer}  # a fresh start: forget its step
+        self.note_step(peer, current_step)
+        if peer in self._dead:
+            if new and ready and incarnation != self._dead_incarnation.get(peer):
+                self.mark_alive(peer, since_step=resume_step or None)
+            return
+        if new and known is not None:
+            if ready:
+                self.mark_alive(peer, since_step=resume_step or None)
+            else:
+                self.mark_dead(peer, "restarted (a new incarnation asks for state)")
+
+    def heard_from(self, peer: int, step: int | None = None) -> None:
+        """A message from `peer` arrived: after our own rejoin it is confirmed. It never revives a
+        dead peer (only a rejoin does)."""
         if peer in self._unconfirmed:
             self._unconfirmed = self._unconfirmed - {peer}
-        if peer in self._dead:
-            self.mark_alive(peer)
+        if step is not None:
+            self.note_step(peer, step)
+
+    def excluded(self, by_peer: int) -> None:
+        """`by_peer` says it considers us dead."""
+        if by_peer not in self._excluded_by:
+            self._excluded_by = self._excluded_by | {by_peer}
+            log.warning("node %d: peer %d considers this node dead; it will rejoin", self.rank, by_peer)
 
     def rejoining(self) -> None:
         """This node rejoins a running cluster: don't wait for anyone until they have sent to us."""
         self._unconfirmed = frozenset(self.peers)
+
+    def rejoined(self) -> None:
+        """A state transfer completed: nobody needs to exclude us any more (our announce will tell
+        them), and what we saw of the others from far behind is stale."""
+        self._excluded_by = frozenset()
+        self._seen_at = {}
 
     def _changed(self, peer: int, up: bool) -> None:
         self._changed_at[peer] = time.monotonic()
@@ -93,4 +191,4 @@ class Membership:
         self.on_change()
 
 
-__all__ = ["Membership"]
+__all__ = ["Membership", "DEFAULT_MAX_LAG"]

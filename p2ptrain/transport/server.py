@@ -17,6 +17,7 @@ PROTOCOL_VERSION = "p2ptrain/1"
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Peer"].full_name  # "p2ptrain.v1.Peer"
 PUSH_METHOD = f"/{SERVICE_NAME}/PushTensor"
 HELLO_METHOD = f"/{SERVICE_NAME}/Hello"
+SETTLE_METHOD = f"/{SERVICE_NAME}/Settle"
 
 
 @dataclass(frozen=True)
@@ -46,14 +47,18 @@ class PeerService:
     def __init__(self, inbox: Inbox, identity: Identity, metrics=None,
                  current_step: Callable[[], int] = lambda: 0, is_ready: Callable[[], bool] = lambda: True,
                  on_peer_ready: Callable[[int], None] = lambda node_id: None,
-                 on_hello: Callable[[pb.HelloRequest], None] = lambda request: None):
+                 on_hello: Callable[[pb.HelloRequest], str] = lambda request: "",
+                 excludes: Callable[[int], bool] = lambda node_id: False,
+                 incarnation: Callable[[], int] = lambda: 0):
         self.inbox = inbox
         self.identity = identity
         self.metrics = metrics
         self.current_step = current_step
         self.is_ready = is_ready
         self.on_peer_ready = on_peer_ready
-        self.on_hello = on_hello
+        self.on_hello = on_hello      # membership news; returns why a want_state request is refused
+        self.excludes = excludes      # we consider this peer dead: our replies tell it to rejoin
+        self.incarnation = incarnation
         self.forwarder = None  # relay.Relay: streams addressed to another node are piped on by it
 
     async def push_tensor(self, requests, context) -> pb.Ack:
@@ -79,8 +84,8 @@ class PeerService:
             message = self.inbox.deliver(pending)
             if self.metrics is not None:
                 self.metrics.on_received(message.sender, pending.received)
-            return pb.Ack(status=pb.Ack.STATUS_ACCEPTED, bytes_received=pending.received,
-                          message_id=message.message_id)
+            return self._ack(message.sender, status=pb.Ack.STATUS_ACCEPTED, bytes_received=pending.received,
+                             message_id=message.message_id)
         except Rejection as rejection:
             if reception is not None:
                 self.inbox.abort(reception)
@@ -89,9 +94,10 @@ class PeerService:
             duplicate = rejection.reason == "duplicate"
             if not duplicate:
                 log.warning("node %d rejected a message: %s", self.identity.node_id, rejection)
-            return pb.Ack(status=pb.Ack.STATUS_DUPLICATE if duplicate else pb.Ack.STATUS_REJECTED,
-                          reason=rejection.reason, detail=rejection.detail,
-                          bytes_received=0 if reception is None else reception.received)
+            sender = reception.header.sender if reception is not None else -1
+            return self._ack(sender, status=pb.Ack.STATUS_DUPLICATE if duplicate else pb.Ack.STATUS_REJECTED,
+                             reason=rejection.reason, detail=rejection.detail,
+                             bytes_received=0 if reception is None else reception.received)
         except BaseException:  # cancelled / connection lost mid-stream: nothing half-applied
             if reception is not None:
                 self.inbox.abort(reception)
@@ -99,20 +105,36 @@ class PeerService:
                     self.metrics.on_rejected("aborted_stream")
             raise
 
+    def _ack(self, sender: int, **fields) -> pb.Ack:
+        """Every Ack tells the sender our step, and whether we consider it dead (it must rejoin)."""
+        return pb.Ack(step=self.current_step(), sender_excluded=sender >= 0 and self.excludes(sender), **fields)
+
     async def hello(self, request: pb.HelloRequest, context) -> pb.HelloReply:
         me = self.identity
         reason = me.compatibility(request.world_size, request.protocol_version, request.config_fingerprint)
         ready = self.is_ready()
-        if not reason and ready and request.ready and 0 <= request.node_id < me.world_size:
+        peer = request.node_id
+        known = not reason and 0 <= peer < me.world_size and peer != me.node_id
+        if known and ready and request.ready:
             # Both sides learn from this one exchange that the other is ready: the caller need not
             # be asked again (it may finish its run and leave before we would ask).
-            self.on_peer_ready(request.node_id)
-        if not reason and 0 <= request.node_id < me.world_size and request.node_id != me.node_id:
-            self.on_hello(request)  # membership: a ready caller is alive; want_state asks for our model
+            self.on_peer_ready(peer)
+        if known:
+            reason = self.on_hello(request)  # membership news; a refused want_state says why
         return pb.HelloReply(node_id=me.node_id, world_size=me.world_size,
                              protocol_version=me.protocol_version,
                              config_fingerprint=me.config_fingerprint, step=self.current_step(),
-                             compatible=not reason, reason=reason, ready=ready)
+                             compatible=not reason or known, reason=reason, ready=ready,
+                             caller_excluded=known and self.excludes(peer), incarnation=self.incarnation())
+
+    async def settle(self, request: pb.SettleRequest, context) -> pb.SettleReply:
+        """Which of these messages from `request.sender` did we deliver? The others are voided."""
+        if not 0 <= request.sender < self.identity.world_size or request.sender == self.identity.node_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sender {request.sender} is not a peer")
+        if len(request.message_ids) > 4096:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "at most 4096 message ids per Settle")
+        delivered = self.inbox.settle(request.sender, list(request.message_ids))
+        return pb.SettleReply(delivered=delivered, incarnation=self.incarnation())
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {
@@ -122,6 +144,9 @@ class PeerService:
             "Hello": grpc.unary_unary_rpc_method_handler(
                 self.hello, request_deserializer=pb.HelloRequest.FromString,
                 response_serializer=pb.HelloReply.SerializeToString),
+            "Settle": grpc.unary_unary_rpc_method_handler(
+                self.settle, request_deserializer=pb.SettleRequest.FromString,
+                response_serializer=pb.SettleReply.SerializeToString),
         })
 
 
@@ -133,4 +158,4 @@ def enable_reflection(server: grpc.aio.Server) -> None:
 
 
 __all__ = ["PeerService", "Identity", "PROTOCOL_VERSION", "SERVICE_NAME", "PUSH_METHOD", "HELLO_METHOD",
-           "enable_reflection"]
+           "SETTLE_METHOD", "enable_reflection"]
