@@ -237,6 +237,7 @@ def test_relay_sum_of_fixed_inputs_is_exact_after_diameter_steps(name, n):
 # Lost messages are fatal -----------------------------------------------------------------------
 class _FakeComm:
     rank, world_size = 0, 2
+    link_deadline = 1.0
 
     def __init__(self, ack: pb.Ack | Exception):
         self.ack = ack
@@ -246,6 +247,9 @@ class _FakeComm:
 
     def live(self, peers):
         return list(peers)
+
+    def make_room(self, peer, window):
+        return True
 
     def send(self, peer, tensor, **header):
         future = concurrent.futures.Future()

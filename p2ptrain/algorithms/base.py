@@ -39,6 +39,13 @@ class Algorithm(ABC):
                        reliable=True)
         return None
 
+    def adopt_state(self, state, params: torch.Tensor) -> torch.Tensor:
+        """A node that stalled and fell behind caught up: `state` is a donor's state transfer
+        (p2ptrain.transport.communicator.Received), `params` the stale local model; returns the model
+        to continue with. Default: the donor's model. Push-sum algorithms merge instead (see SGP),
+        since the stale node still holds its own share of the mass."""
+        return state.tensor.detach().clone().view_as(params)
+
     def finish(self) -> torch.Tensor | None:
         """Flush in-flight communication at the end of training; returns final parameters, if changed."""
         return None

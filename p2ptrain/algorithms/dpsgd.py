@@ -27,6 +27,7 @@ from p2ptrain.algorithms.base import Algorithm
 from p2ptrain.topology.undirected import UndirectedGraph
 
 KIND = pb.MESSAGE_KIND_GOSSIP
+SEND_WINDOW = 2  # models in flight to one neighbour, at most (each is a copy of the model)
 log = logging.getLogger(__name__)
 
 
@@ -79,12 +80,15 @@ class DPSGD(Algorithm):
         self._next_step = step
         snapshot = self.x.clone()  # read-only from here on, shared by all sends
         for peer in self.comm.live(self.neighbors):
-            self._acks.append(self.comm.send(peer, snapshot, kind=KIND, step=step))
+            if self.comm.make_room(peer, SEND_WINDOW):  # a stalled neighbour must not pile up our models
+                self._acks.append(self.comm.send(peer, snapshot, kind=KIND, step=step))
 
     def _check_acks(self, wait: bool) -> None:
+        if wait:  # lost models need no resend: give the last ones one link deadline, not forever
+            concurrent.futures.wait(self._acks, timeout=self.comm.link_deadline)
         pending = []
         for future in self._acks:
-            if not wait and not future.done():
+            if not future.done():
                 pending.append(future)
                 continue
             exc = future.exception()

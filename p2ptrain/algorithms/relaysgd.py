@@ -28,6 +28,7 @@ from p2ptrain.algorithms.base import Algorithm
 from p2ptrain.topology.trees import Tree, build_relay_trees, coordinate_slices
 
 KIND = pb.MESSAGE_KIND_RELAY
+SEND_WINDOW = 2  # relay messages in flight to one neighbour per tree, at most
 log = logging.getLogger(__name__)
 
 
@@ -67,8 +68,8 @@ class RelaySum:
                 if k != j:
                     m.add_(self.messages[k])
                     c += self.counts[k]
-            if not self.comm.live([j]):
-                continue  # a dead neighbour: its subtree drops out of our averages until it is back
+            if not self.comm.live([j]) or not self.comm.make_room(j, SEND_WINDOW):
+                continue  # a dead or stalled neighbour: its subtree drops out of our averages until it is back
             future = self.comm.send(j, m, kind=KIND, step=step, relay_count=c, channel=self.channel)
             self._sends.append((future, j, step))
 
@@ -105,9 +106,11 @@ class RelaySum:
         self._check_acks(wait=True)
 
     def _check_acks(self, wait: bool) -> None:
+        if wait:  # a lost message is dropped with its count: give the last ones one link deadline
+            concurrent.futures.wait([f for f, _, _ in self._sends], timeout=self.comm.link_deadline)
         pending = []
         for future, peer, step in self._sends:
-            if not (wait or future.done()):
+            if not future.done():
                 pending.append((future, peer, step))
                 continue
             exc = future.exception()

@@ -15,14 +15,27 @@ the shares in flight, is what makes the de-biased z_i converge to the average):
 - a share the receiver definitively refuses, or that cannot be delivered because the receiver is
   dead, is re-absorbed by the sender;
 - dead peers are skipped (p = 1 / (live out-degree + 1)); a rejoining peer gets half of a donor's
-  (x, w), which keeps Σ w and z of the donor unchanged.
+  (x, w), which keeps Σ w and z of the donor unchanged;
+- a peer that acknowledges none of our last τ + 1 shares within a link deadline (it stalled: GC
+  pause, swap, a stopped VM) gets no further share until it does, and a peer that lags more than
+  the lag limit behind gets none at all: nobody keeps pushing mass into a node that cannot push
+  back (its w would drain everyone else's towards 0, and z = x / w with it);
+- a share whose send failed after bytes left is *settled* with the receiver before it is
+  re-absorbed (the transport asks which it delivered; the rest it voids), so a stalled peer that
+  wakes up with our shares in its socket never lets the same mass count twice;
+- a node that stalled and was excluded catches up by merging half of a donor's (x, w) into its own
+  (adopt_state): its own mass is not thrown away;
+- a share that would make w exceed n (mass never does) or whose de-biased values are absurd is
+  dropped, so a hostile or broken peer cannot poison the model.
 
 The engine computes with z and applies the optimizer there; the resulting change z' - z is applied
 to x, which is exactly x - γ d for any optimizer direction d (momentum included).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import math
 import time
 from collections import deque
 
@@ -35,6 +48,7 @@ from p2ptrain.topology import Topology
 log = logging.getLogger(__name__)
 KIND = pb.MESSAGE_KIND_PUSH_SUM
 FINISH_WAIT_SECONDS = 10.0  # finish(): how long to wait in all for shares that missed their deadline
+PLAUSIBLE_SCALE = 1e4  # a share's de-biased values may exceed ours (or 1) by at most this factor
 
 
 class SGP(Algorithm):
@@ -52,6 +66,9 @@ class SGP(Algorithm):
         self.z: torch.Tensor | None = None
         self._outbox: deque = deque()  # (future of Ack, x-share, w-share, receiver, step) until acknowledged
         self.refused_shares = 0
+        self.dropped_shares = 0   # implausible shares refused at the fold (hostile or broken senders)
+        self._z_scale = 1.0       # max |z| of the last de-biased model, for the plausibility check
+        self.min_w = 1.0          # the smallest w this node ever had (a drained node would show here)
         self._last_step = -1
         self._missing: set[tuple[int, int]] = set()  # (sender, step) shares awaited in vain so far
         self.ledger: list[tuple] | None = None  # set to [] to record every mass movement (tests)
@@ -84,24 +101,36 @@ class SGP(Algorithm):
             self._mix(step, after)
         # A live sender's share does come (it is re-sent until acknowledged, or re-absorbed only if
         # the sender thinks we are dead): worth a longer wait than one step's deadline.
-        budget = min(self.comm.peer_timeout, max(self.comm.transport.options.link_deadline, FINISH_WAIT_SECONDS))
+        budget = min(self.comm.peer_timeout, max(self.comm.link_deadline, FINISH_WAIT_SECONDS))
         end = time.monotonic() + budget  # one budget for all of them
         for sender, step in sorted(self._missing, key=lambda m: m[1]):
             if (sender, step) in self._missing:
                 wait = max(0.0, end - time.monotonic())
                 self._fold(self.comm.gather(KIND, step, [sender], deadline=wait).values(), after)
         self._fold(self.comm.take(KIND, last), after)
-        for entry in self._outbox:
-            entry[0].exception()  # wait for every ack
+        concurrent.futures.wait([entry[0] for entry in self._outbox], timeout=max(0.0, end - time.monotonic()))
         self._reabsorb_refused(after)
+        if self._outbox:  # their receivers stalled or died and never settled: that mass is theirs now
+            log.warning("node %d: %d share(s) (w %.4g in all) still unacknowledged at the end", self.rank,
+                        len(self._outbox), sum(entry[2] for entry in self._outbox))
         self._record("w", after, self.w)
+        return self._debias()
+
+    def adopt_state(self, state, params: torch.Tensor) -> torch.Tensor:
+        """Catch up after a stall: merge the donor's half (x_d / 2, w_d / 2), sent as z_d with weight
+        w_d / 2, into our own (x, w). Σ w is conserved and z moves to the weighted mean."""
+        self.x.add_(state.tensor.view_as(self.x), alpha=state.ps_weight)
+        self.w += state.ps_weight
+        self._missing.clear()  # shares of steps before the rejoin: the senders had excluded us
+        self._record("mix", self._last_step + 1, state.ps_weight, state.sender, state.step)
+        state.release()
         return self._debias()
 
     def donate_state(self, peer: int, step: int, params: torch.Tensor) -> torch.Tensor:
         """Give a (re)joining peer half of (x, w): Σ w is conserved and both have this node's z."""
         share_x, share_w = self.x * 0.5, self.w * 0.5
         future = self.comm.send(peer, share_x / share_w, kind=pb.MESSAGE_KIND_STATE, step=step,
-                                ps_weight=share_w, reliable=True)  # sent as z: the engine loads a model
+                                ps_weight=share_w, reliable=True, settle=True)  # sent as z: a model to load
         self._outbox.append((future, share_x, share_w, peer, step))
         self.x.mul_(0.5)
         self.w *= 0.5
@@ -109,17 +138,20 @@ class SGP(Algorithm):
         return self._debias()
 
     def stats(self) -> dict[str, float]:
-        return {"ps_weight": self.w}
+        return {"ps_weight": self.w, "min_ps_weight": self.min_w, "dropped_shares": float(self.dropped_shares)}
 
     # The seed's steps --------------------------------------------------------------------------
     def _push(self, step: int) -> None:
         self._last_step = step
-        peers = self.comm.live(self.topology.out_peers(self.rank, step))
-        p = 1.0 / (len(peers) + 1)  # uniform weights: column i of P^(k), over the live out-peers
+        window = self.tau + 1  # a share per step of the bounded delay may be on its way
+        peers = [peer for peer in self.comm.live(self.topology.out_peers(self.rank, step))
+                 if self.comm.make_room(peer, window)]
+        p = 1.0 / (len(peers) + 1)  # uniform weights: column i of P^(k), over the peers that take a share
         share_w = p * self.w
         for peer in peers:
             share_x = self.x * p  # a fresh tensor per peer: ownership passes to the transport
-            future = self.comm.send(peer, share_x, kind=KIND, step=step, ps_weight=share_w, reliable=True)
+            future = self.comm.send(peer, share_x, kind=KIND, step=step, ps_weight=share_w, reliable=True,
+                                    settle=True)
             self._outbox.append((future, share_x, share_w, peer, step))
             self._record("send", step, share_w, peer)
         self.x.mul_(p)
@@ -136,17 +168,45 @@ class SGP(Algorithm):
 
     def _fold(self, shares, now: int) -> None:
         for share in shares:
+            problem = self._implausible(share)
+            if problem:
+                log.error("node %d: dropped node %d's step-%d share: %s", self.rank, share.sender, share.step, problem)
+                self.dropped_shares += 1
+                self._missing.discard((share.sender, share.step))
+                share.release()
+                continue
             self.x.add_(share.tensor)
             self.w += share.ps_weight
             self._missing.discard((share.sender, share.step))
             self._record("mix", now, share.ps_weight, share.sender, share.step)
             share.release()
 
+    def _implausible(self, share) -> str:
+        """Why a share cannot be honest push-sum mass ("" if it can)."""
+        n = self.comm.world_size
+        if not 0.0 < share.ps_weight <= n:
+            return f"weight {share.ps_weight!r} outside (0, {n}]"
+        if self.w + share.ps_weight > n * (1 + 1e-9):
+            return f"w would become {self.w + share.ps_weight:.6g} > n = {n} (push-sum mass never exceeds n)"
+        scale = float(share.tensor.abs().max()) / share.ps_weight if share.tensor.numel() else 0.0
+        if not math.isfinite(scale) or scale > PLAUSIBLE_SCALE * max(1.0, self._z_scale):
+            return f"de-biased values up to {scale:.3g}, ours up to {self._z_scale:.3g}"
+        return ""
+
     def _reabsorb_refused(self, now: int) -> None:
-        """Acks come back in order of sending; re-absorb the shares that did not get through: the
-        receiver refused them, or it is dead (the transport gave up after probing it)."""
-        while self._outbox and self._outbox[0][0].done():
-            future, share_x, share_w, peer, sent = self._outbox.popleft()
+        """Re-absorb the shares that did not get through: the receiver refused them, voided them when
+        settling, or was dead before they left. Acks may complete in any order (a stalled peer's
+        wait while later ones land), so every finished entry is looked at."""
+        pending: deque = deque()
+        for entry in self._outbox:
+            future, share_x, share_w, peer, sent = entry
+            if not future.done():
+                pending.append(entry)
+                continue
+            if future.cancelled():
+                log.warning("node %d: step-%d share for node %d: outcome unknown (send cancelled)", self.rank,
+                            sent, peer)
+                continue
             exc = future.exception()
             if exc is None and future.result().status != pb.Ack.STATUS_REJECTED:
                 continue  # accepted, or a duplicate of a retransmission that was accepted
@@ -158,11 +218,14 @@ class SGP(Algorithm):
             self.w += share_w
             self.refused_shares += 1
             self._record("reabsorb", now, share_w, peer, sent)
+        self._outbox = pending
 
     def _record(self, event: str, step: int, weight: float, peer: int = -1, sent: int = -1) -> None:
         if self.ledger is not None:
             self.ledger.append((event, step, weight, peer, sent))
 
     def _debias(self) -> torch.Tensor:
+        self.min_w = min(self.min_w, self.w)
         self.z = self.x / self.w
+        self._z_scale = float(self.z.abs().max()) if self.z.numel() else 0.0
         return self.z
