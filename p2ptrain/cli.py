@@ -18,6 +18,9 @@ from pathlib import Path
 
 from p2ptrain.config import ConfigError, NodeConfig, add_node_arguments, flags_from_args
 
+EXIT_NO_CLUSTER = 3    # `node --rejoin` found no live peer: the cluster has finished
+EXIT_NON_FINITE = 4    # the node's loss or model became NaN/Inf (summary: nonfinite_step)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="p2ptrain", description=__doc__.split("\n\n")[0],
@@ -52,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--no-live", dest="live", action="store_false", help="print plain progress lines")
     launch.add_argument("--kill", action="append", default=[], metavar="RANK@STEP",
                         help="SIGKILL node RANK once the cluster reaches STEP (repeatable); the others train on")
+    launch.add_argument("--stall", action="append", default=[], metavar="RANK@STEP:SECONDS",
+                        help="freeze node RANK (SIGSTOP, as a GC pause, swap storm or preempted VM would) once the "
+                             "cluster reaches STEP, and let it go on (SIGCONT) SECONDS later (repeatable)")
     launch.add_argument("--restart", action="append", default=[], metavar="RANK@STEP",
                         help="start a killed node again at STEP: it fetches the model from a live peer and "
                              "rejoins (repeatable)")
@@ -147,7 +153,17 @@ def cmd_node(args: argparse.Namespace) -> int:
               f"loss {summary['final_loss']}, mean staleness {summary.get('mean_staleness')}, "
               f"median pi {summary.get('pi_median')}")
         return 0
-    summary = run_node(config)
+    from p2ptrain.node import NoClusterToRejoin
+    from p2ptrain.train.loop import NonFiniteError
+
+    try:
+        summary = run_node(config)
+    except NoClusterToRejoin as exc:
+        print(f"p2ptrain node: {exc}", file=sys.stderr)
+        return EXIT_NO_CLUSTER
+    except NonFiniteError as exc:
+        print(f"p2ptrain node: run failed: {exc}", file=sys.stderr)
+        return EXIT_NON_FINITE
     print(f"node {config.rank}: test accuracy {summary['test_accuracy']:.4f}, final loss "
           f"{summary['final_loss']:.4f}, {summary['mean_step_seconds'] * 1000:.1f} ms/step")
     return 0
@@ -212,11 +228,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from launcher.local import fault_plan
 
     try:
-        faults = fault_plan(args.kill, args.restart, args.nodes)
+        faults = fault_plan(args.kill, args.restart, args.nodes, args.stall)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if faults and gem:
-        raise ConfigError("--kill/--restart apply to peer clusters, not to --algorithm gem")
+        raise ConfigError("--kill/--restart/--stall apply to peer clusters, not to --algorithm gem")
     extra = {}
     if gem:
         from launcher.local import parameter_server_cluster

@@ -92,6 +92,12 @@ class NodeConfig:
                                                      # the link counts as dropped for that step
     slowdown: str | None = None                      # emulate slower machines: "4" (this node) or "0=4,3=2"
                                                      # (per rank, so one launch flag serves every node)
+    max_lag: int | None = None                       # a peer this many steps behind is not sent to or waited
+                                                     # for, a node this far behind catches up by a state
+                                                     # transfer; None: max(16, (overlap+1)(world_size-1)+1)
+    rejoin: bool = False                             # this process restarts into a running cluster: take a
+                                                     # live peer's state, or exit at once if none answers
+    inject_nan: str | None = None                    # fault injection "RANK@STEP": that node's loss is NaN
     # Link emulation (transport/faults.py); off by default, may differ per node (not in the fingerprint)
     link: str | None = None                          # spec of every outgoing link: "bandwidth=200mbit,latency=5ms"
     link_overrides: list[str] = field(default_factory=list)  # "SRC->DST:SPEC" / "SRC<->DST:SPEC", in order
@@ -166,6 +172,12 @@ class NodeConfig:
             self.compute_slowdown
         except ValueError as exc:
             raise ConfigError(f"slowdown {self.slowdown!r}: {exc}") from None
+        need(self.max_lag is None or 1 <= self.max_lag < self.step_window,
+             f"max_lag must be within [1, step_window={self.step_window}), got {self.max_lag}")
+        try:
+            self.nan_injection_step
+        except ValueError as exc:
+            raise ConfigError(f"inject_nan {self.inject_nan!r}: {exc}") from None
         need(self.log_every >= 1, "log_every must be >= 1")
         need(self.metrics_port is None or 0 <= self.metrics_port < 65536, "metrics_port must be a port number")
         try:
@@ -271,6 +283,25 @@ class NodeConfig:
     def compute_slowdown(self) -> float:
         """This node's compute slow-down factor (>= 1) from `slowdown`."""
         return parse_slowdown(self.slowdown, self.world_size).get(self.rank, 1.0)
+
+    @property
+    def resolved_max_lag(self) -> int:
+        """The lag limit: above what a bounded delay τ can produce on any graph of this size."""
+        if self.max_lag is not None:
+            return self.max_lag
+        return max(1, min(self.step_window - 1, max(16, (self.overlap + 1) * (self.world_size - 1) + 1)))
+
+    @property
+    def nan_injection_step(self) -> int | None:
+        """The step at which this node's loss is made NaN (`inject_nan` = "RANK@STEP"), if it is this rank."""
+        if not self.inject_nan:
+            return None
+        rank, sep, step = str(self.inject_nan).partition("@")
+        if not (sep and rank.strip().isdigit() and step.strip().isdigit()):
+            raise ValueError("expected RANK@STEP, e.g. 2@50")
+        if not 0 <= int(rank) < self.world_size:
+            raise ValueError(f"rank {rank} outside 0..{self.world_size - 1}")
+        return int(step) if int(rank) == self.rank else None
 
     @property
     def learning_rate(self) -> float:
@@ -492,6 +523,17 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, cluster_flags: bool =
     g.add_argument("--slowdown", metavar="FACTOR|RANK=FACTOR,...",
                    help="emulate slower machines: every step's compute takes FACTOR times as long, on every "
                         "node or per rank (e.g. 0=4,3=2: node 0 four times slower, node 3 twice) (default 1)")
+    g.add_argument("--max-lag", type=int, metavar="STEPS",
+                   help="a peer this many steps behind is neither sent to nor waited for, and a node this far "
+                        "behind the cluster (e.g. after a stall) catches up through a state transfer "
+                        "(default max(16, (overlap+1)*(world_size-1)+1))")
+    if cluster_flags:
+        g.add_argument("--rejoin", action="store_true", default=None,
+                       help="this process restarts into a running cluster: take a live peer's state, or exit at "
+                            "once (code 3) when no peer answers (`launch --restart` sets it)")
+    g.add_argument("--inject-nan", metavar="RANK@STEP",
+                   help="fault injection: node RANK's loss becomes NaN at STEP (the run must then fail, naming "
+                        "the node and step)")
     g.add_argument("--step-window", type=int,
                    help=f"accept messages whose step is within ± this many steps (default {d.step_window})")
     g.add_argument("--link", metavar="SPEC",

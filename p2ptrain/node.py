@@ -18,10 +18,16 @@ from p2ptrain.algorithms import Algorithm, build_algorithm
 from p2ptrain.config import NodeConfig
 from p2ptrain.metrics import NodeMetrics
 from p2ptrain.train import DecentralizedTrainer, StepRecord, cycle, pick_device
+from p2ptrain.train.loop import NonFiniteError
 from p2ptrain.transport import Transport, TransportOptions
 from p2ptrain.transport.communicator import Communicator
+from p2ptrain.transport.runtime import PeerError
 
 log = logging.getLogger(__name__)
+
+
+class NoClusterToRejoin(PeerError):
+    """A restarted node found no live peer: the cluster has finished (or is unreachable)."""
 
 
 class Node:
@@ -38,7 +44,8 @@ class Node:
                                      send_timeout=config.peer_timeout, link_deadline=config.link_deadline,
                                      pin_memory=self.device.type == "cuda", links=config.link_table(),
                                      security=config.security(), relay_routes=tuple(config.relay_routes),
-                                     relays=config.relays, relay_retry_after=config.relay_retry_after),
+                                     relays=config.relays, relay_retry_after=config.relay_retry_after,
+                                     max_lag=config.resolved_max_lag),
             metrics=self.metrics, config_fingerprint=config.fingerprint())
         self.comm = Communicator(self.transport, self.device, peer_timeout=config.peer_timeout)
         self.metrics_port: int | None = None
@@ -50,10 +57,16 @@ class Node:
             server, _ = self.metrics.serve(self.config.metrics_port)
             self._metrics_server = server
             self.metrics_port = server.server_port
-        if self.config.world_size > 1 and self.transport.cluster_running():
-            self.comm.joining = True  # a restarted node: its peers train on; fetch state, don't wait for all
-            log.info("node %d: the cluster is already training; rejoining", self.config.rank)
-        elif wait_for_peers and self.config.world_size > 1:
+        if self.config.world_size > 1:
+            survey = self.transport.survey()
+            if self.config.rejoin and not survey.reachable:
+                raise NoClusterToRejoin(f"node {self.config.rank}: no live peer to rejoin: the cluster has finished "
+                                        "(or is unreachable)")
+            if survey.running:
+                self.comm.joining = True  # a restarted node: its peers train on; fetch state, don't wait for all
+                log.info("node %d: the cluster is already training; rejoining", self.config.rank)
+                return self
+        if wait_for_peers and self.config.world_size > 1:
             self.transport.wait_for_peers(timeout=self.config.peer_timeout)
         return self
 
@@ -133,7 +146,7 @@ def run_node(config: NodeConfig) -> dict:
             optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=config.momentum,
                                         weight_decay=config.weight_decay)
             trainer = DecentralizedTrainer(model, optimizer, node.algorithm(), device=device, metrics=node.metrics,
-                                           slowdown=config.compute_slowdown)
+                                           slowdown=config.compute_slowdown, inject_nan_at=config.nan_injection_step)
 
             def on_log(record: StepRecord, trainer: DecentralizedTrainer) -> None:
                 stats = trainer.algorithm.stats()
@@ -142,7 +155,15 @@ def run_node(config: NodeConfig) -> dict:
                                bytes_received=node.metrics.bytes_received_total,
                                ps_weight=stats.get("ps_weight", 1.0), step_seconds=record.seconds)
 
-            result = trainer.fit(cycle(loader), config.steps, on_log=on_log, log_every=config.log_every)
+            try:
+                result = trainer.fit(cycle(loader), config.steps, on_log=on_log, log_every=config.log_every)
+            except NonFiniteError as exc:  # a failed run: say where, in the summary the launcher reads
+                if out:
+                    (out / f"node{config.rank}.json").write_text(json.dumps({
+                        "rank": config.rank, "steps": config.steps, "failed": True, "error": str(exc),
+                        "nonfinite_step": exc.step, "nonfinite": exc.what,
+                        "wall_seconds": time.time() - started}, indent=2))
+                raise
             test_loss, test_accuracy = trainer.evaluate(test_loader)
             summary = {
                 "rank": config.rank, "steps": config.steps, "final_loss": result.final_loss,
@@ -154,10 +175,13 @@ def run_node(config: NodeConfig) -> dict:
                 "mean_step_seconds": result.mean_step_seconds,
                 "steady_step_seconds": result.steady_step_seconds,
                 "ps_weight": trainer.algorithm.stats().get("ps_weight", 1.0),
+                "min_ps_weight": trainer.algorithm.stats().get("min_ps_weight", 1.0),
                 "wall_seconds": time.time() - started, "device": device.type,
                 "metrics_port": node.metrics_port, "start_step": trainer.start_step,
                 "rejoined": trainer.start_step > 0,
                 "dead_peers": sorted(node.transport.membership.dead()),
+                "catch_ups": trainer.catch_ups,
+                "dropped_shares": int(trainer.algorithm.stats().get("dropped_shares", 0)),
                 "dropped_messages": node.metrics.dropped_total, "link_timeouts": node.metrics.link_timeouts_total,
             }
         if out:
@@ -167,6 +191,9 @@ def run_node(config: NodeConfig) -> dict:
             (out / f"node{config.rank}.json").write_text(json.dumps(_finite(summary), indent=2))
         progress.write(event="done")
         return summary
+    except NoClusterToRejoin as exc:  # restarted after the others finished: nothing failed
+        progress.write(event="not_rejoined", message=str(exc))
+        raise
     except BaseException as exc:
         progress.write(event="error", message=f"{type(exc).__name__}: {exc}")
         raise

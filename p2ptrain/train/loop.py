@@ -16,8 +16,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from p2ptrain.train.flat import FlatParameters
+from p2ptrain.transport.runtime import PeerError
 
 log = logging.getLogger(__name__)
+
+
+class NonFiniteError(FloatingPointError):
+    """The loss or the model became NaN/Inf at `step`: the run has failed (the summary says where)."""
+
+    def __init__(self, rank: int, step: int, what: str):
+        super().__init__(f"node {rank}: non-finite {what} at step {step}")
+        self.rank, self.step, self.what = rank, step, what
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -76,7 +85,7 @@ class DecentralizedTrainer:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, algorithm, *,
                  loss_fn: Callable = F.nll_loss, device: torch.device | str | None = None, metrics=None,
-                 slowdown: float = 1.0):
+                 slowdown: float = 1.0, inject_nan_at: int | None = None):
         if not slowdown >= 1.0:
             raise ValueError(f"slowdown must be >= 1 (1 = full speed), got {slowdown}")
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -87,15 +96,20 @@ class DecentralizedTrainer:
         self.loss_fn = loss_fn
         self.metrics = metrics
         self.slowdown = slowdown
+        self.inject_nan_at = inject_nan_at  # fault injection: make the loss NaN at this step (tests)
         self.start_step = 0
+        self.catch_ups = 0            # state transfers taken after stalling (see _catch_up)
+        self._catch_up_after = 0      # no new catch-up attempt before this step (after a failed one)
         self._directions: torch.Tensor | None = None
-        comm = getattr(algorithm, "comm", None)
+        self.comm = getattr(algorithm, "comm", None)
+        comm = self.comm
         if comm is not None and comm.joining:  # a restarted node: resume from a live peer's state
             params = self.flat.get()
             state = comm.fetch_state(params.numel(), params.dtype)
             self.flat.load(state.tensor)
             self.start_step = state.step + 1
         self.flat.load(self.algorithm.setup(self.flat.get()))
+        self._adopt_late_states()
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.device, non_blocking=True)
@@ -106,6 +120,8 @@ class DecentralizedTrainer:
         inputs, targets = self._to_device(inputs), self._to_device(targets)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model(inputs), targets)
+        if step == self.inject_nan_at:
+            loss = loss * float("nan")
         loss.backward()
         if self.slowdown > 1.0:  # emulate a slower machine: stretch this step's compute
             if self.device.type == "cuda":
@@ -122,9 +138,47 @@ class DecentralizedTrainer:
         self._serve_joiners(step)
         return float(loss.detach())
 
+    def _catch_up(self, step: int) -> int:
+        """After step `step`: if this node stalled (a peer excluded it, or it trails the cluster by
+        more than the lag limit), take a state transfer from a peer that saw it leave and merge it
+        (Algorithm.adopt_state); returns the step to continue at."""
+        comm = self.comm
+        if comm is None or step < self._catch_up_after or not comm.must_catch_up():
+            return step + 1
+        params = self.flat.get()
+        timeout = max(5.0, 3 * comm.transport.options.link_deadline)
+        log.warning("node %d: fell behind at step %d (excluded by %s, %d steps behind the cluster); catching up",
+                    comm.rank, step, sorted(comm.transport.membership.excluded_by()),
+                    comm.transport.membership.behind())
+        try:
+            state = comm.fetch_state(params.numel(), params.dtype, timeout=timeout)
+        except (PeerError, TimeoutError) as exc:  # e.g. the others have finished: train on alone
+            log.warning("node %d: could not catch up (%s); training on from step %d", comm.rank, exc, step + 1)
+            comm.transport.membership.rejoined()
+            self._catch_up_after = step + comm.transport.options.max_lag
+            return step + 1
+        self.flat.load(self.algorithm.adopt_state(state, self.flat.get()))
+        self._adopt_late_states()
+        self.catch_ups += 1
+        self._check_finite(state.step, "model after catching up")
+        return max(step + 1, state.step + 1)
+
+    def _adopt_late_states(self) -> None:
+        """States that reached us while rejoining besides the one used (an earlier donor answered
+        late): for push-sum they are mass, merged like the first."""
+        comm = self.comm
+        while comm is not None and comm.late_states:
+            self.flat.load(self.algorithm.adopt_state(comm.late_states.pop(0), self.flat.get()))
+
+    def _check_finite(self, step: int, what: str, loss: float | None = None) -> None:
+        if loss is not None and not math.isfinite(loss):
+            raise NonFiniteError(self.comm.rank if self.comm is not None else 0, step, "loss")
+        if not bool(torch.isfinite(self.flat.get()).all()):
+            raise NonFiniteError(self.comm.rank if self.comm is not None else 0, step, what)
+
     def _serve_joiners(self, step: int) -> None:
         """Give (re)joining peers this node's state, at a step boundary where it is consistent."""
-        comm = getattr(self.algorithm, "comm", None)
+        comm = self.comm
         if comm is None:
             return
         for peer in comm.state_requests():
@@ -144,6 +198,7 @@ class DecentralizedTrainer:
             generator = torch.Generator().manual_seed(20261121)
             self._directions = torch.randn(directions, params.numel(), generator=generator).to(params.device)
         return (self._directions @ params).tolist()
+
     def fit(self, batches: Iterable, steps: int, *, on_log: Callable[[StepRecord, "DecentralizedTrainer"], None] | None = None,
             log_every: int = 10, snapshot_every: int | None = None) -> TrainResult:
         """Train for `steps`; `on_log` is called every `log_every` steps and at the end; the de-biased
@@ -152,10 +207,13 @@ class DecentralizedTrainer:
         snapshot_every = snapshot_every or log_every
         result.snapshots[self.start_step] = self.flat.get().detach().cpu().clone()
         iterator = iter(batches)
-        for step in range(self.start_step, steps):
+        step = self.start_step
+        while step < steps:
             start = time.perf_counter()
             inputs, targets = next(iterator)
             loss = self.train_step(step, inputs, targets)
+            self._check_finite(step, "model", loss)
+            next_step = self._catch_up(step) if step + 1 < steps else steps
             seconds = time.perf_counter() - start
             result.losses.append(loss)
             result.step_seconds.append(seconds)
@@ -165,17 +223,20 @@ class DecentralizedTrainer:
                     if key == "ps_weight":
                         self.metrics.set_ps_weight(value)
             done = step + 1
-            if done == steps:
+            last = next_step >= steps  # (a catch-up may jump past the end)
+            if last:
                 final = self.algorithm.finish()
                 if final is not None:
                     self.flat.load(final)
-            if done % snapshot_every == 0 or done == steps:
+                self._check_finite(done, "final model")
+            if done % snapshot_every == 0 or last:
                 result.snapshots[done] = self.flat.get().detach().cpu().clone()
-            if self.metrics is not None and (done % log_every == 0 or done == steps):
+            if self.metrics is not None and (done % log_every == 0 or last):
                 self.metrics.set_model_projection(self.model_projection())
-            if on_log is not None and (done % log_every == 0 or done == steps):
+            if on_log is not None and (done % log_every == 0 or last):
                 window = result.losses[-log_every:]
                 on_log(StepRecord(done, sum(window) / len(window), seconds), self)
+            step = next_step
         return result
 
     @torch.no_grad()
