@@ -31,6 +31,7 @@ NETNS_METRICS_PORT = 9400
 # One thread per process: N nodes share this machine's cores, and unbuffered output keeps the
 # logs current when a node is killed.
 NODE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+EXIT_NO_CLUSTER = 3     # `p2ptrain node --rejoin` found no live peer (p2ptrain.cli): the cluster had finished
 
 
 class ClusterError(RuntimeError):
@@ -133,12 +134,15 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
     print(f"launching {nodes} nodes{f' and {len(services)} service(s)' if services else ''}; run folder "
           f"{out_dir}, logs in {log_dir}", file=stream, flush=True)
     start = time.monotonic()
+    failure: ClusterError | None = None
     try:
         service_processes.start()
         processes.start()
         _supervise(processes, watcher, view, start, timeout, log_dir, service_processes, faults=faults,
                    stream=stream)
         _wait_services(service_processes, service_grace, log_dir)
+    except ClusterError as exc:  # the report is still written: which node failed, and why
+        failure = exc
     finally:
         processes.stop()
         service_processes.stop()
@@ -147,6 +151,7 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
     wall_seconds = time.monotonic() - start
 
     result = run_report.build_report(out_dir, nodes, config, wall_seconds)
+    _record_outcomes(result, watcher.states, failure)
     report_path = run_report.write_report(result, out_dir)
     print(f"report: {report_path}", file=stream)
     try:
@@ -156,7 +161,37 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
     for warning in result["warnings"]:
         print(f"warning: {warning}", file=stream)
     stream.flush()
+    if failure is not None:
+        raise failure
+    nonfinite = [n for n in result["nodes"] if n.get("nonfinite_step") is not None]
+    if nonfinite:
+        raise ClusterError(f"node {nonfinite[0]['rank']} went non-finite ({nonfinite[0].get('nonfinite')}) from step "
+                           f"{nonfinite[0]['nonfinite_step']}", rank=nonfinite[0]["rank"])
     return result
+
+
+def _record_outcomes(report: dict, states: list["NodeState"], failure: "ClusterError | None") -> None:
+    """Per node how it ended (done, killed, failed, not rejoined ... with the reason) and, for the
+    cluster, whether the run failed: a node crashed, or its loss or model went non-finite."""
+    failed_nodes = []
+    for summary, state in zip(report["nodes"], states):
+        stopped = (failure is not None and state.rank != failure.rank and state.returncode is not None
+                   and state.returncode < 0 and state.event != "error")
+        summary["outcome"] = "stopped" if stopped else state.outcome  # by the launcher, after another failed
+        if state.outcome_reason:
+            summary["outcome_reason"] = state.outcome_reason
+        if stopped:
+            continue
+        if summary.get("nonfinite_step") is not None:
+            failed_nodes.append({"rank": state.rank, "reason": f"non-finite {summary.get('nonfinite', 'value')} "
+                                                               f"from step {summary['nonfinite_step']}"})
+        elif state.failed:
+            failed_nodes.append({"rank": state.rank, "reason": state.message or state.status})
+    cluster = report["cluster"]
+    cluster["failed"] = failure is not None or bool(failed_nodes)
+    cluster["failed_nodes"] = failed_nodes
+    if failure is not None:
+        cluster["failure"] = str(failure).splitlines()[0]
 
 
 def steps_from_args(args: list[str]) -> int | None:
@@ -198,30 +233,46 @@ def parameter_server_cluster(workers: int, out: Path, node_args: list[str], *, m
 
 @dataclass(frozen=True)
 class FaultEvent:
-    """Kill (SIGKILL, no goodbye) or restart one node once the cluster reaches a step (the highest
-    step any node reported), e.g. to check that the others train on and the node rejoins."""
-    action: str  # "kill" | "restart"
+    """Kill (SIGKILL, no goodbye), restart, or stall (SIGSTOP, then SIGCONT `seconds` later: a GC
+    pause, swap storm or preempted VM) one node once the cluster reaches a step (the highest step
+    any node reported), e.g. to check that the others train on and the node rejoins."""
+    action: str  # "kill" | "restart" | "stall"
     rank: int
     at_step: int
+    seconds: float = 0.0  # stall only
 
     @classmethod
     def parse(cls, action: str, spec: str, nodes: int) -> "FaultEvent":
-        rank, sep, step = spec.partition("@")
-        if not (sep and rank.strip().isdigit() and step.strip().isdigit()):
-            raise ValueError(f"--{action} {spec!r}: expected RANK@STEP, e.g. 2@100")
-        event = cls(action, int(rank), int(step))
+        rank, sep, rest = spec.partition("@")
+        step, colon, seconds = rest.partition(":")
+        example = "2@100:20" if action == "stall" else "2@100"
+        if not (sep and rank.strip().isdigit() and step.strip().isdigit()) or (colon != "") != (action == "stall"):
+            form = "RANK@STEP:SECONDS" if action == "stall" else "RANK@STEP"
+            raise ValueError(f"--{action} {spec!r}: expected {form}, e.g. {example}")
+        try:
+            duration = float(seconds) if colon else 0.0
+        except ValueError:
+            raise ValueError(f"--{action} {spec!r}: {seconds!r} is not a number of seconds") from None
+        if colon and not 0 < duration < float("inf"):
+            raise ValueError(f"--{action} {spec!r}: the stall must last > 0 seconds")
+        event = cls(action, int(rank), int(step), duration)
         if not 0 <= event.rank < nodes:
             raise ValueError(f"--{action} {spec!r}: rank {event.rank} outside 0..{nodes - 1}")
         return event
 
 
-def fault_plan(kills: list[str], restarts: list[str], nodes: int) -> list[FaultEvent]:
+def fault_plan(kills: list[str], restarts: list[str], nodes: int, stalls: list[str] = ()) -> list[FaultEvent]:
     """Validated events in step order; a restart needs an earlier kill of the same rank."""
     events = [FaultEvent.parse("kill", k, nodes) for k in kills] + \
-             [FaultEvent.parse("restart", r, nodes) for r in restarts]
+             [FaultEvent.parse("restart", r, nodes) for r in restarts] + \
+             [FaultEvent.parse("stall", s, nodes) for s in stalls]
     events.sort(key=lambda e: (e.at_step, e.action != "kill"))
     down: set[int] = set()
     for event in events:
+        if event.action == "stall":
+            if event.rank in down:
+                raise ValueError(f"--stall {event.rank}@{event.at_step}: node {event.rank} is killed then")
+            continue
         if event.action == "kill":
             if event.rank in down:
                 raise ValueError(f"node {event.rank} is killed twice without a restart in between")
@@ -245,6 +296,16 @@ def _apply_faults(events: list[FaultEvent], processes: "_NodeProcesses", watcher
         if event.action == "kill":
             processes.kill(event.rank)
             state.down = True
+        elif event.action == "stall":
+            processes.stall(event.rank, event.seconds)
+            print(f"fault: stall node {event.rank} for {event.seconds:g}s at cluster step {cluster_step}",
+                  file=stream, flush=True)
+            continue
+        elif all(s.returncode is not None or s.down for s in watcher.states if s.rank != event.rank):
+            state.note = "not rejoined: the cluster had finished when the restart was due"
+            print(f"fault: restart node {event.rank} skipped at cluster step {cluster_step}: every other node has "
+                  "finished", file=stream, flush=True)
+            continue
         else:
             processes.restart(event.rank)
             state.down, state.returncode, state.event, state.message = False, None, None, None
@@ -264,6 +325,7 @@ def _supervise(processes: "_NodeProcesses", watcher: "_ProgressWatcher", view: "
     while True:
         _check_services(services, log_dir)
         watcher.refresh(processes.returncodes())
+        processes.resume_stalled()
         if faults:
             _apply_faults(faults, processes, watcher, stream)
         elapsed = time.monotonic() - start
@@ -271,8 +333,9 @@ def _supervise(processes: "_NodeProcesses", watcher: "_ProgressWatcher", view: "
         failed = [s for s in watcher.states if s.failed]
         if failed:
             raise _failure_error(failed, processes, watcher, log_dir)
-        if all(s.returncode == 0 or s.down for s in watcher.states) and not any(
-                e.action == "restart" for e in faults):
+        if all(s.returncode == 0 or s.down or (s.returncode is not None and s.outcome_reason)
+               for s in watcher.states) and not any(e.action == "restart" for e in faults):
+            processes.resume_stalled(everything=True)
             return
         if timeout is not None and elapsed >= timeout:
             running = [s.rank for s in watcher.states if s.returncode is None]
@@ -344,6 +407,7 @@ class _NodeProcesses:
         self.procs: list[subprocess.Popen] = []
         self._logs: list = []
         self._swept: set[int] = set()
+        self._stalled: dict[int, float] = {}  # rank -> monotonic time to resume it (SIGCONT)
 
     def start(self) -> None:
         for spec in self.specs:
@@ -368,15 +432,29 @@ class _NodeProcesses:
         proc.wait()
         self._sweep(proc)
 
+    def stall(self, rank: int, seconds: float) -> None:
+        """SIGSTOP node `rank`'s process group for `seconds` (resume_stalled sends SIGCONT)."""
+        _signal_group(self.procs[rank], signal.SIGSTOP)
+        self._stalled[rank] = time.monotonic() + seconds
+
+    def resume_stalled(self, everything: bool = False) -> None:
+        """SIGCONT the stalled nodes whose time is up (all of them with `everything`)."""
+        now = time.monotonic()
+        for rank, until in list(self._stalled.items()):
+            if everything or now >= until:
+                _signal_group(self.procs[rank], signal.SIGCONT)
+                del self._stalled[rank]
+
     def restart(self, rank: int) -> None:
-        """Start node `rank` again with the same command; its log continues in the same file."""
+        """Start node `rank` again with the same command plus --rejoin (it takes a live peer's state,
+        or exits at once if the cluster has finished); its log continues in the same file."""
         spec = self.specs[rank]
         log = open(self.log_dir / spec.log_name, "ab")
         log.write(b"\n--- restarted by the launcher ---\n")
         log.flush()
         self._logs.append(log)
-        self.procs[rank] = subprocess.Popen(spec.argv, env=spec.env, stdin=subprocess.DEVNULL, stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[rank] = subprocess.Popen([*spec.argv, "--rejoin"], env=spec.env, stdin=subprocess.DEVNULL,
+                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait(self, rank: int, seconds: float) -> None:
         try:
@@ -387,6 +465,7 @@ class _NodeProcesses:
     def stop(self) -> None:
         """SIGTERM every running node, SIGKILL what is left after TERM_GRACE_SECONDS, then kill
         whatever any node left behind. Idempotent."""
+        self.resume_stalled(everything=True)  # a stopped process cannot act on SIGTERM
         running = [p for p in self.procs if p.poll() is None]
         for proc in running:
             _signal_group(proc, signal.SIGTERM)
@@ -466,6 +545,7 @@ class NodeState:
     returncode: int | None = None
     down: bool = False   # killed by the fault plan (not a failure)
     restarts: int = 0
+    note: str | None = None  # why a planned fault did not happen (e.g. a restart after the end)
 
     def apply(self, record: dict) -> None:
         if "event" in record:
@@ -478,7 +558,26 @@ class NodeState:
 
     @property
     def failed(self) -> bool:
+        if self.restarts and (self.returncode == EXIT_NO_CLUSTER or self.event == "not_rejoined"):
+            return False  # restarted after the others had finished: not rejoined, not a failure
         return not self.down and (self.event == "error" or self.returncode not in (None, 0))
+
+    @property
+    def outcome_reason(self) -> str | None:
+        if self.restarts and (self.returncode == EXIT_NO_CLUSTER or self.event == "not_rejoined"):
+            return "not rejoined: no live peer answered (the cluster had finished)"
+        return self.note
+
+    @property
+    def outcome(self) -> str:
+        """How the node ended, for the report."""
+        if self.outcome_reason:
+            return "not rejoined"
+        if self.down:
+            return "killed"
+        if self.failed:
+            return "failed"
+        return "done" if self.returncode == 0 else self.status
 
     @property
     def status(self) -> str:

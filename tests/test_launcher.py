@@ -287,7 +287,9 @@ def test_failing_node_stops_cluster(tmp_path, fake_node, spawned_pids):
     assert (err.rank, err.returncode) == (1, 3)
     assert "node 1 failed: exited with code 3" in str(err)
     assert "simulated crash" in str(err)  # log tail is quoted
-    assert not (out / "report.json").exists()
+    report = json.loads((out / "report.json").read_text())  # written even for a failed run (issue 10)
+    assert report["cluster"]["failed"] and [n["rank"] for n in report["cluster"]["failed_nodes"]] == [1]
+    assert [n["outcome"] for n in report["nodes"]] == ["stopped", "failed", "stopped"]
     assert len(grandchild_pids(out)) == 1
     assert_nothing_survives(spawned_pids + grandchild_pids(out))
 
