@@ -1,0 +1,85 @@
+"""Membership rules that keep a stalled peer from corrupting the others (issue 10, part 1):
+who is dead, who lags, who comes back (only a new incarnation), who gets our state."""
+from __future__ import annotations
+
+from p2ptrain.transport.membership import Membership
+
+
+def membership(rank: int = 0, world_size: int = 4, max_lag: int = 5) -> Membership:
+    return Membership(rank, world_size, max_lag=max_lag)
+
+
+def test_a_peer_seen_far_behind_is_lagging_and_neither_sent_to_nor_awaited():
+    m = membership()
+    m.step = 100
+    m.note_step(1, 99)
+    m.note_step(2, 90)
+    assert not m.lagging(1) and m.lagging(2)
+    assert m.live([1, 2, 3]) == [1, 3]
+    assert m.awaited([1, 2, 3], step=99) == [1, 3]
+
+
+def test_lag_is_judged_when_seen_never_extrapolated():
+    """A peer we last heard from at step 0 while we were at step 0 is not lagging at step 500:
+    we simply have no news of it (a ring neighbour's neighbour, say)."""
+    m = membership()
+    m.note_step(3, 0)
+    m.step = 500
+    assert not m.lagging(3)
+    m.note_step(3, 0)  # the same old step seen again now: it really is far behind
+    assert m.lagging(3)
+    m.note_step(3, 498)
+    assert not m.lagging(3)
+
+
+def test_a_dead_peer_returns_only_as_a_new_incarnation():
+    m = membership()
+    m.hello(2, ready=True, incarnation=11, current_step=0, resume_step=0)
+    m.mark_dead(2, "probe")
+    assert m.excludes(2)
+    m.hello(2, ready=True, incarnation=11, current_step=40, resume_step=0)  # woke up from a stall
+    m.heard_from(2, step=41)                                              # and sent us a share
+    assert not m.alive(2), "a stalled peer that simply resumes must rejoin first"
+    m.hello(2, ready=True, incarnation=12, current_step=90, resume_step=90)  # after its state transfer
+    assert m.alive(2) and not m.excludes(2)
+    assert m.awaited([2], step=89) == [] and m.awaited([2], step=90) == [2]
+
+
+def test_a_restarted_process_asking_for_state_retires_its_earlier_self():
+    m = membership()
+    m.hello(1, ready=True, incarnation=5, current_step=30, resume_step=0)
+    assert not m.may_donate_to(1, incarnation=5), "never left: no state for a forged want_state"
+    m.hello(1, ready=False, incarnation=6, current_step=0, resume_step=0)  # a new process, fetching state
+    assert not m.alive(1) and m.may_donate_to(1, incarnation=6)
+    m.hello(1, ready=True, incarnation=7, current_step=31, resume_step=31)
+    assert m.alive(1)
+
+
+def test_donation_needs_a_peer_that_left_or_lags():
+    m = membership()
+    m.step = 50
+    m.hello(3, ready=True, incarnation=9, current_step=49, resume_step=0)
+    assert not m.may_donate_to(3, incarnation=9)
+    m.note_step(3, 49)
+    m.step = 80
+    m.note_step(3, 49)
+    assert m.may_donate_to(3, incarnation=9)  # lagging
+    m2 = membership()
+    m2.mark_dead(3, "probe")
+    assert m2.may_donate_to(3, incarnation=0)
+
+
+def test_a_node_catches_up_when_excluded_or_far_behind_and_forgets_old_news_after():
+    m = membership(rank=2)
+    assert not m.must_catch_up()
+    m.step = 10
+    for peer, step in ((0, 200), (1, 210), (3, 205)):
+        m.note_step(peer, step)
+    assert m.behind() == 195 and m.must_catch_up()
+    m.rejoined()
+    m.step = 211
+    assert m.behind() == 0 and not m.must_catch_up()
+    m.excluded(by_peer=1)
+    assert m.must_catch_up() and m.excluded_by() == {1}
+    m.rejoined()
+    assert not m.must_catch_up()
