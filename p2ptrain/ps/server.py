@@ -494,7 +494,7 @@ def run_ps(config) -> dict:
         metrics = PsMetrics()
         metrics_port = None
         if config.metrics_port is not None:
-            metrics_server, _ = metrics.serve(config.metrics_port)
+            metrics_server, _ = metrics.serve(config.metrics_port, addr=config.metrics_bind_host)
             metrics_port = metrics_server.server_port
         server = ParameterServer(flat.get(), config.world_size, listen=ps_listen_address(config),
                                  chunk_bytes=config.chunk_bytes, fingerprint=ps_fingerprint(config),
