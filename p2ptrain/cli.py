@@ -327,6 +327,8 @@ def cmd_compose(args: argparse.Namespace) -> int:
                     **flags_from_args(parsed), **({"role": "ps"} if parsed.command == "ps" else {})})
             except ConfigError as exc:
                 raise ConfigError(f"service {name}: {exc}") from None
+        if "healthcheck" in service:  # ["CMD", "p2ptrain", "health", ...]: must parse the same way
+            parser.parse_args(service["healthcheck"]["test"][2:])
     if not (compose.REPO / "Dockerfile").exists():
         print(f"warning: build context {compose.REPO} has no Dockerfile; run `p2ptrain compose` from a checkout "
               "of the repository", file=sys.stderr)
