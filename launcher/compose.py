@@ -2,7 +2,10 @@
 Prometheus scraping every process and a provisioned Grafana dashboard.
 
 Containers reach each other by service name (node0:50051, ps:50051), so every container uses the
-same peer and metrics ports. The Prometheus config is inlined (compose `configs.content`), so the
+same peer and metrics ports; every process serves /metrics on all of its interfaces
+(--metrics-host 0.0.0.0), since Prometheus scrapes it from its own container. Nodes and the
+parameter server get a `healthcheck:` running `p2ptrain health` against their own gRPC port
+(the standard health service, which needs no token; the TLS flags are passed on). The Prometheus config is inlined (compose `configs.content`), so the
 file is self-contained except for the Grafana files under launcher/grafana/, which are mounted
 by paths relative to where the compose file is written.
 """
@@ -28,6 +31,9 @@ NODE_ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": 
 # Node flags naming host files or folders: mounted read-only at the same absolute path in every
 # container, so the command is the same inside as outside (and validates here).
 HOST_PATH_FLAGS = ("--config", "--data-dir", "--tls-cert", "--tls-key", "--tls-ca", "--auth-token-file")
+METRICS_HOST = "0.0.0.0"            # reachable from the Prometheus container, whatever a mounted TOML says
+# `p2ptrain health` imports torch (about 2 s of CPU): checks are rare and slow ones are tolerated.
+HEALTHCHECK_TIMING = {"interval": "30s", "timeout": "20s", "retries": 3, "start_period": "120s"}
 
 
 def compose_spec(nodes: int, node_args: list[str] = (), *, ps: bool = False, port: int = DEFAULT_PORT,
@@ -56,11 +62,12 @@ def compose_spec(nodes: int, node_args: list[str] = (), *, ps: bool = False, por
             services[f"node{rank}"] = {
                 **base,
                 "command": _Command(["node", "--rank", str(rank), "--world-size", str(nodes), "--peers", peers,
-                            "--listen", f"0.0.0.0:{port}", "--metrics-port", str(metrics_port), "--out", RUNS,
-                            *node_args]),
+                            "--listen", f"0.0.0.0:{port}", "--metrics-port", str(metrics_port),
+                            "--metrics-host", METRICS_HOST, "--out", RUNS, *node_args]),
                 "environment": dict(NODE_ENV),
                 "volumes": list(volumes),
                 "restart": "on-failure",   # a restarted node rejoins the cluster
+                "healthcheck": healthcheck(f"node{rank}", port, node_args),
             }
             targets[f"node{rank}"] = f"node{rank}:{metrics_port}"
     if gem or ps:
@@ -70,10 +77,12 @@ def compose_spec(nodes: int, node_args: list[str] = (), *, ps: bool = False, por
         services["ps"] = {
             **base, **profile,
             "command": _Command(["ps", "--world-size", str(nodes), "--listen", f"0.0.0.0:{port}",
-                                 "--metrics-port", str(metrics_port), "--out", out, *gem_args]),
+                                 "--metrics-port", str(metrics_port), "--metrics-host", METRICS_HOST,
+                                 "--out", out, *gem_args]),
             "environment": dict(NODE_ENV),
             "volumes": list(volumes),
             "restart": "no",               # a restarted server would start again from θ_0
+            "healthcheck": healthcheck("ps", port, gem_args),
         }
         targets["ps"] = f"ps:{metrics_port}"
         for rank in range(nodes):
@@ -81,7 +90,7 @@ def compose_spec(nodes: int, node_args: list[str] = (), *, ps: bool = False, por
                 **base, **profile,
                 "command": _Command(["node", "--role", "worker", "--rank", str(rank), "--world-size", str(nodes),
                                      "--ps-address", f"ps:{port}", "--metrics-port", str(metrics_port),
-                                     "--out", out, *gem_args]),
+                                     "--metrics-host", METRICS_HOST, "--out", out, *gem_args]),
                 "environment": dict(NODE_ENV),
                 "volumes": list(volumes),
                 "depends_on": ["ps"],
@@ -112,6 +121,20 @@ def compose_spec(nodes: int, node_args: list[str] = (), *, ps: bool = False, por
         "configs": {"prometheus": {"content": _Literal(prometheus.dump(scrape))}},
         "volumes": {"runs": {}},
     }
+
+
+def healthcheck(service: str, port: int, node_args: list[str]) -> dict:
+    """A compose `healthcheck:` asking the service's own gRPC server (127.0.0.1:port inside its
+    container) through `p2ptrain health`. With TLS it trusts the same CA, offers the same
+    certificate (for mutual TLS) and expects the service name in the server certificate, as the
+    peers do, unless --tls-server-name says otherwise."""
+    test = ["CMD", "p2ptrain", "health", f"127.0.0.1:{port}"]
+    tls = {flag: _flag_value(node_args, flag) for flag in ("--tls-ca", "--tls-cert", "--tls-key",
+                                                           "--tls-server-name")}
+    if tls["--tls-ca"] or tls["--tls-cert"]:
+        tls["--tls-server-name"] = tls["--tls-server-name"] or service
+        test += [arg for flag, value in tls.items() if value for arg in (flag, value)]
+    return {"test": _Command(test), **HEALTHCHECK_TIMING}
 
 
 def render(spec: dict, command: str) -> str:

@@ -1,10 +1,11 @@
-"""The `p2ptrain` command: node, launch, bench.
+"""The `p2ptrain` command: node, ps, launch, compose, health, bench, reproduce.
 
   p2ptrain node    run one node (flags, env RANK/WORLD_SIZE/P2PTRAIN_*, or --config FILE.toml);
                    --role worker --ps HOST:PORT: an asynchronous parameter-server worker (GEM)
   p2ptrain ps      run a parameter server for --world-size workers (GEM, seed 001)
   p2ptrain launch  run a local cluster of N node processes with live progress and a report
   p2ptrain compose write a docker-compose file: N nodes (+ parameter server), Prometheus, Grafana
+  p2ptrain health  ask a node or parameter server whether it is serving (grpc.health.v1); exit 0 if so
   p2ptrain bench   benchmarks (transport, algorithms)
   p2ptrain reproduce  re-run a figure of the source documents (relaysgd, gem)
 """
@@ -88,6 +89,25 @@ def build_parser() -> argparse.ArgumentParser:
                          help="/metrics port of every container (default 9100)")
     add_node_arguments(compose, cluster_flags=False)
     compose.set_defaults(func=cmd_compose)
+
+    health = sub.add_parser("health", help="ask a node or parameter server whether it is serving (grpc.health.v1)",
+                            description="Ask the standard gRPC health service of a node or parameter server once "
+                                        "and print its status: exit 0 when SERVING, 1 otherwise (NOT_SERVING: not "
+                                        "set up yet or shutting down; SERVICE_UNKNOWN), 2 when it does not answer. "
+                                        "Needs no token; give the TLS flags when the server uses TLS.")
+    health.add_argument("address", metavar="HOST:PORT", help="the server's gRPC address")
+    health.add_argument("--service", default="", metavar="NAME",
+                        help="service to ask about: '' = the whole server (default), p2ptrain.v1.Peer or "
+                             "p2ptrain.v1.ParameterServer")
+    health.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds to wait (default 5)")
+    health.add_argument("--tls-ca", metavar="PEM",
+                        help="talk TLS, trusting this CA bundle for the server's certificate")
+    health.add_argument("--tls-server-name", metavar="NAME",
+                        help="name to expect in the server certificate when it differs from HOST")
+    health.add_argument("--tls-cert", metavar="PEM",
+                        help="client certificate, for servers that require one (mutual TLS); also turns on TLS")
+    health.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
+    health.set_defaults(func=cmd_health)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
@@ -323,6 +343,8 @@ def cmd_compose(args: argparse.Namespace) -> int:
                     **flags_from_args(parsed), **({"role": "ps"} if parsed.command == "ps" else {})})
             except ConfigError as exc:
                 raise ConfigError(f"service {name}: {exc}") from None
+        if "healthcheck" in service:  # ["CMD", "p2ptrain", "health", ...]: must parse the same way
+            parser.parse_args(service["healthcheck"]["test"][2:])
     if not (compose.REPO / "Dockerfile").exists():
         print(f"warning: build context {compose.REPO} has no Dockerfile; run `p2ptrain compose` from a checkout "
               "of the repository", file=sys.stderr)
@@ -333,6 +355,32 @@ def cmd_compose(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text)
     return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """Print the status; 0 SERVING, 1 anything else, 2 no answer (one line on stderr)."""
+    import grpc
+
+    from p2ptrain.transport.health import SERVING, check
+    from p2ptrain.transport.security import Security, SecurityError
+
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if args.tls_server_name and not (args.tls_ca or args.tls_cert):
+        raise ConfigError("--tls-server-name only applies to TLS: give --tls-ca (or --tls-cert/--tls-key)")
+    try:
+        security = Security(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                            tls_server_name=args.tls_server_name)
+        status = check(args.address, args.service, timeout=args.timeout, security=security)
+    except SecurityError as exc:
+        print(f"p2ptrain health: {args.address}: {exc}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as exc:
+        details = " ".join((exc.details() or "").split())  # one line, whatever gRPC put in it
+        print(f"p2ptrain health: {args.address}: {exc.code().name}: {details}", file=sys.stderr)
+        return 2
+    print(status)
+    return 0 if status == SERVING else 1
 
 
 def cmd_bench_transport(args: argparse.Namespace) -> int:

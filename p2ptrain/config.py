@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import ipaddress
 import json
 import os
 import tomllib
@@ -40,6 +41,9 @@ DEVICES = ("auto", "cpu", "cuda")
 # Learning rates measured to train each built-in model well with momentum 0.9 (the CNN diverges
 # towards ~60% accuracy at 0.05 on the synthetic task, reaches ~93% at 0.01).
 DEFAULT_LR = {"mlp": 0.05, "cnn": 0.01}
+# /metrics on every interface: IPv4 only, which binds in every container (IPv6 may be disabled there).
+ALL_INTERFACES = "0.0.0.0"
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::", "*")
 
 
 class ConfigError(ValueError):
@@ -107,6 +111,8 @@ class NodeConfig:
     relay_retry_after: float = 30.0                  # seconds before a link found unreachable is tried directly again
     # Observability and output
     metrics_port: int | None = None                  # serve Prometheus /metrics here (0 = any free port)
+    metrics_host: str | None = None                  # bind /metrics here; None: the host of listen (see
+                                                     # metrics_bind_host); not in the fingerprint
     log_every: int = 10
     out: str | None = None
     # Security (transport/security.py): all off by default. The token never goes into the
@@ -180,6 +186,8 @@ class NodeConfig:
             raise ConfigError(f"inject_nan {self.inject_nan!r}: {exc}") from None
         need(self.log_every >= 1, "log_every must be >= 1")
         need(self.metrics_port is None or 0 <= self.metrics_port < 65536, "metrics_port must be a port number")
+        need(self.metrics_host is None or _is_host(self.metrics_host),
+             f"metrics_host {self.metrics_host!r} is not a host name or IP address (the port is metrics_port)")
         try:
             self.link_table()
         except ValueError as exc:
@@ -280,6 +288,21 @@ class NodeConfig:
         return self.topology or default_topology(self.algorithm)
 
     @property
+    def metrics_bind_host(self) -> str:
+        """Where /metrics listens: metrics_host when given; else the host a node or parameter server
+        binds its gRPC server to, so `--listen 127.0.0.1:P` keeps the unauthenticated metrics on
+        loopback too; all interfaces when that host is a wildcard or not given (the gRPC default
+        [::]:port) and for workers, which serve no gRPC."""
+        if self.metrics_host is not None:
+            return _unbracket(self.metrics_host)
+        if self.role == "worker" or not self.listen:
+            return ALL_INTERFACES
+        if self.listen.startswith("unix"):  # a Unix socket: only local callers reach the gRPC server
+            return "127.0.0.1"
+        host = _unbracket(self.listen.rpartition(":")[0])
+        return ALL_INTERFACES if host in _WILDCARD_HOSTS else host
+
+    @property
     def compute_slowdown(self) -> float:
         """This node's compute slow-down factor (>= 1) from `slowdown`."""
         return parse_slowdown(self.slowdown, self.world_size).get(self.rank, 1.0)
@@ -368,6 +391,26 @@ def parse_slowdown(spec: str | float | None, world_size: int) -> dict[int, float
             raise ValueError(f"rank {rank_text!r} is not in 0..{world_size - 1}")
         factors[int(rank_text)] = factor
     return factors
+
+
+def _unbracket(host: str) -> str:
+    """"[::1]" (the form in host:port addresses) -> "::1" (the form sockets bind)."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def _is_host(text: str) -> bool:
+    """A host name or IP literal, not host:port (an IPv6 literal is the only host with colons)."""
+    host = _unbracket(text)
+    if not host or any(c.isspace() or c in "/@" for c in host):
+        return False
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return False
+    return True
+
+
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -573,6 +616,10 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, cluster_flags: bool =
     g = parser.add_argument_group("output")
     if cluster_flags:
         g.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (0 = any free)")
+        g.add_argument("--metrics-host", metavar="HOST",
+                       help="address /metrics listens on (default: the host of --listen, so a node or parameter "
+                            f"server listening on 127.0.0.1 keeps its metrics there; {ALL_INTERFACES} when "
+                            "--listen is a wildcard or not given, and for workers)")
         g.add_argument("--out", help="folder for progress, summary and snapshot files")
     g.add_argument("--log-every", type=int, help=f"progress/snapshot interval in steps (default {d.log_every})")
     g.add_argument("--config", dest="config_file", help="TOML file with settings (flags and env override it)")

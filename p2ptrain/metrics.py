@@ -2,7 +2,9 @@
 
 Observed by everyone (transport, algorithms, training loop), calls nobody back, imports nothing
 from the project. Each node owns a private CollectorRegistry so several nodes can live in one
-process (tests) without clashing, and serves it on its own /metrics port.
+process (tests) without clashing, and serves it on its own /metrics port, at the address its
+owner picks (NodeConfig.metrics_bind_host: the host of --listen unless --metrics-host is given,
+since /metrics has no authentication).
 """
 from __future__ import annotations
 

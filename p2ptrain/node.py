@@ -54,7 +54,7 @@ class Node:
     def start(self, wait_for_peers: bool = True) -> "Node":
         self.transport.start()
         if self.config.metrics_port is not None:
-            server, _ = self.metrics.serve(self.config.metrics_port)
+            server, _ = self.metrics.serve(self.config.metrics_port, addr=self.config.metrics_bind_host)
             self._metrics_server = server
             self.metrics_port = server.server_port
         if self.config.world_size > 1:

@@ -1,7 +1,8 @@
 """Static checks of the deployment files (no Docker engine here): the checked-in docker-compose.yml
-is what `p2ptrain compose --nodes 4 --ps` prints; every service's command parses with the real CLI
-and validates as a NodeConfig; peers, the parameter server and scrape targets point at services
-that listen there; mounted files exist; the Grafana dashboard only queries metrics nodes export."""
+is what `p2ptrain compose --nodes 4 --ps` prints; every service's command and healthcheck parses with
+the real CLI and validates as a NodeConfig; /metrics listens where Prometheus reaches it; peers, the
+parameter server and scrape targets point at services that listen there; mounted files exist; the
+Grafana dashboard only queries metrics nodes export."""
 from __future__ import annotations
 
 import json
@@ -84,9 +85,11 @@ def check_compose(spec: dict, base_dir: Path) -> dict[str, NodeConfig]:
         assert f"runs:{config.out}" in service["volumes"] or config.out.startswith(compose.RUNS + "/")
         assert config.metrics_port is not None, f"{name} serves no /metrics"
         metrics[name] = config.metrics_port
+        assert config.metrics_bind_host == "0.0.0.0", f"{name}: Prometheus cannot reach its /metrics"
         listen = config.listen or (config.peers[config.rank] if config.peers else None)
         if listen:
             listens[name] = _port(listen)
+        check_healthcheck(name, service, config, parser)
     assert configs, "no p2ptrain service"
 
     for name, config in configs.items():
@@ -141,6 +144,23 @@ def check_compose(spec: dict, base_dir: Path) -> dict[str, NodeConfig]:
                 source == target and mode == ["ro"] and Path(source).is_absolute() and Path(source).exists()), \
                 f"{name}: unexpected mount {volume}"
     return configs
+
+
+def check_healthcheck(name: str, service: dict, config: NodeConfig, parser) -> None:
+    """Every gRPC server (node, parameter server) has a healthcheck that parses with the real CLI and
+    asks its own gRPC port, with the TLS flags the peers use; workers serve no gRPC, so have none."""
+    if config.role == "worker":
+        assert "healthcheck" not in service, f"{name}: a worker serves no health service"
+        return
+    check = service["healthcheck"]
+    assert check["test"][:3] == ["CMD", "p2ptrain", "health"], check["test"]
+    args = parser.parse_args(check["test"][2:])  # SystemExit (a failed test) on an unknown flag
+    port = _port(config.listen or config.peers[config.rank])
+    assert args.command == "health" and args.address == f"127.0.0.1:{port}" and args.service == ""
+    assert (args.tls_ca, args.tls_cert, args.tls_key) == (config.tls_ca, config.tls_cert, config.tls_key)
+    tls = bool(config.tls_ca or config.tls_cert)
+    assert args.tls_server_name == ((config.tls_server_name or name) if tls else None)
+    assert {"interval", "timeout", "retries", "start_period"} <= set(check)
 
 
 def test_checked_in_compose_services():
@@ -202,6 +222,20 @@ def test_host_files_are_mounted_at_their_path(tmp_path, capsys, monkeypatch):
         assert f"{token}:{token}:ro" in service["volumes"] and _flag(service["command"], "--auth-token-file") == str(token)
         assert _flag(service["command"], "--config") == str(tmp_path / "node.toml")
     assert "s3cret" not in yaml.safe_dump(spec)
+
+
+def test_healthchecks_speak_tls_like_the_peers(tmp_path, capsys, monkeypatch):
+    for name in ("cert.pem", "key.pem", "ca.pem"):
+        (tmp_path / name).write_text("not read when the compose file is generated\n")
+    tls = ["--tls-cert", "cert.pem", "--tls-key", "key.pem", "--tls-ca", "ca.pem", "--tls-require-client-cert"]
+    spec = yaml.safe_load(generate(capsys, monkeypatch, "--nodes", "2", "--ps", *tls, cwd=tmp_path))
+    check_compose(spec, tmp_path)
+    assert _flag(spec["services"]["node1"]["healthcheck"]["test"], "--tls-server-name") == "node1"
+    assert _flag(spec["services"]["ps"]["healthcheck"]["test"], "--tls-ca") == str(tmp_path / "ca.pem")
+    named = yaml.safe_load(generate(capsys, monkeypatch, "--nodes", "2", *tls, "--tls-server-name", "p2p.internal",
+                                    cwd=tmp_path))
+    check_compose(named, tmp_path)
+    assert _flag(named["services"]["node0"]["healthcheck"]["test"], "--tls-server-name") == "p2p.internal"
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,4 +1,5 @@
-"""NodeMetrics: exact values through a real /metrics HTTP endpoint on 127.0.0.1."""
+"""NodeMetrics: exact values through a real /metrics HTTP endpoint on 127.0.0.1, and the address a
+node's /metrics listens on (the host of --listen unless --metrics-host says otherwise)."""
 from __future__ import annotations
 
 import urllib.request
@@ -112,3 +113,91 @@ def test_two_nodes_in_one_process_do_not_share_series():
     assert a.registry.get_sample_value("p2ptrain_sent_bytes_total", {"node": "1", "peer": "0"}) is None
     assert b.registry.get_sample_value("p2ptrain_sent_bytes_total", {"node": "1", "peer": "0"}) == 7
     assert (a.bytes_sent_total, b.bytes_sent_total) == (100, 7)
+
+
+# Where /metrics listens (NodeConfig.metrics_bind_host) -------------------------------------------
+@pytest.mark.parametrize("settings, host", [
+    ({}, "0.0.0.0"),                                              # gRPC on [::]:port: all interfaces
+    ({"listen": "127.0.0.1:50051"}, "127.0.0.1"),
+    ({"listen": "[::1]:50051"}, "::1"),
+    ({"listen": "10.1.2.3:50051"}, "10.1.2.3"),                   # launch --netns
+    ({"listen": "localhost:50051"}, "localhost"),
+    ({"listen": "[::]:50051"}, "0.0.0.0"),
+    ({"listen": "0.0.0.0:50051"}, "0.0.0.0"),
+    ({"listen": "127.0.0.1:50051", "metrics_host": "0.0.0.0"}, "0.0.0.0"),
+    ({"metrics_host": "[::1]"}, "::1"),
+    ({"role": "ps", "listen": "127.0.0.1:50051"}, "127.0.0.1"),
+    ({"role": "ps", "ps_address": "ps:50051"}, "0.0.0.0"),        # listens on [::]:50051
+    ({"role": "worker", "ps_address": "127.0.0.1:1", "listen": "127.0.0.1:2"}, "0.0.0.0"),  # serves no gRPC
+    ({"role": "worker", "ps_address": "127.0.0.1:1", "metrics_host": "127.0.0.1"}, "127.0.0.1"),
+])
+def test_metrics_bind_host(settings, host):
+    from p2ptrain.config import NodeConfig
+
+    gem = {"algorithm": "gem"} if settings.get("role") in ("ps", "worker") else {}
+    assert NodeConfig.from_sources(env={}, flags={**gem, **settings}).metrics_bind_host == host
+
+
+def test_metrics_host_setting_from_every_source(tmp_path):
+    from p2ptrain import cli
+    from p2ptrain.config import ConfigError, NodeConfig
+
+    toml = tmp_path / "node.toml"
+    toml.write_text('metrics_host = "127.0.0.1"\n')
+    assert NodeConfig.from_sources(toml_path=toml, env={}).metrics_host == "127.0.0.1"
+    from_env = NodeConfig.from_sources(env={"P2PTRAIN_METRICS_HOST": "::1"})
+    assert from_env.metrics_bind_host == "::1"
+    args = cli.build_parser().parse_args(["node", "--metrics-host", "0.0.0.0", "--listen", "127.0.0.1:5"])
+    assert cli._config_from_args(args).metrics_bind_host == "0.0.0.0"
+    assert from_env.fingerprint() == NodeConfig.from_sources(env={}).fingerprint()  # per process, not shared
+    for bad in ("127.0.0.1:9100", "two words", "http://x"):
+        with pytest.raises(ConfigError, match="metrics_host"):
+            NodeConfig.from_sources(env={}, flags={"metrics_host": bad})
+
+
+def _connects(host: str, port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def _other_local_address() -> str | None:
+    """A non-loopback address of this machine (None when it has none)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: no packet is sent, it only picks a route
+            address = probe.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
+@pytest.mark.parametrize("metrics_host, bound", [(None, "127.0.0.1"), ("0.0.0.0", "0.0.0.0")])
+def test_node_serves_metrics_on_its_listen_host(metrics_host, bound):
+    """A node listening on 127.0.0.1 serves /metrics there only (another local address, 127.0.0.2
+    or the machine's own IP, is refused); --metrics-host 0.0.0.0 opens it again."""
+    from launcher.ports import free_ports
+    from p2ptrain.config import NodeConfig
+    from p2ptrain.node import Node
+
+    config = NodeConfig.from_sources(env={}, flags={"listen": f"127.0.0.1:{free_ports(1)[0]}", "metrics_port": 0,
+                                                    "metrics_host": metrics_host, "device": "cpu"})
+    with Node(config) as node:
+        port = node.metrics_port
+        assert node._metrics_server.server_address[:2] == (bound, port)
+        scrape(port)  # answers on 127.0.0.1 in both cases
+        assert "# TYPE p2ptrain_sent_bytes_total counter" in scrape.text
+        others = [a for a in ("127.0.0.2", _other_local_address()) if a]
+        reachable = {address: _connects(address, port) for address in others}
+    if bound == "0.0.0.0":
+        if not reachable.get("127.0.0.2", True):
+            pytest.skip("127.0.0.2 is not a local address here (not Linux)")
+        assert all(reachable.values()), reachable
+    else:
+        assert not any(reachable.values()), reachable

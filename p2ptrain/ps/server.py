@@ -30,6 +30,7 @@ from p2ptrain.algorithms.gem import staleness_scale
 from p2ptrain.transport.framing import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, DecodedChunk, FramingError,
                                         check_chunk_bytes, deserialize_chunk, encode_header, iter_data_chunks,
                                         serialize_identity, tensor_bytes)
+from p2ptrain.transport.health import ServingStatus, add_standard_services
 from p2ptrain.transport.inbox import BufferPool, Reception, Rejection
 from p2ptrain.transport.runtime import TransportOptions, _new_loop
 from p2ptrain.transport.security import PLAINTEXT, Security
@@ -355,6 +356,7 @@ class ParameterServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: grpc.aio.Server | None = None
+        self.health: ServingStatus | None = None  # grpc.health.v1: SERVING once started (health.py)
 
     # Lifecycle ------------------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> "ParameterServer":
@@ -385,9 +387,7 @@ class ParameterServer:
         service = ParameterServerService(self.state, chunk_bytes=self.chunk_bytes, fingerprint=self.fingerprint,
                                          metrics=self.metrics, on_all_done=self.all_done.set)
         server.add_generic_rpc_handlers((service.handler(),))
-        from grpc_reflection.v1alpha import reflection
-
-        reflection.enable_server_reflection((PS_SERVICE_NAME, reflection.SERVICE_NAME), server)
+        self.health = await add_standard_services(server, PS_SERVICE_NAME, serving=True)
         port = self.security.add_port(server, self.listen)
         if port == 0:
             raise OSError(f"parameter server could not listen on {self.listen}")
@@ -400,6 +400,8 @@ class ParameterServer:
             return
 
         async def shutdown() -> None:
+            if self.health is not None:
+                await self.health.drain()  # NOT_SERVING while the grace period runs
             if self._server is not None:
                 await self._server.stop(self.shutdown_grace)
 
@@ -492,7 +494,7 @@ def run_ps(config) -> dict:
         metrics = PsMetrics()
         metrics_port = None
         if config.metrics_port is not None:
-            metrics_server, _ = metrics.serve(config.metrics_port)
+            metrics_server, _ = metrics.serve(config.metrics_port, addr=config.metrics_bind_host)
             metrics_port = metrics_server.server_port
         server = ParameterServer(flat.get(), config.world_size, listen=ps_listen_address(config),
                                  chunk_bytes=config.chunk_bytes, fingerprint=ps_fingerprint(config),

@@ -118,7 +118,7 @@ def run_worker(config) -> dict:
         metrics = WorkerMetrics(config.rank, algorithm=config.ps_policy)
         metrics_port = None
         if config.metrics_port is not None:
-            metrics_server, _ = metrics.serve(config.metrics_port)
+            metrics_server, _ = metrics.serve(config.metrics_port, addr=config.metrics_bind_host)
             metrics_port = metrics_server.server_port
         client = PsClient(config.ps_address, config.rank, chunk_bytes=config.chunk_bytes,
                           fingerprint=ps_fingerprint(config), timeout=config.peer_timeout,
@@ -215,7 +215,7 @@ def run_proxy(config) -> dict:
         metrics = NodeMetrics(config.rank, algorithm="proxy")
         metrics_port = None
         if config.metrics_port is not None:
-            metrics_server, _ = metrics.serve(config.metrics_port)
+            metrics_server, _ = metrics.serve(config.metrics_port, addr=config.metrics_bind_host)
             metrics_port = metrics_server.server_port
         optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=config.momentum,
                                     weight_decay=config.weight_decay)

@@ -22,11 +22,12 @@ from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.client import PeerClient
 from p2ptrain.transport.faults import LinkEmulator, LinkTable, MessageDropped
 from p2ptrain.transport.framing import DEFAULT_CHUNK_BYTES, check_chunk_bytes, tensor_bytes, wire_dtype
+from p2ptrain.transport.health import ServingStatus, add_standard_services
 from p2ptrain.transport.inbox import Inbox, Message
 from p2ptrain.transport.membership import DEFAULT_MAX_LAG, Membership
 from p2ptrain.transport.relay import Relay
 from p2ptrain.transport.security import PLAINTEXT, Security
-from p2ptrain.transport.server import Identity, PeerService, enable_reflection
+from p2ptrain.transport.server import SERVICE_NAME, Identity, PeerService
 from p2ptrain.transport.tuning import tune_process_for_transfer
 
 log = logging.getLogger(__name__)
@@ -154,6 +155,7 @@ class Transport:
         self._outstanding: dict[int, dict[int, concurrent.futures.Future]] = {p: {} for p in range(world_size)}
         self._unsettled: dict[int, dict[int, asyncio.Future]] = {}
         self._settling: set[int] = set()
+        self.health: ServingStatus | None = None  # grpc.health.v1 answer: SERVING once ready (health.py)
 
     # Lifecycle ------------------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> "Transport":
@@ -189,7 +191,7 @@ class Transport:
                               incarnation=lambda: self.incarnation)
         service.forwarder = self._relay = Relay(self)  # route choice of sends, forwarding for others
         server.add_generic_rpc_handlers((service.handler(),))
-        enable_reflection(server)
+        self.health = await add_standard_services(server, SERVICE_NAME, serving=self._ready)
         port = self.options.security.add_port(server, self.listen)
         if port == 0:
             raise PeerError(f"node {self.rank} could not listen on {self.listen}")
@@ -203,6 +205,8 @@ class Transport:
             return
 
         async def shutdown() -> None:
+            if self.health is not None:
+                await self.health.drain()  # NOT_SERVING before the grace period: probes stop routing here
             if self._server is not None:
                 await self._server.stop(self.options.shutdown_grace)
             for client in self._clients.values():
@@ -620,8 +624,10 @@ class Transport:
                 pass
 
     def mark_ready(self) -> None:
-        """Tell peers (through Hello) that this node now accepts tensors."""
+        """Tell peers (through Hello) and health probes that this node now accepts tensors."""
         self._ready = True
+        if self.health is not None:
+            self.health.set_serving(True)
 
     def wait_for_peers(self, timeout: float = 60.0, *, require_ready: bool = False) -> None:
         """Hello every peer, waiting for it to come up (and, with require_ready, to have its

@@ -7,6 +7,11 @@ a stranger can neither push tensors nor commit to θ. With TLS (server cert + ke
 `tls_ca`) the token and the tensors are also encrypted and the server is authenticated; with
 `require_client_cert` the server also demands a client certificate signed by `tls_ca` (mutual TLS).
 
+The one exception to the token is the standard health service (grpc.health.v1.Health, health.py):
+its Check and Watch need none. Kubernetes' native gRPC probe cannot send metadata, and the answer
+reveals nothing but SERVING / NOT_SERVING (up and set up, or not): no tensor, setting or peer. TLS
+and mutual TLS still apply to it.
+
 One `Security` value describes a process: its server side (cert, key, client-cert policy) and its
 client side (trusted CA, optional client cert, target-name override, token to send).
 """
@@ -19,10 +24,14 @@ from pathlib import Path
 
 import grpc
 
+from p2ptrain.transport.health import HEALTH_SERVICE_NAME
+
 log = logging.getLogger(__name__)
 
 TOKEN_METADATA_KEY = "authorization"  # gRPC metadata keys are lower case
 _BEARER = "Bearer "
+# Methods callable without the token: exactly the standard health check (see the module docstring).
+TOKEN_EXEMPT_PREFIX = f"/{HEALTH_SERVICE_NAME}/"
 
 
 class SecurityError(ValueError):
@@ -134,7 +143,8 @@ PLAINTEXT = Security()
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
     """Aborts every RPC (reflection included) whose `authorization` metadata is not the token,
-    with UNAUTHENTICATED, before the handler (and so before any state) is reached."""
+    with UNAUTHENTICATED, before the handler (and so before any state) is reached. Health checks
+    (TOKEN_EXEMPT_PREFIX) pass without it, so that probes which cannot send metadata work."""
 
     DETAILS = "missing or wrong auth token (send metadata 'authorization: Bearer <token>')"
 
@@ -151,7 +161,8 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         return False
 
     async def intercept_service(self, continuation, handler_call_details):
-        if self._authorized(handler_call_details.invocation_metadata):
+        if handler_call_details.method.startswith(TOKEN_EXEMPT_PREFIX) or \
+                self._authorized(handler_call_details.invocation_metadata):
             return await continuation(handler_call_details)
         self.refused += 1
         if self.metrics is not None:
@@ -185,5 +196,5 @@ def _refusing_handler(handler) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(_abort)
 
 
-__all__ = ["Security", "SecurityError", "TokenInterceptor", "PLAINTEXT", "TOKEN_METADATA_KEY", "check_token",
-           "read_token_file"]
+__all__ = ["Security", "SecurityError", "TokenInterceptor", "PLAINTEXT", "TOKEN_METADATA_KEY",
+           "TOKEN_EXEMPT_PREFIX", "check_token", "read_token_file"]
