@@ -20,8 +20,10 @@ from p2ptrain.metrics import PsMetrics
 from p2ptrain.ps import ParameterServer, PsClient, PsError
 from p2ptrain.ps.server import COMMIT_METHOD, grpc_options
 from p2ptrain.transport.framing import encode_data, encode_header, iter_data_chunks, serialize_identity, tensor_bytes
+from p2ptrain.transport.server import PUSH_METHOD
 
 from tests.conftest import node_env, run_processes
+from tests.test_transport import KIND, NUMEL, header, nodes, pending
 
 torch.set_num_threads(1)
 
@@ -378,3 +380,42 @@ def test_ps_and_three_worker_processes_train_and_write_their_files(tmp_path, pyt
         assert node["bytes_sent"] == 40 * summary["numel"] * 4
         assert (out / f"node{rank}.snapshots.pt").exists()
     assert sum(last_losses) < 0.8 * sum(first_losses), (first_losses, last_losses)
+
+
+# -- one header validator (issue 10) ---------------------------------------------------------------
+HEADER_DEFECTS = {  # name: overrides of a valid header of n float32 elements
+    "negative_shape": lambda n: {"shape": [-1, -n]},  # product n, but no tensor has that shape
+    "shape_not_numel": lambda n: {"shape": [n + 1]},
+    "negative_weight": lambda n: {"ps_weight": -1.0},
+    "huge_weight": lambda n: {"ps_weight": 1.7e308},
+    "nan_relay_count": lambda n: {"relay_count": float("nan")},
+    "wrong_dtype": lambda n: {"dtype": pb.DTYPE_FLOAT64, "payload_bytes": 8 * n},
+    "wrong_numel": lambda n: {"numel": n - 1, "shape": [n - 1], "payload_bytes": 4 * (n - 1)},
+    "payload_bytes": lambda n: {"payload_bytes": 4 * n + 4},
+    "unknown_codec": lambda n: {"codec": 7},
+    "params_without_codec": lambda n: {"codec_params": [1.0]},
+}
+
+
+@pytest.mark.parametrize("defect", sorted(HEADER_DEFECTS))
+def test_node_and_parameter_server_refuse_a_header_defect_alike(server, defect):
+    """Nodes and the parameter server share one header validator: the same reason code each."""
+    overrides = HEADER_DEFECTS[defect]
+    with nodes(3, [1]) as t, grpc.insecure_channel(t[1].peers[1]) as node_channel:
+        t[1].expect(KIND, torch.float32, NUMEL)
+        push = node_channel.stream_unary(PUSH_METHOD, request_serializer=serialize_identity,
+                                         response_deserializer=pb.Ack.FromString)
+        node_ack = push(iter([encode_header(header(**overrides(NUMEL))),
+                              *iter_data_chunks(tensor_bytes(torch.ones(NUMEL)), CHUNK)]), timeout=10)
+        assert pending(t[1]) == 0
+    version, theta = server.theta()
+    channel, commit = raw_commit_stub(server.address)
+    reply = commit(iter([encode_header(commit_header(0, 20_000, version, 5, **overrides(20_000))),
+                         *iter_data_chunks(tensor_bytes(torch.ones(20_000)), CHUNK)]), timeout=10)
+    channel.close()
+    assert node_ack.status == reply.ack.status == pb.Ack.STATUS_REJECTED
+    assert node_ack.reason == reply.ack.reason, (node_ack, reply)
+    assert reply.ack.reason in ("bad_shape", "bad_weight", "bad_dtype", "bad_size", "bad_codec", "bad_codec_params")
+    if defect == "negative_shape":
+        assert reply.ack.reason == "bad_shape"
+    _expect_untouched(server, version, theta)

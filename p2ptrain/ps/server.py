@@ -5,6 +5,9 @@ buffer and applies it only once the stream is complete and valid, in one synchro
 server's event loop: commits are applied one at a time, never torn, never lost, and each is recorded
 with its staleness τ = (version when applied) − (version its gradient was computed at).
 
+A commit header passes the same validator as a node's messages (transport/validation.py: same
+defect, same reason code) plus the server's own checks (kind, worker id, scaling, version).
+
 Everything of grpc.aio lives on one dedicated event-loop thread (uvloop when available), like the
 node Transport; the owning thread talks to it through ParameterServer's blocking methods.
 """
@@ -30,10 +33,11 @@ from p2ptrain.algorithms.gem import staleness_scale
 from p2ptrain.transport.framing import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, DecodedChunk, FramingError,
                                         check_chunk_bytes, deserialize_chunk, encode_header, iter_data_chunks,
                                         serialize_identity, tensor_bytes)
-from p2ptrain.transport.inbox import BufferPool, Reception, Rejection
+from p2ptrain.transport.inbox import BufferPool, Reception
 from p2ptrain.transport.runtime import TransportOptions, _new_loop
 from p2ptrain.transport.security import PLAINTEXT, Security
 from p2ptrain.transport.server import PROTOCOL_VERSION
+from p2ptrain.transport.validation import ChannelSpec, Rejection, validate_header
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +95,7 @@ class CentralVariable:
         self.nbytes = self.numel * _ITEMSIZE
         self.workers = workers
         self.version = 0
+        self.spec = ChannelSpec(torch.float32, self.numel, self.nbytes, codecs=frozenset({pb.CODEC_NONE}))
         self.pool = BufferPool()
         self.pool.preallocate(self.nbytes, 2)
         self._snapshot: tuple[int, torch.Tensor] | None = None
@@ -130,15 +135,7 @@ class CentralVariable:
         if header.kind != pb.MESSAGE_KIND_PS_COMMIT:
             raise Rejection("unexpected_kind", f"a commit must be of kind MESSAGE_KIND_PS_COMMIT, got {header.kind}")
         self.check_worker(header.sender)
-        if header.dtype != pb.DTYPE_FLOAT32:
-            raise Rejection("bad_dtype", f"the central variable is float32, got wire dtype {header.dtype}")
-        if header.codec != pb.CODEC_NONE:
-            raise Rejection("bad_codec", "commits are uncompressed (CODEC_NONE)")
-        if header.numel != self.numel or (header.shape and math.prod(header.shape) != header.numel):
-            raise Rejection("bad_size", f"expected {self.numel} elements, got numel {header.numel} shape "
-                                        f"{list(header.shape)}")
-        if header.payload_bytes != self.nbytes:
-            raise Rejection("bad_size", f"expected {self.nbytes} payload bytes, got {header.payload_bytes}")
+        validate_header(header, self.spec, world_size=self.workers)
         if header.commit_scaling not in pb.CommitScaling.values():
             raise Rejection("bad_scaling", f"unknown commit scaling {header.commit_scaling}")
         if header.step > self.version:

@@ -8,7 +8,6 @@ mailbox state untouched, so a broken or hostile stream can never half-apply.
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
@@ -16,29 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.transport.framing import WIRE_TO_TORCH, torch_dtype
-
-
-# Codec params per wire codec (compression.py: int8 sends its scale, the others none).
-_CODEC_PARAMS = {pb.CODEC_NONE: 0, pb.CODEC_FP16_TRUNCATE: 0, pb.CODEC_INT8_QUANTIZE: 1}
-
-
-class Rejection(Exception):
-    """A message refused with a reason code (goes into the Ack and the rejected-messages metric)."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
-
-
-@dataclass(frozen=True)
-class ChannelSpec:
-    """What a node accepts for one message kind: decoded dtype and element count."""
-
-    dtype: torch.dtype
-    numel: int
-    max_payload_bytes: int | None = None  # codecs may send fewer bytes; never more than this
+from p2ptrain.transport.framing import torch_dtype
+from p2ptrain.transport.validation import ChannelSpec, Rejection, validate_header
 
 
 @dataclass
@@ -203,6 +181,8 @@ class Inbox:
         return message
 
     def _validate(self, header: pb.TensorHeader) -> None:
+        """The node's own checks (sender, receiver, route, kind, step window) around the shared
+        header checks of validation.py."""
         if not 0 <= header.sender < self.world_size or header.sender == self.rank:
             raise Rejection("unknown_sender", f"sender {header.sender} is not a peer of node {self.rank} "
                                               f"(world size {self.world_size})")
@@ -212,50 +192,14 @@ class Inbox:
             raise Rejection("bad_route", f"message for node {self.rank} still has relay hops {list(header.route)}")
         spec = self._specs.get((header.kind, header.channel)) or self._specs.get((header.kind, None))
         if spec is None:
-            raise Rejection("unexpected_kind", f"node {self.rank} does not accept message kind "
-                                               f"{pb.MessageKind.Name(header.kind) if header.kind in pb.MessageKind.values() else header.kind}")
-        if header.dtype not in WIRE_TO_TORCH or WIRE_TO_TORCH[header.dtype] != spec.dtype:
-            raise Rejection("bad_dtype", f"expected {spec.dtype}, got wire dtype {header.dtype}")
-        if header.numel != spec.numel:
-            raise Rejection("bad_size", f"expected {spec.numel} elements, got {header.numel}")
-        if header.shape and (min(header.shape) < 0 or math.prod(header.shape) != header.numel):  # [-4, -4]
-            raise Rejection("bad_shape", f"shape {list(header.shape)} does not hold {header.numel} elements")
-        if header.codec not in pb.Codec.values():
-            raise Rejection("bad_codec", f"unknown codec {header.codec}")
-        self._validate_codec(header, spec)
-        itemsize = torch.empty((), dtype=spec.dtype).element_size()
-        if header.codec == pb.CODEC_NONE and header.payload_bytes != header.numel * itemsize:
-            raise Rejection("bad_size", f"{header.payload_bytes} payload bytes for {header.numel} "
-                                        f"x {spec.dtype}")
-        if header.payload_bytes > (spec.max_payload_bytes or 0):
-            raise Rejection("bad_size", f"{header.payload_bytes} payload bytes exceed the "
-                                        f"{spec.max_payload_bytes} allowed")
-        if not (math.isfinite(header.ps_weight) and math.isfinite(header.relay_count)):
-            raise Rejection("bad_weight", "non-finite push-sum weight or relay counter")
+            kind = pb.MessageKind.Name(header.kind) if header.kind in pb.MessageKind.values() else header.kind
+            raise Rejection("unexpected_kind", f"node {self.rank} does not accept message kind {kind}")
+        validate_header(header, spec, world_size=self.world_size)
         if header.kind != pb.MESSAGE_KIND_STATE and abs(header.step - self.current_step) > self.step_window:
             # (a state transfer carries the donor's step, which a rejoining node is far behind of)
             raise Rejection("stale_step" if header.step < self.current_step else "future_step",
                             f"step {header.step} outside [{self.current_step - self.step_window}, "
                             f"{self.current_step + self.step_window}]")
-
-    @staticmethod
-    def _validate_codec(header: pb.TensorHeader, spec: ChannelSpec) -> None:
-        """A codec payload must decode (compression.py) without raising on the training thread:
-        exact encoded size, the codec's number of params, params finite scales >= 0."""
-        from p2ptrain.compression import get_codec
-
-        params = header.codec_params
-        if len(params) != _CODEC_PARAMS[header.codec] or not all(math.isfinite(p) and p >= 0 for p in params):
-            raise Rejection("bad_codec_params", f"codec {header.codec} takes {_CODEC_PARAMS[header.codec]} finite "
-                                                f"param(s) >= 0, got {list(params)}")
-        if header.codec == pb.CODEC_NONE:
-            return
-        if not spec.dtype.is_floating_point:
-            raise Rejection("bad_codec", f"codec {header.codec} cannot decode to {spec.dtype}")
-        expected = get_codec(header.codec).payload_bytes(header.numel)
-        if header.payload_bytes != expected:
-            raise Rejection("bad_size", f"{header.payload_bytes} payload bytes for {header.numel} elements "
-                                        f"in codec {header.codec}, which takes {expected}")
 
     # Consumer side (loop thread; the training thread reaches it through the Transport) ----------
     def _wake_waiters(self) -> None:
