@@ -146,12 +146,13 @@ class CentralVariable:
         if key in self._in_progress:
             raise Rejection("duplicate", f"commit {header.message_id} of worker {header.sender} is being received")
         self._in_progress.add(key)
-        return Reception(self, header, self.pool.acquire(self.nbytes))
+        return Reception(header, self.pool.acquire)  # (the buffer comes with the first data chunk)
 
     def abort(self, reception: Reception) -> None:
         """Drop a partial or rejected commit: nothing of it reaches θ."""
         self._in_progress.discard((reception.header.sender, reception.header.message_id))
-        self.pool.release(reception.buffer)
+        if reception.buffer is not None:
+            self.pool.release(reception.buffer)
 
     def apply(self, reception: Reception) -> AppliedCommit:
         """Apply a completely received commit, or reject it whole; returns its record."""
@@ -160,7 +161,7 @@ class CentralVariable:
             if not reception.complete():
                 raise Rejection("truncated", f"stream ended after {reception.received} of {header.payload_bytes} "
                                              "payload bytes")
-            update = reception.buffer.view(torch.float32)
+            update = reception.payload().view(torch.float32)
             if not bool(torch.isfinite(update).all()):
                 raise Rejection("non_finite", f"the update of worker {header.sender} holds NaN or Inf")
             tau = self.version - header.step

@@ -3,6 +3,7 @@
 Node inboxes (inbox.py) and the parameter server (ps/server.py) both call `validate_header`, so the
 same defect gets the same reason code on every receiver. Each receiver adds only the checks that are
 its own: who may send, which kinds and steps (or versions) it takes, duplicates, resource limits.
+`check_finite` is the payload check both share once the bytes are in.
 
 Nothing here looks at receiver state or keeps any: every function is pure and raises `Rejection`.
 """
@@ -18,6 +19,7 @@ from p2ptrain.transport.framing import WIRE_TO_TORCH
 
 # Codec params per wire codec (compression.py: int8 sends its scale, the others none).
 CODEC_PARAMS = {pb.CODEC_NONE: 0, pb.CODEC_FP16_TRUNCATE: 0, pb.CODEC_INT8_QUANTIZE: 1}
+_FINITE_BLOCK = 1 << 22  # elements per isfinite() pass: a 4 MiB boolean temporary at most
 
 
 class Rejection(Exception):
@@ -80,6 +82,22 @@ def check_weights(header: pb.TensorHeader, world_size: int) -> None:
         raise Rejection("bad_weight", f"relay counter {count!r} outside [0, {world_size}] (world size)")
 
 
+def all_finite(values: torch.Tensor) -> bool:
+    """No NaN or Inf in `values` (True for non-float dtypes): one pass over memory, in blocks so
+    the boolean temporary stays small however large the tensor."""
+    if not values.is_floating_point():
+        return True
+    flat = values.reshape(-1)
+    return all(bool(torch.isfinite(flat[start:start + _FINITE_BLOCK]).all())
+               for start in range(0, flat.numel(), _FINITE_BLOCK))
+
+
+def check_finite(values: torch.Tensor, what: str) -> None:
+    """Refuse (`non_finite`) a floating-point payload holding NaN or Inf."""
+    if not all_finite(values):
+        raise Rejection("non_finite", f"{what} holds NaN or Inf")
+
+
 def _check_codec(header: pb.TensorHeader, spec: ChannelSpec) -> None:
     """A codec payload must decode (compression.py) without raising on the training thread:
     exact encoded size, the codec's number of params, params finite scales >= 0."""
@@ -99,4 +117,5 @@ def _check_codec(header: pb.TensorHeader, spec: ChannelSpec) -> None:
                                     f"in codec {header.codec}, which takes {expected}")
 
 
-__all__ = ["Rejection", "ChannelSpec", "validate_header", "check_weights", "CODEC_PARAMS"]
+__all__ = ["Rejection", "ChannelSpec", "validate_header", "check_weights", "check_finite", "all_finite",
+           "CODEC_PARAMS"]
