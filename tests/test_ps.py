@@ -180,7 +180,7 @@ def test_a_worker_that_disconnects_mid_stream_leaves_theta_untouched(server):
         yield chunks[0]
         # crash only once the server holds the half-received commit (else, on a loaded machine, the
         # cancel can overtake the header and there is nothing on the server to abort)
-        wait_until(lambda: server.call(lambda: len(server.state._in_progress)) == 1, what="the half-sent commit")
+        wait_until(lambda: len(server.call(server.state.receiving)) == 1, what="the half-sent commit")
         raise ConnectionError("worker crashed")
 
     channel, commit = raw_commit_stub(server.address)
@@ -200,7 +200,7 @@ def test_a_worker_that_disconnects_mid_stream_leaves_theta_untouched(server):
 
     channel, commit = raw_commit_stub(server.address)
     future = commit.future(hanging(), timeout=10)
-    wait_until(lambda: server.call(lambda: len(server.state._in_progress)) == 1, what="the half-sent commit")
+    wait_until(lambda: len(server.call(server.state.receiving)) == 1, what="the half-sent commit")
     channel.close()
     release.set()
     with pytest.raises((grpc.RpcError, grpc.FutureCancelledError)):
@@ -215,7 +215,7 @@ def test_a_worker_that_disconnects_mid_stream_leaves_theta_untouched(server):
     assert (reply.ack.status, reply.ack.reason) == (pb.Ack.STATUS_REJECTED, "truncated")
     _expect_untouched(server, version, theta)
     _next_good_commit_applies(server)
-    assert server.call(lambda: len(server.state._in_progress)) == 0
+    assert len(server.call(server.state.receiving)) == 0
 
 
 def test_a_killed_worker_process_mid_commit_leaves_theta_untouched(server, tmp_path):
@@ -241,7 +241,7 @@ def test_a_killed_worker_process_mid_commit_leaves_theta_untouched(server, tmp_p
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=node_env())
     try:
         assert proc.stdout.readline().strip() == "sent"
-        wait_until(lambda: server.call(lambda: len(server.state._in_progress)) == 1, what="the half-sent commit")
+        wait_until(lambda: len(server.call(server.state.receiving)) == 1, what="the half-sent commit")
         proc.kill()
     finally:
         proc.kill()
@@ -419,3 +419,52 @@ def test_node_and_parameter_server_refuse_a_header_defect_alike(server, defect):
     if defect == "negative_shape":
         assert reply.ack.reason == "bad_shape"
     _expect_untouched(server, version, theta)
+
+
+# -- stream hygiene (issue 10) ---------------------------------------------------------------------
+def test_two_streams_of_one_commit_apply_it_once(server):
+    """A retry overlapping the first attempt: the first complete copy is applied, the other is
+    answered DUPLICATE with its record, never refused while the first is merely in flight."""
+    version, theta = server.theta()
+    numel = theta.numel()
+    chunks = list(iter_data_chunks(tensor_bytes(torch.full((numel,), 2.0)), CHUNK))
+    release = threading.Event()
+
+    def held():
+        yield encode_header(commit_header(1, numel, version, 77))
+        yield chunks[0]
+        release.wait(10)
+        yield from chunks[1:]
+
+    channel, commit = raw_commit_stub(server.address)
+    first = commit.future(held(), timeout=10)
+    try:
+        wait_until(lambda: len(server.call(server.state.receiving)) == 1, what="the first copy")
+        retry = commit(iter([encode_header(commit_header(1, numel, version, 77)), *chunks]), timeout=10)
+        assert retry.ack.status == pb.Ack.STATUS_ACCEPTED, retry
+    finally:
+        release.set()
+    late = first.result(10)
+    channel.close()
+    assert late.ack.status == pb.Ack.STATUS_DUPLICATE and (late.version, late.staleness) == (retry.version, 0)
+    _expect_untouched(server, version + 1, theta + 2)
+
+
+def test_an_idle_commit_stream_is_cut():
+    with ParameterServer(torch.zeros(4), 1, listen="127.0.0.1:0", shutdown_grace=0.2,
+                         stream_idle_timeout=0.5) as ps:
+        release = threading.Event()
+
+        def header_only():
+            yield encode_header(commit_header(0, 4, 0, 1))
+            release.wait(10)
+
+        channel, commit = raw_commit_stub(f"127.0.0.1:{ps.port}")
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            commit(header_only(), timeout=10)
+        release.set()
+        channel.close()
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "idle_stream" in info.value.details()
+        assert 0.5 <= time.monotonic() - started < 4
+        assert ps.stats()["rejected"] == {"idle_stream": 1} and not ps.call(ps.state.receiving)

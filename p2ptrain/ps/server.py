@@ -6,7 +6,10 @@ server's event loop: commits are applied one at a time, never torn, never lost, 
 with its staleness τ = (version when applied) − (version its gradient was computed at).
 
 A commit header passes the same validator as a node's messages (transport/validation.py: same
-defect, same reason code) plus the server's own checks (kind, worker id, scaling, version).
+defect, same reason code) plus the server's own checks (kind, worker id, scaling, version). A commit
+is applied exactly once: streams carrying the same commit may overlap (a retry over a connection
+not yet noticed as broken), the first complete one is applied and later ones are answered
+DUPLICATE with its record.
 
 Everything of grpc.aio lives on one dedicated event-loop thread (uvloop when available), like the
 node Transport; the owning thread talks to it through ParameterServer's blocking methods.
@@ -36,8 +39,8 @@ from p2ptrain.transport.framing import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, De
 from p2ptrain.transport.inbox import BufferPool, Reception
 from p2ptrain.transport.runtime import TransportOptions, _new_loop
 from p2ptrain.transport.security import PLAINTEXT, Security
-from p2ptrain.transport.server import PROTOCOL_VERSION
-from p2ptrain.transport.validation import ChannelSpec, Rejection, validate_header
+from p2ptrain.transport.server import PROTOCOL_VERSION, REFUSAL_STATUS, idle_limited, settle
+from p2ptrain.transport.validation import ChannelSpec, Rejection, check_finite, validate_header
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +102,7 @@ class CentralVariable:
         self.pool = BufferPool()
         self.pool.preallocate(self.nbytes, 2)
         self._snapshot: tuple[int, torch.Tensor] | None = None
-        self._in_progress: set[tuple[int, int]] = set()
+        self._open: set[Reception] = set()
         self._seen: dict[int, collections.OrderedDict[int, AppliedCommit]] = collections.defaultdict(
             collections.OrderedDict)
         self.staleness_counts: collections.Counter[int] = collections.Counter()
@@ -130,7 +133,8 @@ class CentralVariable:
 
     # Commit -----------------------------------------------------------------------------------
     def open_commit(self, header: pb.TensorHeader) -> Reception:
-        """Validate a commit header and reserve a receive buffer; raises Rejection."""
+        """Validate a commit header and start its reception (the buffer comes with the first data
+        chunk); raises Rejection, with reason `duplicate` for a commit applied already."""
         self.last_activity = time.monotonic()
         if header.kind != pb.MESSAGE_KIND_PS_COMMIT:
             raise Rejection("unexpected_kind", f"a commit must be of kind MESSAGE_KIND_PS_COMMIT, got {header.kind}")
@@ -140,19 +144,22 @@ class CentralVariable:
             raise Rejection("bad_scaling", f"unknown commit scaling {header.commit_scaling}")
         if header.step > self.version:
             raise Rejection("future_version", f"base version {header.step} is newer than θ's version {self.version}")
-        key = (header.sender, header.message_id)
         if header.message_id in self._seen[header.sender]:
             raise Rejection("duplicate", f"commit {header.message_id} of worker {header.sender} was applied already")
-        if key in self._in_progress:
-            raise Rejection("duplicate", f"commit {header.message_id} of worker {header.sender} is being received")
-        self._in_progress.add(key)
-        return Reception(header, self.pool.acquire)  # (the buffer comes with the first data chunk)
+        reception = Reception(header, self.pool.acquire)
+        self._open.add(reception)
+        return reception
 
     def abort(self, reception: Reception) -> None:
-        """Drop a partial or rejected commit: nothing of it reaches θ."""
-        self._in_progress.discard((reception.header.sender, reception.header.message_id))
-        if reception.buffer is not None:
-            self.pool.release(reception.buffer)
+        """Drop a partial or rejected commit: nothing of it reaches θ (idempotent)."""
+        if reception in self._open:
+            self._open.discard(reception)
+            if reception.buffer is not None:
+                self.pool.release(reception.buffer)
+
+    def receiving(self) -> set[tuple[int, int]]:
+        """(worker, message id) of every commit being received."""
+        return {(r.header.sender, r.header.message_id) for r in self._open}
 
     def apply(self, reception: Reception) -> AppliedCommit:
         """Apply a completely received commit, or reject it whole; returns its record."""
@@ -161,9 +168,11 @@ class CentralVariable:
             if not reception.complete():
                 raise Rejection("truncated", f"stream ended after {reception.received} of {header.payload_bytes} "
                                              "payload bytes")
+            if header.message_id in self._seen[header.sender]:
+                raise Rejection("duplicate", f"commit {header.message_id} of worker {header.sender} was applied "
+                                             "by another stream meanwhile")
             update = reception.payload().view(torch.float32)
-            if not bool(torch.isfinite(update).all()):
-                raise Rejection("non_finite", f"the update of worker {header.sender} holds NaN or Inf")
+            check_finite(update, f"the update of worker {header.sender}")
             tau = self.version - header.step
             if header.commit_scaling == pb.COMMIT_SCALING_STALENESS:
                 scale = staleness_scale(tau)
@@ -172,7 +181,7 @@ class CentralVariable:
                 scale = 1.0
                 self.theta.add_(update)
         finally:
-            self.abort(reception)  # buffer back to the pool, id no longer in progress
+            self.abort(reception)  # buffer back to the pool, no longer being received
         record = AppliedCommit(worker=header.sender, base_version=header.step, applied_at=self.version,
                                staleness=tau, scale=scale, message_id=header.message_id)
         self.version += 1
@@ -211,15 +220,17 @@ class CentralVariable:
 
 class ParameterServerService:
     """gRPC handlers. A bad commit ends in a rejecting CommitReply (the server keeps serving); a bad
-    Pull / Done request is aborted with INVALID_ARGUMENT or FAILED_PRECONDITION."""
+    Pull / Done request is aborted with INVALID_ARGUMENT or FAILED_PRECONDITION. A commit stream that
+    sends nothing for `stream_idle_timeout` seconds is cut (DEADLINE_EXCEEDED, `idle_stream`)."""
 
     def __init__(self, state: CentralVariable, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, fingerprint: str = "",
-                 metrics=None, on_all_done=lambda: None):
+                 metrics=None, on_all_done=lambda: None, stream_idle_timeout: float = 30.0):
         self.state = state
         self.chunk_bytes = check_chunk_bytes(chunk_bytes)
         self.fingerprint = fingerprint
         self.metrics = metrics
         self.on_all_done = on_all_done
+        self.stream_idle_timeout = stream_idle_timeout
 
     async def _refuse(self, context, rejection: Rejection, code=grpc.StatusCode.INVALID_ARGUMENT):
         self.state.rejections[rejection.reason] += 1
@@ -260,7 +271,7 @@ class ParameterServerService:
         reception = pending = None
         header: pb.TensorHeader | None = None
         try:
-            async for chunk in requests:
+            async for chunk in idle_limited(requests, self.stream_idle_timeout):
                 if isinstance(chunk, FramingError):
                     raise Rejection("malformed_chunk", str(chunk))
                 assert isinstance(chunk, DecodedChunk)
@@ -273,6 +284,9 @@ class ParameterServerService:
                     raise Rejection("unexpected_header", "a second header inside one commit")
                 else:
                     reception.write(chunk.data)
+                    chunk.data.release()  # copied: let its bytes go (grpc.aio's reader keeps the last message)
+                del chunk
+            await settle(context, reception is not None and reception.complete())  # never apply a cancelled call
             if reception is None:
                 raise Rejection("empty_stream", "commit stream closed before any header")
             pending, reception = reception, None  # apply() releases it whatever happens
@@ -285,6 +299,7 @@ class ParameterServerService:
             received = (reception or pending).received if (reception or pending) is not None else 0
             if reception is not None:
                 state.abort(reception)
+            reception = pending = None  # (the frame may outlive the call)
             if rejection.reason == "duplicate" and header is not None:
                 previous = state.applied(header.sender, header.message_id)
                 if previous is not None:  # a retry of an applied commit: acknowledge with the original's record
@@ -295,6 +310,9 @@ class ParameterServerService:
             count = state.rejections[rejection.reason]
             if count == 1 or count % 100 == 0:  # a diverged worker may send NaNs every step
                 log.warning("parameter server rejected a commit (%d so far for this reason): %s", count, rejection)
+            status = REFUSAL_STATUS.get(rejection.reason)
+            if status is not None:
+                await context.abort(status, f"{rejection.reason}: {rejection.detail}")
             return pb.CommitReply(ack=pb.Ack(status=pb.Ack.STATUS_REJECTED, reason=rejection.reason,
                                              detail=rejection.detail, bytes_received=received))
         except BaseException:  # cancelled / connection lost mid-stream: nothing of it was applied
@@ -340,7 +358,7 @@ class ParameterServer:
     def __init__(self, theta: torch.Tensor, workers: int, *, listen: str = "[::]:0",
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, fingerprint: str = "", metrics=None,
                  snapshot_every: int = 0, keep_log: bool = False, shutdown_grace: float = 2.0,
-                 security: Security = PLAINTEXT):
+                 security: Security = PLAINTEXT, stream_idle_timeout: float = 30.0):
         self.security = security  # TLS / auth token (transport/security.py)
         self.state = CentralVariable(theta, workers, snapshot_every=snapshot_every, keep_log=keep_log)
         self.listen = listen
@@ -348,6 +366,7 @@ class ParameterServer:
         self.fingerprint = fingerprint
         self.metrics = metrics
         self.shutdown_grace = shutdown_grace
+        self.stream_idle_timeout = stream_idle_timeout  # a commit stream silent this long is cut
         self.port: int | None = None
         self.all_done = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -381,7 +400,8 @@ class ParameterServer:
         server = grpc.aio.server(options=grpc_options() + [("grpc.so_reuseport", 0)],
                                  interceptors=self.security.server_interceptors(self.metrics))
         service = ParameterServerService(self.state, chunk_bytes=self.chunk_bytes, fingerprint=self.fingerprint,
-                                         metrics=self.metrics, on_all_done=self.all_done.set)
+                                         metrics=self.metrics, on_all_done=self.all_done.set,
+                                         stream_idle_timeout=self.stream_idle_timeout)
         server.add_generic_rpc_handlers((service.handler(),))
         from grpc_reflection.v1alpha import reflection
 
