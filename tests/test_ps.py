@@ -421,6 +421,29 @@ def test_node_and_parameter_server_refuse_a_header_defect_alike(server, defect):
     _expect_untouched(server, version, theta)
 
 
+def test_commits_that_would_overflow_theta_are_refused_whole(server):
+    version, theta = server.theta()
+    numel = theta.numel()
+    huge = torch.full((numel,), 3e38)  # finite; twice that is not (float32 max ~3.4e38)
+    with PsClient(server.address, 0, chunk_bytes=CHUNK, timeout=10) as client:
+        first = client.commit(huge, version)
+        assert first.ack.status == pb.Ack.STATUS_ACCEPTED, first
+        after_first_version, after_first = server.theta()
+        assert after_first_version == version + 1 and bool(torch.isfinite(after_first).all())
+        second = client.commit(huge, after_first_version)
+        assert (second.ack.status, second.ack.reason) == (pb.Ack.STATUS_REJECTED, "non_finite_result"), second
+        staleness = client.commit(huge, version, scaling=pb.COMMIT_SCALING_STALENESS)  # τ = 1: 3e38 + 1.5e38
+        assert staleness.ack.reason == "non_finite_result"
+        _expect_untouched(server, after_first_version, after_first)
+        assert server.stats()["rejected"] == {"non_finite_result": 2}
+        assert server.stats()["commits"] == 1
+        undo = client.commit(-huge, after_first_version)  # θ is still usable
+        assert undo.ack.status == pb.Ack.STATUS_ACCEPTED
+    final_version, final = server.theta()
+    assert final_version == version + 2 and torch.allclose(final, theta, atol=1e32)
+    assert [r.applied_at for r in server.commit_log()] == [version, version + 1]
+
+
 # -- stream hygiene (issue 10) ---------------------------------------------------------------------
 def test_two_streams_of_one_commit_apply_it_once(server):
     """A retry overlapping the first attempt: the first complete copy is applied, the other is

@@ -9,7 +9,8 @@ A commit header passes the same validator as a node's messages (transport/valida
 defect, same reason code) plus the server's own checks (kind, worker id, scaling, version). A commit
 is applied exactly once: streams carrying the same commit may overlap (a retry over a connection
 not yet noticed as broken), the first complete one is applied and later ones are answered
-DUPLICATE with its record.
+DUPLICATE with its record. A commit that would make θ non-finite is refused whole
+(`non_finite_result`), θ untouched.
 
 Everything of grpc.aio lives on one dedicated event-loop thread (uvloop when available), like the
 node Transport; the owning thread talks to it through ParameterServer's blocking methods.
@@ -40,7 +41,7 @@ from p2ptrain.transport.inbox import BufferPool, Reception
 from p2ptrain.transport.runtime import TransportOptions, _new_loop
 from p2ptrain.transport.security import PLAINTEXT, Security
 from p2ptrain.transport.server import PROTOCOL_VERSION, REFUSAL_STATUS, idle_limited, settle
-from p2ptrain.transport.validation import ChannelSpec, Rejection, check_finite, validate_header
+from p2ptrain.transport.validation import ChannelSpec, Rejection, all_finite, check_finite, validate_header
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class CentralVariable:
         self.spec = ChannelSpec(torch.float32, self.numel, self.nbytes, codecs=frozenset({pb.CODEC_NONE}))
         self.pool = BufferPool()
         self.pool.preallocate(self.nbytes, 2)
+        self._next_theta = torch.empty_like(self.theta)  # apply() computes here, then swaps it in
         self._snapshot: tuple[int, torch.Tensor] | None = None
         self._open: set[Reception] = set()
         self._seen: dict[int, collections.OrderedDict[int, AppliedCommit]] = collections.defaultdict(
@@ -162,7 +164,10 @@ class CentralVariable:
         return {(r.header.sender, r.header.message_id) for r in self._open}
 
     def apply(self, reception: Reception) -> AppliedCommit:
-        """Apply a completely received commit, or reject it whole; returns its record."""
+        """Apply a completely received commit, or reject it whole; returns its record.
+
+        θ + scale·update is computed into a spare buffer and swapped in only when finite: two
+        finite commits of 3e38 would otherwise turn θ into Inf."""
         header = reception.header
         try:
             if not reception.complete():
@@ -174,12 +179,12 @@ class CentralVariable:
             update = reception.payload().view(torch.float32)
             check_finite(update, f"the update of worker {header.sender}")
             tau = self.version - header.step
-            if header.commit_scaling == pb.COMMIT_SCALING_STALENESS:
-                scale = staleness_scale(tau)
-                self.theta.add_(update, alpha=scale)
-            else:
-                scale = 1.0
-                self.theta.add_(update)
+            scale = staleness_scale(tau) if header.commit_scaling == pb.COMMIT_SCALING_STALENESS else 1.0
+            torch.add(self.theta, update, alpha=scale, out=self._next_theta)
+            if not all_finite(self._next_theta):
+                raise Rejection("non_finite_result", f"the update of worker {header.sender} (scale {scale:g}) would "
+                                                     "make θ non-finite")
+            self.theta, self._next_theta = self._next_theta, self.theta
         finally:
             self.abort(reception)  # buffer back to the pool, no longer being received
         record = AppliedCommit(worker=header.sender, base_version=header.step, applied_at=self.version,
