@@ -333,6 +333,7 @@ def test_a_fingerprint_mismatch_is_refused():
 def test_wait_returns_false_when_workers_go_quiet():
     with ParameterServer(torch.zeros(4), 2, listen="127.0.0.1:0", shutdown_grace=0.2) as ps:
         with PsClient(f"127.0.0.1:{ps.port}", 0, timeout=10) as client:
+            client.pull()  # (a Done counts only from a worker that pulled)
             client.done(0)
         started = time.monotonic()
         assert ps.wait(idle_timeout=0.3, poll=0.05) is False
@@ -382,7 +383,7 @@ def test_ps_and_three_worker_processes_train_and_write_their_files(tmp_path, pyt
     assert sum(last_losses) < 0.8 * sum(first_losses), (first_losses, last_losses)
 
 
-# -- one header validator (issue 10) ---------------------------------------------------------------
+# -- one header validator, overflow, Done (issue 10) -----------------------------------------------
 HEADER_DEFECTS = {  # name: overrides of a valid header of n float32 elements
     "negative_shape": lambda n: {"shape": [-1, -n]},  # product n, but no tensor has that shape
     "shape_not_numel": lambda n: {"shape": [n + 1]},
@@ -442,6 +443,41 @@ def test_commits_that_would_overflow_theta_are_refused_whole(server):
     final_version, final = server.theta()
     assert final_version == version + 2 and torch.allclose(final, theta, atol=1e32)
     assert [r.applied_at for r in server.commit_log()] == [version, version + 1]
+
+
+def test_done_from_a_worker_that_never_pulled_is_refused(server):
+    with PsClient(server.address, 2, timeout=10) as stranger:
+        with pytest.raises(PsError, match="without ever pulling") as info:
+            stranger.done(10)
+        assert info.value.reason == "FAILED_PRECONDITION"
+    stats = server.stats()
+    assert stats["workers_done"] == 0 and stats["rejected"] == {"done_before_pull": 1}
+    assert not server.all_done.is_set()
+    # every worker id saying Done without pulling does not end the run either
+    for worker in range(4):
+        with PsClient(server.address, worker, timeout=10) as client, pytest.raises(PsError):
+            client.done(1)
+    assert not server.wait(idle_timeout=0.5, poll=0.05)
+    # a worker that pulled may say Done
+    with PsClient(server.address, 2, timeout=10) as worker:
+        worker.pull()
+        assert worker.done(10).workers_done == 1
+    _next_good_commit_applies(server)
+
+
+def test_done_ends_the_run_once_every_worker_that_pulled_said_it():
+    with ParameterServer(torch.zeros(4), 2, listen="127.0.0.1:0", shutdown_grace=0.2) as ps:
+        clients = [PsClient(f"127.0.0.1:{ps.port}", w, timeout=10) for w in range(2)]
+        try:
+            for client in clients:
+                client.pull()
+            clients[0].done(1)
+            assert not ps.all_done.is_set()
+            assert clients[1].done(1).workers_done == 2
+            assert ps.wait(idle_timeout=5)
+        finally:
+            for client in clients:
+                client.close()
 
 
 # -- stream hygiene (issue 10) ---------------------------------------------------------------------

@@ -12,6 +12,12 @@ not yet noticed as broken), the first complete one is applied and later ones are
 DUPLICATE with its record. A commit that would make θ non-finite is refused whole
 (`non_finite_result`), θ untouched.
 
+Done ends the run once every worker said it, so it counts only from a worker id that has pulled θ
+from this server (anything else is refused with FAILED_PRECONDITION). That stops stray or mistaken
+calls, not an attacker: on a plaintext server anyone who can reach the port can Pull as worker k and
+then say Done for it. With a token (transport/security.py) only holders of the shared secret can
+call Pull, Commit or Done at all.
+
 Everything of grpc.aio lives on one dedicated event-loop thread (uvloop when available), like the
 node Transport; the owning thread talks to it through ParameterServer's blocking methods.
 """
@@ -115,6 +121,7 @@ class CentralVariable:
         self.pull_bytes = 0
         self.commit_bytes = 0
         self.done: dict[int, int] = {}  # worker -> steps it reported
+        self.pulled: set[int] = set()    # workers that pulled θ at least once (only they may say Done)
         self.last_activity = time.monotonic()
         self.log: list[AppliedCommit] | None = [] if keep_log else None
         self.snapshot_every = snapshot_every
@@ -268,6 +275,7 @@ class ParameterServerService:
         for chunk in iter_data_chunks(payload, self.chunk_bytes):
             yield chunk
         state.pull_bytes += len(payload)
+        state.pulled.add(request.worker)
         if self.metrics is not None:
             self.metrics.on_pull(request.worker, len(payload))
 
@@ -335,6 +343,11 @@ class ParameterServerService:
             state.check_worker(request.worker)
         except Rejection as rejection:
             await self._refuse(context, rejection)
+        if request.worker not in state.pulled:
+            await self._refuse(context, Rejection(
+                "done_before_pull", f"worker {request.worker} said Done without ever pulling θ from this server: "
+                                    "a Done counts only from a worker that took part"),
+                grpc.StatusCode.FAILED_PRECONDITION)
         first = request.worker not in state.done
         state.done[request.worker] = request.steps
         if self.metrics is not None:
