@@ -150,34 +150,67 @@ class PeerService:
 
 
 async def idle_limited(requests, timeout: float):
-    """The chunks of a request stream; Rejection `idle_stream` once none came for `timeout`
-    seconds (a half-open stream must not hold its slot and buffer for ever). Holds no chunk while
-    it waits for the next: an idle stream must not pin its last chunk's bytes too."""
+    """The chunks of a request stream; Rejection `idle_stream` once the consumer waited `timeout`
+    seconds for the next one (a half-open stream must not hold its slot and buffer for ever; time
+    spent by the consumer itself, e.g. a relay waiting on its next hop, does not count). Holds no
+    chunk while it waits: an idle stream must not pin its last chunk's bytes too."""
     iterator = aiter(requests)
-    while (chunk := await _next_chunk(iterator, timeout)) is not _END:
-        yield chunk
-        del chunk
-
-
-_END = object()
-
-
-async def _next_chunk(iterator, timeout: float):
-    """The next chunk, or _END. The read is a task awaited with asyncio.wait, not wait_for: on
-    Python < 3.12 wait_for swallows a cancellation that lands in the loop iteration where the
-    read completes, which is exactly when grpc.aio delivers a client's cancel (the read ends,
-    then the handler is cancelled)."""
-    read = asyncio.ensure_future(anext(iterator))
+    watch = _IdleWatch(timeout)
     try:
-        done, _ = await asyncio.wait((read,), timeout=timeout)
+        while True:
+            watch.waiting = True
+            try:
+                chunk = await anext(iterator)
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if not watch.expired:
+                    raise
+                watch.forgive()
+                raise Rejection("idle_stream", f"no chunk for {timeout:g} s") from None
+            finally:
+                watch.waiting = False
+            watch.touch()
+            yield chunk
+            del chunk
     finally:
-        read.cancel()  # no-op once it is done
-    if not done:
-        raise Rejection("idle_stream", f"no chunk for {timeout:g} s")
-    try:
-        return read.result()
-    except StopAsyncIteration:
-        return _END
+        watch.close()
+
+
+class _IdleWatch:
+    """Cancels the current task once it has been waiting (`waiting` set) for `timeout` seconds
+    since the last touch(). One timer per stream, re-armed only when it fires: cheaper per chunk
+    than a timed wait per read (that cost 0.3 ms per small message), and unlike wait_for on
+    Python < 3.12 it never swallows a client's cancel landing as a read completes."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self.waiting = False
+        self.expired = False
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._last = self._loop.time()
+        self._timer = self._loop.call_at(self._last + timeout, self._check)
+
+    def touch(self) -> None:
+        self._last = self._loop.time()
+
+    def _check(self) -> None:
+        due = self._last + self.timeout
+        if not self.waiting or self._loop.time() < due:
+            self._timer = self._loop.call_at(max(due, self._loop.time() + 0.001), self._check)
+            return
+        self.expired = True
+        self._task.cancel()
+
+    def forgive(self) -> None:
+        """Take back our cancel (Python >= 3.11 counts them), so the task may go on to answer."""
+        uncancel = getattr(self._task, "uncancel", None)
+        if uncancel is not None:
+            uncancel()
+
+    def close(self) -> None:
+        self._timer.cancel()
 
 
 async def settle(context, complete: bool) -> None:

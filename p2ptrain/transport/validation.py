@@ -83,11 +83,17 @@ def check_weights(header: pb.TensorHeader, world_size: int) -> None:
 
 
 def all_finite(values: torch.Tensor) -> bool:
-    """No NaN or Inf in `values` (True for non-float dtypes): one pass over memory, in blocks so
-    the boolean temporary stays small however large the tensor."""
+    """No NaN or Inf in `values` (True for non-float dtypes).
+
+    First one sum, at memory bandwidth (~12x faster than isfinite, which halved loopback
+    throughput): a NaN or Inf anywhere makes the sum NaN or Inf, so a finite sum proves every
+    element finite. Only a non-finite sum (a bad element, or finite values overflowing the
+    accumulator) is looked into element by element, in blocks so the boolean temporary stays small."""
     if not values.is_floating_point():
         return True
     flat = values.reshape(-1)
+    if bool(torch.isfinite(flat.sum())):
+        return True
     return all(bool(torch.isfinite(flat[start:start + _FINITE_BLOCK]).all())
                for start in range(0, flat.numel(), _FINITE_BLOCK))
 
