@@ -74,17 +74,27 @@ def headers(draw) -> pb.TensorHeader:
         codec=codec,
         codec_params=pick("codec_params", params, [[], [1.0], [-1.0], [math.nan], [math.inf], [1.0, 2.0]],
                           st.lists(st.floats(), max_size=3)),
-        ps_weight=pick("ps_weight", draw(st.floats(0, 1)), [-1.0, math.nan, math.inf, -math.inf], st.floats()),
-        relay_count=pick("relay_count", 0.0, [1.0, math.nan, -math.inf], st.floats()),
+        ps_weight=pick("ps_weight", draw(st.floats(0, 1)),
+                       [-1.0, -0.0, 3.0, 3.0000001, 1.7e308, math.nan, math.inf, -math.inf], st.floats()),
+        relay_count=pick("relay_count", 0.0, [1.0, 3.0, 4.0, -1.0, 1.7e308, math.nan, -math.inf], st.floats()),
         channel=draw(st.sampled_from(["", "a", "ring:3"])) if "channel" not in broken else draw(st.text(max_size=12)),
         route=pick("route", [], [[1], [0], [0, 1]], st.lists(U32, max_size=3)),
         message_id=next(_ids),  # not fuzzed: duplicates are tested in test_transport
     )
 
 
+WORLD = 3  # the node's world size: push-sum weights and relay counters lie in [0, WORLD]
+
+
+def weights_valid(h: pb.TensorHeader) -> bool:
+    """Push-sum mass never exceeds n (Σ w = n), a relay counter counts at most n models."""
+    return 0 <= h.ps_weight <= WORLD and 0 <= h.relay_count <= WORLD  # (False for NaN)
+
+
 def acceptable(h: pb.TensorHeader, sent: int) -> bool:
     """The spec (proto + Inbox docs), written independently of inbox.py: would a node expecting
-    N float32 of KIND at step 0 (window WINDOW) from peers 1, 2 accept this message?"""
+    N float32 of KIND at step 0 (window WINDOW) from peers 1, 2 accept this message? (The payload
+    sent is zeros: always finite.)"""
     codec_bytes = {pb.CODEC_NONE: 4, pb.CODEC_FP16_TRUNCATE: 2, pb.CODEC_INT8_QUANTIZE: 1}
     codec_params = {pb.CODEC_NONE: 0, pb.CODEC_FP16_TRUNCATE: 0, pb.CODEC_INT8_QUANTIZE: 1}
     return (h.sender in (1, 2) and h.receiver == 0 and h.kind == KIND and h.dtype == pb.DTYPE_FLOAT32
@@ -92,7 +102,7 @@ def acceptable(h: pb.TensorHeader, sent: int) -> bool:
             and h.codec in codec_bytes and h.payload_bytes == codec_bytes[h.codec] * N
             and len(h.codec_params) == codec_params[h.codec]
             and all(math.isfinite(p) and p >= 0 for p in h.codec_params)
-            and math.isfinite(h.ps_weight) and math.isfinite(h.relay_count) and h.step <= WINDOW
+            and weights_valid(h) and h.step <= WINDOW
             and not h.route  # hops left: forwarded (to nodes 1, 2, which do not run) or refused
             and sent == h.payload_bytes)
 
@@ -101,7 +111,7 @@ def acceptable(h: pb.TensorHeader, sent: int) -> bool:
 def node():
     """Node 0 of a 3-node world; nodes 1 and 2 never start (the fuzzer speaks for them)."""
     peers = [f"127.0.0.1:{p}" for p in free_ports(3)]
-    transport = Transport(0, 3, peers, listen=peers[0], metrics=NodeMetrics(0),
+    transport = Transport(0, WORLD, peers, listen=peers[0], metrics=NodeMetrics(0),
                           options=TransportOptions(chunk_bytes=CHUNK, step_window=WINDOW, shutdown_grace=0.2,
                                                    send_timeout=1.0))  # a relay hop to a dead node
     transport.expect(KIND, torch.float32, N)
@@ -237,10 +247,11 @@ def test_node_is_healthy_after_fuzzing(node):
 
 
 # Parameter server ------------------------------------------------------------------------------
+PS_WORKERS = 2
 @pytest.fixture(scope="module")
 def ps():
     theta0 = torch.arange(N, dtype=torch.float32)
-    with ParameterServer(theta0, 2, listen="127.0.0.1:0", chunk_bytes=CHUNK, shutdown_grace=0.2) as server:
+    with ParameterServer(theta0, PS_WORKERS, listen="127.0.0.1:0", chunk_bytes=CHUNK, shutdown_grace=0.2) as server:
         channel = grpc.insecure_channel(f"127.0.0.1:{server.port}", options=grpc_options())
         server.commit_raw = channel.stream_unary(COMMIT_METHOD, request_serializer=serialize_identity,
                                                  response_deserializer=pb.CommitReply.FromString)
@@ -265,8 +276,10 @@ def test_fuzzed_commits_never_touch_theta(ps, h, stream_tail, garbage_first):
     reply = ps.commit_raw(iter(stream), timeout=10)
     valid = (not garbage_first and h.kind == pb.MESSAGE_KIND_PS_COMMIT and h.sender in (0, 1)
              and h.dtype == pb.DTYPE_FLOAT32 and h.codec == pb.CODEC_NONE and h.numel == N
-             and h.payload_bytes == 4 * N and (not h.shape or math.prod(h.shape) == N) and h.step <= version
-             and h.commit_scaling in pb.CommitScaling.values())
+             and h.payload_bytes == 4 * N and not h.codec_params
+             and (not h.shape or (all(d >= 0 for d in h.shape) and math.prod(h.shape) == N))
+             and 0 <= h.ps_weight <= PS_WORKERS and 0 <= h.relay_count <= PS_WORKERS
+             and h.step <= version and h.commit_scaling in pb.CommitScaling.values())
     event(f"reply {pb.Ack.Status.Name(reply.ack.status)} {reply.ack.reason}")
     if reply.ack.status == pb.Ack.STATUS_ACCEPTED:  # only a valid header with exactly its bytes
         assert valid, (reply, h)

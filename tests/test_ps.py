@@ -20,8 +20,10 @@ from p2ptrain.metrics import PsMetrics
 from p2ptrain.ps import ParameterServer, PsClient, PsError
 from p2ptrain.ps.server import COMMIT_METHOD, grpc_options
 from p2ptrain.transport.framing import encode_data, encode_header, iter_data_chunks, serialize_identity, tensor_bytes
+from p2ptrain.transport.server import PUSH_METHOD
 
 from tests.conftest import node_env, run_processes
+from tests.test_transport import KIND, NUMEL, header, nodes, pending
 
 torch.set_num_threads(1)
 
@@ -178,7 +180,7 @@ def test_a_worker_that_disconnects_mid_stream_leaves_theta_untouched(server):
         yield chunks[0]
         # crash only once the server holds the half-received commit (else, on a loaded machine, the
         # cancel can overtake the header and there is nothing on the server to abort)
-        wait_until(lambda: server.call(lambda: len(server.state._in_progress)) == 1, what="the half-sent commit")
+        wait_until(lambda: len(server.call(server.state.receiving)) == 1, what="the half-sent commit")
         raise ConnectionError("worker crashed")
 
     channel, commit = raw_commit_stub(server.address)
@@ -198,7 +200,7 @@ def test_a_worker_that_disconnects_mid_stream_leaves_theta_untouched(server):
 
     channel, commit = raw_commit_stub(server.address)
     future = commit.future(hanging(), timeout=10)
-    wait_until(lambda: server.call(lambda: len(server.state._in_progress)) == 1, what="the half-sent commit")
+    wait_until(lambda: len(server.call(server.state.receiving)) == 1, what="the half-sent commit")
     channel.close()
     release.set()
     with pytest.raises((grpc.RpcError, grpc.FutureCancelledError)):
@@ -213,7 +215,7 @@ def test_a_worker_that_disconnects_mid_stream_leaves_theta_untouched(server):
     assert (reply.ack.status, reply.ack.reason) == (pb.Ack.STATUS_REJECTED, "truncated")
     _expect_untouched(server, version, theta)
     _next_good_commit_applies(server)
-    assert server.call(lambda: len(server.state._in_progress)) == 0
+    assert len(server.call(server.state.receiving)) == 0
 
 
 def test_a_killed_worker_process_mid_commit_leaves_theta_untouched(server, tmp_path):
@@ -239,7 +241,7 @@ def test_a_killed_worker_process_mid_commit_leaves_theta_untouched(server, tmp_p
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=node_env())
     try:
         assert proc.stdout.readline().strip() == "sent"
-        wait_until(lambda: server.call(lambda: len(server.state._in_progress)) == 1, what="the half-sent commit")
+        wait_until(lambda: len(server.call(server.state.receiving)) == 1, what="the half-sent commit")
         proc.kill()
     finally:
         proc.kill()
@@ -331,6 +333,7 @@ def test_a_fingerprint_mismatch_is_refused():
 def test_wait_returns_false_when_workers_go_quiet():
     with ParameterServer(torch.zeros(4), 2, listen="127.0.0.1:0", shutdown_grace=0.2) as ps:
         with PsClient(f"127.0.0.1:{ps.port}", 0, timeout=10) as client:
+            client.pull()  # (a Done counts only from a worker that pulled)
             client.done(0)
         started = time.monotonic()
         assert ps.wait(idle_timeout=0.3, poll=0.05) is False
@@ -378,3 +381,149 @@ def test_ps_and_three_worker_processes_train_and_write_their_files(tmp_path, pyt
         assert node["bytes_sent"] == 40 * summary["numel"] * 4
         assert (out / f"node{rank}.snapshots.pt").exists()
     assert sum(last_losses) < 0.8 * sum(first_losses), (first_losses, last_losses)
+
+
+# -- one header validator, overflow, Done (issue 10) -----------------------------------------------
+HEADER_DEFECTS = {  # name: overrides of a valid header of n float32 elements
+    "negative_shape": lambda n: {"shape": [-1, -n]},  # product n, but no tensor has that shape
+    "shape_not_numel": lambda n: {"shape": [n + 1]},
+    "negative_weight": lambda n: {"ps_weight": -1.0},
+    "huge_weight": lambda n: {"ps_weight": 1.7e308},
+    "nan_relay_count": lambda n: {"relay_count": float("nan")},
+    "wrong_dtype": lambda n: {"dtype": pb.DTYPE_FLOAT64, "payload_bytes": 8 * n},
+    "wrong_numel": lambda n: {"numel": n - 1, "shape": [n - 1], "payload_bytes": 4 * (n - 1)},
+    "payload_bytes": lambda n: {"payload_bytes": 4 * n + 4},
+    "unknown_codec": lambda n: {"codec": 7},
+    "params_without_codec": lambda n: {"codec_params": [1.0]},
+}
+
+
+@pytest.mark.parametrize("defect", sorted(HEADER_DEFECTS))
+def test_node_and_parameter_server_refuse_a_header_defect_alike(server, defect):
+    """Nodes and the parameter server share one header validator: the same reason code each."""
+    overrides = HEADER_DEFECTS[defect]
+    with nodes(3, [1]) as t, grpc.insecure_channel(t[1].peers[1]) as node_channel:
+        t[1].expect(KIND, torch.float32, NUMEL)
+        push = node_channel.stream_unary(PUSH_METHOD, request_serializer=serialize_identity,
+                                         response_deserializer=pb.Ack.FromString)
+        node_ack = push(iter([encode_header(header(**overrides(NUMEL))),
+                              *iter_data_chunks(tensor_bytes(torch.ones(NUMEL)), CHUNK)]), timeout=10)
+        assert pending(t[1]) == 0
+    version, theta = server.theta()
+    channel, commit = raw_commit_stub(server.address)
+    reply = commit(iter([encode_header(commit_header(0, 20_000, version, 5, **overrides(20_000))),
+                         *iter_data_chunks(tensor_bytes(torch.ones(20_000)), CHUNK)]), timeout=10)
+    channel.close()
+    assert node_ack.status == reply.ack.status == pb.Ack.STATUS_REJECTED
+    assert node_ack.reason == reply.ack.reason, (node_ack, reply)
+    assert reply.ack.reason in ("bad_shape", "bad_weight", "bad_dtype", "bad_size", "bad_codec", "bad_codec_params")
+    if defect == "negative_shape":
+        assert reply.ack.reason == "bad_shape"
+    _expect_untouched(server, version, theta)
+
+
+def test_commits_that_would_overflow_theta_are_refused_whole(server):
+    version, theta = server.theta()
+    numel = theta.numel()
+    huge = torch.full((numel,), 3e38)  # finite; twice that is not (float32 max ~3.4e38)
+    with PsClient(server.address, 0, chunk_bytes=CHUNK, timeout=10) as client:
+        first = client.commit(huge, version)
+        assert first.ack.status == pb.Ack.STATUS_ACCEPTED, first
+        after_first_version, after_first = server.theta()
+        assert after_first_version == version + 1 and bool(torch.isfinite(after_first).all())
+        second = client.commit(huge, after_first_version)
+        assert (second.ack.status, second.ack.reason) == (pb.Ack.STATUS_REJECTED, "non_finite_result"), second
+        staleness = client.commit(huge, version, scaling=pb.COMMIT_SCALING_STALENESS)  # τ = 1: 3e38 + 1.5e38
+        assert staleness.ack.reason == "non_finite_result"
+        _expect_untouched(server, after_first_version, after_first)
+        assert server.stats()["rejected"] == {"non_finite_result": 2}
+        assert server.stats()["commits"] == 1
+        undo = client.commit(-huge, after_first_version)  # θ is still usable
+        assert undo.ack.status == pb.Ack.STATUS_ACCEPTED
+    final_version, final = server.theta()
+    assert final_version == version + 2 and torch.allclose(final, theta, atol=1e32)
+    assert [r.applied_at for r in server.commit_log()] == [version, version + 1]
+
+
+def test_done_from_a_worker_that_never_pulled_is_refused(server):
+    with PsClient(server.address, 2, timeout=10) as stranger:
+        with pytest.raises(PsError, match="without ever pulling") as info:
+            stranger.done(10)
+        assert info.value.reason == "FAILED_PRECONDITION"
+    stats = server.stats()
+    assert stats["workers_done"] == 0 and stats["rejected"] == {"done_before_pull": 1}
+    assert not server.all_done.is_set()
+    # every worker id saying Done without pulling does not end the run either
+    for worker in range(4):
+        with PsClient(server.address, worker, timeout=10) as client, pytest.raises(PsError):
+            client.done(1)
+    assert not server.wait(idle_timeout=0.5, poll=0.05)
+    # a worker that pulled may say Done
+    with PsClient(server.address, 2, timeout=10) as worker:
+        worker.pull()
+        assert worker.done(10).workers_done == 1
+    _next_good_commit_applies(server)
+
+
+def test_done_ends_the_run_once_every_worker_that_pulled_said_it():
+    with ParameterServer(torch.zeros(4), 2, listen="127.0.0.1:0", shutdown_grace=0.2) as ps:
+        clients = [PsClient(f"127.0.0.1:{ps.port}", w, timeout=10) for w in range(2)]
+        try:
+            for client in clients:
+                client.pull()
+            clients[0].done(1)
+            assert not ps.all_done.is_set()
+            assert clients[1].done(1).workers_done == 2
+            assert ps.wait(idle_timeout=5)
+        finally:
+            for client in clients:
+                client.close()
+
+
+# -- stream hygiene (issue 10) ---------------------------------------------------------------------
+def test_two_streams_of_one_commit_apply_it_once(server):
+    """A retry overlapping the first attempt: the first complete copy is applied, the other is
+    answered DUPLICATE with its record, never refused while the first is merely in flight."""
+    version, theta = server.theta()
+    numel = theta.numel()
+    chunks = list(iter_data_chunks(tensor_bytes(torch.full((numel,), 2.0)), CHUNK))
+    release = threading.Event()
+
+    def held():
+        yield encode_header(commit_header(1, numel, version, 77))
+        yield chunks[0]
+        release.wait(10)
+        yield from chunks[1:]
+
+    channel, commit = raw_commit_stub(server.address)
+    first = commit.future(held(), timeout=10)
+    try:
+        wait_until(lambda: len(server.call(server.state.receiving)) == 1, what="the first copy")
+        retry = commit(iter([encode_header(commit_header(1, numel, version, 77)), *chunks]), timeout=10)
+        assert retry.ack.status == pb.Ack.STATUS_ACCEPTED, retry
+    finally:
+        release.set()
+    late = first.result(10)
+    channel.close()
+    assert late.ack.status == pb.Ack.STATUS_DUPLICATE and (late.version, late.staleness) == (retry.version, 0)
+    _expect_untouched(server, version + 1, theta + 2)
+
+
+def test_an_idle_commit_stream_is_cut():
+    with ParameterServer(torch.zeros(4), 1, listen="127.0.0.1:0", shutdown_grace=0.2,
+                         stream_idle_timeout=0.5) as ps:
+        release = threading.Event()
+
+        def header_only():
+            yield encode_header(commit_header(0, 4, 0, 1))
+            release.wait(10)
+
+        channel, commit = raw_commit_stub(f"127.0.0.1:{ps.port}")
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            commit(header_only(), timeout=10)
+        release.set()
+        channel.close()
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "idle_stream" in info.value.details()
+        assert 0.5 <= time.monotonic() - started < 4
+        assert ps.stats()["rejected"] == {"idle_stream": 1} and not ps.call(ps.state.receiving)

@@ -5,6 +5,19 @@ buffer and applies it only once the stream is complete and valid, in one synchro
 server's event loop: commits are applied one at a time, never torn, never lost, and each is recorded
 with its staleness τ = (version when applied) − (version its gradient was computed at).
 
+A commit header passes the same validator as a node's messages (transport/validation.py: same
+defect, same reason code) plus the server's own checks (kind, worker id, scaling, version). A commit
+is applied exactly once: streams carrying the same commit may overlap (a retry over a connection
+not yet noticed as broken), the first complete one is applied and later ones are answered
+DUPLICATE with its record. A commit that would make θ non-finite is refused whole
+(`non_finite_result`), θ untouched.
+
+Done ends the run once every worker said it, so it counts only from a worker id that has pulled θ
+from this server (anything else is refused with FAILED_PRECONDITION). That stops stray or mistaken
+calls, not an attacker: on a plaintext server anyone who can reach the port can Pull as worker k and
+then say Done for it. With a token (transport/security.py) only holders of the shared secret can
+call Pull, Commit or Done at all.
+
 Everything of grpc.aio lives on one dedicated event-loop thread (uvloop when available), like the
 node Transport; the owning thread talks to it through ParameterServer's blocking methods.
 """
@@ -31,10 +44,11 @@ from p2ptrain.transport.framing import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, De
                                         check_chunk_bytes, deserialize_chunk, encode_header, iter_data_chunks,
                                         serialize_identity, tensor_bytes)
 from p2ptrain.transport.health import ServingStatus, add_standard_services
-from p2ptrain.transport.inbox import BufferPool, Reception, Rejection
+from p2ptrain.transport.inbox import BufferPool, Reception
 from p2ptrain.transport.runtime import TransportOptions, _new_loop
 from p2ptrain.transport.security import PLAINTEXT, Security
-from p2ptrain.transport.server import PROTOCOL_VERSION
+from p2ptrain.transport.server import PROTOCOL_VERSION, REFUSAL_STATUS, idle_limited, wait_for_cancel
+from p2ptrain.transport.validation import ChannelSpec, Rejection, all_finite, check_finite, validate_header
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +106,12 @@ class CentralVariable:
         self.nbytes = self.numel * _ITEMSIZE
         self.workers = workers
         self.version = 0
+        self.spec = ChannelSpec(torch.float32, self.numel, self.nbytes, codecs=frozenset({pb.CODEC_NONE}))
         self.pool = BufferPool()
         self.pool.preallocate(self.nbytes, 2)
+        self._next_theta = torch.empty_like(self.theta)  # apply() computes here, then swaps it in
         self._snapshot: tuple[int, torch.Tensor] | None = None
-        self._in_progress: set[tuple[int, int]] = set()
+        self._open: set[Reception] = set()
         self._seen: dict[int, collections.OrderedDict[int, AppliedCommit]] = collections.defaultdict(
             collections.OrderedDict)
         self.staleness_counts: collections.Counter[int] = collections.Counter()
@@ -106,6 +122,7 @@ class CentralVariable:
         self.pull_bytes = 0
         self.commit_bytes = 0
         self.done: dict[int, int] = {}  # worker -> steps it reported
+        self.pulled: set[int] = set()    # workers that pulled θ at least once (only they may say Done)
         self.last_activity = time.monotonic()
         self.log: list[AppliedCommit] | None = [] if keep_log else None
         self.snapshot_every = snapshot_every
@@ -126,56 +143,58 @@ class CentralVariable:
 
     # Commit -----------------------------------------------------------------------------------
     def open_commit(self, header: pb.TensorHeader) -> Reception:
-        """Validate a commit header and reserve a receive buffer; raises Rejection."""
+        """Validate a commit header and start its reception (the buffer comes with the first data
+        chunk); raises Rejection, with reason `duplicate` for a commit applied already."""
         self.last_activity = time.monotonic()
         if header.kind != pb.MESSAGE_KIND_PS_COMMIT:
             raise Rejection("unexpected_kind", f"a commit must be of kind MESSAGE_KIND_PS_COMMIT, got {header.kind}")
         self.check_worker(header.sender)
-        if header.dtype != pb.DTYPE_FLOAT32:
-            raise Rejection("bad_dtype", f"the central variable is float32, got wire dtype {header.dtype}")
-        if header.codec != pb.CODEC_NONE:
-            raise Rejection("bad_codec", "commits are uncompressed (CODEC_NONE)")
-        if header.numel != self.numel or (header.shape and math.prod(header.shape) != header.numel):
-            raise Rejection("bad_size", f"expected {self.numel} elements, got numel {header.numel} shape "
-                                        f"{list(header.shape)}")
-        if header.payload_bytes != self.nbytes:
-            raise Rejection("bad_size", f"expected {self.nbytes} payload bytes, got {header.payload_bytes}")
+        validate_header(header, self.spec, world_size=self.workers)
         if header.commit_scaling not in pb.CommitScaling.values():
             raise Rejection("bad_scaling", f"unknown commit scaling {header.commit_scaling}")
         if header.step > self.version:
             raise Rejection("future_version", f"base version {header.step} is newer than θ's version {self.version}")
-        key = (header.sender, header.message_id)
         if header.message_id in self._seen[header.sender]:
             raise Rejection("duplicate", f"commit {header.message_id} of worker {header.sender} was applied already")
-        if key in self._in_progress:
-            raise Rejection("duplicate", f"commit {header.message_id} of worker {header.sender} is being received")
-        self._in_progress.add(key)
-        return Reception(self, header, self.pool.acquire(self.nbytes))
+        reception = Reception(header, self.pool.acquire)
+        self._open.add(reception)
+        return reception
 
     def abort(self, reception: Reception) -> None:
-        """Drop a partial or rejected commit: nothing of it reaches θ."""
-        self._in_progress.discard((reception.header.sender, reception.header.message_id))
-        self.pool.release(reception.buffer)
+        """Drop a partial or rejected commit: nothing of it reaches θ (idempotent)."""
+        if reception in self._open:
+            self._open.discard(reception)
+            if reception.buffer is not None:
+                self.pool.release(reception.buffer)
+
+    def receiving(self) -> set[tuple[int, int]]:
+        """(worker, message id) of every commit being received."""
+        return {(r.header.sender, r.header.message_id) for r in self._open}
 
     def apply(self, reception: Reception) -> AppliedCommit:
-        """Apply a completely received commit, or reject it whole; returns its record."""
+        """Apply a completely received commit, or reject it whole; returns its record.
+
+        θ + scale·update is computed into a spare buffer and swapped in only when finite: two
+        finite commits of 3e38 would otherwise turn θ into Inf."""
         header = reception.header
         try:
             if not reception.complete():
                 raise Rejection("truncated", f"stream ended after {reception.received} of {header.payload_bytes} "
                                              "payload bytes")
-            update = reception.buffer.view(torch.float32)
-            if not bool(torch.isfinite(update).all()):
-                raise Rejection("non_finite", f"the update of worker {header.sender} holds NaN or Inf")
+            if header.message_id in self._seen[header.sender]:
+                raise Rejection("duplicate", f"commit {header.message_id} of worker {header.sender} was applied "
+                                             "by another stream meanwhile")
+            update = reception.payload().view(torch.float32)
+            check_finite(update, f"the update of worker {header.sender}")
             tau = self.version - header.step
-            if header.commit_scaling == pb.COMMIT_SCALING_STALENESS:
-                scale = staleness_scale(tau)
-                self.theta.add_(update, alpha=scale)
-            else:
-                scale = 1.0
-                self.theta.add_(update)
+            scale = staleness_scale(tau) if header.commit_scaling == pb.COMMIT_SCALING_STALENESS else 1.0
+            torch.add(self.theta, update, alpha=scale, out=self._next_theta)
+            if not all_finite(self._next_theta):
+                raise Rejection("non_finite_result", f"the update of worker {header.sender} (scale {scale:g}) would "
+                                                     "make θ non-finite")
+            self.theta, self._next_theta = self._next_theta, self.theta
         finally:
-            self.abort(reception)  # buffer back to the pool, id no longer in progress
+            self.abort(reception)  # buffer back to the pool, no longer being received
         record = AppliedCommit(worker=header.sender, base_version=header.step, applied_at=self.version,
                                staleness=tau, scale=scale, message_id=header.message_id)
         self.version += 1
@@ -214,15 +233,17 @@ class CentralVariable:
 
 class ParameterServerService:
     """gRPC handlers. A bad commit ends in a rejecting CommitReply (the server keeps serving); a bad
-    Pull / Done request is aborted with INVALID_ARGUMENT or FAILED_PRECONDITION."""
+    Pull / Done request is aborted with INVALID_ARGUMENT or FAILED_PRECONDITION. A commit stream that
+    sends nothing for `stream_idle_timeout` seconds is cut (DEADLINE_EXCEEDED, `idle_stream`)."""
 
     def __init__(self, state: CentralVariable, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, fingerprint: str = "",
-                 metrics=None, on_all_done=lambda: None):
+                 metrics=None, on_all_done=lambda: None, stream_idle_timeout: float = 30.0):
         self.state = state
         self.chunk_bytes = check_chunk_bytes(chunk_bytes)
         self.fingerprint = fingerprint
         self.metrics = metrics
         self.on_all_done = on_all_done
+        self.stream_idle_timeout = stream_idle_timeout
 
     async def _refuse(self, context, rejection: Rejection, code=grpc.StatusCode.INVALID_ARGUMENT):
         self.state.rejections[rejection.reason] += 1
@@ -255,6 +276,7 @@ class ParameterServerService:
         for chunk in iter_data_chunks(payload, self.chunk_bytes):
             yield chunk
         state.pull_bytes += len(payload)
+        state.pulled.add(request.worker)
         if self.metrics is not None:
             self.metrics.on_pull(request.worker, len(payload))
 
@@ -263,7 +285,7 @@ class ParameterServerService:
         reception = pending = None
         header: pb.TensorHeader | None = None
         try:
-            async for chunk in requests:
+            async for chunk in idle_limited(requests, self.stream_idle_timeout):
                 if isinstance(chunk, FramingError):
                     raise Rejection("malformed_chunk", str(chunk))
                 assert isinstance(chunk, DecodedChunk)
@@ -276,6 +298,9 @@ class ParameterServerService:
                     raise Rejection("unexpected_header", "a second header inside one commit")
                 else:
                     reception.write(chunk.data)
+                    chunk.data.release()  # copied: let its bytes go (grpc.aio's reader keeps the last message)
+                del chunk
+            await wait_for_cancel(context, reception is not None and reception.complete())  # never apply a cancelled call
             if reception is None:
                 raise Rejection("empty_stream", "commit stream closed before any header")
             pending, reception = reception, None  # apply() releases it whatever happens
@@ -288,6 +313,7 @@ class ParameterServerService:
             received = (reception or pending).received if (reception or pending) is not None else 0
             if reception is not None:
                 state.abort(reception)
+            reception = pending = None  # (the frame may outlive the call)
             if rejection.reason == "duplicate" and header is not None:
                 previous = state.applied(header.sender, header.message_id)
                 if previous is not None:  # a retry of an applied commit: acknowledge with the original's record
@@ -298,6 +324,9 @@ class ParameterServerService:
             count = state.rejections[rejection.reason]
             if count == 1 or count % 100 == 0:  # a diverged worker may send NaNs every step
                 log.warning("parameter server rejected a commit (%d so far for this reason): %s", count, rejection)
+            status = REFUSAL_STATUS.get(rejection.reason)
+            if status is not None:
+                await context.abort(status, f"{rejection.reason}: {rejection.detail}")
             return pb.CommitReply(ack=pb.Ack(status=pb.Ack.STATUS_REJECTED, reason=rejection.reason,
                                              detail=rejection.detail, bytes_received=received))
         except BaseException:  # cancelled / connection lost mid-stream: nothing of it was applied
@@ -315,6 +344,11 @@ class ParameterServerService:
             state.check_worker(request.worker)
         except Rejection as rejection:
             await self._refuse(context, rejection)
+        if request.worker not in state.pulled:
+            await self._refuse(context, Rejection(
+                "done_before_pull", f"worker {request.worker} said Done without ever pulling θ from this server: "
+                                    "a Done counts only from a worker that took part"),
+                grpc.StatusCode.FAILED_PRECONDITION)
         first = request.worker not in state.done
         state.done[request.worker] = request.steps
         if self.metrics is not None:
@@ -343,7 +377,7 @@ class ParameterServer:
     def __init__(self, theta: torch.Tensor, workers: int, *, listen: str = "[::]:0",
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, fingerprint: str = "", metrics=None,
                  snapshot_every: int = 0, keep_log: bool = False, shutdown_grace: float = 2.0,
-                 security: Security = PLAINTEXT):
+                 security: Security = PLAINTEXT, stream_idle_timeout: float = 30.0):
         self.security = security  # TLS / auth token (transport/security.py)
         self.state = CentralVariable(theta, workers, snapshot_every=snapshot_every, keep_log=keep_log)
         self.listen = listen
@@ -351,6 +385,7 @@ class ParameterServer:
         self.fingerprint = fingerprint
         self.metrics = metrics
         self.shutdown_grace = shutdown_grace
+        self.stream_idle_timeout = stream_idle_timeout  # a commit stream silent this long is cut
         self.port: int | None = None
         self.all_done = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -385,7 +420,8 @@ class ParameterServer:
         server = grpc.aio.server(options=grpc_options() + [("grpc.so_reuseport", 0)],
                                  interceptors=self.security.server_interceptors(self.metrics))
         service = ParameterServerService(self.state, chunk_bytes=self.chunk_bytes, fingerprint=self.fingerprint,
-                                         metrics=self.metrics, on_all_done=self.all_done.set)
+                                         metrics=self.metrics, on_all_done=self.all_done.set,
+                                         stream_idle_timeout=self.stream_idle_timeout)
         server.add_generic_rpc_handlers((service.handler(),))
         self.health = await add_standard_services(server, PS_SERVICE_NAME, serving=True)
         port = self.security.add_port(server, self.listen)

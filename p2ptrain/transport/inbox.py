@@ -1,44 +1,34 @@
-"""Receiving side of the transport: header validation, preallocated receive buffers, mailboxes.
+"""Receiving side of the transport: header validation, pooled receive buffers, mailboxes.
 
 Everything here except `BufferPool.release` runs on the node's event-loop thread. A tensor message
-goes through `open()` (validate the header, reserve a buffer), `Reception.write()` per chunk
-(straight into the buffer), then `deliver()`; any failure rejects the whole message and leaves
-mailbox state untouched, so a broken or hostile stream can never half-apply.
+goes through `open()` (validate the header, count the reception), `Reception.write()` per chunk
+(straight into a pooled buffer, taken at the first data chunk), then `deliver()`; any failure
+rejects the whole message and leaves mailbox state untouched, so a broken or hostile stream can
+never half-apply.
+
+Exactly once: a message id counts as received only when `deliver()` has put it in the mailbox.
+Several streams may carry the same id at once (a sender retrying over a connection that has not yet
+been noticed as broken); each fills its own buffer, the first to complete is delivered, later ones
+are answered DUPLICATE, and one that breaks off releases its buffer and marks nothing. DUPLICATE
+tells a sender its message *was* delivered (it stops retrying), so it is never said of an id that
+is merely in flight.
+
+Streams are not free: open receptions are capped per claimed sender and in buffered bytes, and the
+transport (server.py) cuts a stream that sends nothing for `stream_idle_timeout` seconds.
 """
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
-from collections import OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.transport.framing import WIRE_TO_TORCH, torch_dtype
-
-
-# Codec params per wire codec (compression.py: int8 sends its scale, the others none).
-_CODEC_PARAMS = {pb.CODEC_NONE: 0, pb.CODEC_FP16_TRUNCATE: 0, pb.CODEC_INT8_QUANTIZE: 1}
-
-
-class Rejection(Exception):
-    """A message refused with a reason code (goes into the Ack and the rejected-messages metric)."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
-
-
-@dataclass(frozen=True)
-class ChannelSpec:
-    """What a node accepts for one message kind: decoded dtype and element count."""
-
-    dtype: torch.dtype
-    numel: int
-    max_payload_bytes: int | None = None  # codecs may send fewer bytes; never more than this
+from p2ptrain.transport.framing import torch_dtype
+from p2ptrain.transport.validation import ChannelSpec, Rejection, check_finite, validate_header
 
 
 @dataclass
@@ -97,44 +87,75 @@ class BufferPool:
 
 
 class Reception:
-    """One message being received: writes chunks at increasing offsets into its buffer."""
+    """One message being received: chunks are written at increasing offsets into a byte buffer
+    that `allocate(payload_bytes)` supplies at the first data chunk, so a stream that sent only
+    its header holds no payload memory. The owner (Inbox, the parameter server) gives it back."""
 
-    def __init__(self, inbox: "Inbox", header: pb.TensorHeader, buffer: torch.Tensor):
-        self.inbox = inbox
+    def __init__(self, header: pb.TensorHeader, allocate: Callable[[int], torch.Tensor]):
         self.header = header
-        self.buffer = buffer
-        self._view = memoryview(buffer.numpy()).cast("B") if buffer.numel() else memoryview(b"")
+        self.buffer: torch.Tensor | None = None
         self.received = 0
+        self._allocate = allocate
+        self._view = memoryview(b"")
 
     def write(self, data: memoryview) -> None:
         end = self.received + len(data)
         if end > self.header.payload_bytes:
             raise Rejection("payload_overflow", f"stream carries more than the announced "
                                                 f"{self.header.payload_bytes} bytes")
+        if self.buffer is None:
+            self.payload()
         self._view[self.received:end] = data
         self.received = end
 
     def complete(self) -> bool:
         return self.received == self.header.payload_bytes
 
+    def payload(self) -> torch.Tensor:
+        """The byte buffer (taken now if no data chunk came yet: an empty message)."""
+        if self.buffer is None:
+            self.buffer = self._allocate(self.header.payload_bytes)
+            if self.buffer.numel():
+                self._view = memoryview(self.buffer.numpy()).cast("B")
+        return self.buffer
+
 
 class Inbox:
-    """Validates incoming headers and keeps delivered messages until an algorithm takes them."""
+    """Validates incoming headers and keeps delivered messages until an algorithm takes them.
+
+    Limits on what open (not yet delivered) receptions may hold, against half-open streams:
+      stream_idle_timeout        seconds a stream may go without a chunk before the server cuts it
+                                 (server.py; must exceed chunk size / slowest link bandwidth)
+      max_receptions_per_sender  open receptions per claimed sender; more are refused with
+                                 `too_many_streams` (RESOURCE_EXHAUSTED: the sender retries)
+      max_buffered_bytes         payload bytes held by open receptions; a reception whose buffer
+                                 would exceed it is refused with `buffer_limit`, unless it is the only
+                                 one holding a buffer (any single valid message still fits)
+    """
 
     def __init__(self, rank: int, world_size: int, *, step_window: int = 64, pin_memory: bool = False,
-                 dedup_window: int = 4096):
+                 dedup_window: int = 4096, stream_idle_timeout: float = 30.0, max_receptions_per_sender: int = 8,
+                 max_buffered_bytes: int = 256 << 20):
+        if stream_idle_timeout <= 0 or max_receptions_per_sender < 1 or max_buffered_bytes < 0:
+            raise ValueError(f"stream_idle_timeout {stream_idle_timeout} must be > 0, max_receptions_per_sender "
+                             f"{max_receptions_per_sender} >= 1, max_buffered_bytes {max_buffered_bytes} >= 0")
         self.rank = rank
         self.world_size = world_size
         self.step_window = step_window
+        self.stream_idle_timeout = stream_idle_timeout
+        self.max_receptions_per_sender = max_receptions_per_sender
+        self.max_buffered_bytes = max_buffered_bytes
         self.current_step = 0
         self.pool = BufferPool(pin_memory=pin_memory)
+        self.buffered_bytes = 0  # held by open receptions
         self._specs: dict[tuple[int, str | None], ChannelSpec] = {}  # (kind, channel or None=any)
         # (kind, channel) -> step -> sender -> Message
         self._mail: dict[tuple[int, str], dict[int, dict[int, Message]]] = defaultdict(
             lambda: defaultdict(dict))
-        self._seen: dict[int, OrderedDict[int, None]] = defaultdict(OrderedDict)
+        self._delivered: dict[int, OrderedDict[int, None]] = defaultdict(OrderedDict)  # sender -> ids
         self._voided: dict[int, OrderedDict[int, None]] = defaultdict(OrderedDict)  # settled, never delivered
-        self._in_progress: set[tuple[int, int]] = set()
+        self._open: set[Reception] = set()
+        self._open_per_sender: Counter[int] = Counter()
         self._dedup_window = dedup_window
         self._waiters: list[tuple[object, asyncio.Future]] = []
         self.on_deliver = lambda sender, step: None     # e.g. membership: the sender is alive, at `step`
@@ -147,10 +168,9 @@ class Inbox:
 
         With `channel` the spec holds only for that channel (e.g. one ring all-reduce segment,
         whose size differs per round); otherwise for every channel without a spec of its own."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        spec = ChannelSpec(dtype, numel, max_payload_bytes or numel * itemsize)
+        spec = ChannelSpec(dtype, numel, max_payload_bytes or numel * dtype.itemsize)
         self._specs[(kind, channel)] = spec
-        self.pool.preallocate(numel * itemsize, preallocate)
+        self.pool.preallocate(numel * dtype.itemsize, preallocate)
 
     def unexpect(self, kind: int, channel: str | None = None) -> None:
         """Stop accepting messages of `kind` (e.g. state transfers once a rejoin is done)."""
@@ -162,7 +182,7 @@ class Inbox:
     def settle(self, sender: int, message_ids: list[int]) -> list[int]:
         """Of `sender`'s `message_ids` (sent while a link failed), the ones delivered; the others are
         voided for good, so a copy still on its way is refused and the sender may take them back."""
-        seen, voided = self._seen[sender], self._voided[sender]
+        seen, voided = self._delivered[sender], self._voided[sender]
         delivered = [m for m in message_ids if m in seen]
         for message_id in message_ids:
             if message_id not in seen:
@@ -173,48 +193,87 @@ class Inbox:
 
     # Receive path (loop thread) ---------------------------------------------------------------
     def open(self, header: pb.TensorHeader) -> Reception:
-        """Validate a header and reserve a buffer; raises Rejection, or Duplicate via Rejection."""
+        """Validate a header and start a reception (no buffer yet); raises Rejection, with reason
+        `duplicate` for an id already delivered."""
         self._validate(header)
-        key = (header.sender, header.message_id)
-        if header.message_id in self._voided[header.sender]:
-            raise Rejection("voided", f"message {header.message_id} from {header.sender} was settled as never "
-                                      "delivered")
-        if header.message_id in self._seen[header.sender] or key in self._in_progress:
-            raise Rejection("duplicate", f"message {header.message_id} from {header.sender} already received")
-        self._in_progress.add(key)
-        return Reception(self, header, self.pool.acquire(header.payload_bytes))
+        sender = header.sender
+        if header.message_id in self._voided[sender]:
+            raise Rejection("voided", f"message {header.message_id} from {sender} was settled as never delivered")
+        if header.message_id in self._delivered[sender]:
+            raise Rejection("duplicate", f"message {header.message_id} from {sender} already received")
+        if self._open_per_sender[sender] >= self.max_receptions_per_sender:
+            raise Rejection("too_many_streams", f"{self._open_per_sender[sender]} streams from {sender} are open "
+                                                f"already (at most {self.max_receptions_per_sender})")
+        reception = Reception(header, self._hold)
+        self._open.add(reception)
+        self._open_per_sender[sender] += 1
+        return reception
+
+    def _hold(self, nbytes: int) -> torch.Tensor:
+        """A receive buffer for an open reception, within max_buffered_bytes."""
+        if self.buffered_bytes and self.buffered_bytes + nbytes > self.max_buffered_bytes:
+            raise Rejection("buffer_limit", f"open receptions hold {self.buffered_bytes} bytes; {nbytes} more would "
+                                            f"exceed the {self.max_buffered_bytes} allowed")
+        buffer = self.pool.acquire(nbytes)
+        self.buffered_bytes += nbytes
+        return buffer
 
     def abort(self, reception: Reception) -> None:
-        """Drop a half-received message: buffer back to the pool, id free for a retry."""
-        self._in_progress.discard((reception.header.sender, reception.header.message_id))
-        self.pool.release(reception.buffer)
+        """Drop a half-received message: buffer back to the pool, nothing marked (idempotent)."""
+        if self._close(reception) and reception.buffer is not None:
+            self.pool.release(reception.buffer)
+
+    def _close(self, reception: Reception) -> bool:
+        if reception not in self._open:
+            return False
+        self._open.discard(reception)
+        self._open_per_sender[reception.header.sender] -= 1
+        if not self._open_per_sender[reception.header.sender]:
+            del self._open_per_sender[reception.header.sender]
+        if reception.buffer is not None:
+            self.buffered_bytes -= reception.buffer.numel()
+        return True
+
+    def receiving(self) -> set[tuple[int, int]]:
+        """(sender, message id) of every open reception."""
+        return {(r.header.sender, r.header.message_id) for r in self._open}
 
     def deliver(self, reception: Reception) -> Message:
-        """Turn a complete reception into a mailbox message; rejects truncated streams and a
+        """Turn a complete reception into a mailbox message, or reject it (and release it).
+
+        Refused: a truncated stream; an id another stream delivered meanwhile (`duplicate`); a
         second message for an occupied (kind, channel, step, sender) slot, which would otherwise
-        overwrite and destroy the first one's push-sum mass."""
+        overwrite and destroy the first one's push-sum mass (`duplicate_slot`: checked after the
+        id, so a late copy of a delivered share is never refused, which would make its sender
+        re-absorb mass that was delivered); a float payload holding NaN or Inf (`non_finite`)."""
         header = reception.header
-        if not reception.complete():
+        try:
+            if not reception.complete():
+                raise Rejection("truncated", f"stream ended after {reception.received} of "
+                                             f"{header.payload_bytes} payload bytes")
+            if header.message_id in self._delivered[header.sender]:
+                raise Rejection("duplicate", f"message {header.message_id} from {header.sender} was delivered "
+                                             "by another stream meanwhile")
+            if header.message_id in self._voided[header.sender]:  # settled while it was being received
+                raise Rejection("voided", f"message {header.message_id} from {header.sender} was settled as never "
+                                          "delivered")
+            box = self._mail[(header.kind, header.channel)][header.step]
+            if header.sender in box:
+                raise Rejection("duplicate_slot", f"already holding a step-{header.step} message of this "
+                                                  f"kind/channel from {header.sender}")
+            buffer = reception.payload()
+            # Codec payloads stay raw bytes: the algorithm's codec decodes them (and checks them).
+            tensor = buffer.view(torch_dtype(header.dtype)) if header.codec == pb.CODEC_NONE else buffer
+            if header.codec == pb.CODEC_NONE:
+                check_finite(tensor, f"the payload from {header.sender}")
+        except Rejection:
             self.abort(reception)
-            raise Rejection("truncated", f"stream ended after {reception.received} of "
-                                         f"{header.payload_bytes} payload bytes")
-        if header.message_id in self._voided[header.sender]:  # settled while it was being received
-            self.abort(reception)
-            raise Rejection("voided", f"message {header.message_id} from {header.sender} was settled as never "
-                                      "delivered")
-        box = self._mail[(header.kind, header.channel)][header.step]
-        if header.sender in box:
-            self.abort(reception)
-            raise Rejection("duplicate_slot", f"already holding a step-{header.step} message of this "
-                                              f"kind/channel from {header.sender}")
-        self._in_progress.discard((header.sender, header.message_id))
-        seen = self._seen[header.sender]
-        seen[header.message_id] = None
-        while len(seen) > self._dedup_window:
-            seen.popitem(last=False)
-        buffer = reception.buffer
-        # Codec payloads stay raw bytes: the algorithm's codec decodes them.
-        tensor = buffer.view(torch_dtype(header.dtype)) if header.codec == pb.CODEC_NONE else buffer
+            raise
+        self._close(reception)  # the buffer now belongs to the message
+        delivered = self._delivered[header.sender]
+        delivered[header.message_id] = None
+        while len(delivered) > self._dedup_window:
+            delivered.popitem(last=False)
         message = Message(
             sender=header.sender, step=header.step, kind=header.kind, channel=header.channel,
             tensor=tensor, ps_weight=header.ps_weight, relay_count=header.relay_count,
@@ -227,6 +286,8 @@ class Inbox:
         return message
 
     def _validate(self, header: pb.TensorHeader) -> None:
+        """The node's own checks (sender, receiver, route, kind, step window) around the shared
+        header checks of validation.py."""
         if not 0 <= header.sender < self.world_size or header.sender == self.rank:
             raise Rejection("unknown_sender", f"sender {header.sender} is not a peer of node {self.rank} "
                                               f"(world size {self.world_size})")
@@ -236,50 +297,14 @@ class Inbox:
             raise Rejection("bad_route", f"message for node {self.rank} still has relay hops {list(header.route)}")
         spec = self._specs.get((header.kind, header.channel)) or self._specs.get((header.kind, None))
         if spec is None:
-            raise Rejection("unexpected_kind", f"node {self.rank} does not accept message kind "
-                                               f"{pb.MessageKind.Name(header.kind) if header.kind in pb.MessageKind.values() else header.kind}")
-        if header.dtype not in WIRE_TO_TORCH or WIRE_TO_TORCH[header.dtype] != spec.dtype:
-            raise Rejection("bad_dtype", f"expected {spec.dtype}, got wire dtype {header.dtype}")
-        if header.numel != spec.numel:
-            raise Rejection("bad_size", f"expected {spec.numel} elements, got {header.numel}")
-        if header.shape and (min(header.shape) < 0 or math.prod(header.shape) != header.numel):  # [-4, -4]
-            raise Rejection("bad_shape", f"shape {list(header.shape)} does not hold {header.numel} elements")
-        if header.codec not in pb.Codec.values():
-            raise Rejection("bad_codec", f"unknown codec {header.codec}")
-        self._validate_codec(header, spec)
-        itemsize = torch.empty((), dtype=spec.dtype).element_size()
-        if header.codec == pb.CODEC_NONE and header.payload_bytes != header.numel * itemsize:
-            raise Rejection("bad_size", f"{header.payload_bytes} payload bytes for {header.numel} "
-                                        f"x {spec.dtype}")
-        if header.payload_bytes > (spec.max_payload_bytes or 0):
-            raise Rejection("bad_size", f"{header.payload_bytes} payload bytes exceed the "
-                                        f"{spec.max_payload_bytes} allowed")
-        if not (math.isfinite(header.ps_weight) and math.isfinite(header.relay_count)):
-            raise Rejection("bad_weight", "non-finite push-sum weight or relay counter")
+            kind = pb.MessageKind.Name(header.kind) if header.kind in pb.MessageKind.values() else header.kind
+            raise Rejection("unexpected_kind", f"node {self.rank} does not accept message kind {kind}")
+        validate_header(header, spec, world_size=self.world_size)
         if header.kind != pb.MESSAGE_KIND_STATE and abs(header.step - self.current_step) > self.step_window:
             # (a state transfer carries the donor's step, which a rejoining node is far behind of)
             raise Rejection("stale_step" if header.step < self.current_step else "future_step",
                             f"step {header.step} outside [{self.current_step - self.step_window}, "
                             f"{self.current_step + self.step_window}]")
-
-    @staticmethod
-    def _validate_codec(header: pb.TensorHeader, spec: ChannelSpec) -> None:
-        """A codec payload must decode (compression.py) without raising on the training thread:
-        exact encoded size, the codec's number of params, params finite scales >= 0."""
-        from p2ptrain.compression import get_codec
-
-        params = header.codec_params
-        if len(params) != _CODEC_PARAMS[header.codec] or not all(math.isfinite(p) and p >= 0 for p in params):
-            raise Rejection("bad_codec_params", f"codec {header.codec} takes {_CODEC_PARAMS[header.codec]} finite "
-                                                f"param(s) >= 0, got {list(params)}")
-        if header.codec == pb.CODEC_NONE:
-            return
-        if not spec.dtype.is_floating_point:
-            raise Rejection("bad_codec", f"codec {header.codec} cannot decode to {spec.dtype}")
-        expected = get_codec(header.codec).payload_bytes(header.numel)
-        if header.payload_bytes != expected:
-            raise Rejection("bad_size", f"{header.payload_bytes} payload bytes for {header.numel} elements "
-                                        f"in codec {header.codec}, which takes {expected}")
 
     # Consumer side (loop thread; the training thread reaches it through the Transport) ----------
     def _wake_waiters(self) -> None:

@@ -1,0 +1,127 @@
+"""The one header validator: what a TensorHeader must say before a receiver reserves anything for it.
+
+Node inboxes (inbox.py) and the parameter server (ps/server.py) both call `validate_header`, so the
+same defect gets the same reason code on every receiver. Each receiver adds only the checks that are
+its own: who may send, which kinds and steps (or versions) it takes, duplicates, resource limits.
+`check_finite` is the payload check both share once the bytes are in.
+
+Nothing here looks at receiver state or keeps any: every function is pure and raises `Rejection`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.transport.framing import WIRE_TO_TORCH
+
+# Codec params per wire codec (compression.py: int8 sends its scale, the others none).
+CODEC_PARAMS = {pb.CODEC_NONE: 0, pb.CODEC_FP16_TRUNCATE: 0, pb.CODEC_INT8_QUANTIZE: 1}
+_FINITE_BLOCK = 1 << 22  # elements per isfinite() pass: a 4 MiB boolean temporary at most
+
+
+class Rejection(Exception):
+    """A message refused with a reason code (goes into the Ack and the rejected-messages metric)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class ChannelSpec:
+    """What a receiver accepts for one message kind: decoded dtype and element count, at most
+    `max_payload_bytes` on the wire (codecs may send fewer), in one of `codecs` (None: any codec
+    the wire knows)."""
+
+    dtype: torch.dtype
+    numel: int
+    max_payload_bytes: int | None = None
+    codecs: frozenset[int] | None = None
+
+
+def validate_header(header: pb.TensorHeader, spec: ChannelSpec, *, world_size: int) -> None:
+    """Raise Rejection unless `header` describes a message `spec` allows. The first failing check
+    names the reason: bad_dtype, bad_size (numel), bad_shape, bad_codec, bad_codec_params,
+    bad_size (payload bytes), bad_weight."""
+    if header.dtype not in WIRE_TO_TORCH or WIRE_TO_TORCH[header.dtype] != spec.dtype:
+        raise Rejection("bad_dtype", f"expected {spec.dtype}, got wire dtype {header.dtype}")
+    if header.numel != spec.numel:
+        raise Rejection("bad_size", f"expected {spec.numel} elements, got {header.numel}")
+    if header.shape and (min(header.shape) < 0 or math.prod(header.shape) != header.numel):  # [-4, -4]
+        raise Rejection("bad_shape", f"shape {list(header.shape)} does not hold {header.numel} elements")
+    if header.codec not in pb.Codec.values():
+        raise Rejection("bad_codec", f"unknown codec {header.codec}")
+    if spec.codecs is not None and header.codec not in spec.codecs:
+        raise Rejection("bad_codec", f"codec {pb.Codec.Name(header.codec)} is not accepted here "
+                                     f"(only {sorted(pb.Codec.Name(c) for c in spec.codecs)})")
+    _check_codec(header, spec)
+    if header.codec == pb.CODEC_NONE and header.payload_bytes != header.numel * spec.dtype.itemsize:
+        raise Rejection("bad_size", f"{header.payload_bytes} payload bytes for {header.numel} "
+                                    f"x {spec.dtype}")
+    limit = spec.max_payload_bytes if spec.max_payload_bytes is not None else spec.numel * spec.dtype.itemsize
+    if header.payload_bytes > limit:
+        raise Rejection("bad_size", f"{header.payload_bytes} payload bytes exceed the {limit} allowed")
+    check_weights(header, world_size)
+
+
+def check_weights(header: pb.TensorHeader, world_size: int) -> None:
+    """Push-sum weight and relay counter within [0, n]. Push-sum conserves Σ w = n, so no share
+    (of any kind: state transfers carry half a weight) ever exceeds n, and a RelaySGD counter counts
+    at most n models; anything else is forged or corrupt, and two finite but huge weights would
+    still overflow the receiver's w to +Inf."""
+    weight, count = header.ps_weight, header.relay_count
+    if not (math.isfinite(weight) and math.isfinite(count)):
+        raise Rejection("bad_weight", "non-finite push-sum weight or relay counter")
+    if not 0 <= weight <= world_size:
+        raise Rejection("bad_weight", f"push-sum weight {weight!r} outside [0, {world_size}] (world size)")
+    if not 0 <= count <= world_size:
+        raise Rejection("bad_weight", f"relay counter {count!r} outside [0, {world_size}] (world size)")
+
+
+def all_finite(values: torch.Tensor) -> bool:
+    """No NaN or Inf in `values` (True for non-float dtypes).
+
+    First one sum, at memory bandwidth (~12x faster than isfinite, which halved loopback
+    throughput): a NaN or Inf anywhere makes the sum NaN or Inf, so a finite sum proves every
+    element finite. Only a non-finite sum (a bad element, or finite values overflowing the
+    accumulator) is looked into element by element, in blocks so the boolean temporary stays small."""
+    if not values.is_floating_point():
+        return True
+    flat = values.reshape(-1)
+    if bool(torch.isfinite(flat.sum())):
+        return True
+    return all(bool(torch.isfinite(flat[start:start + _FINITE_BLOCK]).all())
+               for start in range(0, flat.numel(), _FINITE_BLOCK))
+
+
+def check_finite(values: torch.Tensor, what: str) -> None:
+    """Refuse (`non_finite`) a floating-point payload holding NaN or Inf."""
+    if not all_finite(values):
+        raise Rejection("non_finite", f"{what} holds NaN or Inf")
+
+
+def _check_codec(header: pb.TensorHeader, spec: ChannelSpec) -> None:
+    """A codec payload must decode (compression.py) without raising on the training thread:
+    exact encoded size, the codec's number of params, params finite scales >= 0."""
+    from p2ptrain.compression import get_codec
+
+    params = header.codec_params
+    if len(params) != CODEC_PARAMS[header.codec] or not all(math.isfinite(p) and p >= 0 for p in params):
+        raise Rejection("bad_codec_params", f"codec {header.codec} takes {CODEC_PARAMS[header.codec]} finite "
+                                            f"param(s) >= 0, got {list(params)}")
+    if header.codec == pb.CODEC_NONE:
+        return
+    if not spec.dtype.is_floating_point:
+        raise Rejection("bad_codec", f"codec {header.codec} cannot decode to {spec.dtype}")
+    expected = get_codec(header.codec).payload_bytes(header.numel)
+    if header.payload_bytes != expected:
+        raise Rejection("bad_size", f"{header.payload_bytes} payload bytes for {header.numel} elements "
+                                    f"in codec {header.codec}, which takes {expected}")
+
+
+__all__ = ["Rejection", "ChannelSpec", "validate_header", "check_weights", "check_finite", "all_finite",
+           "CODEC_PARAMS"]
