@@ -35,9 +35,9 @@ def train_node(rank: int, peers: list[str], steps: int = 200) -> None:
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1), nn.Flatten(0))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     config = NodeConfig(rank=rank, world_size=len(peers), peers=peers, algorithm="sgp",
-                        topology="exponential", overlap=1)
+                        topology="exponential", options={"overlap": 1})
     with Node(config) as node:
-        trainer = DecentralizedTrainer(model, optimizer, node.algorithm(), loss_fn=F.mse_loss)
+        trainer = DecentralizedTrainer(model, optimizer, node.algorithm(), loss_fn=F.mse_loss, comm=node.comm)
         result = trainer.fit(cycle(my_data(rank, len(peers))), steps, log_every=50,
                              on_log=lambda rec, _: print(f"node {rank} step {rec.step} loss {rec.loss:.4f}"))
     print(f"node {rank}: final loss {result.final_loss:.4f}")

@@ -1,6 +1,21 @@
-"""p2ptrain: an asyncio gRPC peer-to-peer runtime for decentralized deep-learning training."""
+"""p2ptrain: an asyncio gRPC peer-to-peer runtime for decentralized deep-learning training.
+
+Importing the package is cheap (no torch, no gRPC): the public names load on first use.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
 
-from p2ptrain.config import NodeConfig  # noqa: E402
+_PUBLIC = {"NodeConfig": "p2ptrain.config", "ConfigError": "p2ptrain.config"}
 
-__all__ = ["NodeConfig", "__version__"]
+
+def __getattr__(name: str) -> Any:  # PEP 562
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'p2ptrain' has no attribute {name!r}")
+
+
+__all__ = ["ConfigError", "NodeConfig", "__version__"]

@@ -17,7 +17,8 @@ import os
 import sys
 from pathlib import Path
 
-from p2ptrain.config import ConfigError, NodeConfig, add_node_arguments, flags_from_args
+from p2ptrain.config import ConfigError, NodeConfig
+from p2ptrain.flags import add_node_arguments, flags_from_args
 
 EXIT_NO_CLUSTER = 3    # `node --rejoin` found no live peer: the cluster has finished
 EXIT_NON_FINITE = 4    # the node's loss or model became NaN/Inf (summary: nonfinite_step)
@@ -169,7 +170,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         from p2ptrain.ps.worker import run_worker
 
         summary = run_worker(config)
-        print(f"worker {config.rank} ({config.ps_policy}): test accuracy {summary['test_accuracy']:.4f}, final "
+        print(f"worker {config.rank} ({config.algorithm_options.ps_policy}): test accuracy {summary['test_accuracy']:.4f}, final "
               f"loss {summary['final_loss']}, mean staleness {summary.get('mean_staleness')}, "
               f"median pi {summary.get('pi_median')}")
         return 0
@@ -194,7 +195,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
 
 
 def _serve_ps(config: NodeConfig) -> int:
-    from p2ptrain.ps.server import run_ps
+    from p2ptrain.ps.run import run_ps
 
     summary = run_ps(config)
     print(f"parameter server: {summary['commits']} commits from {summary['workers_done']}/{summary['workers']} "

@@ -13,6 +13,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+def counter_total(registry: CollectorRegistry, sample: str) -> int:
+    """A counter summed over its labels (e.g. what a node relayed, to every next hop)."""
+    return int(sum(s.value for m in registry.collect() for s in m.samples if s.name == sample))
+
+
 class NodeMetrics:
     """All p2ptrain_* series of one node; `node` is the rank as a label value."""
 

@@ -18,7 +18,8 @@ import yaml
 
 from launcher import compose, prometheus
 from p2ptrain import cli
-from p2ptrain.config import NodeConfig, flags_from_args
+from p2ptrain.config import NodeConfig
+from p2ptrain.flags import flags_from_args
 from p2ptrain.metrics import NodeMetrics, PsMetrics, WorkerMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -199,7 +200,7 @@ def test_gem_cluster_is_server_and_workers(capsys, monkeypatch):
     configs = check_compose(spec, ROOT)
     assert set(configs) == {"ps", "worker0", "worker1", "worker2"}
     assert all("profiles" not in spec["services"][n] for n in configs)
-    assert {(c.ps_policy, c.model, c.algorithm) for c in configs.values()} == {("downpour", "cnn", "gem")}
+    assert {(c.algorithm_options.ps_policy, c.model, c.algorithm) for c in configs.values()} == {("downpour", "cnn", "gem")}
 
 
 def test_ps_profile_overrides_algorithm_only_for_workers(capsys, monkeypatch):
@@ -216,7 +217,8 @@ def test_host_files_are_mounted_at_their_path(tmp_path, capsys, monkeypatch):
     spec = yaml.safe_load(generate(capsys, monkeypatch, "--nodes", "2", "--ps", "--auth-token-file", "token",
                                    "--config", "node.toml", cwd=tmp_path))
     configs = check_compose(spec, tmp_path)
-    assert configs["node1"].overlap == 1 and configs["worker0"].overlap == 1  # the TOML was read
+    assert configs["node1"].algorithm_options.overlap == 1  # the TOML was read (by the GEM workers too, who
+    assert configs["worker0"].ignored_options == {"overlap": 1}  # keep another algorithm's option aside)
     for name in ("node0", "node1", "ps", "worker1"):
         service = spec["services"][name]
         assert f"{token}:{token}:ro" in service["volumes"] and _flag(service["command"], "--auth-token-file") == str(token)

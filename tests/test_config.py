@@ -8,12 +8,17 @@ import pytest
 import torch
 
 from p2ptrain import cli
-from p2ptrain.config import ConfigError, NodeConfig, add_node_arguments
+from p2ptrain.algorithms import registry
+from p2ptrain.config import ConfigError, NodeConfig
+from p2ptrain.flags import add_node_arguments
 
 torch.set_num_threads(1)
 
 PEERS2 = "127.0.0.1:50051,127.0.0.1:50052"
-FIELDS = [f.name for f in dataclasses.fields(NodeConfig)]
+# Every setting: NodeConfig's fields (the algorithm's options travel in `options`, whose names are the
+# registry's; `ignored_options` is bookkeeping) plus every algorithm option.
+FIELDS = [f.name for f in dataclasses.fields(NodeConfig) if f.name not in ("options", "ignored_options")] + \
+    list(registry.all_options())
 
 
 def write(tmp_path, text: str, name: str = "node.toml"):
@@ -26,7 +31,7 @@ def write(tmp_path, text: str, name: str = "node.toml"):
 def test_defaults_without_any_source():
     config = NodeConfig.from_sources(env={})
     assert config == NodeConfig()
-    assert (config.rank, config.world_size, config.peers, config.overlap, config.steps) == (0, 1, [], 0, 300)
+    assert (config.rank, config.world_size, config.peers, config.algorithm_options.overlap, config.steps) == (0, 1, [], 0, 300)
     assert config.chunk_bytes == 4 * 1024 * 1024
 
 
@@ -36,7 +41,7 @@ def test_precedence_defaults_toml_env_flags(tmp_path):
     flags = {"steps": 30, "topology": None, "command": "node", "func": print}  # None = flag not given
     config = NodeConfig.from_sources(toml_path=toml, env=env, flags=flags)
     assert config.steps == 30          # flag > env > TOML
-    assert config.overlap == 2         # env > TOML
+    assert config.algorithm_options.overlap == 2         # env > TOML
     assert config.topology == "complete"  # a None flag does not override
     assert config.lr == 0.1 and isinstance(config.lr, float)  # TOML > default
     assert config.hidden == 64
@@ -69,7 +74,7 @@ def test_node_table_in_toml(tmp_path):
     toml = write(tmp_path, '[node]\nrank = 1\nworld_size = 2\npeers = ["a:1", "b:2"]\noverlap = 3\n'
                            'chunk_mb = 0.5\nmetrics_port = 0\n')
     config = NodeConfig.from_sources(toml_path=toml, env={})
-    assert (config.rank, config.world_size, config.peers, config.overlap) == (1, 2, ["a:1", "b:2"], 3)
+    assert (config.rank, config.world_size, config.peers, config.algorithm_options.overlap) == (1, 2, ["a:1", "b:2"], 3)
     assert config.chunk_bytes == 512 * 1024 and config.metrics_port == 0
 
 
@@ -109,9 +114,10 @@ def test_invalid_toml_and_missing_file(tmp_path):
     ({"flags": {"algorithm": "easgd"}}, "unknown algorithm 'easgd'"),
     ({"flags": {"algorithm": "dpsgd", "topology": "exponential"}}, "dpsgd cannot run on topology 'exponential'"),
     ({"flags": {"algorithm": "relaysgd", "topology": "ring"}}, "relaysgd cannot run on topology 'ring'"),
-    ({"flags": {"compression": "zip"}}, "unknown compression 'zip'"),
-    ({"flags": {"average": "both"}}, "unknown average 'both'"),
-    ({"flags": {"warmup_steps": -1}}, "warmup_steps must be >= 0"),
+    ({"flags": {"algorithm": "allreduce", "compression": "zip"}}, "unknown compression 'zip'"),
+    ({"flags": {"algorithm": "allreduce", "average": "both"}}, "unknown average 'both'"),
+    ({"flags": {"algorithm": "pipesgd", "warmup_steps": -1}}, "warmup_steps must be >= 0"),
+    ({"flags": {"overlap": 1, "algorithm": "allreduce"}}, "--overlap does not apply to allreduce"),
     ({"flags": {"topology": "torus"}}, "unknown topology 'torus'"),
     ({"flags": {"overlap": -1}}, "overlap τ must be >= 0, got -1"),
     ({"flags": {"overlap": 64}}, "overlap τ must be smaller than step_window"),
@@ -156,7 +162,7 @@ def test_fingerprint_shared_settings_only():
     assert base.fingerprint() == config(rank=1).fingerprint()
     assert base.fingerprint() == config(rank=1, peers=["c:3", "d:4"], listen="127.0.0.1:9").fingerprint()
     assert base.fingerprint() == config(out="x", metrics_port=0).fingerprint()
-    assert base.fingerprint() != config(overlap=1).fingerprint()
+    assert base.fingerprint() != config(options={"overlap": 1}).fingerprint()
     assert base.fingerprint() != config(topology="ring").fingerprint()
     assert base.fingerprint() != config(seed=1).fingerprint()
     assert base.fingerprint() != config(world_size=3, peers=["a:1", "b:2", "c:3"]).fingerprint()
@@ -225,7 +231,7 @@ def test_node_flags_reach_the_config(tmp_path):
         ["node", "--rank", "1", "--world-size", "2", "--peers", PEERS2, "--overlap", "2", "--chunk-mb", "0.25",
          "--config", str(write(tmp_path, "steps = 7\noverlap = 1\n"))])
     config = cli._config_from_args(args)
-    assert (config.rank, config.world_size, config.overlap, config.steps) == (1, 2, 2, 7)
+    assert (config.rank, config.world_size, config.algorithm_options.overlap, config.steps) == (1, 2, 2, 7)
     assert config.peers == PEERS2.split(",") and config.chunk_bytes == 256 * 1024
 
 
@@ -269,4 +275,4 @@ def test_topology_defaults_per_algorithm_and_enters_the_fingerprint():
     assert NodeConfig(algorithm="relaysgd").resolved_topology == "double-binary-trees"
     assert NodeConfig(algorithm="dpsgd").fingerprint() == NodeConfig(algorithm="dpsgd", topology="ring").fingerprint()
     assert NodeConfig(algorithm="pipesgd").fingerprint() != NodeConfig(algorithm="pipesgd",
-                                                                        compression="int8").fingerprint()
+                                                                        options={"compression": "int8"}).fingerprint()

@@ -202,7 +202,8 @@ def test_adaptive_staleness_over_grpc_reports_the_scale():
 def test_proxy_is_momentum_sgd_on_one_process_and_writes_the_node_files(tmp_path):
     from p2ptrain.ps.worker import run_proxy
 
-    config = NodeConfig(role="worker", ps_policy="proxy", model="mlp", hidden=16, num_train=600, num_test=200,
+    config = NodeConfig(role="worker", algorithm="gem", options={"ps_policy": "proxy"}, model="mlp", hidden=16,
+                        num_train=600, num_test=200,
                         steps=40, batch_size=32, lr=0.05, log_every=10, out=str(tmp_path)).validate()
     summary = run_proxy(config)
     records = [json.loads(line) for line in (tmp_path / "node0.progress.jsonl").read_text().splitlines()]
@@ -218,16 +219,22 @@ def test_proxy_is_momentum_sgd_on_one_process_and_writes_the_node_files(tmp_path
 
 # -- settings ---------------------------------------------------------------------------------------
 def test_gem_settings_defaults_and_sources(tmp_path):
-    config = NodeConfig()
-    assert (config.role, config.ps_policy, config.gem_kappa, config.gem_epsilon, config.gem_clamp) == (
+    config = NodeConfig(algorithm="gem")
+    options = config.algorithm_options
+    assert (config.role, options.ps_policy, options.gem_kappa, options.gem_epsilon, options.gem_clamp) == (
         "peer", "gem", 1.0, 1e-16, "0,5")  # π clamped to [0, 5] as in the authors' code
-    assert NodeConfig.from_sources(env={"P2PTRAIN_GEM_CLAMP": "none"}).gem_clamp is None
+    worker = {"P2PTRAIN_ROLE": "worker", "P2PTRAIN_PS_ADDRESS": "127.0.0.1:1"}
+    assert NodeConfig.from_sources(env={"P2PTRAIN_GEM_CLAMP": "none", **worker}).algorithm_options.gem_clamp is None
     env = {"P2PTRAIN_ROLE": "worker", "P2PTRAIN_PS_ADDRESS": "ps:7000", "P2PTRAIN_GEM_CLAMP": "0,5",
            "P2PTRAIN_GEM_KAPPA": "2", "WORLD_SIZE": "16", "RANK": "3"}
     config = NodeConfig.from_sources(env=env)
-    assert (config.role, config.ps_address, config.gem_clamp, config.gem_kappa, config.rank) == (
+    options = config.algorithm_options
+    assert (config.role, config.ps_address, options.gem_clamp, options.gem_kappa, config.rank) == (
         "worker", "ps:7000", "0,5", 2.0, 3)
     assert config.peers == []  # a worker needs no peer list
+
+
+WORKER = {"role": "worker", "ps_address": "a:1"}  # (the GEM options apply to parameter-server roles)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -237,11 +244,12 @@ def test_gem_settings_defaults_and_sources(tmp_path):
     ({"role": "ps"}, "the parameter server needs --listen or --ps-address"),
     ({"role": "ps", "listen": "[::]:1", "ps_policy": "proxy"}, "proxy trains on one worker process"),
     ({"role": "worker", "ps_policy": "proxy", "world_size": 4}, "use --world-size 1"),
-    ({"ps_policy": "hogwild"}, "unknown ps_policy 'hogwild'"),
-    ({"gem_kappa": -1.0}, "gem_kappa must be a finite number >= 0"),
-    ({"gem_epsilon": 0.0}, "gem_epsilon must be a normal float32"),
-    ({"gem_epsilon": 1e-45}, "gem_epsilon must be a normal float32"),
-    ({"gem_clamp": "5,0"}, "gem_clamp: clamp '5,0': need lo <= hi"),
+    ({**WORKER, "ps_policy": "hogwild"}, "unknown ps_policy 'hogwild'"),
+    ({**WORKER, "gem_kappa": -1.0}, "gem_kappa must be a finite number >= 0"),
+    ({**WORKER, "gem_epsilon": 0.0}, "gem_epsilon must be a normal float32"),
+    ({**WORKER, "gem_epsilon": 1e-45}, "gem_epsilon must be a normal float32"),
+    ({**WORKER, "gem_clamp": "5,0"}, "gem_clamp: clamp '5,0': need lo <= hi"),
+    ({"gem_kappa": 2.0}, "--gem-kappa does not apply to sgp"),
     ({"role": "worker", "ps_address": "a:1", "momentum": 1.0}, "momentum μ must be < 1"),
 ])
 def test_bad_gem_settings_raise_config_error(flags, message):
@@ -258,6 +266,6 @@ def test_cli_ps_and_worker_flags_reach_the_config():
         ["node", "--role", "worker", "--ps", "127.0.0.1:7000", "--rank", "2", "--world-size", "4",
          "--ps-policy", "adaptive-staleness", "--gem-kappa", "1.5", "--gem-clamp", "0,5", "--gem-epsilon", "1e-12"])
     config = cli._config_from_args(args)
-    assert (config.role, config.ps_address, config.ps_policy, config.gem_kappa, config.gem_clamp,
-            config.gem_epsilon, config.rank, config.world_size) == (
+    assert (config.role, config.ps_address, config.algorithm_options.ps_policy, config.algorithm_options.gem_kappa, config.algorithm_options.gem_clamp,
+            config.algorithm_options.gem_epsilon, config.rank, config.world_size) == (
         "worker", "127.0.0.1:7000", "adaptive-staleness", 1.5, "0,5", 1e-12, 2, 4)

@@ -17,6 +17,7 @@ import torch
 from launcher.ports import free_ports
 from p2ptrain import cli
 from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.node import link_table
 from p2ptrain.config import ConfigError, NodeConfig
 from p2ptrain.metrics import NodeMetrics
 from p2ptrain.transport import Transport, TransportOptions
@@ -93,7 +94,7 @@ def test_config_fields_flags_and_errors(tmp_path):
             "--relays", "any", "--relay-retry-after", "5", "--link-override", "0<->2:block"]
     config = cli._config_from_args(cli.build_parser().parse_args(["node", *argv]))
     assert config.relay_routes == ["0->2:1", "2<->0:1"] and config.relays == "any"
-    assert config.relay_retry_after == 5 and config.link_table().is_blocked(2, 0)
+    assert config.relay_retry_after == 5 and link_table(config).is_blocked(2, 0)
     # launch re-emits the node flags for every node process; the repeated flag survives the trip
     launch = cli.build_parser().parse_args(["launch", "--nodes", "3", *argv[4:]])
     again = cli.build_parser().parse_args(["node", *argv[:4], *cli._node_flags_as_argv(launch)])
@@ -334,7 +335,8 @@ CUT = [(a, b) for a in GROUP_A for b in GROUP_B if a != BRIDGE]  # node 2 alone 
 def train_cluster(n: int, steps: int, **settings) -> list[dict]:
     """SGP on n in-process Nodes (real gRPC on loopback), configured like `p2ptrain node` ones;
     returns per node its test accuracy, final ps-weight, refused shares and metrics."""
-    from p2ptrain.node import Node, training_setup
+    from p2ptrain.node import Node
+    from p2ptrain.train.setup import training_setup
     from p2ptrain.train import DecentralizedTrainer, cycle
 
     peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(n))

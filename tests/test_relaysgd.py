@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.algorithms.base import Delivery
 from p2ptrain.algorithms.relaysgd import RelaySGD, RelaySum
 from p2ptrain.topology.trees import (BinaryTree, Chain, DoubleBinaryTrees, MirroredBinaryTree, TREE_NAMES,
                                      build_relay_trees, coordinate_slices)
@@ -239,7 +239,7 @@ class _FakeComm:
     rank, world_size = 0, 2
     link_deadline = 1.0
 
-    def __init__(self, ack: pb.Ack | Exception):
+    def __init__(self, ack: Delivery | Exception):
         self.ack = ack
 
     def expect(self, *args, **kwargs):
@@ -260,7 +260,7 @@ class _FakeComm:
         return future
 
 
-@pytest.mark.parametrize("ack", [pb.Ack(status=pb.Ack.STATUS_REJECTED, reason="bad_size", detail="x"),
+@pytest.mark.parametrize("ack", [Delivery(False, reason="bad_size", detail="x"),
                                  ConnectionError("peer gone")])
 def test_refused_or_failed_relay_message_is_dropped_not_fatal(ack, caplog):
     """A lost relay message is dropped (the receiver drops it with its count): the sender logs it

@@ -19,7 +19,7 @@ from p2ptrain.metrics import NodeMetrics, PsMetrics
 from p2ptrain.ps.client import PsClient, PsError
 from p2ptrain.ps.server import ParameterServer
 from p2ptrain.transport import Transport, TransportOptions
-from p2ptrain.transport.security import Security, SecurityError
+from p2ptrain.transport.security import security_from_settings, Security, SecurityError
 from p2ptrain.transport.server import HELLO_METHOD, PROTOCOL_VERSION
 
 TOKEN = "s3cret-token-for-tests"
@@ -240,7 +240,7 @@ def test_security_settings_from_flags_toml_env_and_redaction(pki, tmp_path):
                               "--tls-ca", str(pki / "ca.pem"), "--tls-require-client-cert",
                               "--tls-server-name", "localhost", "--auth-token", TOKEN])
     config = cli._config_from_args(args)
-    sec = config.security()
+    sec = security_from_settings(config)
     assert (sec.tls_cert, sec.tls_ca, sec.token, sec.require_client_cert, sec.tls_server_name) == \
         (str(pki / "node.pem"), str(pki / "ca.pem"), TOKEN, True, "localhost")
     plain = NodeConfig.from_sources(env={})
@@ -254,11 +254,11 @@ def test_security_settings_from_flags_toml_env_and_redaction(pki, tmp_path):
     toml.write_text("\n".join(f'{k} = "{v}"' for k, v in _files(pki).items())
                     + f'\nauth_token_file = "{token_file}"\ntls_require_client_cert = true\n')
     config = NodeConfig.from_sources(toml_path=toml, env={})
-    assert config.security().token == TOKEN and config.tls_require_client_cert is True
+    assert security_from_settings(config).token == TOKEN and config.tls_require_client_cert is True
     config = NodeConfig.from_sources(env={"P2PTRAIN_AUTH_TOKEN": TOKEN, "P2PTRAIN_TLS_REQUIRE_CLIENT_CERT": "no",
                                           **{f"P2PTRAIN_{k.upper()}": v for k, v in _files(pki).items()}})
-    assert config.security().token == TOKEN and config.tls_require_client_cert is False
-    assert NodeConfig.from_sources(env={}).security() == Security()
+    assert security_from_settings(config).token == TOKEN and config.tls_require_client_cert is False
+    assert security_from_settings(NodeConfig.from_sources(env={})) == Security()
 
     # launch re-emits the TLS flags (the switch alone) to its nodes, but the token only by environment
     launch = parser.parse_args(["launch", "--nodes", "2", "--tls-cert", str(pki / "node.pem"), "--tls-key",

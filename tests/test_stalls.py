@@ -41,14 +41,14 @@ def stall(comm, seconds: float) -> None:
     time.sleep(seconds)
 
 
-def averaging_trainer(rank: int, algorithm) -> DecentralizedTrainer:
+def averaging_trainer(rank: int, algorithm, comm) -> DecentralizedTrainer:
     """The real engine on a model it never changes (lr 0): every change to it is the algorithm's
     mixing, so the nodes must end at the exact average of their initial models."""
     model = nn.Linear(DIM, 1, bias=False)
     with torch.no_grad():
         model.weight.copy_(initial(rank).view(1, DIM))
     return DecentralizedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0), algorithm,
-                                loss_fn=lambda out, target: (out * 0).sum())
+                                loss_fn=lambda out, target: (out * 0).sum(), comm=comm)
 
 
 def batches(rank: int, comm, *, stall_rank: int, stall_at: int, seconds: float):
@@ -74,7 +74,7 @@ def test_sgp_survives_a_stalled_peer_with_its_mass_and_rejoins(overlap, seconds)
 
     def body(rank, comm):
         sgp = SGP(comm, topology, overlap=overlap)
-        trainer = averaging_trainer(rank, sgp)
+        trainer = averaging_trainer(rank, sgp, comm)
         trainer.fit(batches(rank, comm, stall_rank=2, stall_at=15, seconds=seconds), steps)
         return (sgp.w, sgp.min_w, trainer.flat.get().detach().clone(), trainer.catch_ups, sgp.dropped_shares,
                 sgp.x.clone())
@@ -99,7 +99,7 @@ def test_dpsgd_survives_a_stalled_peer_and_the_stalled_node_catches_up():
 
     def body(rank, comm):
         dpsgd = DPSGD(comm, UndirectedRing(n))
-        trainer = averaging_trainer(rank, dpsgd)
+        trainer = averaging_trainer(rank, dpsgd, comm)
         trainer.fit(batches(rank, comm, stall_rank=1, stall_at=10, seconds=2.0), steps)
         return trainer.flat.get().detach().clone(), trainer.catch_ups
 

@@ -9,17 +9,35 @@ compresses every ring hop (seed 004); gradients tolerate it far better than mode
 """
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from p2ptrain.algorithms.base import Algorithm
+from p2ptrain.algorithms.base import Algorithm, Comm
+from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, option, register
+from p2ptrain.compression import CODEC_NAMES
+
+if TYPE_CHECKING:
+    import torch
 
 AVERAGE_WHAT = ("models", "gradients")
+
+
+@dataclass(frozen=True)
+class AllReduceOptions(AlgorithmOptions):
+    average: str = option("models", "average the models after the step, or the gradients before it",
+                          choices=AVERAGE_WHAT)
+    compression: str = option("none", "codec of every ring hop: fp16 = 16-bit truncation, int8 = 8-bit scalar "
+                                      "quantization", choices=CODEC_NAMES)
 
 
 class AllReduceSGD(Algorithm):
     name = "allreduce"
 
-    def __init__(self, comm, *, average: str = "models", codec: str = "none"):
+    @classmethod
+    def from_options(cls, comm: Comm, options: AllReduceOptions, context: BuildContext) -> "AllReduceSGD":
+        return cls(comm, average=options.average, codec=options.compression)
+
+    def __init__(self, comm: Comm, *, average: str = "models", codec: str = "none"):
         if average not in AVERAGE_WHAT:
             raise ValueError(f"average must be one of {AVERAGE_WHAT}, got {average!r}")
         self.comm = comm
@@ -42,3 +60,8 @@ class AllReduceSGD(Algorithm):
             return params
         self.comm.set_step(step)
         return self.allreduce.reduce_or_keep(params, step)
+
+
+register(AlgorithmSpec(
+    "allreduce", "ring all-reduce (reduce-scatter + all-gather) of the model after each step (seed 003 Alg. 3)",
+    AllReduceOptions, AllReduceSGD.from_options, topologies=("ring",)))

@@ -1,55 +1,138 @@
-"""What an algorithm is to the engine (Bagua-style hooks; the engine owns the loop).
+"""What an algorithm is to the engine (Bagua-style hooks; the engine owns the loop), and what the
+node is to an algorithm (the typed `Comm` protocol).
 
 The training engine keeps the model's parameters in one flat buffer. It calls `setup` once and
-`after_step` after every local optimizer step, and loads whatever flat vector the algorithm returns
-into the model before the next forward pass. Algorithms hold the seed's math and talk to peers
-only through the Communicator.
+`after_step` after every local optimizer step (`reduce_gradients` after backward for algorithms that
+set `uses_gradients`), and loads whatever flat vector the algorithm returns into the model before
+the next forward pass. An algorithm holds its source's math and talks to peers only through
+`Comm`: it never opens a socket, never sees the wire format, and imports no torch at module level
+(it does math on the tensors it is handed), so the registry stays light.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import enum
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+
+class Kind(enum.IntEnum):
+    """What a message means to the algorithm that receives it (the transport routes by it; the
+    values are the wire's MessageKind, checked by a test)."""
+
+    PUSH_SUM = 1    # SGP: p * x, with p * w as the message's ps_weight
+    GOSSIP = 2      # D-PSGD: a neighbour's model
+    ALLREDUCE = 3   # one segment of a ring all-reduce
+    RELAY = 4       # RelaySum message, its counter as relay_count
+    STATE = 5       # a (re)joining peer's state transfer
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """How a send ended: delivered (a duplicate of a delivered copy counts), or refused with the
+    receiver's reason (e.g. "stale_step"; "voided": settled as never delivered)."""
+
+    delivered: bool
+    reason: str = ""
+    detail: str = ""
+
+
+class Received(Protocol):
+    """A message handed to an algorithm; `tensor` may view a pooled buffer: call release() once used."""
+
+    sender: int
+    step: int
+    tensor: "torch.Tensor"
+    ps_weight: float
+    relay_count: float
+    codec: int
+    codec_params: tuple[float, ...]
+
+    def release(self) -> None: ...
+
+
+class Comm(Protocol):
+    """The node as an algorithm sees it."""
+
+    rank: int
+    world_size: int
+    joined: Received | None  # the state a restarted node took from a donor (None: a fresh start)
+
+    @property
+    def link_deadline(self) -> float: ...
+
+    def expect(self, kind: Kind, dtype: "torch.dtype", numel: int, *, channel: str | None = None,
+               preallocate: int = 2, max_payload_bytes: int | None = None, codecs=None) -> None:
+        """Accept messages of `kind` (on `channel`) holding `numel` x `dtype`; call before ready()."""
+
+    def ready(self) -> None:
+        """Every expect() done: announce readiness and wait for the peers to be ready too."""
+
+    def set_step(self, step: int) -> None: ...
+
+    def live(self, peers: Iterable[int]) -> list[int]:
+        """The peers neither dead nor lagging: send to and wait for these only."""
+
+    def all_alive(self) -> bool: ...
+
+    def make_room(self, peer: int, window: int) -> bool:
+        """True once fewer than `window` sends to `peer` await their acknowledgement (a stalled
+        peer gets skipped instead of piling up messages)."""
+
+    def send(self, peer: int, tensor: "torch.Tensor", *, kind: Kind, step: int, **header) -> concurrent.futures.Future:
+        """Push `tensor` (not modified afterwards); a future of its Delivery."""
+
+    def gather(self, kind: Kind, step: int, senders: list[int], *, channel: str = "",
+               deadline: float | None = None) -> dict[int, Received]:
+        """The step-`step` messages of the live senders that arrive within the link deadline."""
+
+    def take(self, kind: Kind, max_step: int, *, channel: str = "") -> list[Received]:
+        """Messages of steps <= max_step that already arrived (late ones)."""
 
 
 class Algorithm(ABC):
     name = "algorithm"
     uses_gradients = False  # True: the engine calls reduce_gradients after every backward
+    comm: Comm
 
     @abstractmethod
-    def setup(self, params: torch.Tensor) -> torch.Tensor:
+    def setup(self, params: "torch.Tensor") -> "torch.Tensor":
         """Called once with the initial flat parameters; returns the parameters to compute with."""
 
     @abstractmethod
-    def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:
+    def after_step(self, step: int, params: "torch.Tensor") -> "torch.Tensor":
         """`params` = model after the local optimizer step of `step`; returns the model for step+1."""
 
-    def reduce_gradients(self, step: int, grads: torch.Tensor) -> torch.Tensor | None:
+    def reduce_gradients(self, step: int, grads: "torch.Tensor") -> "torch.Tensor | None":
         """Flat local gradient of `step` (a copy the algorithm may keep); returns the gradient to
         apply, or None to skip this step's optimizer update."""
         return grads
 
-    def donate_state(self, peer: int, step: int, params: torch.Tensor) -> torch.Tensor | None:
+    def donate_state(self, peer: int, step: int, params: "torch.Tensor") -> "torch.Tensor | None":
         """Send this node's state to a (re)joining `peer` (called by the engine at a step boundary,
         with the current parameters); returns new parameters if donating changed them. Default:
         a copy of the model; push-sum algorithms split their mass instead (see SGP)."""
-        from p2ptrain._proto import p2ptrain_pb2 as pb
-
-        self.comm.send(peer, params.detach().clone(), kind=pb.MESSAGE_KIND_STATE, step=step, ps_weight=1.0,
-                       reliable=True)
+        self.comm.send(peer, params.detach().clone(), kind=Kind.STATE, step=step, ps_weight=1.0, reliable=True)
         return None
 
-    def adopt_state(self, state, params: torch.Tensor) -> torch.Tensor:
-        """A node that stalled and fell behind caught up: `state` is a donor's state transfer
-        (p2ptrain.transport.communicator.Received), `params` the stale local model; returns the model
-        to continue with. Default: the donor's model. Push-sum algorithms merge instead (see SGP),
-        since the stale node still holds its own share of the mass."""
+    def adopt_state(self, state: Received, params: "torch.Tensor") -> "torch.Tensor":
+        """A node that stalled and fell behind caught up: `state` is a donor's state transfer,
+        `params` the stale local model; returns the model to continue with. Default: the donor's
+        model. Push-sum algorithms merge instead (see SGP), since the stale node still holds its
+        own share of the mass."""
         return state.tensor.detach().clone().view_as(params)
 
-    def finish(self) -> torch.Tensor | None:
+    def finish(self) -> "torch.Tensor | None":
         """Flush in-flight communication at the end of training; returns final parameters, if changed."""
         return None
 
     def stats(self) -> dict[str, float]:
         """Scalars for metrics and progress lines (e.g. the push-sum weight)."""
         return {}
+
+
+__all__ = ["Algorithm", "Comm", "Delivery", "Kind", "Received"]

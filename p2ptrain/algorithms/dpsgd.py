@@ -19,22 +19,35 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.algorithms.base import Algorithm
+from p2ptrain.algorithms.base import Algorithm, Comm, Kind
+from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, register
+from p2ptrain.topology import build_undirected
 from p2ptrain.topology.undirected import UndirectedGraph
 
-KIND = pb.MESSAGE_KIND_GOSSIP
+if TYPE_CHECKING:
+    import torch
+
+KIND = Kind.GOSSIP
 SEND_WINDOW = 2  # models in flight to one neighbour, at most (each is a copy of the model)
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DPSGDOptions(AlgorithmOptions):
+    """D-PSGD takes no options: the graph (--topology) fixes its Metropolis weights."""
 
 
 class DPSGD(Algorithm):
     name = "dpsgd"
 
-    def __init__(self, comm, graph: UndirectedGraph):
+    @classmethod
+    def from_options(cls, comm: Comm, options: DPSGDOptions, context: BuildContext) -> "DPSGD":
+        return cls(comm, build_undirected(context.topology, comm.world_size))
+
+    def __init__(self, comm: Comm, graph: UndirectedGraph):
         if not isinstance(graph, UndirectedGraph):
             raise ValueError(f"D-PSGD needs an undirected graph (symmetric W), got {graph!r}")
         if graph.world_size != comm.world_size:
@@ -94,7 +107,12 @@ class DPSGD(Algorithm):
             exc = future.exception()
             if exc is not None:  # lost on the link, or the peer is dead: it mixes without us
                 log.debug("node %d: a D-PSGD model was not delivered: %s", self.rank, exc)
-            elif future.result().status == pb.Ack.STATUS_REJECTED:
-                ack = future.result()
-                log.warning("node %d: D-PSGD model refused: %s: %s", self.rank, ack.reason, ack.detail)
+            elif not future.result().delivered:
+                outcome = future.result()
+                log.warning("node %d: D-PSGD model refused: %s: %s", self.rank, outcome.reason, outcome.detail)
         self._acks = pending
+
+
+register(AlgorithmSpec(
+    "dpsgd", "gossip x ← Σ_j W_ij x_j with Metropolis weights on an undirected graph (seed 003 Alg. 1)",
+    DPSGDOptions, DPSGD.from_options, topologies=("ring", "complete", "chain", "binary-tree")))

@@ -26,8 +26,13 @@ better than DOWNPOUR's 1.2 on the same run). `gem_pi` itself clamps only when as
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, option, register
+
+if TYPE_CHECKING:
+    import torch
 
 POLICIES = ("gem", "downpour", "adaptive-staleness", "proxy")
 DEFAULT_KAPPA = 1.0
@@ -44,6 +49,7 @@ DEFAULT_CLAMP = "0,5"  # the authors' code's clamp of π (see the module docstri
 # A larger ε would not buy safety: it would only shrink π for genuinely small updates.
 DEFAULT_EPSILON = 1e-16
 FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32: a smaller ε would be a subnormal
+FLOAT32_MAX = 3.4028234663852886e38
 _PI_MEDIAN_SAMPLE = 1 << 20  # median π over at most this many elements (a strided sample of larger models)
 
 
@@ -70,8 +76,8 @@ def gem_pi(m: torch.Tensor, delta: torch.Tensor, theta: torch.Tensor, s: torch.T
     for finite inputs (see DEFAULT_EPSILON), clamped to `clamp` = (lo, hi) when given."""
     m, delta, theta, s = (t.float() for t in (m, delta, theta, s))
     pi = (kappa * m.abs() - (theta - s).abs()) / (delta.abs() + epsilon)
-    big = torch.finfo(torch.float32).max
-    pi = torch.nan_to_num(pi, nan=math.nan, posinf=big, neginf=-big)
+    big = FLOAT32_MAX
+    pi = pi.nan_to_num_(nan=math.nan, posinf=big, neginf=-big)
     if clamp is not None:
         pi = pi.clamp_(clamp[0], clamp[1])
     return pi
@@ -126,7 +132,7 @@ class GemRule(WorkerRule):
     def __call__(self, delta: torch.Tensor, theta: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, float]:
         delta = delta.float()
         if self.m is None:
-            self.m = torch.zeros_like(delta)
+            self.m = delta.new_zeros(delta.shape)
         self.m.mul_(self.momentum).add_(delta)  # m ← μ m + Δθ
         pi = gem_pi(self.m, delta, theta, s, kappa=self.kappa, epsilon=self.epsilon, clamp=self.clamp)
         self.last_pi = pi
@@ -168,5 +174,44 @@ def build_rule(policy: str, *, kappa: float = DEFAULT_KAPPA, momentum: float = 0
     raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
 
 
+@dataclass(frozen=True)
+class GemOptions(AlgorithmOptions):
+    """The worker rule of a parameter-server cluster (`p2ptrain ps` + `--role worker`)."""
+
+    ps_policy: str = option("gem", "worker rule: gem = scale updates by π (Alg. 1), downpour = π 1, adaptive-staleness"
+                                   " = the server applies Δθ/(τ+1), proxy = the target: momentum SGD (--lr, --momentum) "
+                                   "on one process, no server", choices=POLICIES)
+    gem_kappa: float = option(DEFAULT_KAPPA, "κ: amplifies the proxy energy, π = (κ|m| - |θ-s|)/(|Δθ|+ε); GEM's μ is "
+                                             "--momentum", metavar="KAPPA")
+    gem_epsilon: float = option(DEFAULT_EPSILON, "ε in π's denominator; only acts where Δθ is ~0", metavar="EPS")
+    gem_clamp: str | None = option(DEFAULT_CLAMP, "clamp π element-wise to [LO, HI]; 'none' = the paper's unclamped "
+                                                  "formula, whose negative π amplify the drift and diverge with "
+                                                  "several workers (the authors' code clamps to 0,5)", metavar="LO,HI")
+
+    def validate(self, settings) -> None:
+        super().validate(settings)
+        if not (self.gem_kappa >= 0 and self.gem_kappa < float("inf")):
+            raise ValueError(f"gem_kappa must be a finite number >= 0, got {self.gem_kappa}")
+        if not FLOAT32_TINY <= self.gem_epsilon < float("inf"):
+            raise ValueError(f"gem_epsilon must be a normal float32 > 0 (>= {FLOAT32_TINY:.3g}), got {self.gem_epsilon}")
+        try:
+            parse_clamp(self.gem_clamp)
+        except ValueError as exc:
+            raise ValueError(f"gem_clamp: {exc}") from None
+        if settings is not None and settings.role == "worker" and self.ps_policy != "proxy" and not settings.ps_address:
+            raise ValueError("a worker needs --ps-address HOST:PORT of the parameter server")
+        if settings is not None and self.ps_policy == "proxy":
+            if settings.role == "ps":
+                raise ValueError("--ps-policy proxy trains on one worker process without a parameter server; run it "
+                                 "with --role worker")
+            if settings.world_size != 1:
+                raise ValueError("--ps-policy proxy is synchronous momentum SGD on one process: use --world-size 1 "
+                                 "(its batch is --batch-size)")
+
+
+register(AlgorithmSpec(
+    "gem", "asynchronous parameter server; workers commit π ⊙ Δθ, π from gradient energy matching (seed 001)",
+    GemOptions, None, role="parameter-server"))
+
 __all__ = ["POLICIES", "DEFAULT_KAPPA", "DEFAULT_CLAMP", "DEFAULT_EPSILON", "parse_clamp", "gem_pi", "staleness_scale", "pi_median",
-           "WorkerRule", "GemRule", "DownpourRule", "AdaptiveStalenessRule", "build_rule"]
+           "WorkerRule", "GemRule", "DownpourRule", "AdaptiveStalenessRule", "build_rule", "GemOptions"]

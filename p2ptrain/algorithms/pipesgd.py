@@ -13,19 +13,40 @@ The aggregated gradient is the mean, not the sum, so learning rates match single
 from __future__ import annotations
 
 import concurrent.futures
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+from p2ptrain.algorithms.base import Algorithm, Comm
+from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, option, register
+from p2ptrain.compression import CODEC_NAMES
 
-from p2ptrain.algorithms.base import Algorithm
+if TYPE_CHECKING:
+    import torch
 
 WIDTH = 2  # K: the seed shows K = 2 is optimal under limited resources
+
+
+@dataclass(frozen=True)
+class PipeSGDOptions(AlgorithmOptions):
+    compression: str = option("none", "codec of every ring hop: fp16 = 16-bit truncation, int8 = 8-bit scalar "
+                                      "quantization", choices=CODEC_NAMES)
+    warmup_steps: int = option(0, "synchronous all-reduce steps before pipelining")
+
+    def validate(self, settings) -> None:
+        super().validate(settings)
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
 
 
 class PipeSGD(Algorithm):
     name = "pipesgd"
     uses_gradients = True
 
-    def __init__(self, comm, *, warmup: int = 0, codec: str = "none"):
+    @classmethod
+    def from_options(cls, comm: Comm, options: PipeSGDOptions, context: BuildContext) -> "PipeSGD":
+        return cls(comm, warmup=options.warmup_steps, codec=options.compression)
+
+    def __init__(self, comm: Comm, *, warmup: int = 0, codec: str = "none"):
         if warmup < 0:
             raise ValueError(f"warmup must be >= 0 steps, got {warmup}")
         self.comm = comm
@@ -58,3 +79,8 @@ class PipeSGD(Algorithm):
             self._in_flight = None
         self._comm_thread.shutdown(wait=True)
         return None
+
+
+register(AlgorithmSpec(
+    "pipesgd", "the all-reduce of step t's gradient overlaps step t+1; update with the one-step-stale mean "
+    "(seed 004 Alg. 1, K = 2)", PipeSGDOptions, PipeSGD.from_options, topologies=("ring",)))

@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from typing import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
 
-import torch
-
-from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.algorithms.base import Algorithm
+from p2ptrain.algorithms.base import Algorithm, Comm, Kind
+from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, register
 from p2ptrain.topology.trees import Tree, build_relay_trees, coordinate_slices
 
-KIND = pb.MESSAGE_KIND_RELAY
+if TYPE_CHECKING:
+    import torch
+
+KIND = Kind.RELAY
 SEND_WINDOW = 2  # relay messages in flight to one neighbour per tree, at most
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ class RelaySum:
         """Declare this channel's message size; call before comm.ready()."""
         self.comm.expect(KIND, like.dtype, like.numel(), channel=self.channel,
                          preallocate=max(1, len(self.neighbors)))
-        self.messages = {j: torch.zeros_like(like) for j in self.neighbors}  # m^{(-1)} = 0
+        self.messages = {j: like.new_zeros(like.shape) for j in self.neighbors}  # m^{(-1)} = 0
 
     def post(self, step: int, x: torch.Tensor) -> None:
         self._check_acks(wait=False)
@@ -117,17 +119,26 @@ class RelaySum:
             if exc is not None:  # lost or the peer is dead: the receiver drops message and count
                 log.debug("node %d: relay message of step %d to %d (%s) not delivered: %s", self.rank, step,
                           peer, self.channel, exc)
-            elif future.result().status == pb.Ack.STATUS_REJECTED:
-                ack = future.result()
+            elif not future.result().delivered:
+                outcome = future.result()
                 log.warning("node %d: node %d refused the step-%d relay message (%s): %s: %s", self.rank, peer,
-                            step, self.channel, ack.reason, ack.detail)
+                            step, self.channel, outcome.reason, outcome.detail)
         self._sends = pending
+
+
+@dataclass(frozen=True)
+class RelaySGDOptions(AlgorithmOptions):
+    """RelaySGD takes no options: the trees (--topology) fix what is relayed where."""
 
 
 class RelaySGD(Algorithm):
     name = "relaysgd"
 
-    def __init__(self, comm, trees: str | Sequence[Tree] = "double-binary-trees"):
+    @classmethod
+    def from_options(cls, comm: Comm, options: RelaySGDOptions, context: BuildContext) -> "RelaySGD":
+        return cls(comm, context.topology)
+
+    def __init__(self, comm: Comm, trees: str | Sequence[Tree] = "double-binary-trees"):
         """`trees`: a name from TREE_NAMES, or trees whose k-th relays the k-th of
         len(trees) contiguous coordinate ranges."""
         if isinstance(trees, str):
@@ -152,7 +163,7 @@ class RelaySGD(Algorithm):
         x_half = params.detach().reshape(-1)  # x^{(t+1/2)}
         for relay, sl in zip(self.relays, self.slices):  # all trees' messages out before waiting
             relay.post(step, x_half[sl])
-        x_next = torch.empty_like(x_half)
+        x_next = x_half.new_empty(x_half.shape)
         for relay, sl in zip(self.relays, self.slices):
             relay.collect(step)
             relay.average(x_half[sl], out=x_next[sl])
@@ -166,3 +177,8 @@ class RelaySGD(Algorithm):
 
     def stats(self) -> dict[str, float]:
         return {"relay_n": sum(r.n_bar for r in self.relays) / len(self.relays)}
+
+
+register(AlgorithmSpec(
+    "relaysgd", "relay messages m_i→j and counters c_i→j on a tree; x = (x + Σ m) / (1 + Σ c) (seed 003 Alg. 2)",
+    RelaySGDOptions, RelaySGD.from_options, topologies=("double-binary-trees", "binary-tree", "chain")))

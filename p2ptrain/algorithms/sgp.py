@@ -38,23 +38,50 @@ import logging
 import math
 import time
 from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+from p2ptrain.algorithms.base import Algorithm, Comm, Kind
+from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, option, register
+from p2ptrain.topology import Topology, build_topology
 
-from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.algorithms.base import Algorithm
-from p2ptrain.topology import Topology
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
-KIND = pb.MESSAGE_KIND_PUSH_SUM
+KIND = Kind.PUSH_SUM
 FINISH_WAIT_SECONDS = 10.0  # finish(): how long to wait in all for shares that missed their deadline
 PLAUSIBLE_SCALE = 1e4  # a share's de-biased values may exceed ours (or 1) by at most this factor
+
+
+@dataclass(frozen=True)
+class SGPOptions(AlgorithmOptions):
+    overlap: int = option(0, "bounded delay τ: shares sent at step k are mixed in by step k+τ; 0 = synchronous",
+                          metavar="TAU")
+    peers_per_step: int = option(1, "out-peers per step (exponential graph), max out-degree (random graph)")
+
+    def bounded_delay(self) -> int:
+        return self.overlap
+
+    def validate(self, settings) -> None:
+        if self.overlap < 0:
+            raise ValueError(f"overlap τ must be >= 0, got {self.overlap}")
+        if self.peers_per_step < 1:
+            raise ValueError("peers_per_step must be >= 1")
+        if settings is not None and self.overlap >= settings.step_window:
+            raise ValueError("overlap τ must be smaller than step_window")
 
 
 class SGP(Algorithm):
     name = "sgp"
 
-    def __init__(self, comm, topology: Topology, overlap: int = 0):
+    @classmethod
+    def from_options(cls, comm: Comm, options: SGPOptions, context: BuildContext) -> "SGP":
+        graph = build_topology(context.topology, comm.world_size, peers_per_step=options.peers_per_step,
+                               seed=context.seed)
+        return cls(comm, graph, overlap=options.overlap)
+
+    def __init__(self, comm: Comm, topology: Topology, overlap: int = 0):
         if overlap < 0:
             raise ValueError(f"overlap τ must be >= 0, got {overlap}")
         self.comm = comm
@@ -74,7 +101,7 @@ class SGP(Algorithm):
         self.ledger: list[tuple] | None = None  # set to [] to record every mass movement (tests)
 
     def setup(self, params: torch.Tensor) -> torch.Tensor:
-        joined = getattr(self.comm, "joined", None)
+        joined = self.comm.joined
         self.w = joined.ps_weight if joined is not None else 1.0  # a rejoined node: its share of a donor's w
         self.x = params.detach().clone() * self.w  # (params are z; the donor sent its x / 2 = z w / 2)
         self.comm.expect(KIND, params.dtype, params.numel())
@@ -129,7 +156,7 @@ class SGP(Algorithm):
     def donate_state(self, peer: int, step: int, params: torch.Tensor) -> torch.Tensor:
         """Give a (re)joining peer half of (x, w): Σ w is conserved and both have this node's z."""
         share_x, share_w = self.x * 0.5, self.w * 0.5
-        future = self.comm.send(peer, share_x / share_w, kind=pb.MESSAGE_KIND_STATE, step=step,
+        future = self.comm.send(peer, share_x / share_w, kind=Kind.STATE, step=step,
                                 ps_weight=share_w, reliable=True, settle=True)  # sent as z: a model to load
         self._outbox.append((future, share_x, share_w, peer, step))
         self.x.mul_(0.5)
@@ -208,7 +235,7 @@ class SGP(Algorithm):
                             sent, peer)
                 continue
             exc = future.exception()
-            if exc is None and future.result().status != pb.Ack.STATUS_REJECTED:
+            if exc is None and future.result().delivered:
                 continue  # accepted, or a duplicate of a retransmission that was accepted
             why = f"{type(exc).__name__}: {exc}" if exc is not None else \
                 f"{future.result().reason}: {future.result().detail}"
@@ -229,3 +256,8 @@ class SGP(Algorithm):
         self.z = self.x / self.w
         self._z_scale = float(self.z.abs().max()) if self.z.numel() else 0.0
         return self.z
+
+
+register(AlgorithmSpec(
+    "sgp", "push-sum gossip: keep and push p = 1/(out-degree+1) of (x, w), compute at z = x/w (seeds 000, 002)",
+    SGPOptions, SGP.from_options, topologies=("exponential", "ring", "complete", "random", "chain", "binary-tree")))

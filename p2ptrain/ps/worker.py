@@ -20,7 +20,6 @@ OUT/node{rank}.snapshots.pt (the worker's s every log_every steps).
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import statistics
@@ -33,32 +32,33 @@ import torch.nn.functional as F
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.algorithms.gem import build_rule, parse_clamp
 from p2ptrain.ps.client import PsClient, PsError
-from p2ptrain.ps.server import evaluate, ps_fingerprint
+from p2ptrain.ps.server import ps_fingerprint
+from p2ptrain.train.evaluate import evaluate
 from p2ptrain.train.flat import FlatParameters
 from p2ptrain.train.loop import TrainResult, cycle
+from p2ptrain.train.progress import ProgressWriter, finite_or_none, write_summary
+from p2ptrain.train.setup import training_setup
+from p2ptrain.transport.security import security_from_settings
 
 log = logging.getLogger(__name__)
 
 
 def _training_setup(config):
     """Data shard, loaders, model and device of worker `rank`, exactly as `p2ptrain node` builds them."""
-    from p2ptrain.node import training_setup
-
     torch.set_num_threads(config.threads)
     return training_setup(config)
 
 
 class _Report:
-    """Progress lines, summary and snapshots in the launcher's format (see p2ptrain.node.run_node)."""
+    """Progress lines, summary and snapshots in the launcher's format (see p2ptrain.train.progress)."""
 
     def __init__(self, config):
-        from p2ptrain.node import ProgressWriter
-
         self.config = config
+        self.policy = config.algorithm_options.ps_policy
         self.out = Path(config.out) if config.out else None
         if self.out:
             self.out.mkdir(parents=True, exist_ok=True)
-        self.progress = ProgressWriter(self.out, config.rank)
+        self.progress = ProgressWriter(self.out, f"node{config.rank}", rank=config.rank)
         self.result = TrainResult(steps=config.steps)
         self.staleness: list[float] = []
         self.pi: list[float] = []
@@ -79,19 +79,14 @@ class _Report:
 
     def finish(self, summary: dict, snapshots: dict[int, torch.Tensor]) -> dict:
         result = self.result
-        summary = {"rank": self.config.rank, "role": "worker", "policy": self.config.ps_policy,
+        summary = {"rank": self.config.rank, "role": "worker", "policy": self.policy,
                    "steps": self.config.steps, "final_loss": result.final_loss,
                    "mean_step_seconds": result.mean_step_seconds, "steady_step_seconds": result.steady_step_seconds,
                    "mean_staleness": _mean(self.staleness), "pi_median": _median(self.pi),
                    "wall_seconds": time.time() - self.started, **summary}
-        summary = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
-        if self.out:
-            steps = sorted(snapshots)
-            torch.save({"steps": steps, "params": torch.stack([snapshots[s] for s in steps])},
-                       self.out / f"node{self.config.rank}.snapshots.pt")
-            (self.out / f"node{self.config.rank}.json").write_text(json.dumps(summary, indent=2))
+        write_summary(self.out, f"node{self.config.rank}", summary, snapshots)
         self.progress.write(event="done")
-        return summary
+        return finite_or_none(summary)
 
     def error(self, exc: BaseException) -> None:
         self.progress.write(event="error", message=f"{type(exc).__name__}: {exc}")
@@ -103,7 +98,8 @@ class _Report:
 def run_worker(config) -> dict:
     """Worker `rank` of `world_size` against the parameter server at `ps_address` (Algorithm 1);
     `--ps-policy proxy` runs run_proxy instead. Returns (and writes) the summary."""
-    if config.ps_policy == "proxy":
+    options = config.algorithm_options
+    if options.ps_policy == "proxy":
         return run_proxy(config)
     from p2ptrain.metrics import WorkerMetrics
 
@@ -112,17 +108,17 @@ def run_worker(config) -> dict:
     client = None
     try:
         loader, test_loader, model, device = _training_setup(config)
-        rule = build_rule(config.ps_policy, kappa=config.gem_kappa, momentum=config.momentum,
-                          epsilon=config.gem_epsilon, clamp=parse_clamp(config.gem_clamp))
+        rule = build_rule(options.ps_policy, kappa=options.gem_kappa, momentum=config.momentum,
+                          epsilon=options.gem_epsilon, clamp=parse_clamp(options.gem_clamp))
         scaling = pb.COMMIT_SCALING_STALENESS if rule.server_scales_by_staleness else pb.COMMIT_SCALING_NONE
-        metrics = WorkerMetrics(config.rank, algorithm=config.ps_policy)
+        metrics = WorkerMetrics(config.rank, algorithm=options.ps_policy)
         metrics_port = None
         if config.metrics_port is not None:
             metrics_server, _ = metrics.serve(config.metrics_port, addr=config.metrics_bind_host)
             metrics_port = metrics_server.server_port
         client = PsClient(config.ps_address, config.rank, chunk_bytes=config.chunk_bytes,
                           fingerprint=ps_fingerprint(config), timeout=config.peer_timeout,
-                          security=config.security())
+                          security=security_from_settings(config))
         flat = FlatParameters(model)
         nbytes = flat.numel * 4
         host = torch.empty(flat.numel, dtype=torch.float32, pin_memory=device.type == "cuda")

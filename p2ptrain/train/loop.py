@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from p2ptrain.train.device import pick_device  # noqa: F401 (re-exported: p2ptrain.train.pick_device)
+from p2ptrain.train.evaluate import evaluate
 from p2ptrain.train.flat import FlatParameters
 from p2ptrain.transport.runtime import PeerError
 
@@ -27,14 +29,6 @@ class NonFiniteError(FloatingPointError):
     def __init__(self, rank: int, step: int, what: str):
         super().__init__(f"node {rank}: non-finite {what} at step {step}")
         self.rank, self.step, self.what = rank, step, what
-
-
-def pick_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda requested but CUDA is not available")
-    return torch.device(name)
 
 
 @dataclass
@@ -85,7 +79,7 @@ class DecentralizedTrainer:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, algorithm, *,
                  loss_fn: Callable = F.nll_loss, device: torch.device | str | None = None, metrics=None,
-                 slowdown: float = 1.0, inject_nan_at: int | None = None):
+                 slowdown: float = 1.0, inject_nan_at: int | None = None, comm=None):
         if not slowdown >= 1.0:
             raise ValueError(f"slowdown must be >= 1 (1 = full speed), got {slowdown}")
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -101,7 +95,7 @@ class DecentralizedTrainer:
         self.catch_ups = 0            # state transfers taken after stalling (see _catch_up)
         self._catch_up_after = 0      # no new catch-up attempt before this step (after a failed one)
         self._directions: torch.Tensor | None = None
-        self.comm = getattr(algorithm, "comm", None)
+        self.comm = comm  # the node's Communicator: rejoining, catching up and serving joiners need it
         comm = self.comm
         if comm is not None and comm.joining:  # a restarted node: resume from a live peer's state
             params = self.flat.get()
@@ -239,17 +233,9 @@ class DecentralizedTrainer:
             step = next_step
         return result
 
-    @torch.no_grad()
     def evaluate(self, loader: Iterable) -> tuple[float, float]:
         """(mean loss, accuracy) of the current (de-biased) model on `loader`."""
-        self.model.eval()
-        total_loss, correct, count = 0.0, 0, 0
-        for inputs, targets in loader:
-            inputs, targets = self._to_device(inputs), self._to_device(targets)
-            output = self.model(inputs)
-            total_loss += float(self.loss_fn(output, targets, reduction="sum"))
-            correct += int((output.argmax(dim=1) == targets).sum())
-            count += targets.numel()
-        if count == 0:
+        test_loss, accuracy = evaluate(self.model, loader, self.device, loss_fn=self.loss_fn)
+        if math.isnan(accuracy):
             raise ValueError("evaluation set is empty")
-        return total_loss / count, correct / count
+        return test_loss, accuracy

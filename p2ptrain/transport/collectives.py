@@ -178,10 +178,10 @@ class RingAllReduce:
             if exc is not None:
                 raise CollectiveIncomplete(f"node {self.rank}: all-reduce message to node {self.next} "
                                            f"failed: {exc}")
-            ack = future.result()
-            if ack.status == pb.Ack.STATUS_REJECTED:
+            outcome = future.result()
+            if not outcome.delivered:
                 raise CollectiveIncomplete(f"node {self.rank}: all-reduce message refused by node {self.next}: "
-                                           f"{ack.reason}: {ack.detail}")
+                                           f"{outcome.reason}: {outcome.detail}")
 
 
 def _own(encoded) -> torch.Tensor:

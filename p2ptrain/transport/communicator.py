@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.algorithms.base import Delivery
 from p2ptrain.transport.runtime import PeerError, Transport
 from p2ptrain.transport.staging import Staging
 
@@ -137,8 +138,9 @@ class Communicator:
         self.transport.set_step(step)
 
     def send(self, peer: int, tensor: torch.Tensor, **header) -> concurrent.futures.Future:
-        """Push `tensor` to `peer`; the caller must not modify it afterwards. Future of the Ack."""
-        return self.transport.send(peer, self.staging.to_host(tensor), **header)
+        """Push `tensor` to `peer`; the caller must not modify it afterwards. A future of its
+        Delivery (the algorithms' view of the peer's Ack)."""
+        return _delivery(self.transport.send(peer, self.staging.to_host(tensor), **header))
 
     def recv(self, kind: int, step: int, senders: list[int], *, channel: str = "",
              timeout: float | None = None) -> dict[int, Received]:
@@ -170,3 +172,20 @@ class Communicator:
         release = message.release if not self.staging.cuda else (lambda: None)
         return Received(message.sender, message.step, tensor, message.ps_weight, message.relay_count,
                         message.codec, message.codec_params, message.shape, release)
+
+
+def _delivery(ack: concurrent.futures.Future) -> concurrent.futures.Future:
+    """A future of the Delivery that `ack` (a future of the peer's Ack) says."""
+    outcome: concurrent.futures.Future = concurrent.futures.Future()
+
+    def settle(done: concurrent.futures.Future) -> None:
+        if done.cancelled():
+            outcome.cancel()
+        elif done.exception() is not None:
+            outcome.set_exception(done.exception())
+        else:
+            reply = done.result()
+            outcome.set_result(Delivery(reply.status != pb.Ack.STATUS_REJECTED, reply.reason, reply.detail))
+
+    ack.add_done_callback(settle)
+    return outcome

@@ -141,6 +141,17 @@ class Security:
 PLAINTEXT = Security()
 
 
+def security_from_settings(settings) -> Security:
+    """The Security (TLS files, token) of a node's settings (NodeConfig's tls_* and auth_token*
+    fields); PLAINTEXT when none is set."""
+    token = read_token_file(settings.auth_token_file) if settings.auth_token_file else settings.auth_token
+    if token is None and not (settings.tls_cert or settings.tls_ca):
+        return PLAINTEXT
+    return Security(tls_cert=settings.tls_cert, tls_key=settings.tls_key, tls_ca=settings.tls_ca,
+                    tls_server_name=settings.tls_server_name, token=token,
+                    require_client_cert=settings.tls_require_client_cert)
+
+
 class TokenInterceptor(grpc.aio.ServerInterceptor):
     """Aborts every RPC (reflection included) whose `authorization` metadata is not the token,
     with UNAUTHENTICATED, before the handler (and so before any state) is reached. Health checks

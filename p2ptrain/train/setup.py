@@ -1,0 +1,45 @@
+"""The built-in training setup of a node: its data shard, loaders and model, from the settings.
+The same for every role, so peers, parameter-server workers and the proxy train on identical data
+and models."""
+from __future__ import annotations
+
+import torch
+
+from p2ptrain.train.data import build_dataset, node_shard
+from p2ptrain.train.device import pick_device
+from p2ptrain.train.models import build_model
+
+
+def training_setup(config):
+    """(train loader of this rank's shard, test loader, model on its device, device): the same for
+    every role, so peers, parameter-server workers and the proxy train on identical data/models."""
+    splits = build_dataset(config.dataset, config.data_dir, seed=config.seed,
+                           num_train=config.num_train, num_test=config.num_test)
+    if config.dirichlet_alpha is None:
+        shard = node_shard(splits.train, config.rank, config.world_size, seed=config.seed)
+    else:
+        from p2ptrain.train.partition import dirichlet_shard
+
+        shard = dirichlet_shard(splits.train, config.rank, config.world_size, config.dirichlet_alpha,
+                                seed=config.seed)
+    device = pick_device(config.device)
+    generator = torch.Generator().manual_seed(config.seed * 1_000_003 + config.rank)
+    loader = torch.utils.data.DataLoader(shard, batch_size=config.batch_size, shuffle=True,
+                                         drop_last=len(shard) >= config.batch_size, generator=generator,
+                                         pin_memory=device.type == "cuda")
+    test_loader = torch.utils.data.DataLoader(splits.test, batch_size=512)
+    torch.manual_seed(config.seed)  # identical initial model on every node (and θ_0 on the server)
+    model = build_model(config.model, splits.input_shape, splits.num_classes, hidden=config.hidden).to(device)
+    return loader, test_loader, model, device
+
+
+def initial_model(config) -> torch.nn.Module:
+    """θ_0: the model `model`, `hidden`, `dataset` and `seed` define (every node builds the same one;
+    the parameter server serves it to its workers). Builds the dataset only to learn its shapes."""
+    splits = build_dataset(config.dataset, config.data_dir, seed=config.seed, num_train=config.num_train,
+                           num_test=config.num_test)
+    torch.manual_seed(config.seed)
+    return build_model(config.model, splits.input_shape, splits.num_classes, hidden=config.hidden)
+
+
+__all__ = ["training_setup", "initial_model"]
