@@ -77,7 +77,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from p2ptrain.bench.baselines import _run_pair, bench_gloo, bench_tcp
+from p2ptrain.bench.baselines import bench_gloo, bench_tcp, run_pair
 from p2ptrain.transport.tuning import tune_malloc
 
 _SERVICE = "p2pbench.Bench"
@@ -727,7 +727,7 @@ def run_grpc(cfg: Config, size: int, reps: int, timeout: float = 300.0) -> dict:
     saved = {k: os.environ.get(k) for k in cfg.env}
     os.environ.update({k: str(v) for k, v in cfg.env.items()})
     try:
-        client, _ = _run_pair(
+        client, _ = run_pair(
             "grpc",
             [_client_child, _server_child],
             [(d, size, reps, timeout), (d, size, timeout)],

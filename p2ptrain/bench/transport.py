@@ -14,7 +14,8 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
-from p2ptrain.bench.baselines import TransferResult, _check_args, _cpu, _run_pair, bench_gloo, bench_tcp
+from p2ptrain.bench.baselines import (TransferResult, bench_gloo, bench_tcp, check_transfer_args, cpu_seconds,
+                                      run_pair)
 
 METHODS = ("p2ptrain", "gloo", "tcp")
 
@@ -33,7 +34,7 @@ def _p2ptrain_node(conn: Connection, rank: int, ports: list[int], size_bytes: in
     peers = [f"127.0.0.1:{p}" for p in ports]
     with Transport(rank, 2, peers, options=options) as transport:
         transport.expect(pb.MESSAGE_KIND_BENCH, torch.float32, numel, preallocate=2)
-        start_cpu = _cpu()  # the sender may start as soon as we are marked ready
+        start_cpu = cpu_seconds()  # the sender may start as soon as we are marked ready
         transport.mark_ready()
         transport.wait_for_peers(timeout, require_ready=True)
         if rank == 1:  # receiver: consume each tensor so its buffer goes back to the pool
@@ -42,26 +43,26 @@ def _p2ptrain_node(conn: Connection, rank: int, ports: list[int], size_bytes: in
             for step in range(reps + 1):
                 message = transport.recv(pb.MESSAGE_KIND_BENCH, step, [0], timeout=timeout)[0]
                 message.release()
-            return {"cpu": (_cpu() - start_cpu) * reps / (reps + 1)}
+            return {"cpu": (cpu_seconds() - start_cpu) * reps / (reps + 1)}
         payload = torch.rand(numel, generator=torch.Generator().manual_seed(0))
         ack = transport.send(1, payload, kind=pb.MESSAGE_KIND_BENCH, step=0).result(timeout)
         if ack.status != pb.Ack.STATUS_ACCEPTED:
             raise RuntimeError(f"warm-up transfer refused: {ack.reason} {ack.detail}")
-        cpu0, start = _cpu(), time.perf_counter()
+        cpu0, start = cpu_seconds(), time.perf_counter()
         for step in range(1, reps + 1):
             ack = transport.send(1, payload, kind=pb.MESSAGE_KIND_BENCH, step=step).result(timeout)
             if ack.status != pb.Ack.STATUS_ACCEPTED:
                 raise RuntimeError(f"transfer {step} refused: {ack.reason} {ack.detail}")
-        return {"seconds": time.perf_counter() - start, "cpu": _cpu() - cpu0}
+        return {"seconds": time.perf_counter() - start, "cpu": cpu_seconds() - cpu0}
 
 
 def bench_p2ptrain(size_bytes: int, reps: int, timeout: float = 300.0,
                    chunk_bytes: int | None = None) -> TransferResult:
     from launcher.ports import free_ports
 
-    _check_args(size_bytes, reps, timeout)
+    check_transfer_args(size_bytes, reps, timeout)
     ports = free_ports(2)
-    receiver, sender = _run_pair(
+    receiver, sender = run_pair(
         "p2ptrain", [_p2ptrain_node, _p2ptrain_node],
         [(1, ports, size_bytes, reps, timeout, chunk_bytes), (0, ports, size_bytes, reps, timeout, chunk_bytes)],
         timeout)
