@@ -962,6 +962,6 @@ if __name__ == "__main__":
     _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if _root not in sys.path:
         sys.path.insert(0, _root)
-    from benchmarks.grpc_study import main as _main
+    from benchmarks.grpc_study import main as study_main
 
-    sys.exit(_main())
+    sys.exit(study_main())
