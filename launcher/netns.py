@@ -30,7 +30,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -425,72 +424,28 @@ def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
 
 # --- measuring a link ---------------------------------------------------------------------------
 
-PROBE_PORT = 50061
+PROBE_PORT = 50061  # both ends listen on it, each at its own namespace's address
 
 
 def measure_throughput(cluster: NetnsCluster, src: int, dst: int, size_bytes: int = 4_000_000,
                        reps: int = 4, timeout: float = 120.0) -> dict:
     """Push a float32 tensor of `size_bytes` from rank `src` to rank `dst` `reps` times with
-    p2ptrain's Transport, each from its own namespace; one untimed warm-up push first (drains the
+    p2ptrain's Transport, each end in its own namespace: the push measurement of
+    `p2ptrain bench transport` (p2ptrain.bench.push), one untimed warm-up push first (drains the
     tbf bucket, opens the TCP window). A push counts when the receiver has acknowledged the whole
     tensor, so the figure is payload goodput: with a cap it sits a few % under it (headers)."""
+    from p2ptrain.bench.push import bench_p2ptrain_between
+
     if src == dst or not (0 <= src < cluster.size and 0 <= dst < cluster.size):
         raise ValueError(f"need two distinct ranks of {cluster.size}, got {src} -> {dst}")
-    peers = ",".join(f"{cluster.nodes[r].address}:{PROBE_PORT}" for r in (src, dst))
-    argv = [sys.executable, "-m", "launcher.netns", "_probe", "--peers", peers, "--size-bytes", str(size_bytes),
-            "--reps", str(reps), "--timeout", str(timeout)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        p for p in (str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")) if p)}
-    procs = [subprocess.Popen([*cluster.exec_prefix(rank), *argv, "--rank", str(i)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i, rank in enumerate((src, dst))]  # probe rank 0 sends, 1 receives
-    results = []
     try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout + 30)
-            if proc.returncode != 0:
-                raise NetnsError(f"throughput probe failed (exit {proc.returncode}): {err.strip()[-2000:]}")
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    sender = next(r for r in results if "seconds" in r)
-    return {"bytes": size_bytes * reps, "seconds": sender["seconds"],
-            "mb_per_s": size_bytes * reps / sender["seconds"] / 1e6, "src": src, "dst": dst}
-
-
-def _probe_main(args: argparse.Namespace) -> int:
-    """One end of measure_throughput; rank 0 sends, rank 1 receives. Prints one JSON line."""
-    import torch
-
-    from p2ptrain._proto import p2ptrain_pb2 as pb
-    from p2ptrain.transport import Transport, TransportOptions
-
-    torch.set_num_threads(1)
-    peers = args.peers.split(",")
-    numel = args.size_bytes // 4
-    options = TransportOptions(step_window=args.reps + 2, send_timeout=args.timeout)
-    with Transport(args.rank, 2, peers, listen=peers[args.rank], options=options) as transport:
-        transport.expect(pb.MESSAGE_KIND_BENCH, torch.float32, numel, preallocate=2)
-        transport.mark_ready()
-        transport.wait_for_peers(args.timeout, require_ready=True)
-        if args.rank == 1:
-            for step in range(args.reps + 1):
-                transport.recv(pb.MESSAGE_KIND_BENCH, step, [0], timeout=args.timeout)[0].release()
-            print(json.dumps({"received": args.reps + 1}))
-            return 0
-        payload = torch.rand(numel, generator=torch.Generator().manual_seed(0))
-        start = 0.0
-        for step in range(args.reps + 1):
-            if step == 1:
-                start = time.perf_counter()
-            ack = transport.send(1, payload, kind=pb.MESSAGE_KIND_BENCH, step=step).result(args.timeout)
-            if ack.status != pb.Ack.STATUS_ACCEPTED:
-                raise RuntimeError(f"push {step} refused: {ack.reason} {ack.detail}")
-        print(json.dumps({"seconds": time.perf_counter() - start}))
-        return 0
+        result = bench_p2ptrain_between([f"{cluster.nodes[r].address}:{PROBE_PORT}" for r in (src, dst)],
+                                        size_bytes, reps, timeout,
+                                        argv_prefixes=[cluster.exec_prefix(src), cluster.exec_prefix(dst)])
+    except RuntimeError as exc:
+        raise NetnsError(f"throughput probe failed: {exc}") from None
+    return {"bytes": size_bytes * reps, "seconds": result.seconds, "mb_per_s": result.mb_per_s,
+            "src": src, "dst": dst}
 
 
 # --- command line -------------------------------------------------------------------------------
@@ -507,15 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     measure.add_argument("--bandwidth", default=None, help="cap, e.g. 50mbit (default: unshaped)")
     measure.add_argument("--size-mb", type=float, default=4.0)
     measure.add_argument("--reps", type=int, default=4)
-    probe_parser = sub.add_parser("_probe")  # internal: one end of measure_throughput
-    probe_parser.add_argument("--rank", type=int, required=True)
-    probe_parser.add_argument("--peers", required=True)
-    probe_parser.add_argument("--size-bytes", type=int, required=True)
-    probe_parser.add_argument("--reps", type=int, required=True)
-    probe_parser.add_argument("--timeout", type=float, required=True)
     args = parser.parse_args(argv)
-    if args.command == "_probe":
-        return _probe_main(args)
     reason = missing_privilege()
     if reason:
         print(f"launcher.netns: needs root or CAP_NET_ADMIN ({reason})", file=sys.stderr)

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from p2ptrain.bench.baselines import TransferResult, bench_gloo, bench_tcp, free_port
+from p2ptrain.bench.baselines import (TransferResult, bench_gloo, bench_tcp, check_transfer_args, cpu_seconds,
+                                      free_port, run_pair)
 
 SIZE = 4 * 2**20  # 4 MiB
 REPS = 3
@@ -43,3 +44,47 @@ def test_free_port():
 
 def test_mb_per_s():
     assert TransferResult("tcp", 1_000_000, 2, 0.5).mb_per_s == pytest.approx(4.0)
+
+
+# -- the public harness other measurements reuse -------------------------------------------------
+
+def _announce(conn, value):
+    conn.send(("msg", value))  # relayed to the other child
+    return "sent"
+
+
+def _hear(conn):
+    if not conn.poll(30):
+        raise TimeoutError("nothing relayed")
+    return conn.recv() * 2
+
+
+def _fail(conn):
+    raise RuntimeError("boom in the child")
+
+
+@pytest.mark.timeout(60)
+def test_run_pair_relays_and_returns_results_in_order():
+    assert run_pair("relay", [_hear, _announce], [(), (21,)], timeout=30.0, relay={1: 0}) == [42, "sent"]
+
+
+@pytest.mark.timeout(60)
+def test_run_pair_reports_a_failed_child():
+    with pytest.raises(RuntimeError, match=r"(?s)fail child fail-0 failed \(exit code 1\).*boom in the child"):
+        run_pair("fail", [_fail], [()], timeout=30.0)
+
+
+def test_check_transfer_args():
+    check_transfer_args(8, 1, 1.0)
+    with pytest.raises(TypeError):
+        check_transfer_args(8.0, 1, 1.0)
+    with pytest.raises(ValueError, match="timeout"):
+        check_transfer_args(8, 1, math.inf)
+
+
+def test_cpu_seconds_counts_this_process():
+    start = cpu_seconds()
+    deadline = start + 0.05
+    while cpu_seconds() < deadline:  # busy: the clock must advance
+        pass
+    assert cpu_seconds() >= start + 0.05

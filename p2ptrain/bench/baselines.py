@@ -15,6 +15,11 @@ Processes are started with the ``spawn`` start method.  Every child reports
 its result (or its traceback) through a pipe; the parent raises
 ``RuntimeError`` (with the child's exit code) if a child dies or the run
 exceeds ``timeout``, and never leaves child processes behind.
+
+The harness is public so that other measurements time themselves the same way:
+:func:`run_pair` (spawn a sender and a receiver, relay a port, collect results),
+:func:`check_transfer_args` and :func:`cpu_seconds`. It is benchmark code and is
+never used at training time.
 """
 
 from __future__ import annotations
@@ -30,7 +35,15 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Sequence
 
-__all__ = ["TransferResult", "bench_gloo", "bench_tcp", "free_port"]
+__all__ = [
+    "TransferResult",
+    "bench_gloo",
+    "bench_tcp",
+    "check_transfer_args",
+    "cpu_seconds",
+    "free_port",
+    "run_pair",
+]
 
 _HOST = "127.0.0.1"
 
@@ -64,12 +77,23 @@ def free_port(host: str = _HOST) -> int:
         return s.getsockname()[1]
 
 
-def _cpu() -> float:
+def cpu_seconds() -> float:
+    """CPU seconds (user + system, all threads) this process has used so far, from ``os.times``.
+
+    Subtract two readings to get the CPU of a timed region; the resolution is one clock tick
+    (10 ms on Linux), so very short regions may read 0.
+    """
     t = os.times()
     return t.user + t.system
 
 
-def _check_args(size_bytes: int, reps: int, timeout: float) -> None:
+def check_transfer_args(size_bytes: int, reps: int, timeout: float) -> None:
+    """Raise ``TypeError`` / ``ValueError`` unless the arguments describe a valid measurement.
+
+    ``size_bytes`` must be a positive multiple of 4 (whole float32 values), ``reps`` an int
+    >= 1 and ``timeout`` a positive finite number of seconds. Every ``bench_*`` function checks
+    its arguments with this before it starts a process.
+    """
     if isinstance(size_bytes, bool) or not isinstance(size_bytes, int):
         raise TypeError(f"size_bytes must be an int, got {type(size_bytes).__name__}")
     if size_bytes <= 0 or size_bytes % 4 != 0:
@@ -113,18 +137,25 @@ def _stop(procs: Sequence[mp.process.BaseProcess]) -> None:
             p.join(5.0)
 
 
-def _run_pair(
+def run_pair(
     name: str,
     targets: Sequence[Callable[..., Any]],
     args: Sequence[tuple],
     timeout: float,
     relay: dict[int, int] | None = None,
 ) -> list[Any]:
-    """Run one child per target and return their results (in order).
+    """Run one spawned child per target (a sender and a receiver) and return their results in order.
 
-    ``relay`` maps a child index to another child index: the first message a
-    child sends with tag ``"msg"`` is forwarded to the other child (used to
-    hand the receiver's port to the sender).
+    Child ``i`` runs ``targets[i](conn, *args[i])``, where ``conn`` is its end of a duplex pipe to
+    this process; whatever it returns (picklable) is its result. ``targets`` must be module-level
+    functions, since children are started with ``spawn``.
+
+    ``relay`` maps a child index to another child index: every message a child sends as
+    ``conn.send(("msg", payload))`` is forwarded to that other child, which reads it with
+    ``conn.recv()`` (used to hand the receiver's port to the sender).
+
+    Raises ``RuntimeError`` naming the child, its exit code and its traceback if a child fails or
+    dies, or if the whole run exceeds ``timeout`` seconds; no child outlives the call.
     """
     ctx = mp.get_context("spawn")
     relay = relay or {}
@@ -216,20 +247,20 @@ def _gloo_child(conn: Connection, rank: int, port: int, size_bytes: int, reps: i
             dist.send(payload, 1)  # warm-up
             dist.recv(ack, 1)
             dist.barrier()
-            c0, t0 = _cpu(), time.perf_counter()
+            c0, t0 = cpu_seconds(), time.perf_counter()
             for _ in range(reps):
                 dist.send(payload, 1)
             dist.recv(ack, 1)  # receiver got the last transfer
-            return time.perf_counter() - t0, _cpu() - c0
+            return time.perf_counter() - t0, cpu_seconds() - c0
         buf = torch.empty(n, dtype=torch.float32)
         dist.recv(buf, 0)  # warm-up
         dist.send(ack, 0)
         dist.barrier()
-        c0 = _cpu()
+        c0 = cpu_seconds()
         for _ in range(reps):
             dist.recv(buf, 0)
         dist.send(ack, 0)
-        cpu = _cpu() - c0
+        cpu = cpu_seconds() - c0
         if float(buf[0]) != 1.0 or float(buf[-1]) != 1.0:
             raise AssertionError("gloo receiver got corrupted payload")
         return cpu
@@ -239,9 +270,9 @@ def _gloo_child(conn: Connection, rank: int, port: int, size_bytes: int, reps: i
 
 def bench_gloo(size_bytes: int, reps: int, timeout: float = 300.0) -> TransferResult:
     """Time ``reps`` gloo ``send``/``recv`` transfers of ``size_bytes`` bytes."""
-    _check_args(size_bytes, reps, timeout)
+    check_transfer_args(size_bytes, reps, timeout)
     port = free_port()
-    res = _run_pair(
+    res = run_pair(
         "gloo",
         [_gloo_child, _gloo_child],
         [(0, port, size_bytes, reps, timeout), (1, port, size_bytes, reps, timeout)],
@@ -273,7 +304,7 @@ def _tcp_receiver(conn: Connection, size_bytes: int, reps: int, timeout: float):
         c0 = 0.0
         for i in range(reps + 1):  # warm-up + timed
             if i == 1:
-                c0 = _cpu()
+                c0 = cpu_seconds()
             got = 0
             while got < size_bytes:
                 k = s.recv_into(mv[got:], size_bytes - got)
@@ -281,7 +312,7 @@ def _tcp_receiver(conn: Connection, size_bytes: int, reps: int, timeout: float):
                     raise ConnectionError(f"sender closed the connection after {got} bytes")
                 got += k
             s.sendall(b"\x01")
-        cpu = _cpu() - c0
+        cpu = cpu_seconds() - c0
         if buf[0] != 1.0 or buf[-1] != 1.0:
             raise AssertionError("tcp receiver got corrupted payload")
     return cpu
@@ -306,16 +337,16 @@ def _tcp_sender(conn: Connection, size_bytes: int, reps: int, timeout: float):
         s.settimeout(timeout)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         one(s)  # warm-up (the ack doubles as the barrier)
-        c0, t0 = _cpu(), time.perf_counter()
+        c0, t0 = cpu_seconds(), time.perf_counter()
         for _ in range(reps):
             one(s)
-        return time.perf_counter() - t0, _cpu() - c0
+        return time.perf_counter() - t0, cpu_seconds() - c0
 
 
 def bench_tcp(size_bytes: int, reps: int, timeout: float = 300.0) -> TransferResult:
     """Time ``reps`` raw-socket transfers of ``size_bytes`` bytes (ack per transfer)."""
-    _check_args(size_bytes, reps, timeout)
-    res = _run_pair(
+    check_transfer_args(size_bytes, reps, timeout)
+    res = run_pair(
         "tcp",
         [_tcp_sender, _tcp_receiver],
         [(size_bytes, reps, timeout), (size_bytes, reps, timeout)],

@@ -3,7 +3,8 @@
 All three move the same float32 payload between two fresh processes on loopback, with one untimed
 warm-up transfer, in one invocation, so the ratios compare like with like on a noisy machine.
 For p2ptrain, one transfer = one PushTensor stream acknowledged after the receiver has the whole
-tensor in its (preallocated, reused) receive buffer.
+tensor in its (preallocated, reused) receive buffer (p2ptrain.bench.push, which
+`python -m launcher.netns measure` runs between two network namespaces).
 """
 from __future__ import annotations
 
@@ -11,62 +12,11 @@ import json
 import math
 import statistics
 import sys
-import time
-from multiprocessing.connection import Connection
 
-from p2ptrain.bench.baselines import TransferResult, _check_args, _cpu, _run_pair, bench_gloo, bench_tcp
+from p2ptrain.bench.baselines import TransferResult, bench_gloo, bench_tcp
+from p2ptrain.bench.push import bench_p2ptrain
 
 METHODS = ("p2ptrain", "gloo", "tcp")
-
-
-def _p2ptrain_node(conn: Connection, rank: int, ports: list[int], size_bytes: int, reps: int,
-                   timeout: float, chunk_bytes: int | None):
-    import torch
-
-    from p2ptrain._proto import p2ptrain_pb2 as pb
-    from p2ptrain.transport import Transport, TransportOptions
-
-    torch.set_num_threads(1)
-    numel = size_bytes // 4
-    options = TransportOptions(step_window=reps + 2, send_timeout=timeout,
-                               **({"chunk_bytes": chunk_bytes} if chunk_bytes else {}))
-    peers = [f"127.0.0.1:{p}" for p in ports]
-    with Transport(rank, 2, peers, options=options) as transport:
-        transport.expect(pb.MESSAGE_KIND_BENCH, torch.float32, numel, preallocate=2)
-        start_cpu = _cpu()  # the sender may start as soon as we are marked ready
-        transport.mark_ready()
-        transport.wait_for_peers(timeout, require_ready=True)
-        if rank == 1:  # receiver: consume each tensor so its buffer goes back to the pool
-            # Receiving happens on the loop thread, ahead of this one: count the CPU of all
-            # reps + 1 transfers and scale to `reps`.
-            for step in range(reps + 1):
-                message = transport.recv(pb.MESSAGE_KIND_BENCH, step, [0], timeout=timeout)[0]
-                message.release()
-            return {"cpu": (_cpu() - start_cpu) * reps / (reps + 1)}
-        payload = torch.rand(numel, generator=torch.Generator().manual_seed(0))
-        ack = transport.send(1, payload, kind=pb.MESSAGE_KIND_BENCH, step=0).result(timeout)
-        if ack.status != pb.Ack.STATUS_ACCEPTED:
-            raise RuntimeError(f"warm-up transfer refused: {ack.reason} {ack.detail}")
-        cpu0, start = _cpu(), time.perf_counter()
-        for step in range(1, reps + 1):
-            ack = transport.send(1, payload, kind=pb.MESSAGE_KIND_BENCH, step=step).result(timeout)
-            if ack.status != pb.Ack.STATUS_ACCEPTED:
-                raise RuntimeError(f"transfer {step} refused: {ack.reason} {ack.detail}")
-        return {"seconds": time.perf_counter() - start, "cpu": _cpu() - cpu0}
-
-
-def bench_p2ptrain(size_bytes: int, reps: int, timeout: float = 300.0,
-                   chunk_bytes: int | None = None) -> TransferResult:
-    from launcher.ports import free_ports
-
-    _check_args(size_bytes, reps, timeout)
-    ports = free_ports(2)
-    receiver, sender = _run_pair(
-        "p2ptrain", [_p2ptrain_node, _p2ptrain_node],
-        [(1, ports, size_bytes, reps, timeout, chunk_bytes), (0, ports, size_bytes, reps, timeout, chunk_bytes)],
-        timeout)
-    return TransferResult("p2ptrain", size_bytes, reps, sender["seconds"], sender_cpu_s=sender["cpu"],
-                          receiver_cpu_s=receiver["cpu"])
 
 
 def run(size_mb: float, reps: int, methods=METHODS, chunk_mb: float | None = None, rounds: int = 3,

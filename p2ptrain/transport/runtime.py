@@ -85,7 +85,7 @@ class TransportOptions:
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
-        ]  # flow-control / frame-size knobs measured no better (p2ptrain.bench.grpc_study)
+        ]  # flow-control / frame-size knobs measured no better (benchmarks/grpc_study.py)
 
     def server_options(self) -> list[tuple[str, object]]:
         return self.channel_options() + [

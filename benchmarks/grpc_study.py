@@ -1,6 +1,13 @@
 """How fast can gRPC (Python) push bytes between two local processes?
 
-Standalone experiment driver (only depends on :mod:`p2ptrain.bench.baselines`).
+A research study, not part of the p2ptrain package: it lives in the checkout's top-level
+``benchmarks/`` (not in the wheel) and nothing in p2ptrain imports it. Its findings are behind
+``p2ptrain/transport/tuning.py`` (glibc malloc tuning) and the gRPC flow-control options left at
+their defaults in ``p2ptrain/transport/runtime.py``; run it again to re-check them on new hardware
+or a new grpcio. It uses only public names of
+:mod:`p2ptrain.bench.baselines` (``run_pair``, ``bench_gloo``, ``bench_tcp``) and
+:func:`p2ptrain.transport.tuning.tune_malloc`.
+
 Every measurement spawns a fresh receiver (gRPC server) process and a fresh
 sender (gRPC client) process on 127.0.0.1 (or a unix socket), pushes a float32
 payload ``reps`` times after one untimed warm-up push, and reports
@@ -56,11 +63,11 @@ A configuration is a whitespace separated list of ``key=value`` tokens::
                            process start; set in the parent before spawn)
     name=<label>           label for the table
 
-Examples::
+Examples (from the root of a checkout; ``python benchmarks/grpc_study.py ...`` works too)::
 
-    python -m p2ptrain.bench.grpc_study --baselines --suite quick
-    python -m p2ptrain.bench.grpc_study --config "client=sync server=aio chunk=1M"
-    python -m p2ptrain.bench.grpc_study --list-suites
+    python -m benchmarks.grpc_study --baselines --suite quick
+    python -m benchmarks.grpc_study --config "client=sync server=aio chunk=1M"
+    python -m benchmarks.grpc_study --list-suites
 """
 
 from __future__ import annotations
@@ -77,7 +84,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from p2ptrain.bench.baselines import _run_pair, bench_gloo, bench_tcp
+from p2ptrain.bench.baselines import bench_gloo, bench_tcp, run_pair
 from p2ptrain.transport.tuning import tune_malloc
 
 _SERVICE = "p2pbench.Bench"
@@ -727,7 +734,7 @@ def run_grpc(cfg: Config, size: int, reps: int, timeout: float = 300.0) -> dict:
     saved = {k: os.environ.get(k) for k in cfg.env}
     os.environ.update({k: str(v) for k, v in cfg.env.items()})
     try:
-        client, _ = _run_pair(
+        client, _ = run_pair(
             "grpc",
             [_client_child, _server_child],
             [(d, size, reps, timeout), (d, size, timeout)],
@@ -868,7 +875,7 @@ def _row(label: str, res: list[dict], err: str | None, size: int, reps: int) -> 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m p2ptrain.bench.grpc_study",
+        prog="python -m benchmarks.grpc_study",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -949,7 +956,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Re-import under the package name so that spawned children unpickle the
-    # worker functions from ``p2ptrain.bench.grpc_study``, not ``__main__``.
-    from p2ptrain.bench.grpc_study import main as _main
+    # worker functions from ``benchmarks.grpc_study``, not ``__main__``. Run as
+    # ``python benchmarks/grpc_study.py``, the checkout's root is not on
+    # sys.path yet (spawned children inherit sys.path).
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if _root not in sys.path:
+        sys.path.insert(0, _root)
+    from benchmarks.grpc_study import main as study_main
 
-    sys.exit(_main())
+    sys.exit(study_main())

@@ -1,0 +1,168 @@
+"""The p2ptrain push measurement: how fast p2ptrain's own Transport moves a tensor from one process to another.
+
+One transfer = one PushTensor stream of a float32 tensor, acknowledged once the receiver has the
+whole tensor in its (preallocated, reused) receive buffer. One untimed warm-up transfer comes first
+(it also opens the TCP window and drains a shaped link's token bucket), then ``reps`` timed ones; the
+clock is the sender's and stops at the last acknowledgement, so the figure is payload goodput.
+
+* :func:`push_endpoint` -- one end (rank 0 sends, rank 1 receives), in the calling process.
+* :func:`bench_p2ptrain_between` -- both ends as two commands, each behind an optional argv prefix
+  (``ip netns exec NS`` puts it in a network namespace: ``python -m launcher.netns measure``).
+  ``python -m p2ptrain.bench.push`` is that command; it prints one JSON line.
+* :func:`bench_p2ptrain` -- the loopback case that ``p2ptrain bench transport`` compares with gloo
+  and a raw TCP socket.
+
+Benchmark code: nothing here runs during training.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+from p2ptrain.bench.baselines import TransferResult, check_transfer_args, cpu_seconds
+
+SENDER, RECEIVER = 0, 1
+STARTUP_GRACE_S = 30.0  # per run, on top of `timeout`: two fresh interpreters importing torch and grpc
+
+
+def push_endpoint(rank: int, peers: Sequence[str], size_bytes: int, reps: int, timeout: float,
+                  chunk_bytes: int | None = None) -> dict:
+    """Run one end of the measurement here, listening on ``peers[rank]``; ``peers`` = [sender, receiver].
+
+    Returns ``{"seconds": ..., "cpu": ...}`` on the sender (wall time of the ``reps`` timed pushes and
+    the CPU seconds spent meanwhile) and ``{"cpu": ...}`` on the receiver (its CPU seconds, scaled to
+    ``reps`` transfers). Raises if a push is refused or the peer does not show up within ``timeout``.
+    """
+    if rank not in (SENDER, RECEIVER) or len(peers) != 2:
+        raise ValueError(f"need rank 0 (sender) or 1 (receiver) and two peer addresses, got {rank}, {peers}")
+    check_transfer_args(size_bytes, reps, timeout)
+    import torch
+
+    from p2ptrain._proto import p2ptrain_pb2 as pb
+    from p2ptrain.transport import Transport, TransportOptions
+
+    torch.set_num_threads(1)
+    numel = size_bytes // 4
+    options = TransportOptions(step_window=reps + 2, send_timeout=timeout,
+                               **({"chunk_bytes": chunk_bytes} if chunk_bytes else {}))
+    with Transport(rank, 2, list(peers), listen=peers[rank], options=options) as transport:
+        transport.expect(pb.MESSAGE_KIND_BENCH, torch.float32, numel, preallocate=2)
+        start_cpu = cpu_seconds()  # the sender may start as soon as we are marked ready
+        transport.mark_ready()
+        transport.wait_for_peers(timeout, require_ready=True)
+        if rank == RECEIVER:  # consume each tensor so its buffer goes back to the pool
+            # Receiving happens on the loop thread, ahead of this one: count the CPU of all
+            # reps + 1 transfers and scale to `reps`.
+            for step in range(reps + 1):
+                transport.recv(pb.MESSAGE_KIND_BENCH, step, [SENDER], timeout=timeout)[0].release()
+            return {"cpu": (cpu_seconds() - start_cpu) * reps / (reps + 1)}
+        payload = torch.rand(numel, generator=torch.Generator().manual_seed(0))
+        start = cpu0 = 0.0
+        for step in range(reps + 1):  # step 0 is the untimed warm-up
+            if step == 1:
+                cpu0, start = cpu_seconds(), time.perf_counter()
+            ack = transport.send(RECEIVER, payload, kind=pb.MESSAGE_KIND_BENCH, step=step).result(timeout)
+            if ack.status != pb.Ack.STATUS_ACCEPTED:
+                raise RuntimeError(f"push {step} refused: {ack.reason} {ack.detail}")
+        return {"seconds": time.perf_counter() - start, "cpu": cpu_seconds() - cpu0}
+
+
+def bench_p2ptrain_between(peers: Sequence[str], size_bytes: int, reps: int, timeout: float = 300.0,
+                           chunk_bytes: int | None = None,
+                           argv_prefixes: Sequence[Sequence[str]] = ((), ())) -> TransferResult:
+    """Time ``reps`` pushes from ``peers[0]`` to ``peers[1]`` ("host:port" each, where that end listens).
+
+    Each end runs as ``[*argv_prefixes[i], python, -m, p2ptrain.bench.push, ...]``; a prefix places
+    it (``["ip", "netns", "exec", NS]``: in a namespace whose address is ``peers[i]``'s host). Raises
+    ``RuntimeError`` with the failing end's stderr if either exits non-zero or the run takes longer
+    than ``timeout`` plus STARTUP_GRACE_S; both processes are gone when this returns.
+    """
+    check_transfer_args(size_bytes, reps, timeout)
+    if len(peers) != 2 or len(argv_prefixes) != 2:
+        raise ValueError(f"need a sender and a receiver: 2 peers and 2 argv prefixes, got {peers}, {argv_prefixes}")
+    argv = [sys.executable, "-m", "p2ptrain.bench.push", "--peers", ",".join(peers), "--size-bytes",
+            str(size_bytes), "--reps", str(reps), "--timeout", str(timeout)]
+    if chunk_bytes:
+        argv += ["--chunk-bytes", str(chunk_bytes)]
+    package_root = str(Path(__file__).resolve().parents[2])  # finds p2ptrain even from a bare checkout
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+    roles = ("sender", "receiver")
+    with tempfile.TemporaryDirectory(prefix="p2ptrain-push-") as logs:
+        outputs = [(open(Path(logs, f"{role}.out"), "w+"), open(Path(logs, f"{role}.err"), "w+")) for role in roles]
+        procs: list[subprocess.Popen] = []
+        try:
+            for rank, (prefix, (out, err)) in enumerate(zip(argv_prefixes, outputs)):
+                procs.append(subprocess.Popen([*prefix, *argv, "--rank", str(rank)], env=env, stdin=subprocess.DEVNULL,
+                                              stdout=out, stderr=err))
+            deadline = time.monotonic() + timeout + STARTUP_GRACE_S
+            while any(p.poll() is None for p in procs):
+                failed = [i for i, p in enumerate(procs) if p.returncode not in (None, 0)]
+                if failed:
+                    i = failed[0]
+                    raise RuntimeError(f"p2ptrain push {roles[i]} failed (exit {procs[i].returncode}): "
+                                       f"{_tail(outputs[i][1])}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"p2ptrain push timed out after {timeout + STARTUP_GRACE_S:.0f} s")
+                time.sleep(0.05)
+            results = []
+            for i, (p, (out, err)) in enumerate(zip(procs, outputs)):
+                if p.returncode != 0:
+                    raise RuntimeError(f"p2ptrain push {roles[i]} failed (exit {p.returncode}): {_tail(err)}")
+                out.seek(0)
+                results.append(json.loads(out.read().strip().splitlines()[-1]))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            for out, err in outputs:
+                out.close()
+                err.close()
+    sender, receiver = results
+    return TransferResult("p2ptrain", size_bytes, reps, sender["seconds"], sender_cpu_s=sender["cpu"],
+                          receiver_cpu_s=receiver["cpu"])
+
+
+def bench_p2ptrain(size_bytes: int, reps: int, timeout: float = 300.0,
+                   chunk_bytes: int | None = None) -> TransferResult:
+    """Time ``reps`` pushes between two fresh processes on 127.0.0.1 (as bench_gloo / bench_tcp do)."""
+    from launcher.ports import free_ports
+
+    check_transfer_args(size_bytes, reps, timeout)
+    return bench_p2ptrain_between([f"127.0.0.1:{port}" for port in free_ports(2)], size_bytes, reps, timeout,
+                                  chunk_bytes)
+
+
+def _tail(stream, chars: int = 2000) -> str:
+    stream.flush()
+    stream.seek(0)
+    return stream.read().strip()[-chars:]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """One end of bench_p2ptrain_between: prints push_endpoint's result as one JSON line."""
+    parser = argparse.ArgumentParser(prog="python -m p2ptrain.bench.push",
+                                     description="One end of the p2ptrain push measurement (rank 0 sends, 1 receives).")
+    parser.add_argument("--rank", type=int, choices=(SENDER, RECEIVER), required=True)
+    parser.add_argument("--peers", required=True, help="SENDER_HOST:PORT,RECEIVER_HOST:PORT")
+    parser.add_argument("--size-bytes", type=int, required=True)
+    parser.add_argument("--reps", type=int, required=True)
+    parser.add_argument("--timeout", type=float, required=True)
+    parser.add_argument("--chunk-bytes", type=int, default=None)
+    args = parser.parse_args(argv)
+    result = push_endpoint(args.rank, args.peers.split(","), args.size_bytes, args.reps, args.timeout,
+                           args.chunk_bytes)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
