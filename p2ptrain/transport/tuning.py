@@ -1,6 +1,6 @@
 """Process-level tuning for bulk tensor transfer.
 
-Measured with `python -m p2ptrain.bench.grpc_study`: with glibc's default dynamic mmap threshold,
+Measured with `python -m benchmarks.grpc_study`: with glibc's default dynamic mmap threshold,
 every MiB-sized buffer gRPC and Python allocate per chunk is mmapped, page-faulted and zeroed
 afresh; keeping such buffers in the heap doubles to triples gRPC throughput on loopback.
 """
