@@ -106,7 +106,7 @@ class CentralVariable:
         self.nbytes = self.numel * _ITEMSIZE
         self.workers = workers
         self.version = 0
-        self.spec = ChannelSpec(torch.float32, self.numel, self.nbytes, codecs=frozenset({pb.CODEC_NONE}))
+        self.spec = ChannelSpec.uncompressed(torch.float32, self.numel)
         self.pool = BufferPool()
         self.pool.preallocate(self.nbytes, 2)
         self._next_theta = torch.empty_like(self.theta)  # apply() computes here, then swaps it in

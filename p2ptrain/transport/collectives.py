@@ -9,8 +9,9 @@ With a lossy codec every reduce-scatter hop decompresses, sums and recompresses 
 an owner compresses its finished segment once and the all-gather forwards those bytes untouched,
 and the owner adopts the decoded value itself, so all nodes end with bit-identical results.
 
-Every round has its own channel, so the receiver knows the exact size of each segment and the
-mailbox never mixes rounds; the step number keeps consecutive all-reduces apart.
+Every round has its own channel, so the receiver knows the exact size of each segment (and accepts
+only this ring's codec, in the layout compression.py gives it) and the mailbox never mixes rounds;
+the step number keeps consecutive all-reduces apart.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.compression import Codec, NoCompression, get_codec
+from p2ptrain.transport.validation import CodecLayout
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +53,9 @@ class RingAllReduce:
         self.bounds = segment_bounds(numel, self.n)
         self.next, self.prev = (self.rank + 1) % self.n, (self.rank - 1) % self.n
         for r in range(self.n - 1):  # the segment node `rank` receives in each round
-            comm.expect(kind, dtype, self._size(self._rs_recv(r)), channel=self._channel("rs", r))
-            comm.expect(kind, dtype, self._size(self._ag_recv(r)), channel=self._channel("ag", r))
+            for phase, segment in (("rs", self._rs_recv(r)), ("ag", self._ag_recv(r))):
+                size = self._size(segment)
+                comm.expect(kind, dtype, size, channel=self._channel(phase, r), codecs=self._layout(size))
 
     # Which segment moves where in round r -----------------------------------------------------------
     def _rs_send(self, r: int) -> int:
@@ -70,6 +73,11 @@ class RingAllReduce:
     def _size(self, segment: int) -> int:
         start, end = self.bounds[segment]
         return end - start
+
+    def _layout(self, numel: int) -> dict[int, CodecLayout]:
+        """What a segment of `numel` elements arrives as: this ring's codec, its exact size."""
+        codec = self.codec
+        return {codec.wire_id: CodecLayout(codec.payload_bytes(numel, self.dtype), codec.param_count)}
 
     def _channel(self, phase: str, r: int) -> str:
         return f"{self.tag}{phase}{r}"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import Counter, OrderedDict, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -28,7 +29,12 @@ import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.framing import torch_dtype
-from p2ptrain.transport.validation import ChannelSpec, Rejection, check_finite, validate_header
+from p2ptrain.transport.validation import ChannelSpec, CodecLayout, Rejection, check_finite, validate_header
+
+# A channel declared without `codecs` accepts raw tensors and, for a floating dtype, the proto's
+# fixed-rate codecs: codec -> (bytes per element, codec params). compression.py implements them;
+# tests/test_compression.py pins these numbers to it.
+FIXED_RATE_CODECS = {pb.CODEC_FP16_TRUNCATE: (2, 0), pb.CODEC_INT8_QUANTIZE: (1, 1)}
 
 
 @dataclass
@@ -163,13 +169,19 @@ class Inbox:
 
     # Configuration (thread-safe enough: plain attribute writes read on the loop thread) ---------
     def expect(self, kind: int, dtype: torch.dtype, numel: int, *, channel: str | None = None,
-               preallocate: int = 2, max_payload_bytes: int | None = None) -> None:
+               preallocate: int = 2, codecs: Mapping[int, CodecLayout] | None = None) -> None:
         """Accept messages of `kind` holding `numel` elements of `dtype`; preallocates buffers.
 
         With `channel` the spec holds only for that channel (e.g. one ring all-reduce segment,
-        whose size differs per round); otherwise for every channel without a spec of its own."""
-        spec = ChannelSpec(dtype, numel, max_payload_bytes or numel * dtype.itemsize)
-        self._specs[(kind, channel)] = spec
+        whose size differs per round); otherwise for every channel without a spec of its own.
+        `codecs` are the encodings accepted, each with its exact layout (the declarer knows its
+        codec); by default raw tensors and FIXED_RATE_CODECS."""
+        if codecs is None:
+            codecs = dict(ChannelSpec.uncompressed(dtype, numel).codecs)
+            if dtype.is_floating_point:
+                codecs.update({codec: CodecLayout(per_element * numel, params)
+                               for codec, (per_element, params) in FIXED_RATE_CODECS.items()})
+        self._specs[(kind, channel)] = ChannelSpec(dtype, numel, codecs)
         self.pool.preallocate(numel * dtype.itemsize, preallocate)
 
     def unexpect(self, kind: int, channel: str | None = None) -> None:
