@@ -41,7 +41,7 @@ class Algorithm(ABC):
 
     def adopt_state(self, state, params: torch.Tensor) -> torch.Tensor:
         """A node that stalled and fell behind caught up: `state` is a donor's state transfer
-        (p2ptrain.transport.communicator.Received), `params` the stale local model; returns the model
+        (p2ptrain.transport.message.Message), `params` the stale local model; returns the model
         to continue with. Default: the donor's model. Push-sum algorithms merge instead (see SGP),
         since the stale node still holds its own share of the mass."""
         return state.tensor.detach().clone().view_as(params)

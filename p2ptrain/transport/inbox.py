@@ -22,43 +22,19 @@ import asyncio
 import threading
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.framing import torch_dtype
+from p2ptrain.transport.message import Message
 from p2ptrain.transport.validation import ChannelSpec, CodecLayout, Rejection, check_finite, validate_header
 
 # A channel declared without `codecs` accepts raw tensors and, for a floating dtype, the proto's
 # fixed-rate codecs: codec -> (bytes per element, codec params). compression.py implements them;
 # tests/test_compression.py pins these numbers to it.
 FIXED_RATE_CODECS = {pb.CODEC_FP16_TRUNCATE: (2, 0), pb.CODEC_INT8_QUANTIZE: (1, 1)}
-
-
-@dataclass
-class Message:
-    """A fully received tensor. `tensor` views a pooled buffer: call release() when consumed."""
-
-    sender: int
-    step: int
-    kind: int
-    channel: str
-    tensor: torch.Tensor
-    ps_weight: float
-    relay_count: float
-    codec: int
-    codec_params: tuple[float, ...]
-    shape: tuple[int, ...]
-    message_id: int
-    _release: object = field(default=None, repr=False)
-
-    def release(self) -> None:
-        """Give the receive buffer back to the pool (idempotent)."""
-        release, self._release = self._release, None
-        if release is not None:
-            release()
 
 
 class BufferPool:
