@@ -40,14 +40,14 @@ import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.algorithms.gem import staleness_scale
-from p2ptrain.transport.framing import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, DecodedChunk, FramingError,
-                                        check_chunk_bytes, deserialize_chunk, encode_header, iter_data_chunks,
-                                        serialize_identity, tensor_bytes)
-from p2ptrain.transport.health import ServingStatus, add_standard_services
+from p2ptrain.transport.framing import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, check_chunk_bytes, deserialize_chunk,
+                                        encode_header, iter_data_chunks, serialize_identity, tensor_bytes)
+from p2ptrain.transport.health import ServingStatus
 from p2ptrain.transport.inbox import BufferPool, Reception
 from p2ptrain.transport.runtime import TransportOptions, _new_loop
 from p2ptrain.transport.security import PLAINTEXT, Security
-from p2ptrain.transport.server import PROTOCOL_VERSION, REFUSAL_STATUS, idle_limited, wait_for_cancel
+from p2ptrain.transport.server import PROTOCOL_VERSION, serve
+from p2ptrain.transport.streams import REFUSAL_STATUS, MessageStream, wait_for_cancel
 from p2ptrain.transport.validation import ChannelSpec, Rejection, all_finite, check_finite, validate_header
 
 log = logging.getLogger(__name__)
@@ -285,21 +285,11 @@ class ParameterServerService:
         reception = pending = None
         header: pb.TensorHeader | None = None
         try:
-            async for chunk in idle_limited(requests, self.stream_idle_timeout):
-                if isinstance(chunk, FramingError):
-                    raise Rejection("malformed_chunk", str(chunk))
-                assert isinstance(chunk, DecodedChunk)
-                if reception is None:
-                    if chunk.header is None:
-                        raise Rejection("missing_header", "the first chunk of a commit must be a header")
-                    header = chunk.header
-                    reception = state.open_commit(header)
-                elif chunk.header is not None:
-                    raise Rejection("unexpected_header", "a second header inside one commit")
-                else:
-                    reception.write(chunk.data)
-                    chunk.data.release()  # copied: let its bytes go (grpc.aio's reader keeps the last message)
-                del chunk
+            stream = MessageStream(requests, self.stream_idle_timeout, "commit")
+            header = await stream.header()
+            if header is not None:
+                reception = state.open_commit(header)
+                await stream.fill(reception)
             await wait_for_cancel(context, reception is not None and reception.complete())  # never apply a cancelled call
             if reception is None:
                 raise Rejection("empty_stream", "commit stream closed before any header")
@@ -417,18 +407,15 @@ class ParameterServer:
             loop.close()
 
     async def _start_server(self) -> None:
-        server = grpc.aio.server(options=grpc_options() + [("grpc.so_reuseport", 0)],
-                                 interceptors=self.security.server_interceptors(self.metrics))
         service = ParameterServerService(self.state, chunk_bytes=self.chunk_bytes, fingerprint=self.fingerprint,
                                          metrics=self.metrics, on_all_done=self.all_done.set,
                                          stream_idle_timeout=self.stream_idle_timeout)
-        server.add_generic_rpc_handlers((service.handler(),))
-        self.health = await add_standard_services(server, PS_SERVICE_NAME, serving=True)
-        port = self.security.add_port(server, self.listen)
+        self._server, self.health, port = await serve(
+            service.handler(), PS_SERVICE_NAME, listen=self.listen, options=grpc_options() + [("grpc.so_reuseport", 0)],
+            security=self.security, metrics=self.metrics, serving=True)
         if port == 0:
             raise OSError(f"parameter server could not listen on {self.listen}")
-        await server.start()
-        self._server, self.port = server, port
+        self.port = port
 
     def stop(self) -> None:
         loop = self._loop

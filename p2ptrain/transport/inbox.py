@@ -14,7 +14,7 @@ tells a sender its message *was* delivered (it stops retrying), so it is never s
 is merely in flight.
 
 Streams are not free: open receptions are capped per claimed sender and in buffered bytes, and the
-transport (server.py) cuts a stream that sends nothing for `stream_idle_timeout` seconds.
+server (streams.py) cuts a stream that sends nothing for `stream_idle_timeout` seconds.
 """
 from __future__ import annotations
 

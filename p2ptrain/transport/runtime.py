@@ -22,12 +22,12 @@ from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.client import PeerClient
 from p2ptrain.transport.faults import LinkEmulator, LinkTable, MessageDropped
 from p2ptrain.transport.framing import DEFAULT_CHUNK_BYTES, check_chunk_bytes, tensor_bytes, wire_dtype
-from p2ptrain.transport.health import ServingStatus, add_standard_services
+from p2ptrain.transport.health import ServingStatus
 from p2ptrain.transport.inbox import Inbox, Message
 from p2ptrain.transport.membership import DEFAULT_MAX_LAG, Membership
 from p2ptrain.transport.relay import Relay
 from p2ptrain.transport.security import PLAINTEXT, Security
-from p2ptrain.transport.server import SERVICE_NAME, Identity, PeerService
+from p2ptrain.transport.server import SERVICE_NAME, Identity, PeerService, serve
 from p2ptrain.transport.tuning import tune_process_for_transfer
 
 log = logging.getLogger(__name__)
@@ -183,20 +183,17 @@ class Transport:
             loop.close()
 
     async def _start_server(self) -> None:
-        server = grpc.aio.server(options=self.options.server_options(),
-                                 interceptors=self.options.security.server_interceptors(self.metrics))
         service = PeerService(self.inbox, self.identity, self.metrics, current_step=lambda: self._step,
                               is_ready=lambda: self._ready, on_peer_ready=self._peers_ready.add,
                               on_hello=self._on_hello, excludes=self.membership.excludes,
                               incarnation=lambda: self.incarnation)
         service.forwarder = self._relay = Relay(self)  # route choice of sends, forwarding for others
-        server.add_generic_rpc_handlers((service.handler(),))
-        self.health = await add_standard_services(server, SERVICE_NAME, serving=self._ready)
-        port = self.options.security.add_port(server, self.listen)
+        self._server, self.health, port = await serve(
+            service.handler(), SERVICE_NAME, listen=self.listen, options=self.options.server_options(),
+            security=self.options.security, metrics=self.metrics, serving=self._ready)
         if port == 0:
             raise PeerError(f"node {self.rank} could not listen on {self.listen}")
-        await server.start()
-        self._server, self.port = server, port
+        self.port = port
 
     def stop(self) -> None:
         """Graceful: in-flight RPCs get `shutdown_grace` seconds, then channels close."""
