@@ -1,17 +1,17 @@
 """The Transport of one node: an event-loop thread owning the gRPC server, client pool and inbox.
 
 grpc.aio objects are not thread-safe, so every one of them is created and used on this single
-thread (uvloop when available). The training thread talks to it only through the blocking /
-future-returning methods below, which hop onto the loop with run_coroutine_threadsafe.
+thread (loop.py's LoopThread). The training thread talks to it only through the blocking /
+future-returning methods below, which hop onto the loop through that bridge.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import itertools
 import logging
 import secrets
-import threading
 import time
 from dataclasses import dataclass
 
@@ -24,6 +24,7 @@ from p2ptrain.transport.faults import LinkEmulator, LinkTable, MessageDropped
 from p2ptrain.transport.framing import DEFAULT_CHUNK_BYTES, check_chunk_bytes, tensor_bytes, wire_dtype
 from p2ptrain.transport.health import ServingStatus
 from p2ptrain.transport.inbox import Inbox, Message
+from p2ptrain.transport.loop import LoopThread
 from p2ptrain.transport.membership import DEFAULT_MAX_LAG, Membership
 from p2ptrain.transport.relay import Relay
 from p2ptrain.transport.security import PLAINTEXT, Security
@@ -94,14 +95,6 @@ class TransportOptions:
         ]
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:  # Windows, or uvloop not installed: the default loop works too
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
-
-
 @dataclass(frozen=True)
 class ClusterSurvey:
     reachable: int  # peers that answered a Hello
@@ -128,8 +121,7 @@ class Transport:
         self.inbox = Inbox(rank, world_size, step_window=self.options.step_window,
                            pin_memory=self.options.pin_memory)
         self.port: int | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._bridge = LoopThread(f"p2ptrain-comm-{rank}", f"node {rank} transport")
         self._server: grpc.aio.Server | None = None
         self._clients: dict[int, PeerClient] = {}
         self._ids = itertools.count((secrets.randbits(31) << 32) | 1)  # unique across restarts
@@ -147,7 +139,6 @@ class Transport:
         self.inbox.excluded = self.membership.dead
         self._reached: set[int] = set()      # peers we delivered to: later connect failures fail fast
         self._probing: set[int] = set()
-        self._background: set[asyncio.Task] = set()
         self._state_requests: list[int] = []  # peers that asked for our model state (Hello want_state)
         self.resume_step = 0                  # the step a rejoined node resumes at (sent in its Hellos)
         # Sends whose Ack has not come yet, per peer, oldest first (Communicator.make_room bounds them),
@@ -160,27 +151,8 @@ class Transport:
     # Lifecycle ------------------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> "Transport":
         tune_process_for_transfer()
-        ready: concurrent.futures.Future = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, args=(ready,), name=f"p2ptrain-comm-{self.rank}",
-                                        daemon=True)
-        self._thread.start()
-        ready.result(timeout)  # re-raises a bind failure in the caller's thread
+        self._bridge.start(self._start_server, timeout)  # re-raises a bind failure in the caller's thread
         return self
-
-    def _run(self, ready: concurrent.futures.Future) -> None:
-        loop = self._loop = _new_loop()
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(self._start_server())
-        except BaseException as exc:  # noqa: BLE001 - hand any start-up failure to start()
-            ready.set_exception(exc)
-            loop.close()
-            return
-        ready.set_result(None)
-        try:
-            loop.run_forever()
-        finally:
-            loop.close()
 
     async def _start_server(self) -> None:
         service = PeerService(self.inbox, self.identity, self.metrics, current_step=lambda: self._step,
@@ -197,10 +169,6 @@ class Transport:
 
     def stop(self) -> None:
         """Graceful: in-flight RPCs get `shutdown_grace` seconds, then channels close."""
-        loop = self._loop
-        if loop is None or not loop.is_running():
-            return
-
         async def shutdown() -> None:
             if self.health is not None:
                 await self.health.drain()  # NOT_SERVING before the grace period: probes stop routing here
@@ -210,21 +178,13 @@ class Transport:
                 await client.close()
             for task in self._emulating:  # else they would die pending with the loop, their futures never done
                 task.cancel()
-            for task in self._background:
-                task.cancel()
             for unsettled in self._unsettled.values():
                 for waiter in unsettled.values():
                     if not waiter.done():
                         waiter.set_exception(PeerUnreachable(f"node {self.rank}: stopped before the peer "
                                                              "settled this message (its outcome is unknown)"))
 
-        try:
-            asyncio.run_coroutine_threadsafe(shutdown(), loop).result(self.options.shutdown_grace + 10)
-        except Exception as exc:  # noqa: BLE001 - shutting down anyway
-            log.warning("node %d: unclean transport shutdown: %s", self.rank, exc)
-        loop.call_soon_threadsafe(loop.stop)
-        if self._thread is not None:
-            self._thread.join(10)
+        self._bridge.stop(shutdown, self.options.shutdown_grace)  # (cancels spawned background tasks too)
 
     def __enter__(self) -> "Transport":
         return self.start()
@@ -235,15 +195,18 @@ class Transport:
     # Bridge helpers ---------------------------------------------------------------------------
     def call_soon(self, fn, *args) -> None:
         """Run fn(*args) on the transport's loop thread (e.g. tests freezing it as SIGSTOP would)."""
-        if self._loop is None:
-            raise RuntimeError("transport not started")
-        self._loop.call_soon_threadsafe(fn, *args)
+        self._bridge.call_soon(fn, *args)
 
     def _submit(self, coro) -> concurrent.futures.Future:
-        if self._loop is None:
-            coro.close()
-            raise RuntimeError("transport not started")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return self._bridge.submit(coro)
+
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop | None:
+        return self._bridge.loop
+
+    @property
+    def _thread(self):
+        return self._bridge.thread
 
     def _client(self, peer: int) -> PeerClient:
         client = self._clients.get(peer)
@@ -401,17 +364,11 @@ class Transport:
     # Receiving --------------------------------------------------------------------------------
     def expect(self, kind: int, dtype: torch.dtype, numel: int, **kwargs) -> None:
         """Declare an accepted message kind (see Inbox.expect); call before peers send."""
-        if self._loop is None:
-            self.inbox.expect(kind, dtype, numel, **kwargs)
-        else:
-            self._submit(self._call(self.inbox.expect, kind, dtype, numel, **kwargs)).result()
+        self._bridge.call(functools.partial(self.inbox.expect, kind, dtype, numel, **kwargs))
 
     def unexpect(self, kind: int, channel: str | None = None) -> None:
         """Stop accepting `kind` (Inbox.unexpect)."""
-        if self._loop is None:
-            self.inbox.unexpect(kind, channel)
-        else:
-            self._submit(self._call(self.inbox.unexpect, kind, channel)).result()
+        self._bridge.call(self.inbox.unexpect, kind, channel)
 
     def probe(self, peer: int) -> bool:
         """Hello `peer` once without waiting for a connection; declares it dead if it does not answer."""
@@ -425,8 +382,8 @@ class Transport:
         """The node's current step: the centre of the accepted step window."""
         self._step = step
         self.membership.step = step
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self.inbox.set_step, step)
+        if self._bridge.started:
+            self._bridge.call_soon(self.inbox.set_step, step)
 
     def recv(self, kind: int, step: int, senders: list[int], *, timeout: float | None = None,
              channel: str = "") -> dict[int, Message]:
@@ -464,9 +421,7 @@ class Transport:
             await client.close()
 
     def _spawn(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._bridge.spawn(coro)
 
     async def _probe(self, peer: int) -> bool:
         """Hello `peer` without waiting for a connection; declare it dead if it does not answer."""
