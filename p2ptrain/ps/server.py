@@ -43,7 +43,7 @@ from p2ptrain.transport.framing import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, ch
 from p2ptrain.transport.health import ServingStatus
 from p2ptrain.transport.inbox import BufferPool, Reception
 from p2ptrain.transport.loop import LoopThread
-from p2ptrain.transport.runtime import TransportOptions
+from p2ptrain.transport.options import TransportOptions
 from p2ptrain.transport.security import PLAINTEXT, Security
 from p2ptrain.transport.server import PROTOCOL_VERSION, serve
 from p2ptrain.transport.streams import REFUSAL_STATUS, MessageStream, wait_for_cancel

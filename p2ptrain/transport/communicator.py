@@ -12,8 +12,9 @@ import time
 import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.transport.errors import PeerError
 from p2ptrain.transport.message import Message
-from p2ptrain.transport.runtime import PeerError, Transport
+from p2ptrain.transport.runtime import Transport
 from p2ptrain.transport.staging import Staging
 
 log = logging.getLogger(__name__)
