@@ -1,6 +1,6 @@
 # p2ptrain — the two commands of the README:
 #   make demo   install into .venv and run a 4-node local SGP cluster (report in runs/demo)
-#   make test   install into .venv and run the test suite (what CI runs)
+#   make test   install into .venv, lint (ruff) and run the test suite (what CI runs)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +8,7 @@ PIP_FLAGS ?= -q
 DEMO_ARGS ?= --nodes 4 --algorithm sgp --topology exponential --peers-per-step 1 --overlap 1 \
              --steps 300 --model mlp --dataset synthetic --out runs/demo
 
-.PHONY: install demo test test-all bench bench-algorithms reproduce proto clean
+.PHONY: install demo test lint test-all bench bench-algorithms reproduce proto clean
 
 install: $(VENV)/.installed
 
@@ -21,8 +21,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: install
 	$(VENV)/bin/p2ptrain launch $(DEMO_ARGS)
 
-test: install
+test: install lint
 	$(PY) -m pytest
+
+lint: install
+	$(PY) -m ruff check .
 
 test-all: install
 	$(PY) -m pytest -m ''

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TextIO
 
-from . import report as run_report
 from . import prometheus as scrape_config
+from . import report as run_report
 from .ports import free_ports, host_port
 
 TERM_GRACE_SECONDS = 5.0        # SIGTERM -> SIGKILL delay when stopping nodes

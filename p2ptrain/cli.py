@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "dashboard. Run it from the repository (the build context).")
     compose.add_argument("--nodes", type=int, required=True, help="number of nodes (and of ps workers)")
     compose.add_argument("--ps", action="store_true",
-                         help="add the parameter server and GEM workers as profile `ps` (docker compose --profile ps up)")
+                         help="add the parameter server and GEM workers as profile `ps` "
+                              "(docker compose --profile ps up)")
     compose.add_argument("--out", help="write the file here (paths in it are relative to its folder); default stdout")
     compose.add_argument("--port", type=int, default=50051, help="gRPC port of every container (default 50051)")
     compose.add_argument("--metrics-port", type=int, default=9100,
@@ -170,7 +171,8 @@ def cmd_node(args: argparse.Namespace) -> int:
         from p2ptrain.ps.worker import run_worker
 
         summary = run_worker(config)
-        print(f"worker {config.rank} ({config.algorithm_options.ps_policy}): test accuracy {summary['test_accuracy']:.4f}, final "
+        print(f"worker {config.rank} ({config.algorithm_options.ps_policy}): test accuracy "
+              f"{summary['test_accuracy']:.4f}, final "
               f"loss {summary['final_loss']}, mean staleness {summary.get('mean_staleness')}, "
               f"median pi {summary.get('pi_median')}")
         return 0

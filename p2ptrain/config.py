@@ -20,10 +20,11 @@ import hashlib
 import ipaddress
 import json
 import os
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
+
+import tomllib
 
 from p2ptrain.algorithms import registry
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec
@@ -169,7 +170,8 @@ class NodeConfig:
         need(self.dirichlet_alpha is None or (0 < self.dirichlet_alpha < float("inf")),
              f"dirichlet_alpha must be a positive finite number, got {self.dirichlet_alpha}")
         need(self.batch_size >= 1, "batch_size must be >= 1")
-        need((self.lr is None or self.lr >= 0) and self.momentum >= 0 and self.weight_decay >= 0, "lr, momentum, weight_decay must be >= 0")
+        need((self.lr is None or self.lr >= 0) and self.momentum >= 0 and self.weight_decay >= 0,
+             "lr, momentum, weight_decay must be >= 0")
         need(self.device in DEVICES, f"unknown device {self.device!r}; choose from {DEVICES}")
         need(self.threads >= 1, "threads must be >= 1")
         need(0.004 <= self.chunk_mb <= 64, f"chunk_mb must be within [0.004, 64], got {self.chunk_mb}")
@@ -210,8 +212,8 @@ class NodeConfig:
             need(self.role != "peer", f"--algorithm {spec.name} runs as a parameter server (p2ptrain ps) and workers "
                                       "(--role worker), or through p2ptrain launch")
         else:
-            need(self.role == "peer", f"--role {self.role} is for a parameter-server algorithm "
-                                      f"({', '.join(n for n, s in registry.algorithms().items() if s.role != 'peer')}), "
+            served = ", ".join(n for n, s in registry.algorithms().items() if s.role != "peer")
+            need(self.role == "peer", f"--role {self.role} is for a parameter-server algorithm ({served}), "
                                       f"not {spec.name}")
             need(self.resolved_topology in spec.topologies,
                  f"{spec.name} cannot run on topology {self.topology!r}; choose from {spec.topologies}")

@@ -52,7 +52,8 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, cluster_flags: bool =
                         "skewed (default: IID shards)")
     g.add_argument("--batch-size", type=int, help=f"per-node batch size (default {d.batch_size})")
     g.add_argument("--lr", type=float,
-                   help="learning rate (default per model: " + ", ".join(f"{m} {v}" for m, v in DEFAULT_LR.items()) + ")")
+                   help="learning rate (default per model: "
+                        + ", ".join(f"{m} {v}" for m, v in DEFAULT_LR.items()) + ")")
     g.add_argument("--momentum", type=float,
                    help=f"SGD momentum; for ps workers GEM's μ and the proxy's momentum (default {d.momentum})")
     g.add_argument("--weight-decay", type=float, help=f"SGD weight decay (default {d.weight_decay})")
@@ -61,7 +62,8 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, cluster_flags: bool =
     g.add_argument("--threads", type=int, help=f"torch threads per node process (default {d.threads})")
     g = parser.add_argument_group("transport")
     g.add_argument("--chunk-mb", type=float, help=f"stream chunk size in MiB (default {d.chunk_mb})")
-    g.add_argument("--peer-timeout", type=float, help=f"seconds to wait for a peer's message (default {d.peer_timeout})")
+    g.add_argument("--peer-timeout", type=float,
+                   help=f"seconds to wait for a peer's message (default {d.peer_timeout})")
     g.add_argument("--link-deadline", type=float, metavar="SECONDS",
                    help="longest wait for a peer's message of one step; after it the link counts as dropped "
                         "for that step (push-sum shares that come later are folded in; a peer that then does "

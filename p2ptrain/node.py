@@ -16,6 +16,7 @@ import torch
 from p2ptrain.algorithms import registry
 from p2ptrain.algorithms.base import Algorithm
 from p2ptrain.algorithms.registry import BuildContext
+from p2ptrain.communicator import Communicator
 from p2ptrain.config import NodeConfig
 from p2ptrain.metrics import NodeMetrics, counter_total
 from p2ptrain.train import DecentralizedTrainer, StepRecord, cycle, pick_device
@@ -23,7 +24,6 @@ from p2ptrain.train.loop import NonFiniteError
 from p2ptrain.train.progress import ProgressWriter, write_summary
 from p2ptrain.train.setup import training_setup
 from p2ptrain.transport import Transport, TransportOptions
-from p2ptrain.transport.communicator import Communicator
 from p2ptrain.transport.faults import LinkTable
 from p2ptrain.transport.runtime import PeerError
 from p2ptrain.transport.security import security_from_settings

@@ -10,9 +10,9 @@ import concurrent.futures
 from typing import Callable
 
 from launcher.ports import free_ports
+from p2ptrain.communicator import Communicator
 from p2ptrain.metrics import NodeMetrics
 from p2ptrain.transport import Transport, TransportOptions
-from p2ptrain.transport.communicator import Communicator
 
 
 def run_cluster(n: int, body: Callable[[int, Communicator], object], *, timeout: float = 120.0,

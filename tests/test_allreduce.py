@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from p2ptrain.algorithms.allreduce import AllReduceSGD
+from p2ptrain.algorithms.collectives import RingAllReduce, segment_bounds
 from p2ptrain.algorithms.dpsgd import DPSGD
 from p2ptrain.algorithms.pipesgd import PipeSGD
 from p2ptrain.topology.undirected import CompleteGraph, UndirectedRing
-from p2ptrain.transport.collectives import segment_bounds
 from tests.cluster import run_cluster
 
 LR = 0.1
@@ -37,7 +37,7 @@ def test_segment_bounds_cover_everything_once():
 @pytest.mark.parametrize("n,numel", [(2, 10), (3, 1001), (5, 3), (4, 64)])
 def test_ring_allreduce_sum_and_mean_exact(n, numel):
     def body(rank, comm):
-        reduce = comm.ring_allreduce(numel)
+        reduce = RingAllReduce(comm, numel)
         comm.ready()
         a = reduce(vector(rank, numel), step=0, average=False)
         b = reduce(vector(rank, numel, salt=1), step=1, average=True)
@@ -56,7 +56,7 @@ def test_ring_allreduce_compressed_hops_stay_within_error_bound_and_agree(codec,
     n, numel = 4, 5000
 
     def body(rank, comm):
-        reduce = comm.ring_allreduce(numel, codec=codec)
+        reduce = RingAllReduce(comm, numel, codec=codec)
         comm.ready()
         return reduce(vector(rank, numel), step=0, average=True)
 
@@ -74,7 +74,7 @@ def test_ring_allreduce_compressed_hops_stay_within_error_bound_and_agree(codec,
 
 def test_ring_allreduce_rejects_wrong_size():
     def body(rank, comm):
-        reduce = comm.ring_allreduce(8)
+        reduce = RingAllReduce(comm, 8)
         comm.ready()
         with pytest.raises(ValueError, match="declared for 8"):
             reduce(torch.zeros(9), step=0)

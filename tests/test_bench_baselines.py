@@ -4,8 +4,15 @@ import math
 
 import pytest
 
-from p2ptrain.bench.baselines import (TransferResult, bench_gloo, bench_tcp, check_transfer_args, cpu_seconds,
-                                      free_port, run_pair)
+from p2ptrain.bench.baselines import (
+    TransferResult,
+    bench_gloo,
+    bench_tcp,
+    check_transfer_args,
+    cpu_seconds,
+    free_port,
+    run_pair,
+)
 
 SIZE = 4 * 2**20  # 4 MiB
 REPS = 3

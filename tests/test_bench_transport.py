@@ -25,7 +25,8 @@ def test_bench_transport_json_reports_every_method_and_ratios():
         # CPU is measured (os.times has 10 ms resolution, so tiny runs may read 0)
         assert result["sender_cpu_s_per_gb"] >= 0 and result["receiver_cpu_s_per_gb"] >= 0
     methods = report["methods"]
-    assert report["ratios"]["p2ptrain/gloo"] == pytest.approx(methods["p2ptrain"]["mb_per_s"] / methods["gloo"]["mb_per_s"])
+    expected = methods["p2ptrain"]["mb_per_s"] / methods["gloo"]["mb_per_s"]
+    assert report["ratios"]["p2ptrain/gloo"] == pytest.approx(expected)
     assert report["size_bytes"] == 4_000_000
 
 

@@ -68,7 +68,7 @@ def test_no_private_names_imported_across_modules():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if not isinstance(node, ast.ImportFrom) or node.level or node.module == here:
                 continue
-            if not (node.module or "").split(".")[0] in ("p2ptrain", "launcher", "benchmarks"):
+            if (node.module or "").split(".")[0] not in ("p2ptrain", "launcher", "benchmarks"):
                 continue  # third-party modules are their own business
             offenders += [f"{path.relative_to(ROOT)}:{node.lineno}: from {node.module} import {a.name}"
                           for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]

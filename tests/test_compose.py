@@ -200,7 +200,8 @@ def test_gem_cluster_is_server_and_workers(capsys, monkeypatch):
     configs = check_compose(spec, ROOT)
     assert set(configs) == {"ps", "worker0", "worker1", "worker2"}
     assert all("profiles" not in spec["services"][n] for n in configs)
-    assert {(c.algorithm_options.ps_policy, c.model, c.algorithm) for c in configs.values()} == {("downpour", "cnn", "gem")}
+    seen = {(c.algorithm_options.ps_policy, c.model, c.algorithm) for c in configs.values()}
+    assert seen == {("downpour", "cnn", "gem")}
 
 
 def test_ps_profile_overrides_algorithm_only_for_workers(capsys, monkeypatch):
@@ -221,7 +222,8 @@ def test_host_files_are_mounted_at_their_path(tmp_path, capsys, monkeypatch):
     assert configs["worker0"].ignored_options == {"overlap": 1}  # keep another algorithm's option aside)
     for name in ("node0", "node1", "ps", "worker1"):
         service = spec["services"][name]
-        assert f"{token}:{token}:ro" in service["volumes"] and _flag(service["command"], "--auth-token-file") == str(token)
+        assert f"{token}:{token}:ro" in service["volumes"]
+        assert _flag(service["command"], "--auth-token-file") == str(token)
         assert _flag(service["command"], "--config") == str(tmp_path / "node.toml")
     assert "s3cret" not in yaml.safe_dump(spec)
 
@@ -348,7 +350,8 @@ def test_exported_names_match_a_real_metrics_endpoint(exported_names):
         text = urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/metrics", timeout=10).read().decode()
     finally:
         server.shutdown()
-    scraped = {s.name for f in text_string_to_metric_families(text) for s in f.samples if s.name.startswith("p2ptrain_")}
+    scraped = {s.name for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name.startswith("p2ptrain_")}
     assert scraped == {n for n in _sample_names(metrics.registry) if n.startswith("p2ptrain_")}
     assert {"p2ptrain_sent_bytes_total", "p2ptrain_step_seconds_bucket", "p2ptrain_loss"} <= scraped
     assert scraped <= exported_names

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.compression import (CODECS, CompressionError, Encoded, Fp16Truncate, Int8Quantize,
-                                  NoCompression, get_codec)
+from p2ptrain.compression import CODECS, CompressionError, Encoded, Fp16Truncate, Int8Quantize, NoCompression, get_codec
 
 torch.set_num_threads(1)
 
@@ -187,3 +186,16 @@ def test_large_scale_no_overflow():
     assert torch.isfinite(y).all()
     assert (y - x).abs().max().item() <= 3.0e38 / 127
     assert math.isfinite(INT8.encode(x).params[0])
+
+
+def test_default_channel_layouts_match_the_codecs():
+    """A channel declared without codecs accepts the fixed-rate codecs by their numbers alone
+    (inbox.FIXED_RATE_CODECS: the transport never imports this module): pin those numbers here."""
+    from p2ptrain.transport.inbox import FIXED_RATE_CODECS
+
+    assert set(FIXED_RATE_CODECS) | {pb.CODEC_NONE} == {codec.wire_id for codec in CODECS.values()}
+    x = torch.randn(1000)
+    for wire_id, (per_element, params) in FIXED_RATE_CODECS.items():
+        codec, encoded = get_codec(wire_id), get_codec(wire_id).encode(x)
+        assert codec.payload_bytes(x.numel()) == encoded.nbytes == per_element * x.numel()
+        assert codec.param_count == len(encoded.params) == params

@@ -31,7 +31,8 @@ def write(tmp_path, text: str, name: str = "node.toml"):
 def test_defaults_without_any_source():
     config = NodeConfig.from_sources(env={})
     assert config == NodeConfig()
-    assert (config.rank, config.world_size, config.peers, config.algorithm_options.overlap, config.steps) == (0, 1, [], 0, 300)
+    assert (config.rank, config.world_size, config.peers, config.algorithm_options.overlap, config.steps) == (
+        0, 1, [], 0, 300)
     assert config.chunk_bytes == 4 * 1024 * 1024
 
 

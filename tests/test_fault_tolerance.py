@@ -14,10 +14,10 @@ import time
 import pytest
 import torch
 
+from p2ptrain.algorithms.allreduce import AllReduceSGD
 from p2ptrain.algorithms.dpsgd import DPSGD
 from p2ptrain.algorithms.relaysgd import RelaySGD
 from p2ptrain.algorithms.sgp import SGP
-from p2ptrain.algorithms.allreduce import AllReduceSGD
 from p2ptrain.config import ConfigError, NodeConfig, parse_slowdown
 from p2ptrain.topology import build_topology
 from p2ptrain.topology.undirected import UndirectedRing

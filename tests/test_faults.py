@@ -19,8 +19,15 @@ from p2ptrain.config import ConfigError, NodeConfig
 from p2ptrain.metrics import NodeMetrics
 from p2ptrain.node import Node, link_table
 from p2ptrain.transport import Transport, TransportOptions
-from p2ptrain.transport.faults import (DEFAULT_BURST_BYTES, LinkEmulator, LinkSpec, LinkTable, MessageDropped,
-                                       parse_bandwidth, parse_duration)
+from p2ptrain.transport.faults import (
+    DEFAULT_BURST_BYTES,
+    LinkEmulator,
+    LinkSpec,
+    LinkTable,
+    MessageDropped,
+    parse_bandwidth,
+    parse_duration,
+)
 
 torch.set_num_threads(1)
 

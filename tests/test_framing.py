@@ -8,10 +8,10 @@ import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.framing import (
-    DecodedChunk,
-    FramingError,
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
+    DecodedChunk,
+    FramingError,
     check_chunk_bytes,
     decode_chunk,
     deserialize_chunk,

@@ -9,8 +9,17 @@ import pytest
 import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.algorithms.gem import (DEFAULT_EPSILON, AdaptiveStalenessRule, DownpourRule, GemRule, build_rule,
-                                     gem_pi, parse_clamp, pi_median, staleness_scale)
+from p2ptrain.algorithms.gem import (
+    DEFAULT_EPSILON,
+    AdaptiveStalenessRule,
+    DownpourRule,
+    GemRule,
+    build_rule,
+    gem_pi,
+    parse_clamp,
+    pi_median,
+    staleness_scale,
+)
 from p2ptrain.config import ConfigError, NodeConfig
 from p2ptrain.ps import ParameterServer, PsClient
 from p2ptrain.ps.server import CentralVariable
@@ -266,6 +275,7 @@ def test_cli_ps_and_worker_flags_reach_the_config():
         ["node", "--role", "worker", "--ps", "127.0.0.1:7000", "--rank", "2", "--world-size", "4",
          "--ps-policy", "adaptive-staleness", "--gem-kappa", "1.5", "--gem-clamp", "0,5", "--gem-epsilon", "1e-12"])
     config = cli._config_from_args(args)
-    assert (config.role, config.ps_address, config.algorithm_options.ps_policy, config.algorithm_options.gem_kappa, config.algorithm_options.gem_clamp,
-            config.algorithm_options.gem_epsilon, config.rank, config.world_size) == (
+    options = config.algorithm_options
+    assert (config.role, config.ps_address, options.ps_policy, options.gem_kappa, options.gem_clamp,
+            options.gem_epsilon, config.rank, config.world_size) == (
         "worker", "127.0.0.1:7000", "adaptive-staleness", 1.5, "0,5", 1e-12, 2, 4)

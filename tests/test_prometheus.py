@@ -94,7 +94,8 @@ def test_real_prometheus_scrapes_a_local_cluster(tmp_path):
             env=env, stdin=subprocess.DEVNULL, stdout=launch_log, stderr=subprocess.STDOUT)
         config_path = out / "prometheus.yml"
         while not config_path.exists():
-            assert cluster.poll() is None, f"launch exited {cluster.returncode}: {(tmp_path / 'launch.log').read_text()}"
+            log = (tmp_path / "launch.log").read_text
+            assert cluster.poll() is None, f"launch exited {cluster.returncode}: {log()}"
             assert time.monotonic() - start < 20, "launch wrote no prometheus.yml"
             time.sleep(0.1)
         time.sleep(0.2)  # written in one call right after the ports are known; let it land
@@ -140,7 +141,8 @@ def test_real_prometheus_scrapes_a_local_cluster(tmp_path):
             assert seen["steps_timed"][node] >= 1, seen
         # every target carries its node label and was scraped as that node
         up = query(base, 'up{job="p2ptrain"}')
-        assert {(r["metric"]["service"], r["metric"]["node"]) for r in up} == {(f"node{i}", str(i)) for i in range(NODES)}
+        targets = {(r["metric"]["service"], r["metric"]["node"]) for r in up}
+        assert targets == {(f"node{i}", str(i)) for i in range(NODES)}
         # what a node sends is what its peers receive (counters of one instant, so within a few steps)
         total_sent, total_received = sum(seen["sent"].values()), sum(seen["received"].values())
         assert total_received <= total_sent * 1.5 and total_sent <= total_received * 1.5

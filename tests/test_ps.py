@@ -21,7 +21,6 @@ from p2ptrain.ps import ParameterServer, PsClient, PsError
 from p2ptrain.ps.server import COMMIT_METHOD, grpc_options
 from p2ptrain.transport.framing import encode_data, encode_header, iter_data_chunks, serialize_identity, tensor_bytes
 from p2ptrain.transport.server import PUSH_METHOD
-
 from tests.conftest import node_env, run_processes
 from tests.test_transport import KIND, NUMEL, header, nodes, pending
 

@@ -17,9 +17,9 @@ import torch
 from launcher.ports import free_ports
 from p2ptrain import cli
 from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.node import link_table
 from p2ptrain.config import ConfigError, NodeConfig
 from p2ptrain.metrics import NodeMetrics
+from p2ptrain.node import link_table
 from p2ptrain.transport import Transport, TransportOptions
 from p2ptrain.transport.faults import LinkTable, LinkUnreachable
 from p2ptrain.transport.framing import encode_header, iter_data_chunks, tensor_bytes
@@ -336,8 +336,8 @@ def train_cluster(n: int, steps: int, **settings) -> list[dict]:
     """SGP on n in-process Nodes (real gRPC on loopback), configured like `p2ptrain node` ones;
     returns per node its test accuracy, final ps-weight, refused shares and metrics."""
     from p2ptrain.node import Node
-    from p2ptrain.train.setup import training_setup
     from p2ptrain.train import DecentralizedTrainer, cycle
+    from p2ptrain.train.setup import training_setup
 
     peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(n))
     configs = [NodeConfig.from_sources(env={}, flags={

@@ -10,8 +10,15 @@ import torch
 
 from p2ptrain.algorithms.base import Delivery
 from p2ptrain.algorithms.relaysgd import RelaySGD, RelaySum
-from p2ptrain.topology.trees import (BinaryTree, Chain, DoubleBinaryTrees, MirroredBinaryTree, TREE_NAMES,
-                                     build_relay_trees, coordinate_slices)
+from p2ptrain.topology.trees import (
+    TREE_NAMES,
+    BinaryTree,
+    Chain,
+    DoubleBinaryTrees,
+    MirroredBinaryTree,
+    build_relay_trees,
+    coordinate_slices,
+)
 from tests.cluster import run_cluster
 
 DIM, STEPS, LR = 11, 8, 0.3  # odd DIM: the double trees' halves differ in size

@@ -19,7 +19,7 @@ from p2ptrain.metrics import NodeMetrics, PsMetrics
 from p2ptrain.ps.client import PsClient, PsError
 from p2ptrain.ps.server import ParameterServer
 from p2ptrain.transport import Transport, TransportOptions
-from p2ptrain.transport.security import security_from_settings, Security, SecurityError
+from p2ptrain.transport.security import Security, SecurityError, security_from_settings
 from p2ptrain.transport.server import HELLO_METHOD, PROTOCOL_VERSION
 
 TOKEN = "s3cret-token-for-tests"
@@ -177,10 +177,12 @@ def test_mutual_tls_and_server_name_override(pki):
     other = None
     try:
         ca = (pki / "ca.pem").read_bytes()
-        client_pair = dict(private_key=(pki / "node.key").read_bytes(), certificate_chain=(pki / "node.pem").read_bytes())
+        client_pair = dict(private_key=(pki / "node.key").read_bytes(),
+                           certificate_chain=(pki / "node.pem").read_bytes())
         assert _hello(peers[0], grpc.ssl_channel_credentials(ca), None) == grpc.StatusCode.UNAVAILABLE
         assert _hello(peers[0], grpc.ssl_channel_credentials(ca, **client_pair), None) == grpc.StatusCode.OK
-        rogue_pair = dict(private_key=(pki / "rogue.key").read_bytes(), certificate_chain=(pki / "rogue.pem").read_bytes())
+        rogue_pair = dict(private_key=(pki / "rogue.key").read_bytes(),
+                          certificate_chain=(pki / "rogue.pem").read_bytes())
         assert _hello(peers[0], grpc.ssl_channel_credentials(ca, **rogue_pair), None) == grpc.StatusCode.UNAVAILABLE
 
         other_peers = [f"127.0.0.1:{p}" for p in free_ports(2)]

@@ -23,8 +23,21 @@ from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.framing import encode_data, encode_header, iter_data_chunks, tensor_bytes
 from p2ptrain.transport.server import PUSH_METHOD
 from tests.conftest import node_env
-from tests.test_transport import (KIND, NUMEL, PAYLOAD, PAYLOAD_BYTES, data_chunks, good_stream, header, in_progress,
-                                  nodes, on_loop, pending, rejections, wait_until)
+from tests.test_transport import (
+    KIND,
+    NUMEL,
+    PAYLOAD,
+    PAYLOAD_BYTES,
+    data_chunks,
+    good_stream,
+    header,
+    in_progress,
+    nodes,
+    on_loop,
+    pending,
+    rejections,
+    wait_until,
+)
 
 torch.set_num_threads(1)
 

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2ptrain.topology import (Complete, ExponentialGraph, RandomGraph, Ring, build_topology,
-                               exponential_offsets)
+from p2ptrain.topology import Complete, ExponentialGraph, RandomGraph, Ring, build_topology, exponential_offsets
 
 
 def test_exponential_offsets_match_seed():

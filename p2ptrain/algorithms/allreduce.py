@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from p2ptrain.algorithms.base import Algorithm, Comm
+from p2ptrain.algorithms.collectives import RingAllReduce
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, option, register
 from p2ptrain.compression import CODEC_NAMES
 
@@ -47,7 +48,7 @@ class AllReduceSGD(Algorithm):
         self.allreduce = None
 
     def setup(self, params: torch.Tensor) -> torch.Tensor:
-        self.allreduce = self.comm.ring_allreduce(params.numel(), params.dtype, codec=self.codec)
+        self.allreduce = RingAllReduce(self.comm, params.numel(), params.dtype, codec=self.codec)
         self.comm.ready()
         return params
 

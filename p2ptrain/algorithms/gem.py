@@ -178,9 +178,9 @@ def build_rule(policy: str, *, kappa: float = DEFAULT_KAPPA, momentum: float = 0
 class GemOptions(AlgorithmOptions):
     """The worker rule of a parameter-server cluster (`p2ptrain ps` + `--role worker`)."""
 
-    ps_policy: str = option("gem", "worker rule: gem = scale updates by π (Alg. 1), downpour = π 1, adaptive-staleness"
-                                   " = the server applies Δθ/(τ+1), proxy = the target: momentum SGD (--lr, --momentum) "
-                                   "on one process, no server", choices=POLICIES)
+    ps_policy: str = option("gem", "worker rule: gem = scale updates by π (Alg. 1), downpour = π 1, "
+                                   "adaptive-staleness = the server applies Δθ/(τ+1), proxy = the target: momentum "
+                                   "SGD (--lr, --momentum) on one process, no server", choices=POLICIES)
     gem_kappa: float = option(DEFAULT_KAPPA, "κ: amplifies the proxy energy, π = (κ|m| - |θ-s|)/(|Δθ|+ε); GEM's μ is "
                                              "--momentum", metavar="KAPPA")
     gem_epsilon: float = option(DEFAULT_EPSILON, "ε in π's denominator; only acts where Δθ is ~0", metavar="EPS")
@@ -193,7 +193,8 @@ class GemOptions(AlgorithmOptions):
         if not (self.gem_kappa >= 0 and self.gem_kappa < float("inf")):
             raise ValueError(f"gem_kappa must be a finite number >= 0, got {self.gem_kappa}")
         if not FLOAT32_TINY <= self.gem_epsilon < float("inf"):
-            raise ValueError(f"gem_epsilon must be a normal float32 > 0 (>= {FLOAT32_TINY:.3g}), got {self.gem_epsilon}")
+            raise ValueError(f"gem_epsilon must be a normal float32 > 0 (>= {FLOAT32_TINY:.3g}), "
+                             f"got {self.gem_epsilon}")
         try:
             parse_clamp(self.gem_clamp)
         except ValueError as exc:
@@ -213,5 +214,6 @@ register(AlgorithmSpec(
     "gem", "asynchronous parameter server; workers commit π ⊙ Δθ, π from gradient energy matching (seed 001)",
     GemOptions, None, role="parameter-server"))
 
-__all__ = ["POLICIES", "DEFAULT_KAPPA", "DEFAULT_CLAMP", "DEFAULT_EPSILON", "parse_clamp", "gem_pi", "staleness_scale", "pi_median",
+__all__ = ["POLICIES", "DEFAULT_KAPPA", "DEFAULT_CLAMP", "DEFAULT_EPSILON", "parse_clamp", "gem_pi", "staleness_scale",
+           "pi_median",
            "WorkerRule", "GemRule", "DownpourRule", "AdaptiveStalenessRule", "build_rule", "GemOptions"]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from p2ptrain.algorithms.base import Algorithm, Comm
+from p2ptrain.algorithms.collectives import RingAllReduce
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, option, register
 from p2ptrain.compression import CODEC_NAMES
 
@@ -57,7 +58,7 @@ class PipeSGD(Algorithm):
         self._in_flight: concurrent.futures.Future | None = None  # g_sum[t-1] being reduced
 
     def setup(self, params: torch.Tensor) -> torch.Tensor:
-        self.allreduce = self.comm.ring_allreduce(params.numel(), params.dtype, codec=self.codec)
+        self.allreduce = RingAllReduce(self.comm, params.numel(), params.dtype, codec=self.codec)
         self.comm.ready()
         return params
 

@@ -45,7 +45,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=60, help="training steps per variant (default 60)")
     parser.add_argument("--model", default="mlp", help="model (default mlp)")
     parser.add_argument("--hidden", type=int, default=640,
-                        help="MLP width; the default makes one model 3.7 MB (0.92 M parameters), so a transfer at 200mbit "
+                        help="MLP width; the default makes one model 3.7 MB (0.92 M parameters), so a transfer at "
+                             "200mbit "
                              "takes about as long as a step's compute on 8 nodes sharing 2 cores")
     parser.add_argument("--batch-size", type=int, default=32, help="per-node batch size (default 32)")
     parser.add_argument("--variants", default=",".join(VARIANTS),

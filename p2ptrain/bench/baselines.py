@@ -372,7 +372,8 @@ def _main(argv: Sequence[str] | None = None) -> None:
     names = ["gloo", "tcp"] if a.which == "both" else [a.which]
     for n in names:
         vals = [benches[n](size, a.reps).mb_per_s for _ in range(a.runs)]
-        print(f"{n:5s} {size} B x {a.reps}: median {statistics.median(vals):8.1f} MB/s  runs={[round(v) for v in vals]}")
+        runs = [round(v) for v in vals]
+        print(f"{n:5s} {size} B x {a.reps}: median {statistics.median(vals):8.1f} MB/s  runs={runs}")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--num-train", type=int, default=8000, help="training samples, all nodes (default 8000)")
     parser.add_argument("--seed", type=int, default=0, help="seed of data, split and init (default 0)")
     parser.add_argument("--extra", default="", help="more node flags for every run, one string")
-    parser.add_argument("--out", default="runs/reproduce-relaysgd", help="run folders (default runs/reproduce-relaysgd)")
+    parser.add_argument("--out", default="runs/reproduce-relaysgd",
+                        help="run folders (default runs/reproduce-relaysgd)")
     parser.add_argument("--timeout", type=float, default=900, help="per-run timeout in seconds (default 900)")
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
 

@@ -9,6 +9,7 @@ import importlib
 from typing import Any
 
 CODEC_NAMES = ("none", "fp16", "int8")  # --compression values; codecs.CODECS holds one codec per name
+UNCOMPRESSED = 0  # wire id of the identity codec (the wire's CODEC_NONE)
 
 _FROM_CODECS = ("CODECS", "Codec", "CompressionError", "Encoded", "Fp16Truncate", "Int8Quantize", "NoCompression",
                 "get_codec")
@@ -20,4 +21,4 @@ def __getattr__(name: str) -> Any:  # PEP 562: the codecs are imported (with tor
     raise AttributeError(f"module 'p2ptrain.compression' has no attribute {name!r}")
 
 
-__all__ = ["CODEC_NAMES", *_FROM_CODECS]
+__all__ = ["CODEC_NAMES", "UNCOMPRESSED", *_FROM_CODECS]

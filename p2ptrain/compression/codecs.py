@@ -71,6 +71,7 @@ class Codec(ABC):
 
     wire_id: int
     name: str
+    param_count: int  # codec params that travel with a payload (header.codec_params)
 
     @abstractmethod
     def encode(self, tensor: torch.Tensor) -> Encoded: ...
@@ -80,8 +81,9 @@ class Codec(ABC):
                dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
 
     @abstractmethod
-    def payload_bytes(self, numel: int) -> int:
-        """Exact encoded byte count of a float32 tensor with `numel` elements."""
+    def payload_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        """Exact encoded byte count of a `dtype` tensor with `numel` elements (the lossy codecs
+        encode float32 only)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, wire_id={self.wire_id})"
@@ -125,6 +127,7 @@ class NoCompression(Codec):
 
     wire_id = pb.CODEC_NONE
     name = "none"
+    param_count = 0
 
     def encode(self, tensor: torch.Tensor) -> Encoded:
         if not isinstance(tensor, torch.Tensor):
@@ -133,14 +136,14 @@ class NoCompression(Codec):
         return Encoded(self.wire_id, tensor.reshape(-1), (), tensor.dtype, tuple(tensor.shape))
 
     def decode(self, payload, params, shape, dtype=torch.float32):
-        self._check_params(params, 0)
+        self._check_params(params, self.param_count)
         numel = _numel(shape)
         itemsize = torch.empty((), dtype=dtype).element_size()
         flat = _reinterpret(payload, dtype, numel * itemsize, self.name)
         return flat.reshape(tuple(int(d) for d in shape))
 
-    def payload_bytes(self, numel: int) -> int:
-        return 4 * int(numel)
+    def payload_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        return dtype.itemsize * int(numel)
 
 
 class Fp16Truncate(Codec):
@@ -153,6 +156,7 @@ class Fp16Truncate(Codec):
 
     wire_id = pb.CODEC_FP16_TRUNCATE
     name = "fp16"
+    param_count = 0
 
     def encode(self, tensor: torch.Tensor) -> Encoded:
         tensor, _ = self._check_input(tensor)
@@ -162,7 +166,7 @@ class Fp16Truncate(Codec):
         return Encoded(self.wire_id, words, (), torch.float32, tuple(tensor.shape))
 
     def decode(self, payload, params, shape, dtype=torch.float32):
-        self._check_params(params, 0)
+        self._check_params(params, self.param_count)
         self._check_dtype(dtype)
         numel = _numel(shape)
         words = _reinterpret(payload, torch.int16, 2 * numel, self.name)
@@ -172,7 +176,7 @@ class Fp16Truncate(Codec):
         out = bits.view(torch.float32).reshape(tuple(int(d) for d in shape))
         return out if dtype == torch.float32 else out.to(dtype)
 
-    def payload_bytes(self, numel: int) -> int:
+    def payload_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         return 2 * int(numel)
 
 
@@ -186,6 +190,7 @@ class Int8Quantize(Codec):
 
     wire_id = pb.CODEC_INT8_QUANTIZE
     name = "int8"
+    param_count = 1
 
     def encode(self, tensor: torch.Tensor) -> Encoded:
         tensor, amax = self._check_input(tensor)
@@ -198,7 +203,7 @@ class Int8Quantize(Codec):
         return Encoded(self.wire_id, q, (float(scale),), torch.float32, tuple(tensor.shape))
 
     def decode(self, payload, params, shape, dtype=torch.float32):
-        (scale,) = self._check_params(params, 1)
+        (scale,) = self._check_params(params, self.param_count)
         if not math.isfinite(scale) or scale < 0:
             raise CompressionError(f"int8: scale must be finite and >= 0, got {scale}")
         self._check_dtype(dtype)
@@ -208,7 +213,7 @@ class Int8Quantize(Codec):
         out = out.reshape(tuple(int(d) for d in shape))
         return out if dtype == torch.float32 else out.to(dtype)
 
-    def payload_bytes(self, numel: int) -> int:
+    def payload_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         return int(numel)
 
 

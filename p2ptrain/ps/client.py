@@ -17,8 +17,16 @@ import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.ps.server import COMMIT_METHOD, DONE_METHOD, PULL_METHOD, grpc_options
-from p2ptrain.transport.framing import (DEFAULT_CHUNK_BYTES, FramingError, check_chunk_bytes, deserialize_chunk,
-                                        encode_header, iter_data_chunks, serialize_identity, tensor_bytes)
+from p2ptrain.transport.framing import (
+    DEFAULT_CHUNK_BYTES,
+    FramingError,
+    check_chunk_bytes,
+    deserialize_chunk,
+    encode_header,
+    iter_data_chunks,
+    serialize_identity,
+    tensor_bytes,
+)
 from p2ptrain.transport.security import PLAINTEXT, Security
 from p2ptrain.transport.server import PROTOCOL_VERSION
 

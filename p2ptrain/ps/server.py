@@ -18,14 +18,12 @@ calls, not an attacker: on a plaintext server anyone who can reach the port can 
 then say Done for it. With a token (transport/security.py) only holders of the shared secret can
 call Pull, Commit or Done at all.
 
-Everything of grpc.aio lives on one dedicated event-loop thread (uvloop when available), like the
-node Transport; the owning thread talks to it through ParameterServer's blocking methods.
+Everything of grpc.aio lives on one dedicated event-loop thread (transport/loop.py, like the node
+Transport); the owning thread talks to it through ParameterServer's blocking methods.
 """
 from __future__ import annotations
 
-import asyncio
 import collections
-import concurrent.futures
 import hashlib
 import json
 import logging
@@ -39,14 +37,23 @@ import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.algorithms.gem import staleness_scale
-from p2ptrain.transport.framing import (DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, DecodedChunk, FramingError,
-                                        check_chunk_bytes, deserialize_chunk, encode_header, iter_data_chunks,
-                                        serialize_identity, tensor_bytes)
-from p2ptrain.transport.health import ServingStatus, add_standard_services
+from p2ptrain.transport.framing import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_CHUNK_BYTES,
+    check_chunk_bytes,
+    deserialize_chunk,
+    encode_header,
+    iter_data_chunks,
+    serialize_identity,
+    tensor_bytes,
+)
+from p2ptrain.transport.health import ServingStatus
 from p2ptrain.transport.inbox import BufferPool, Reception
-from p2ptrain.transport.runtime import TransportOptions, _new_loop
+from p2ptrain.transport.loop import LoopThread
+from p2ptrain.transport.options import TransportOptions
 from p2ptrain.transport.security import PLAINTEXT, Security
-from p2ptrain.transport.server import PROTOCOL_VERSION, REFUSAL_STATUS, idle_limited, wait_for_cancel
+from p2ptrain.transport.server import PROTOCOL_VERSION, serve
+from p2ptrain.transport.streams import REFUSAL_STATUS, MessageStream, wait_for_cancel
 from p2ptrain.transport.validation import ChannelSpec, Rejection, all_finite, check_finite, validate_header
 
 log = logging.getLogger(__name__)
@@ -105,7 +112,7 @@ class CentralVariable:
         self.nbytes = self.numel * _ITEMSIZE
         self.workers = workers
         self.version = 0
-        self.spec = ChannelSpec(torch.float32, self.numel, self.nbytes, codecs=frozenset({pb.CODEC_NONE}))
+        self.spec = ChannelSpec.uncompressed(torch.float32, self.numel)
         self.pool = BufferPool()
         self.pool.preallocate(self.nbytes, 2)
         self._next_theta = torch.empty_like(self.theta)  # apply() computes here, then swaps it in
@@ -284,22 +291,13 @@ class ParameterServerService:
         reception = pending = None
         header: pb.TensorHeader | None = None
         try:
-            async for chunk in idle_limited(requests, self.stream_idle_timeout):
-                if isinstance(chunk, FramingError):
-                    raise Rejection("malformed_chunk", str(chunk))
-                assert isinstance(chunk, DecodedChunk)
-                if reception is None:
-                    if chunk.header is None:
-                        raise Rejection("missing_header", "the first chunk of a commit must be a header")
-                    header = chunk.header
-                    reception = state.open_commit(header)
-                elif chunk.header is not None:
-                    raise Rejection("unexpected_header", "a second header inside one commit")
-                else:
-                    reception.write(chunk.data)
-                    chunk.data.release()  # copied: let its bytes go (grpc.aio's reader keeps the last message)
-                del chunk
-            await wait_for_cancel(context, reception is not None and reception.complete())  # never apply a cancelled call
+            stream = MessageStream(requests, self.stream_idle_timeout, "commit")
+            header = await stream.header()
+            if header is not None:
+                reception = state.open_commit(header)
+                await stream.fill(reception)
+            # never apply a cancelled call
+            await wait_for_cancel(context, reception is not None and reception.complete())
             if reception is None:
                 raise Rejection("empty_stream", "commit stream closed before any header")
             pending, reception = reception, None  # apply() releases it whatever happens
@@ -387,66 +385,34 @@ class ParameterServer:
         self.stream_idle_timeout = stream_idle_timeout  # a commit stream silent this long is cut
         self.port: int | None = None
         self.all_done = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._bridge = LoopThread("p2ptrain-ps", "parameter server")
         self._server: grpc.aio.Server | None = None
         self.health: ServingStatus | None = None  # grpc.health.v1: SERVING once started (health.py)
 
     # Lifecycle ------------------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> "ParameterServer":
-        ready: concurrent.futures.Future = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, args=(ready,), name="p2ptrain-ps", daemon=True)
-        self._thread.start()
-        ready.result(timeout)  # re-raises a bind failure here
+        self._bridge.start(self._start_server, timeout)  # re-raises a bind failure here
         return self
 
-    def _run(self, ready: concurrent.futures.Future) -> None:
-        loop = self._loop = _new_loop()
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(self._start_server())
-        except BaseException as exc:  # noqa: BLE001 - hand any start-up failure to start()
-            ready.set_exception(exc)
-            loop.close()
-            return
-        ready.set_result(None)
-        try:
-            loop.run_forever()
-        finally:
-            loop.close()
-
     async def _start_server(self) -> None:
-        server = grpc.aio.server(options=grpc_options() + [("grpc.so_reuseport", 0)],
-                                 interceptors=self.security.server_interceptors(self.metrics))
         service = ParameterServerService(self.state, chunk_bytes=self.chunk_bytes, fingerprint=self.fingerprint,
                                          metrics=self.metrics, on_all_done=self.all_done.set,
                                          stream_idle_timeout=self.stream_idle_timeout)
-        server.add_generic_rpc_handlers((service.handler(),))
-        self.health = await add_standard_services(server, PS_SERVICE_NAME, serving=True)
-        port = self.security.add_port(server, self.listen)
+        self._server, self.health, port = await serve(
+            service.handler(), PS_SERVICE_NAME, listen=self.listen, options=grpc_options() + [("grpc.so_reuseport", 0)],
+            security=self.security, metrics=self.metrics, serving=True)
         if port == 0:
             raise OSError(f"parameter server could not listen on {self.listen}")
-        await server.start()
-        self._server, self.port = server, port
+        self.port = port
 
     def stop(self) -> None:
-        loop = self._loop
-        if loop is None or not loop.is_running():
-            return
-
         async def shutdown() -> None:
             if self.health is not None:
                 await self.health.drain()  # NOT_SERVING while the grace period runs
             if self._server is not None:
                 await self._server.stop(self.shutdown_grace)
 
-        try:
-            asyncio.run_coroutine_threadsafe(shutdown(), loop).result(self.shutdown_grace + 10)
-        except Exception as exc:  # noqa: BLE001 - shutting down anyway
-            log.warning("unclean parameter-server shutdown: %s", exc)
-        loop.call_soon_threadsafe(loop.stop)
-        if self._thread is not None:
-            self._thread.join(10)
+        self._bridge.stop(shutdown, self.shutdown_grace)
 
     def __enter__(self) -> "ParameterServer":
         return self.start()
@@ -465,13 +431,7 @@ class ParameterServer:
     # Thread-safe reads ------------------------------------------------------------------------
     def call(self, fn, *args):
         """Run fn(*args) on the server's loop (where the state lives) and return its result."""
-        if self._loop is None:
-            return fn(*args)
-
-        async def run():
-            return fn(*args)
-
-        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(30)
+        return self._bridge.call(fn, *args, timeout=30)
 
     def stats(self) -> dict:
         return self.call(self.state.stats)

@@ -193,7 +193,8 @@ class DecentralizedTrainer:
             self._directions = torch.randn(directions, params.numel(), generator=generator).to(params.device)
         return (self._directions @ params).tolist()
 
-    def fit(self, batches: Iterable, steps: int, *, on_log: Callable[[StepRecord, "DecentralizedTrainer"], None] | None = None,
+    def fit(self, batches: Iterable, steps: int, *,
+            on_log: Callable[[StepRecord, "DecentralizedTrainer"], None] | None = None,
             log_every: int = 10, snapshot_every: int | None = None) -> TrainResult:
         """Train for `steps`; `on_log` is called every `log_every` steps and at the end; the de-biased
         flat model is snapshotted at step 0, every `snapshot_every` steps and at the end."""

@@ -1,7 +1,9 @@
-"""gRPC client side of a node: one channel per peer, pushing chunked tensor streams."""
-from __future__ import annotations
+"""gRPC client side of a node: one channel per peer, pushing chunked tensor streams.
 
-import grpc
+Everything here is created and used on the node's event-loop thread (loop.py), and only moves
+bytes: whether to retry, relay or settle a message is decided by sending.py and relay.py.
+"""
+from __future__ import annotations
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.framing import encode_header, iter_data_chunks, serialize_identity
@@ -53,3 +55,32 @@ class PeerClient:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+class ChannelPool:
+    """The node's PeerClients, one per peer, each made on first use (on the loop thread)."""
+
+    def __init__(self, addresses: list[str], options: list[tuple[str, object]], chunk_bytes: int,
+                 security: Security = PLAINTEXT):
+        self.addresses = list(addresses)
+        self.options = options
+        self.chunk_bytes = chunk_bytes
+        self.security = security
+        self._clients: dict[int, PeerClient] = {}
+
+    def client(self, peer: int) -> PeerClient:
+        client = self._clients.get(peer)
+        if client is None:
+            client = self._clients[peer] = PeerClient(self.addresses[peer], self.options, self.chunk_bytes,
+                                                      self.security)
+        return client
+
+    async def reset(self, peer: int) -> None:
+        """Drop `peer`'s channel (it came back from the dead: connect afresh, without backoff)."""
+        client = self._clients.pop(peer, None)
+        if client is not None:
+            await client.close()
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()

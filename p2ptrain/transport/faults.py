@@ -251,3 +251,46 @@ class LinkEmulator:
             await asyncio.sleep(delay)
         if dropped:
             raise MessageDropped(f"message of {nbytes} bytes dropped by link emulation (drop={spec.drop:g})")
+
+
+class EmulatedLinks:
+    """The outgoing links of node `rank` as `table` emulates them: what every send (direct, relayed,
+    forwarded) waits on before its real gRPC push. Used on the node's event-loop thread."""
+
+    def __init__(self, table: LinkTable, rank: int, metrics=None):
+        self.table = table
+        self.rank = rank
+        self.metrics = metrics
+        self._emulators: dict[int, LinkEmulator | None] = {}  # per peer, made on first use
+        self._waiting: set[asyncio.Task] = set()  # sends inside emulate(), cancelled by cancel()
+
+    def blocked(self, peer: int) -> bool:
+        """Whether link rank -> peer is emulated as down (known from the table, before any attempt)."""
+        return self.table.is_blocked(self.rank, peer)
+
+    async def emulate(self, peer: int, nbytes: int, reliable: bool) -> None:
+        """Wait as link rank -> peer would; every emulated loss is counted, and re-drawn if
+        `reliable` (a retransmission pays for the link again). Raises MessageDropped (unreliable)
+        or LinkUnreachable (blocked link)."""
+        if peer not in self._emulators:
+            self._emulators[peer] = self.table.emulator(self.rank, peer)
+        emulator = self._emulators[peer]
+        task = asyncio.current_task()
+        self._waiting.add(task)
+        try:
+            while emulator is not None:
+                try:
+                    return await emulator.transmit(nbytes)
+                except MessageDropped:
+                    if self.metrics is not None:
+                        self.metrics.on_dropped(peer)
+                    if not reliable:
+                        raise
+        finally:
+            self._waiting.discard(task)
+
+    def cancel(self) -> None:
+        """At shutdown: cancel every send still waiting on a link, else it would die pending with the
+        loop and its future would never be done."""
+        for task in list(self._waiting):
+            task.cancel()

@@ -14,45 +14,27 @@ tells a sender its message *was* delivered (it stops retrying), so it is never s
 is merely in flight.
 
 Streams are not free: open receptions are capped per claimed sender and in buffered bytes, and the
-transport (server.py) cuts a stream that sends nothing for `stream_idle_timeout` seconds.
+server (streams.py) cuts a stream that sends nothing for `stream_idle_timeout` seconds.
 """
 from __future__ import annotations
 
 import asyncio
 import threading
 from collections import Counter, OrderedDict, defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Callable
 
 import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.framing import torch_dtype
-from p2ptrain.transport.validation import ChannelSpec, Rejection, check_finite, validate_header
+from p2ptrain.transport.message import Message
+from p2ptrain.transport.validation import ChannelSpec, CodecLayout, Rejection, check_finite, validate_header
 
-
-@dataclass
-class Message:
-    """A fully received tensor. `tensor` views a pooled buffer: call release() when consumed."""
-
-    sender: int
-    step: int
-    kind: int
-    channel: str
-    tensor: torch.Tensor
-    ps_weight: float
-    relay_count: float
-    codec: int
-    codec_params: tuple[float, ...]
-    shape: tuple[int, ...]
-    message_id: int
-    _release: object = field(default=None, repr=False)
-
-    def release(self) -> None:
-        """Give the receive buffer back to the pool (idempotent)."""
-        release, self._release = self._release, None
-        if release is not None:
-            release()
+# A channel declared without `codecs` accepts raw tensors and, for a floating dtype, the proto's
+# fixed-rate codecs: codec -> (bytes per element, codec params). compression.py implements them;
+# tests/test_compression.py pins these numbers to it.
+FIXED_RATE_CODECS = {pb.CODEC_FP16_TRUNCATE: (2, 0), pb.CODEC_INT8_QUANTIZE: (1, 1)}
 
 
 class BufferPool:
@@ -163,13 +145,19 @@ class Inbox:
 
     # Configuration (thread-safe enough: plain attribute writes read on the loop thread) ---------
     def expect(self, kind: int, dtype: torch.dtype, numel: int, *, channel: str | None = None,
-               preallocate: int = 2, max_payload_bytes: int | None = None) -> None:
+               preallocate: int = 2, codecs: Mapping[int, CodecLayout] | None = None) -> None:
         """Accept messages of `kind` holding `numel` elements of `dtype`; preallocates buffers.
 
         With `channel` the spec holds only for that channel (e.g. one ring all-reduce segment,
-        whose size differs per round); otherwise for every channel without a spec of its own."""
-        spec = ChannelSpec(dtype, numel, max_payload_bytes or numel * dtype.itemsize)
-        self._specs[(kind, channel)] = spec
+        whose size differs per round); otherwise for every channel without a spec of its own.
+        `codecs` are the encodings accepted, each with its exact layout (the declarer knows its
+        codec); by default raw tensors and FIXED_RATE_CODECS."""
+        if codecs is None:
+            codecs = dict(ChannelSpec.uncompressed(dtype, numel).codecs)
+            if dtype.is_floating_point:
+                codecs.update({codec: CodecLayout(per_element * numel, params)
+                               for codec, (per_element, params) in FIXED_RATE_CODECS.items()})
+        self._specs[(kind, channel)] = ChannelSpec(dtype, numel, codecs)
         self.pool.preallocate(numel * dtype.itemsize, preallocate)
 
     def unexpect(self, kind: int, channel: str | None = None) -> None:

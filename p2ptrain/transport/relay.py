@@ -8,29 +8,28 @@ arrive: it holds one chunk at a time, never the whole tensor. The Ack is end to 
 what j answered), so the sender's retry logic and the receiver's dedup by (sender, message_id)
 work unchanged: a message is applied exactly once, whichever way (and however often) it went.
 
-Three parts, all used on the node's event-loop thread:
-  RouteTable  which way to send to each peer: declared routes, relay candidates, links found down
+Used on the node's event-loop thread, with the RouteTable of routes.py (which way to each peer):
   Relay.push  the sending side: direct, or relayed, with fallback to a relay on an unreachable peer
   Relay.forward  the relaying side, called by PeerService for streams addressed to another node
+
+A relay never holds a whole tensor, and knows the node only through the ChannelPool and
+EmulatedLinks it is given (never the Transport).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
-import time
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Callable
 
 import grpc
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.transport.faults import LinkUnreachable
+from p2ptrain.transport.client import ChannelPool
+from p2ptrain.transport.errors import rpc_reason
+from p2ptrain.transport.faults import EmulatedLinks, LinkUnreachable
 from p2ptrain.transport.framing import FramingError, encode_data, encode_header
-from p2ptrain.transport.inbox import Rejection
-
-if TYPE_CHECKING:
-    from p2ptrain.transport.runtime import Transport
+from p2ptrain.transport.options import TransportOptions
+from p2ptrain.transport.routes import RouteTable, parse_relay_routes, parse_relays
+from p2ptrain.transport.validation import Rejection
 
 log = logging.getLogger(__name__)
 
@@ -40,144 +39,26 @@ RELAY_UNREACHABLE = "relay_unreachable"
 # A relayed header must not announce more than this: the relay does not buffer, but a bogus size
 # would tie up a stream slot on every hop for nothing.
 MAX_FORWARD_PAYLOAD_BYTES = 1 << 34
-DEFAULT_RETRY_AFTER = 30.0
-
-_ROUTE = re.compile(r"^\s*(\d+)\s*(<->|->)\s*(\d+)\s*$")
 
 
-# -- configuration --------------------------------------------------------------------------------
-def parse_relay_routes(entries: Iterable[str] | Mapping[str, str], world_size: int | None = None
-                       ) -> dict[tuple[int, int], tuple[int, ...]]:
-    """``SRC->DST:VIA[,VIA2...]`` (one direction) or ``SRC<->DST:VIA[,...]`` (both; the way back
-    goes through the relays in reverse order), or a mapping ``{"SRC->DST": "VIA,..."}`` (TOML).
-    Later entries for the same (SRC, DST) replace earlier ones. Raises ValueError."""
-    items = [f"{k}:{v}" for k, v in entries.items()] if isinstance(entries, Mapping) else list(entries)
-    routes: dict[tuple[int, int], tuple[int, ...]] = {}
-    for entry in items:
-        link, sep, via_text = str(entry).partition(":")
-        match = _ROUTE.match(link)
-        if not sep or not match:
-            raise ValueError(f"relay route {entry!r} is not SRC->DST:VIA[,VIA2] or SRC<->DST:VIA "
-                             "(e.g. 0->3:1)")
-        src, arrow, dst = int(match.group(1)), match.group(2), int(match.group(3))
-        try:
-            via = tuple(int(v) for v in via_text.split(","))
-        except ValueError:
-            raise ValueError(f"relay route {entry!r}: relays must be comma-separated ranks") from None
-        nodes = (src, dst, *via)
-        if world_size is not None and not all(0 <= n < world_size for n in nodes):
-            raise ValueError(f"relay route {entry!r} names a rank outside 0..{world_size - 1}")
-        if len(set(nodes)) != len(nodes):
-            raise ValueError(f"relay route {entry!r} visits a node twice (a loop, or a relay that is "
-                             "the sender or receiver)")
-        routes[(src, dst)] = via
-        if arrow == "<->":
-            routes[(dst, src)] = via[::-1]
-    return routes
+class Relay:
+    """Route choice of one node's sends, and forwarding of other nodes' streams. It reaches peers
+    only through `channels` (ChannelPool.client) and, when links are emulated, waits on `links`
+    (EmulatedLinks.emulate): a relayed hop pays the emulated link like any send."""
 
-
-def parse_relays(text: str | Iterable | None, world_size: int | None = None) -> tuple[int, ...] | None:
-    """Relay candidates for found-out routes: ``None`` / "" = detection off, ``"any"`` = any peer
-    this node reached directly, ``"1,2"`` = these first (then any reached peer). Raises ValueError."""
-    if text is None:
-        return None
-    parts = [str(p).strip() for p in (text.split(",") if isinstance(text, str) else text)]
-    parts = [p for p in parts if p]
-    if not parts:
-        return None
-    if parts == ["any"]:
-        return ()
-    try:
-        ranks = tuple(int(p) for p in parts)
-    except ValueError:
-        raise ValueError(f"relays {text!r}: give comma-separated ranks, or 'any'") from None
-    if world_size is not None and not all(0 <= r < world_size for r in ranks):
-        raise ValueError(f"relays {text!r} names a rank outside 0..{world_size - 1}")
-    return tuple(dict.fromkeys(ranks))
-
-
-# -- routing ----------------------------------------------------------------------------------------
-class RouteTable:
-    """Which way this node sends to each peer.
-
-    Declared routes always apply. Otherwise a peer is sent to directly until a direct send finds it
-    unreachable; then its direct link is marked down for `retry_after` seconds (so a healed link is
-    used again) and messages go through a relay candidate: the configured `relays` first, then
-    peers this node reached directly. `detect` (relays configured) also makes the direct attempt
-    fail fast on a refused connect instead of waiting for the peer to come up.
-    """
-
-    def __init__(self, rank: int, world_size: int, routes: Mapping[tuple[int, int], tuple[int, ...]] = (),
-                 relays: tuple[int, ...] | None = None, *, retry_after: float = DEFAULT_RETRY_AFTER,
-                 blocked: Callable[[int], bool] = lambda peer: False,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, rank: int, world_size: int, options: TransportOptions, channels: ChannelPool,
+                 links: EmulatedLinks | None = None, *, metrics=None,
+                 max_payload_bytes: int = MAX_FORWARD_PAYLOAD_BYTES):
         self.rank = rank
         self.world_size = world_size
-        self.routes = {dst: via for (src, dst), via in dict(routes).items() if src == rank}
-        self.relays = relays
-        self.retry_after = retry_after
-        self.blocked = blocked  # emulated link down (known from the config, before any attempt)
-        self.clock = clock
-        self._down_until: dict[int, float] = {}
-        self._reached: set[int] = set()
-        self._via: dict[int, int] = {}  # peer -> relay that last delivered to it
-
-    @property
-    def detect(self) -> bool:
-        return self.relays is not None
-
-    def declared(self, peer: int) -> tuple[int, ...] | None:
-        return self.routes.get(peer)
-
-    def skip_hello(self, peer: int) -> bool:
-        """Peers not to greet directly at start-up: declared routed, or behind a blocked link."""
-        return peer in self.routes or self.blocked(peer)
-
-    def direct_ok(self, peer: int) -> bool:
-        until = self._down_until.get(peer)
-        if until is not None and self.clock() >= until:
-            del self._down_until[peer]  # retry the direct link: it may have healed
-            until = None
-        return until is None
-
-    def mark_unreachable(self, peer: int) -> None:
-        self._down_until[peer] = self.clock() + self.retry_after
-        self._reached.discard(peer)
-
-    def mark_reached(self, peer: int) -> None:
-        self._down_until.pop(peer, None)
-        self._reached.add(peer)
-
-    def remember_via(self, peer: int, relay: int) -> None:
-        self._via[peer] = relay
-
-    def candidates(self, peer: int) -> list[int]:
-        """Relays to try for `peer`, best first: the one that worked last, the configured ones,
-        then peers reached directly; never the peer itself, us, or a relay whose link is down."""
-        order = [self._via[peer]] if peer in self._via else []
-        order += list(self.relays or ())
-        order += sorted(self._reached)
-        return [r for r in dict.fromkeys(order)
-                if r not in (peer, self.rank) and self.direct_ok(r) and not self.blocked(r)]
-
-
-# -- sending and forwarding ---------------------------------------------------------------------------
-class Relay:
-    """Route choice of one node's sends, and forwarding of other nodes' streams, over its Transport
-    (its PeerClients and link emulation: a relayed hop pays the emulated link like any send)."""
-
-    def __init__(self, transport: "Transport", *, max_payload_bytes: int = MAX_FORWARD_PAYLOAD_BYTES):
-        options = transport.options
-        links = options.links
-        self.transport = transport
-        self.rank = transport.rank
-        self.world_size = transport.world_size
-        self.metrics = transport.metrics
+        self.channels = channels
+        self.links = links
+        self.send_timeout = options.send_timeout
+        self.metrics = metrics
         self.table = RouteTable(
-            transport.rank, transport.world_size,
-            parse_relay_routes(options.relay_routes, transport.world_size),
-            parse_relays(options.relays, transport.world_size), retry_after=options.relay_retry_after,
-            blocked=lambda peer: links is not None and links.is_blocked(transport.rank, peer))
+            rank, world_size, parse_relay_routes(options.relay_routes, world_size),
+            parse_relays(options.relays, world_size), retry_after=options.relay_retry_after,
+            blocked=links.blocked if links is not None else (lambda peer: False))
         self.max_payload_bytes = max_payload_bytes
         self.buffered_bytes = 0   # chunk bytes read from upstreams and not yet written downstream
         self.high_water_bytes = 0  # the most that ever were (a few chunks: forwarding does not buffer)
@@ -210,7 +91,7 @@ class Relay:
                 error = exc
             table.mark_unreachable(peer)
             log.info("node %d: peer %d unreachable directly (%s); relaying for %.0fs", self.rank, peer,
-                     _reason(error), table.retry_after)
+                     rpc_reason(error), table.retry_after)
         candidates = table.candidates(peer)
         if error is None and not candidates:  # down earlier, no relay now: maybe the link healed
             ack = await self._hop((), peer, header, payload, reliable, timeout, wait_for_ready)
@@ -242,10 +123,9 @@ class Relay:
         del header.route[:]
         header.route.extend(route)
         hop = route[0] if route else peer
-        transport = self.transport
-        if transport._links is not None:
-            await transport._emulate_link(hop, len(payload), reliable)
-        return await transport._client(hop).push(header, payload, timeout, wait_for_ready=wait_for_ready)
+        if self.links is not None:
+            await self.links.emulate(hop, len(payload), reliable)
+        return await self.channels.client(hop).push(header, payload, timeout, wait_for_ready=wait_for_ready)
 
     # Relaying side --------------------------------------------------------------------------------
     def check(self, header: pb.TensorHeader) -> int:
@@ -281,17 +161,16 @@ class Relay:
         downstream = pb.TensorHeader()
         downstream.CopyFrom(header)
         del downstream.route[0]
-        transport = self.transport
         try:  # the relay's own outgoing link, as emulated; a lost attempt is re-sent (costs time)
-            if transport._links is not None:
-                await transport._emulate_link(next_hop, header.payload_bytes, True)
+            if self.links is not None:
+                await self.links.emulate(next_hop, header.payload_bytes, True)
         except LinkUnreachable as exc:
             return self._reject(Rejection(RELAY_UNREACHABLE, f"relay {self.rank} -> {next_hop}: {exc}"))
-        timeout = transport.options.send_timeout
+        timeout = self.send_timeout
         remaining = context.time_remaining()  # never outlive the upstream's deadline
         if remaining is not None:
             timeout = min(timeout, remaining)
-        call = transport._client(next_hop).open_push(timeout)
+        call = self.channels.client(next_hop).open_push(timeout)
         key = (header.sender, header.message_id)
         self.in_flight[key] = forwarded = 0
         # The message that completes the payload (the header, for an empty one) is held back until the
@@ -337,7 +216,8 @@ class Relay:
             if not complete:  # the next hop never had the whole payload: nothing was delivered
                 reason = RELAY_UNREACHABLE if exc.code() in (grpc.StatusCode.UNAVAILABLE,
                                                              grpc.StatusCode.DEADLINE_EXCEEDED) else "relay_failed"
-                return self._reject(Rejection(reason, f"relay {self.rank} -> {next_hop}: {_reason(exc)}"), forwarded)
+                return self._reject(Rejection(reason, f"relay {self.rank} -> {next_hop}: {rpc_reason(exc)}"),
+                                    forwarded)
             await context.abort(exc.code(), f"relay {self.rank} -> {next_hop}: {exc.details()}")
         except BaseException:  # the upstream went away (cancelled): so does the downstream copy
             call.cancel()
@@ -362,11 +242,6 @@ class Relay:
                       bytes_received=received)
 
 
-def _reason(exc: BaseException | None) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name}: {exc.details()}"
-    return f"{type(exc).__name__}: {exc}"
-
-
+# RouteTable and the parsers are imported from here too (config.py, tests/test_relay.py).
 __all__ = ["Relay", "RouteTable", "parse_relay_routes", "parse_relays", "RELAY_UNREACHABLE",
            "MAX_FORWARD_PAYLOAD_BYTES"]

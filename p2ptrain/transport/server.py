@@ -1,14 +1,15 @@
-"""gRPC server side of a node: the Peer service (PushTensor, Hello) plus server reflection.
+"""gRPC server side of a node: the Peer service (PushTensor, Hello, Settle), and `serve`, which
+starts a grpc.aio server with health and reflection (health.py) for the node and the parameter server.
 
 A PushTensor stream ends in an Ack (accepted / duplicate / rejected with a reason), except when it
 is refused for want of resources (RESOURCE_EXHAUSTED: `too_many_streams`, `buffer_limit`) or cut
 for sending nothing within the inbox's stream_idle_timeout (DEADLINE_EXCEEDED: `idle_stream`): those
 are gRPC statuses, which a sender retries with the same message id. A call the client cancelled
-is never delivered (`aborted_stream`).
+is never delivered (`aborted_stream`). The service changes the node's state only through the Inbox
+and the callbacks it is given; it never sends anything itself.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -16,8 +17,12 @@ from typing import Callable
 import grpc
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.transport.framing import DecodedChunk, FramingError, deserialize_chunk
-from p2ptrain.transport.inbox import Inbox, Rejection
+from p2ptrain.transport.framing import deserialize_chunk
+from p2ptrain.transport.health import ServingStatus, add_standard_services
+from p2ptrain.transport.inbox import Inbox
+from p2ptrain.transport.security import Security
+from p2ptrain.transport.streams import REFUSAL_STATUS, MessageStream, wait_for_cancel
+from p2ptrain.transport.validation import Rejection
 
 log = logging.getLogger(__name__)
 
@@ -26,16 +31,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Peer"].full_name  # "p2ptrain.v1.
 PUSH_METHOD = f"/{SERVICE_NAME}/PushTensor"
 HELLO_METHOD = f"/{SERVICE_NAME}/Hello"
 SETTLE_METHOD = f"/{SERVICE_NAME}/Settle"
-# How long a stream that ended short waits for a cancel to show (wait_for_cancel): ~6x the latest cancel seen
-# after the end of a stream (3.9 ms in 400 trials on a loaded 2-core host).
-CANCEL_GRACE = 0.025
-# Rejections answered with a gRPC status rather than an Ack: nothing is wrong with the message, the
-# sender may retry it (same id) once streams are reaped or buffers freed.
-REFUSAL_STATUS = {"too_many_streams": grpc.StatusCode.RESOURCE_EXHAUSTED,
-                  "buffer_limit": grpc.StatusCode.RESOURCE_EXHAUSTED,
-                  "idle_stream": grpc.StatusCode.DEADLINE_EXCEEDED}
-
-
 @dataclass(frozen=True)
 class Identity:
     """What a node says about itself in Hello, and checks peers against."""
@@ -80,23 +75,13 @@ class PeerService:
     async def push_tensor(self, requests, context) -> pb.Ack:
         reception = None
         try:
-            chunks = idle_limited(requests, self.inbox.stream_idle_timeout)
-            async for chunk in chunks:
-                if isinstance(chunk, FramingError):
-                    raise Rejection("malformed_chunk", str(chunk))
-                assert isinstance(chunk, DecodedChunk)
-                if reception is None:
-                    if chunk.header is None:
-                        raise Rejection("missing_header", "the first chunk of a stream must be a header")
-                    if self.forwarder is not None and chunk.header.receiver != self.identity.node_id:
-                        return await self.forwarder.forward(chunk.header, chunks, context)  # relay.py
-                    reception = self.inbox.open(chunk.header)
-                elif chunk.header is not None:
-                    raise Rejection("unexpected_header", "a second header inside one stream")
-                else:
-                    reception.write(chunk.data)
-                    chunk.data.release()  # copied: let its bytes go (grpc.aio's reader keeps the last message)
-                del chunk
+            stream = MessageStream(requests, self.inbox.stream_idle_timeout)
+            header = await stream.header()
+            if header is not None:
+                if self.forwarder is not None and header.receiver != self.identity.node_id:
+                    return await self.forwarder.forward(header, stream.chunks, context)  # relay.py
+                reception = self.inbox.open(header)
+                await stream.fill(reception)
             await wait_for_cancel(context, reception is not None and reception.complete())
             if reception is None:
                 raise Rejection("empty_stream", "stream closed before any header")
@@ -174,93 +159,20 @@ class PeerService:
         })
 
 
-async def idle_limited(requests, timeout: float):
-    """The chunks of a request stream; Rejection `idle_stream` once the consumer waited `timeout`
-    seconds for the next one (a half-open stream must not hold its slot and buffer for ever; time
-    spent by the consumer itself, e.g. a relay waiting on its next hop, does not count). Holds no
-    chunk while it waits: an idle stream must not pin its last chunk's bytes too."""
-    iterator = aiter(requests)
-    watch = _IdleWatch(timeout)
-    try:
-        while True:
-            watch.waiting = True
-            try:
-                chunk = await anext(iterator)
-            except StopAsyncIteration:
-                return
-            except asyncio.CancelledError:
-                if not watch.expired:
-                    raise
-                watch.forgive()
-                raise Rejection("idle_stream", f"no chunk for {timeout:g} s") from None
-            finally:
-                watch.waiting = False
-            watch.touch()
-            yield chunk
-            del chunk
-    finally:
-        watch.close()
+async def serve(handler: grpc.GenericRpcHandler, service_name: str, *, listen: str,
+                options: list[tuple[str, object]], security: Security, metrics=None,
+                serving: bool) -> tuple[grpc.aio.Server, ServingStatus, int]:
+    """Start a grpc.aio server on `listen` with `handler`, grpc.health.v1 (SERVING per `serving`) and
+    reflection; returns it, its health status and the bound port. Port 0: it could not bind, and
+    the server was not started. Call on the loop thread that will own the server."""
+    server = grpc.aio.server(options=options, interceptors=security.server_interceptors(metrics))
+    server.add_generic_rpc_handlers((handler,))
+    health = await add_standard_services(server, service_name, serving=serving)
+    port = security.add_port(server, listen)
+    if port:
+        await server.start()
+    return server, health, port
 
 
-class _IdleWatch:
-    """Cancels the current task once it has been waiting (`waiting` set) for `timeout` seconds
-    since the last touch(). One timer per stream, re-armed only when it fires: cheaper per chunk
-    than a timed wait per read (that cost 0.3 ms per small message), and unlike wait_for on
-    Python < 3.12 it never swallows a client's cancel landing as a read completes."""
-
-    def __init__(self, timeout: float):
-        self.timeout = timeout
-        self.waiting = False
-        self.expired = False
-        self._loop = asyncio.get_running_loop()
-        self._task = asyncio.current_task()
-        self._last = self._loop.time()
-        self._timer = self._loop.call_at(self._last + timeout, self._check)
-
-    def touch(self) -> None:
-        self._last = self._loop.time()
-
-    def _check(self) -> None:
-        due = self._last + self.timeout
-        if not self.waiting or self._loop.time() < due:
-            self._timer = self._loop.call_at(max(due, self._loop.time() + 0.001), self._check)
-            return
-        self.expired = True
-        self._task.cancel()
-
-    def forgive(self) -> None:
-        """Take back our cancel (Python >= 3.11 counts them), so the task may go on to answer."""
-        uncancel = getattr(self._task, "uncancel", None)
-        if uncancel is not None:
-            uncancel()
-
-    def close(self) -> None:
-        self._timer.cancel()
-
-
-async def wait_for_cancel(context, complete: bool) -> None:
-    """Let a cancel show before a request stream that ended is delivered (or reported truncated).
-
-    grpc.aio ends the request iterator alike for a half-close and for a cancel (client gone,
-    connection lost); the cancel reaches the handler's task separately, as a CancelledError, mostly
-    within the same loop iteration, in ~8% of cases some milliseconds later (up to 3.9 ms on a loaded
-    host). So: a call past its deadline is refused (`aborted_stream`); a complete message waits one
-    loop iteration (no cost on the hot path); an incomplete one, an error path anyway, waits
-    CANCEL_GRACE. A cancel later than that is missed: an incomplete message then counts as
-    `truncated`, a complete one is delivered, harmless for a sender that retries the same id (its
-    retry is answered DUPLICATE)."""
-    if context.time_remaining() == 0:
-        raise Rejection("aborted_stream", "the caller's deadline passed before its stream ended")
-    await asyncio.sleep(0 if complete else CANCEL_GRACE)
-
-
-def enable_reflection(server: grpc.aio.Server) -> None:
-    """Let grpcurl & co list and describe the services."""
-    from grpc_reflection.v1alpha import reflection
-
-    reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME), server)
-
-
-__all__ = ["PeerService", "Identity", "PROTOCOL_VERSION", "SERVICE_NAME", "PUSH_METHOD", "HELLO_METHOD",
-           "SETTLE_METHOD", "CANCEL_GRACE", "REFUSAL_STATUS", "enable_reflection", "idle_limited",
-           "wait_for_cancel"]
+__all__ = ["PeerService", "Identity", "serve", "PROTOCOL_VERSION", "SERVICE_NAME", "PUSH_METHOD", "HELLO_METHOD",
+           "SETTLE_METHOD"]

@@ -6,10 +6,13 @@ its own: who may send, which kinds and steps (or versions) it takes, duplicates,
 `check_finite` is the payload check both share once the bytes are in.
 
 Nothing here looks at receiver state or keeps any: every function is pure and raises `Rejection`.
+It checks numbers only: what a codec's payload looks like is declared by whoever declares the
+channel (ChannelSpec.codecs); this module never imports the codecs (compression.py).
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +20,6 @@ import torch
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.framing import WIRE_TO_TORCH
 
-# Codec params per wire codec (compression.py: int8 sends its scale, the others none).
-CODEC_PARAMS = {pb.CODEC_NONE: 0, pb.CODEC_FP16_TRUNCATE: 0, pb.CODEC_INT8_QUANTIZE: 1}
 _FINITE_BLOCK = 1 << 22  # elements per isfinite() pass: a 4 MiB boolean temporary at most
 
 
@@ -32,15 +33,27 @@ class Rejection(Exception):
 
 
 @dataclass(frozen=True)
+class CodecLayout:
+    """What one codec sends for one channel's tensor: exactly `payload_bytes` bytes and `params`
+    codec params (finite scales >= 0)."""
+
+    payload_bytes: int
+    params: int = 0
+
+
+@dataclass(frozen=True)
 class ChannelSpec:
-    """What a receiver accepts for one message kind: decoded dtype and element count, at most
-    `max_payload_bytes` on the wire (codecs may send fewer), in one of `codecs` (None: any codec
-    the wire knows)."""
+    """What a receiver accepts for one message kind: decoded dtype and element count, encoded by
+    one of `codecs` (wire codec id -> its layout for `numel` elements)."""
 
     dtype: torch.dtype
     numel: int
-    max_payload_bytes: int | None = None
-    codecs: frozenset[int] | None = None
+    codecs: Mapping[int, CodecLayout]
+
+    @classmethod
+    def uncompressed(cls, dtype: torch.dtype, numel: int) -> "ChannelSpec":
+        """Raw tensors only (CODEC_NONE: numel x itemsize bytes, no params)."""
+        return cls(dtype, numel, {pb.CODEC_NONE: CodecLayout(numel * dtype.itemsize)})
 
 
 def validate_header(header: pb.TensorHeader, spec: ChannelSpec, *, world_size: int) -> None:
@@ -55,16 +68,17 @@ def validate_header(header: pb.TensorHeader, spec: ChannelSpec, *, world_size: i
         raise Rejection("bad_shape", f"shape {list(header.shape)} does not hold {header.numel} elements")
     if header.codec not in pb.Codec.values():
         raise Rejection("bad_codec", f"unknown codec {header.codec}")
-    if spec.codecs is not None and header.codec not in spec.codecs:
+    layout = spec.codecs.get(header.codec)
+    if layout is None:
         raise Rejection("bad_codec", f"codec {pb.Codec.Name(header.codec)} is not accepted here "
                                      f"(only {sorted(pb.Codec.Name(c) for c in spec.codecs)})")
-    _check_codec(header, spec)
-    if header.codec == pb.CODEC_NONE and header.payload_bytes != header.numel * spec.dtype.itemsize:
-        raise Rejection("bad_size", f"{header.payload_bytes} payload bytes for {header.numel} "
-                                    f"x {spec.dtype}")
-    limit = spec.max_payload_bytes if spec.max_payload_bytes is not None else spec.numel * spec.dtype.itemsize
-    if header.payload_bytes > limit:
-        raise Rejection("bad_size", f"{header.payload_bytes} payload bytes exceed the {limit} allowed")
+    params = header.codec_params
+    if len(params) != layout.params or not all(math.isfinite(p) and p >= 0 for p in params):
+        raise Rejection("bad_codec_params", f"codec {header.codec} takes {layout.params} finite "
+                                            f"param(s) >= 0, got {list(params)}")
+    if header.payload_bytes != layout.payload_bytes:
+        raise Rejection("bad_size", f"{header.payload_bytes} payload bytes for {header.numel} x {spec.dtype} "
+                                    f"in {pb.Codec.Name(header.codec)}, which takes {layout.payload_bytes}")
     check_weights(header, world_size)
 
 
@@ -104,24 +118,5 @@ def check_finite(values: torch.Tensor, what: str) -> None:
         raise Rejection("non_finite", f"{what} holds NaN or Inf")
 
 
-def _check_codec(header: pb.TensorHeader, spec: ChannelSpec) -> None:
-    """A codec payload must decode (compression.py) without raising on the training thread:
-    exact encoded size, the codec's number of params, params finite scales >= 0."""
-    from p2ptrain.compression import get_codec
-
-    params = header.codec_params
-    if len(params) != CODEC_PARAMS[header.codec] or not all(math.isfinite(p) and p >= 0 for p in params):
-        raise Rejection("bad_codec_params", f"codec {header.codec} takes {CODEC_PARAMS[header.codec]} finite "
-                                            f"param(s) >= 0, got {list(params)}")
-    if header.codec == pb.CODEC_NONE:
-        return
-    if not spec.dtype.is_floating_point:
-        raise Rejection("bad_codec", f"codec {header.codec} cannot decode to {spec.dtype}")
-    expected = get_codec(header.codec).payload_bytes(header.numel)
-    if header.payload_bytes != expected:
-        raise Rejection("bad_size", f"{header.payload_bytes} payload bytes for {header.numel} elements "
-                                    f"in codec {header.codec}, which takes {expected}")
-
-
-__all__ = ["Rejection", "ChannelSpec", "validate_header", "check_weights", "check_finite", "all_finite",
-           "CODEC_PARAMS"]
+__all__ = ["Rejection", "ChannelSpec", "CodecLayout", "validate_header", "check_weights", "check_finite",
+           "all_finite"]

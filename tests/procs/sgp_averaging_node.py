@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from p2ptrain.algorithms import SGP
+from p2ptrain.communicator import Communicator
 from p2ptrain.topology import build_topology
 from p2ptrain.transport import Transport
-from p2ptrain.transport.communicator import Communicator
 
 
 def initial_vector(rank: int, dim: int, seed: int = 1234) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Ring all-reduce (reduce-scatter + all-gather) over the node's own gRPC streams.
+"""Ring all-reduce (reduce-scatter + all-gather) over the node's Comm: an algorithm-side collective
+(as in hivemind's averaging), so the transport never learns about codecs or segments.
 
 The flat tensor is cut into n nearly equal segments. Reduce-scatter: in round r node i sends its
 running sum of segment (i - r) mod n to i+1 and adds what i-1 sends it, so after n-1 rounds node i
@@ -9,22 +10,25 @@ With a lossy codec every reduce-scatter hop decompresses, sums and recompresses 
 an owner compresses its finished segment once and the all-gather forwards those bytes untouched,
 and the owner adopts the decoded value itself, so all nodes end with bit-identical results.
 
-Every round has its own channel, so the receiver knows the exact size of each segment and the
-mailbox never mixes rounds; the step number keeps consecutive all-reduces apart.
+Every round has its own channel, so the receiver knows the exact size of each segment (and accepts
+only this ring's codec, in the layout compression.py gives it) and the mailbox never mixes rounds;
+the step number keeps consecutive all-reduces apart.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+from typing import TYPE_CHECKING
 
-import torch
+from p2ptrain import compression
+from p2ptrain.algorithms.base import Comm, Kind
 
-from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.compression import Codec, NoCompression, get_codec
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
-KIND = pb.MESSAGE_KIND_ALLREDUCE
+KIND = Kind.ALLREDUCE
 
 
 def segment_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -40,19 +44,25 @@ class CollectiveIncomplete(TimeoutError):
 class RingAllReduce:
     """All-reduce of one fixed-size flat tensor on the ring i -> i+1; declare before comm.ready()."""
 
-    def __init__(self, comm, numel: int, dtype: torch.dtype = torch.float32, *,
-                 codec: Codec | str | None = None, tag: str = "", kind: int = KIND):
+    def __init__(self, comm: Comm, numel: int, dtype: torch.dtype | None = None, *,
+                 codec: compression.Codec | str | None = None, tag: str = "", kind: int = KIND):
         self.comm = comm
         self.rank, self.n = comm.rank, comm.world_size
-        self.numel, self.dtype = numel, dtype
-        self.codec = get_codec(codec) if isinstance(codec, str) else (codec or NoCompression())
+        self.numel = numel
+        self.codec = compression.get_codec(codec or "none") if not isinstance(codec, compression.Codec) else codec
+        if dtype is None:
+            import torch  # (here, not at import: the algorithm registry loads without torch)
+
+            dtype = torch.float32
+        self.dtype = dtype
         self._failed_at: int | None = None  # step of the last incomplete round
         self.tag, self.kind = tag, kind
         self.bounds = segment_bounds(numel, self.n)
         self.next, self.prev = (self.rank + 1) % self.n, (self.rank - 1) % self.n
         for r in range(self.n - 1):  # the segment node `rank` receives in each round
-            comm.expect(kind, dtype, self._size(self._rs_recv(r)), channel=self._channel("rs", r))
-            comm.expect(kind, dtype, self._size(self._ag_recv(r)), channel=self._channel("ag", r))
+            for phase, segment in (("rs", self._rs_recv(r)), ("ag", self._ag_recv(r))):
+                size = self._size(segment)
+                comm.expect(kind, dtype, size, channel=self._channel(phase, r), codecs=self._layout(size))
 
     # Which segment moves where in round r -----------------------------------------------------------
     def _rs_send(self, r: int) -> int:
@@ -70,6 +80,12 @@ class RingAllReduce:
     def _size(self, segment: int) -> int:
         start, end = self.bounds[segment]
         return end - start
+
+    def _layout(self, numel: int) -> dict[int, tuple[int, int]]:
+        """What a segment of `numel` elements arrives as: this ring's codec, with its exact payload
+        bytes and number of codec params."""
+        codec = self.codec
+        return {codec.wire_id: (codec.payload_bytes(numel, self.dtype), codec.param_count)}
 
     def _channel(self, phase: str, r: int) -> str:
         return f"{self.tag}{phase}{r}"
@@ -139,7 +155,7 @@ class RingAllReduce:
         if average:
             owned.div_(self.n)
         encoded = self.codec.encode(owned)
-        if encoded.codec != pb.CODEC_NONE:  # adopt the lossy value everybody else will get
+        if encoded.codec != compression.UNCOMPRESSED:  # adopt the lossy value everybody else will get
             owned.copy_(self.codec.decode(encoded.payload, encoded.params, owned.shape, owned.dtype))
         payload, codec_id, params = _own(encoded), encoded.codec, encoded.params
         for r in range(self.n - 1):  # all-gather: finished segments travel on, bytes untouched
@@ -168,9 +184,10 @@ class RingAllReduce:
         return got[self.prev]
 
     def _decode(self, received, numel: int) -> torch.Tensor:
-        if received.codec == pb.CODEC_NONE:
+        if received.codec == compression.UNCOMPRESSED:
             return received.tensor.view(-1)
-        return get_codec(received.codec).decode(received.tensor, received.codec_params, (numel,), self.dtype)
+        codec = compression.get_codec(received.codec)
+        return codec.decode(received.tensor, received.codec_params, (numel,), self.dtype)
 
     def _check(self, acks: list[concurrent.futures.Future]) -> None:
         for future in acks:
@@ -187,4 +204,4 @@ class RingAllReduce:
 def _own(encoded) -> torch.Tensor:
     """A payload the transport may keep: lossy encoders return fresh tensors, the identity codec a
     view of the caller's tensor, which later rounds modify."""
-    return encoded.payload.clone() if encoded.codec == pb.CODEC_NONE else encoded.payload
+    return encoded.payload.clone() if encoded.codec == compression.UNCOMPRESSED else encoded.payload

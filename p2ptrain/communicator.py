@@ -1,43 +1,28 @@
-"""The algorithm-facing facade of the transport: send / recv / take on the training device.
+"""The node as its algorithm sees it: the implementation of p2ptrain.algorithms.base.Comm on top of
+the node's Transport, plus what the engine needs around it (rejoining, catching up, donors).
 
 Algorithms never open sockets: they call these methods with tensors on their own device, and the
-facade stages them through host memory and the node's Transport.
+communicator stages them through host memory, speaks the transport's wire enums for them and
+turns Acks into Deliveries. It sits between the two layers, so neither imports the other.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.algorithms.base import Delivery
-from p2ptrain.transport.runtime import PeerError, Transport
+from p2ptrain.transport.errors import PeerError
+from p2ptrain.transport.message import Message
+from p2ptrain.transport.runtime import Transport
 from p2ptrain.transport.staging import Staging
+from p2ptrain.transport.validation import CodecLayout
 
 log = logging.getLogger(__name__)
 STATE = pb.MESSAGE_KIND_STATE
-
-
-@dataclass
-class Received:
-    """A received tensor on the training device, with the header fields algorithms use.
-
-    On CPU `tensor` views a pooled receive buffer (no copy): call release() once consumed.
-    """
-
-    sender: int
-    step: int
-    tensor: torch.Tensor
-    ps_weight: float
-    relay_count: float
-    codec: int
-    codec_params: tuple[float, ...]
-    shape: tuple[int, ...]
-    release: Callable[[], None] = lambda: None
 
 
 class Communicator:
@@ -48,16 +33,20 @@ class Communicator:
         self.staging = Staging(device)
         self.peer_timeout = peer_timeout
         self.joining = False        # set before setup: this node (re)joins a running cluster
-        self.joined: Received | None = None  # the state it got (model, ps-weight, donor's step)
-        self.late_states: list[Received] = []  # further states that arrived while rejoining (see fetch_state)
+        self.joined: Message | None = None  # the state it got (model, ps-weight, donor's step)
+        self.late_states: list[Message] = []  # further states that arrived while rejoining (see fetch_state)
 
     @property
     def link_deadline(self) -> float:
         """Seconds a message of one step is waited for before its link counts as dropped."""
         return self.transport.options.link_deadline
 
-    def expect(self, kind: int, dtype: torch.dtype, numel: int, **kwargs) -> None:
-        self.transport.expect(kind, dtype, numel, **kwargs)
+    def expect(self, kind: int, dtype: torch.dtype, numel: int, *, codecs=None, **kwargs) -> None:
+        """Accept `kind` messages of `numel` x `dtype`; `codecs` maps a codec's wire id to its
+        (payload bytes, codec params) for this size (the algorithm side knows its codecs)."""
+        if codecs is not None:
+            codecs = {codec: CodecLayout(*layout) for codec, layout in codecs.items()}
+        self.transport.expect(kind, dtype, numel, codecs=codecs, **kwargs)
 
     def ready(self) -> None:
         """Call after every expect(): announce readiness and wait until all peers are ready too
@@ -100,7 +89,7 @@ class Communicator:
         lag limit: it must rejoin through a state transfer (see DecentralizedTrainer)."""
         return self.transport.membership.must_catch_up()
 
-    def fetch_state(self, numel: int, dtype: torch.dtype, timeout: float | None = None) -> Received:
+    def fetch_state(self, numel: int, dtype: torch.dtype, timeout: float | None = None) -> Message:
         """Rejoin: ask a live peer for its model state and wait for it (like hivemind's
         load_state_from_peers). Returns the state; the node resumes at `state.step + 1` as a new
         incarnation, so peers that declared it dead take it back."""
@@ -143,35 +132,28 @@ class Communicator:
         return _delivery(self.transport.send(peer, self.staging.to_host(tensor), **header))
 
     def recv(self, kind: int, step: int, senders: list[int], *, channel: str = "",
-             timeout: float | None = None) -> dict[int, Received]:
+             timeout: float | None = None) -> dict[int, Message]:
         """Wait for each sender's step-`step` message (TimeoutError after the peer timeout)."""
         messages = self.transport.recv(kind, step, senders, channel=channel,
                                        timeout=self.peer_timeout if timeout is None else timeout)
         return {sender: self._received(m) for sender, m in messages.items()}
 
     def gather(self, kind: int, step: int, senders: list[int], *, channel: str = "",
-               deadline: float | None = None) -> dict[int, Received]:
+               deadline: float | None = None) -> dict[int, Message]:
         """The step-`step` messages of the live senders that arrive within the link deadline; a
         missing one counts as a dropped link for this step (see Transport.gather)."""
         messages = self.transport.gather(kind, step, senders, channel=channel, deadline=deadline)
         return {sender: self._received(m) for sender, m in messages.items()}
 
-    def take(self, kind: int, max_step: int, *, channel: str = "") -> list[Received]:
+    def take(self, kind: int, max_step: int, *, channel: str = "") -> list[Message]:
         """Already-arrived messages with step <= max_step (late ones, to be folded in)."""
         return [self._received(m) for m in self.transport.take(kind, max_step, channel)]
 
-    def ring_allreduce(self, numel: int, dtype: torch.dtype = torch.float32, *, codec=None, tag: str = ""):
-        """A RingAllReduce for flat tensors of `numel` x `dtype` (declares its channels: call
-        before ready()); calling it with (tensor, step) all-reduces the tensor in place."""
-        from p2ptrain.transport.collectives import RingAllReduce
-
-        return RingAllReduce(self, numel, dtype, codec=codec, tag=tag)
-
-    def _received(self, message) -> Received:
-        tensor = self.staging.to_device(message)  # CUDA: the staging releases the pinned buffer
-        release = message.release if not self.staging.cuda else (lambda: None)
-        return Received(message.sender, message.step, tensor, message.ps_weight, message.relay_count,
-                        message.codec, message.codec_params, message.shape, release)
+    def _received(self, message: Message) -> Message:
+        """`message` on the training device: itself on CPU (release() gives its buffer back); on CUDA
+        its device copy, whose host buffer the staging releases once the copy is done."""
+        tensor = self.staging.to_device(message)
+        return message.on_device(tensor) if self.staging.cuda else message
 
 
 def _delivery(ack: concurrent.futures.Future) -> concurrent.futures.Future:

@@ -1,0 +1,126 @@
+"""The one bridge between a caller's thread and an asyncio event loop on a dedicated thread.
+
+grpc.aio objects are not thread-safe: a node's Transport and the parameter server each create and
+use theirs on one LoopThread (uvloop when available, installed before any aio object exists). Every
+other thread reaches that loop only through `submit`, `call` and `call_soon` here, i.e. through
+run_coroutine_threadsafe / call_soon_threadsafe and concurrent.futures.Future.
+
+This module knows nothing of gRPC, tensors or peers; it must never block the loop it owns.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A uvloop loop when uvloop is installed, else asyncio's default one."""
+    try:
+        import uvloop
+    except ImportError:  # Windows, or uvloop not installed: the default loop works too
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+class LoopThread:
+    """One event loop running forever on one daemon thread named `name`; `what` names the owner in
+    errors and logs ("transport", "parameter server")."""
+
+    def __init__(self, name: str, what: str):
+        self.name = name
+        self.what = what
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
+        self._tasks: set[asyncio.Task] = set()  # spawned background work, cancelled by stop()
+
+    @property
+    def started(self) -> bool:
+        return self.loop is not None
+
+    def start(self, setup: Callable[[], Awaitable[None]], timeout: float = 30.0) -> None:
+        """Start the thread, run `setup()` on its loop (e.g. bind and start a server), then serve
+        forever. A failure of `setup` (a port in use) is re-raised here, in the caller's thread."""
+        ready: concurrent.futures.Future = concurrent.futures.Future()
+        self.thread = threading.Thread(target=self._run, args=(setup, ready), name=self.name, daemon=True)
+        self.thread.start()
+        ready.result(timeout)
+
+    def _run(self, setup: Callable[[], Awaitable[None]], ready: concurrent.futures.Future) -> None:
+        loop = self.loop = new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(setup())
+        except BaseException as exc:  # noqa: BLE001 - hand any start-up failure to start()
+            ready.set_exception(exc)
+            loop.close()
+            return
+        ready.set_result(None)
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    def stop(self, shutdown: Callable[[], Awaitable[None]], grace: float) -> None:
+        """Run `shutdown()` on the loop (given `grace` + 10 s), cancel spawned tasks, stop the loop
+        and join the thread. A no-op when the loop is not running (never started, or stopped)."""
+        loop = self.loop
+        if loop is None or not loop.is_running():
+            return
+
+        async def close() -> None:
+            try:
+                await shutdown()
+            finally:
+                for task in list(self._tasks):
+                    task.cancel()
+
+        try:
+            asyncio.run_coroutine_threadsafe(close(), loop).result(grace + 10)
+        except Exception as exc:  # noqa: BLE001 - shutting down anyway
+            log.warning("unclean %s shutdown: %s", self.what, exc)
+        loop.call_soon_threadsafe(loop.stop)
+        if self.thread is not None:
+            self.thread.join(10)
+
+    # From any thread ----------------------------------------------------------------------------
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule `coro` on the loop; its future, to wait on from the caller's thread."""
+        if self.loop is None:
+            coro.close()
+            raise RuntimeError(f"{self.what} not started")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, fn: Callable[..., T], *args, timeout: float | None = None) -> T:
+        """fn(*args) run on the loop, where the state it touches lives; its result or exception.
+        Before start() nothing else touches that state, so it runs right here."""
+        if self.loop is None:
+            return fn(*args)
+        return self.submit(_invoke(fn, *args)).result(timeout)
+
+    def call_soon(self, fn: Callable[..., object], *args) -> None:
+        """Schedule fn(*args) on the loop without waiting for it."""
+        if self.loop is None:
+            raise RuntimeError(f"{self.what} not started")
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    # On the loop thread -------------------------------------------------------------------------
+    def spawn(self, coro: Coroutine) -> asyncio.Task:
+        """Run `coro` in the background; stop() cancels it if it is still running then."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+
+async def _invoke(fn: Callable[..., T], *args) -> T:
+    return fn(*args)
+
+
+__all__ = ["LoopThread", "new_event_loop"]

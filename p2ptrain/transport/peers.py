@@ -1,0 +1,234 @@
+"""What a node learns from and tells its peers through Hello: start-up (wait_for_peers), probes of
+silent peers, surveys of a running cluster, readiness, rejoining and state-transfer requests.
+
+Who is alive, lagging or must rejoin is membership.py's judgement; this module feeds it what Hellos
+say and answers the Hellos of others (`on_hello`). It never sends a tensor.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.transport.client import ChannelPool
+from p2ptrain.transport.errors import PeerError, rpc_reason
+from p2ptrain.transport.loop import LoopThread
+from p2ptrain.transport.membership import Membership
+from p2ptrain.transport.routes import RouteTable
+from p2ptrain.transport.server import Identity
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClusterSurvey:
+    reachable: int  # peers that answered a Hello
+    running: bool   # one of them is ready and past step 0
+
+
+def new_incarnation() -> int:
+    return secrets.randbits(63) | 1  # never 0 (0 = an old peer that sends none)
+
+
+class Peers:
+    """Node `identity.node_id`'s Hello exchanges with the peers at `addresses`. Blocking methods are
+    for the training thread; coroutines and `on_hello` run on the loop thread."""
+
+    def __init__(self, identity: Identity, addresses: list[str], loop: LoopThread, channels: ChannelPool,
+                 membership: Membership, routes: RouteTable, *, probe_timeout: float):
+        self.identity = identity
+        self.rank = identity.node_id
+        self.world_size = identity.world_size
+        self.addresses = addresses
+        self.loop = loop
+        self.channels = channels
+        self.membership = membership
+        self.routes = routes
+        self.probe_timeout = probe_timeout
+        self.incarnation = new_incarnation()  # new at every start and every completed rejoin
+        self.resume_step = 0                  # the step a rejoined node resumes at (sent in its Hellos)
+        self.ready = False                    # this node accepts tensors (mark_ready)
+        self.ready_peers: set[int] = set()    # peers that told us (in their Hello) they are ready
+        self.reached: set[int] = set()        # peers we delivered to: later connect failures fail fast
+        self._probing: set[int] = set()
+        self._state_requests: list[int] = []  # peers that asked for our model state (Hello want_state)
+
+    def others(self) -> list[int]:
+        return [peer for peer in range(self.world_size) if peer != self.rank]
+
+    # Loop thread --------------------------------------------------------------------------------
+    def hello_request(self) -> pb.HelloRequest:
+        me = self.identity
+        return pb.HelloRequest(node_id=me.node_id, world_size=me.world_size, ready=self.ready,
+                               protocol_version=me.protocol_version, config_fingerprint=me.config_fingerprint,
+                               step=self.resume_step, current_step=self.membership.step,
+                               incarnation=self.incarnation)
+
+    async def greet(self, peer: int, request: pb.HelloRequest, timeout: float,
+                    wait_for_ready: bool = True) -> pb.HelloReply:
+        """Hello `peer` and note what its reply says about it and us."""
+        reply = await self.channels.client(peer).hello(request, timeout, wait_for_ready=wait_for_ready)
+        if reply.compatible and reply.node_id == peer:
+            self.membership.note_step(peer, reply.step)
+            if reply.caller_excluded:
+                self.membership.excluded(by_peer=peer)
+        return reply
+
+    async def hello(self, peer: int, timeout: float) -> pb.HelloReply:
+        """Hello `peer`, waiting up to `timeout` for it to come up."""
+        return await self.greet(peer, self.hello_request(), timeout)
+
+    async def probe(self, peer: int) -> bool:
+        """Hello `peer` without waiting for a connection; declare it dead if it does not answer."""
+        if peer in self._probing:
+            return self.membership.alive(peer)
+        self._probing.add(peer)
+        try:
+            await self.greet(peer, self.hello_request(), self.probe_timeout, wait_for_ready=False)
+            return True
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+            self.membership.mark_dead(peer, f"no answer to a probe: {rpc_reason(exc)}")
+            return False
+        finally:
+            self._probing.discard(peer)
+
+    def on_hello(self, request: pb.HelloRequest) -> str:
+        """Membership news from a Hello; returns why a want_state request is refused ("" = served)."""
+        peer = request.node_id
+        was_dead = not self.membership.alive(peer)
+        self.membership.hello(peer, ready=request.ready, incarnation=request.incarnation,
+                              current_step=request.current_step, resume_step=request.step)
+        if was_dead and self.membership.alive(peer):  # back from the dead: connect afresh, no backoff
+            self.loop.spawn(self.channels.reset(peer))
+        if not request.want_state:
+            return ""
+        if not self.membership.may_donate_to(peer, request.incarnation):
+            log.warning("node %d: peer %d asked for our state but never left (not dead, lagging or restarted "
+                        "here); refused", self.rank, peer)
+            return f"node {self.rank} will not hand its state to node {peer}: it never saw that node leave"
+        if peer not in self._state_requests:
+            log.info("node %d: peer %d asks for our state (to rejoin)", self.rank, peer)
+            self._state_requests.append(peer)
+        return ""
+
+    def _pop_state_requests(self) -> list[int]:
+        requests, self._state_requests = self._state_requests, []
+        return requests
+
+    # Training thread ----------------------------------------------------------------------------
+    def has_state_requests(self) -> bool:
+        return bool(self._state_requests)  # a racy peek from the training thread; take_ decides
+
+    def take_state_requests(self) -> list[int]:
+        """Peers that asked (in a Hello) for our model state since the last call."""
+        return self.loop.call(self._pop_state_requests)
+
+    def rejoined(self) -> None:
+        """A state transfer completed: a new incarnation, so peers that declared us dead take us back."""
+        self.incarnation = new_incarnation()
+        self.membership.rejoined()
+
+    def _hello_once(self, peer: int, request: pb.HelloRequest, timeout: float) -> concurrent.futures.Future:
+        """One Hello that does not wait for a connection, as a future for the training thread."""
+        return self.loop.submit(self.greet(peer, request, timeout, wait_for_ready=False))
+
+    def request_state(self, timeout: float) -> int:
+        """Ask live peers for their model state (Hello with want_state) until one that is ready
+        accepts; returns its rank. Peers that excluded this node come first: they saw it leave, so
+        they donate. The state arrives as a MESSAGE_KIND_STATE push."""
+        deadline = time.monotonic() + timeout
+        request = self.hello_request()
+        request.want_state = True
+        problems: dict[int, str] = {}
+        while True:
+            preferred = sorted(self.membership.excluded_by())
+            for peer in preferred + [p for p in self.others() if p not in preferred]:
+                try:
+                    reply = self._hello_once(peer, request, 2.0).result(10)
+                except (grpc.aio.AioRpcError, concurrent.futures.TimeoutError) as exc:
+                    problems[peer] = rpc_reason(exc)
+                    continue
+                if reply.compatible and reply.ready and not reply.reason:
+                    return peer
+                problems[peer] = reply.reason or "not ready"
+            if time.monotonic() >= deadline:
+                raise PeerError(f"node {self.rank}: no peer can give its state: {problems}")
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+    def survey(self, timeout: float = 2.0) -> ClusterSurvey:
+        """Hello every peer once (without waiting for connections): how many answer, and whether a
+        compatible, ready one is past step 0, i.e. this node was restarted into a running cluster
+        (at a fresh start no node passes step 0 before every node is ready)."""
+        futures = [self._hello_once(peer, self.hello_request(), timeout) for peer in self.others()]
+        reachable, running = 0, False
+        for future in futures:
+            try:
+                reply = future.result(timeout + 5)
+            except (grpc.aio.AioRpcError, concurrent.futures.TimeoutError):
+                continue
+            reachable += 1
+            running |= bool(reply.compatible and reply.ready and reply.step > 0)
+        return ClusterSurvey(reachable=reachable, running=running)
+
+    def announce_ready(self) -> None:
+        """Tell every peer (one Hello each, failures ignored) that this node is ready again and
+        resumes at `resume_step`, so they send to it and wait for it from that step on."""
+        futures = [self._hello_once(peer, self.hello_request(), 2.0) for peer in self.others()]
+        for future in futures:
+            try:
+                future.result(10)
+            except (grpc.aio.AioRpcError, concurrent.futures.TimeoutError):
+                pass
+
+    def wait_for_peers(self, timeout: float = 60.0, *, require_ready: bool = False) -> None:
+        """Hello every peer, waiting for it to come up (and, with require_ready, to have its
+        algorithm set up, so nothing we send is refused as unexpected). Raises PeerError on an
+        incompatible peer at once, or on one still unreachable / not ready after `timeout`."""
+        deadline = time.monotonic() + timeout
+        waiting = {peer for peer in self.others() if not self.routes.skip_hello(peer)}  # routed: not greeted
+        last_problem: dict[int, str] = {}
+        while waiting:
+            if require_ready:
+                waiting -= self.ready_peers  # a peer that said so in its own Hello may be gone by now
+            if not waiting:
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            attempt = min(remaining, 1.0)  # short attempts: notice peers that announce themselves
+            futures = {peer: self.loop.submit(self.hello(peer, attempt)) for peer in waiting}
+            for peer, future in futures.items():
+                try:
+                    reply = future.result(attempt + 5)
+                except (grpc.aio.AioRpcError, concurrent.futures.TimeoutError) as exc:
+                    last_problem[peer] = f"unreachable: {rpc_reason(exc)}"
+                    continue
+                reason = reply.reason or self.identity.compatibility(
+                    reply.world_size, reply.protocol_version, reply.config_fingerprint)
+                if not reply.compatible or reason:
+                    raise PeerError(f"node {self.rank}: node {peer} at {self.addresses[peer]} incompatible: "
+                                    f"{reason}")
+                if reply.node_id != peer:
+                    raise PeerError(f"node {self.rank}: address {self.addresses[peer]} answers as node "
+                                    f"{reply.node_id}, expected {peer}")
+                if require_ready and not reply.ready:
+                    last_problem[peer] = "not ready (still setting up)"
+                    continue
+                self.reached.add(peer)
+                self.routes.mark_reached(peer)  # a relay candidate from now on
+                waiting.discard(peer)
+            if waiting:
+                time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        if waiting:
+            problems = "; ".join(f"node {p} at {self.addresses[p]} {last_problem.get(p, 'did not answer')}"
+                                 for p in sorted(waiting))
+            raise PeerError(f"node {self.rank}: after {timeout:.0f}s: {problems}")
+
+
+__all__ = ["Peers", "ClusterSurvey", "new_incarnation"]
