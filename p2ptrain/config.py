@@ -34,6 +34,7 @@ ROLES = ("peer", "ps", "worker")  # peer: decentralized node; ps / worker: param
 MODELS = ("mlp", "cnn")
 DATASETS = ("synthetic", "mnist")
 DEVICES = ("auto", "cpu", "cuda")
+OPTIMIZERS = ("sgd", "adamw")  # what `p2ptrain node` builds (a script of your own brings its own)
 # Learning rates measured to train each built-in model well with momentum 0.9 (the CNN diverges
 # towards ~60% accuracy at 0.05 on the synthetic task, reaches ~93% at 0.01).
 DEFAULT_LR = {"mlp": 0.05, "cnn": 0.01}
@@ -75,8 +76,10 @@ class NodeConfig:
     num_test: int | None = None
     dirichlet_alpha: float | None = None             # non-IID Dirichlet(α) class split over nodes; None = IID
     batch_size: int = 32
+    optimizer: str | None = None                     # the built-in runs' local optimizer: sgd | adamw; None:
+                                                     # the algorithm's default (AlgorithmSpec.default_optimizer)
     lr: float | None = None                          # None: the model's default (DEFAULT_LR)
-    momentum: float = 0.9
+    momentum: float = 0.9                            # sgd's momentum (and GEM's μ)
     weight_decay: float = 0.0
     seed: int = 0
     device: str = "auto"
@@ -173,6 +176,8 @@ class NodeConfig:
         need((self.lr is None or self.lr >= 0) and self.momentum >= 0 and self.weight_decay >= 0,
              "lr, momentum, weight_decay must be >= 0")
         need(self.device in DEVICES, f"unknown device {self.device!r}; choose from {DEVICES}")
+        need(self.optimizer is None or self.optimizer in OPTIMIZERS,
+             f"unknown optimizer {self.optimizer!r}; choose from {OPTIMIZERS}")
         need(self.threads >= 1, "threads must be >= 1")
         need(0.004 <= self.chunk_mb <= 64, f"chunk_mb must be within [0.004, 64], got {self.chunk_mb}")
         need(self.peer_timeout > 0, "peer_timeout must be > 0")
@@ -308,6 +313,10 @@ class NodeConfig:
         if not 0 <= int(rank) < self.world_size:
             raise ValueError(f"rank {rank} outside 0..{self.world_size - 1}")
         return int(step) if int(rank) == self.rank else None
+
+    @property
+    def resolved_optimizer(self) -> str:
+        return self.optimizer or self.algorithm_spec.default_optimizer
 
     @property
     def learning_rate(self) -> float:

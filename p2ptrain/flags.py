@@ -8,7 +8,7 @@ from dataclasses import fields
 from typing import Any
 
 from p2ptrain.algorithms import registry
-from p2ptrain.config import ALL_INTERFACES, DATASETS, DEFAULT_LR, DEVICES, MODELS, ROLES, NodeConfig
+from p2ptrain.config import ALL_INTERFACES, DATASETS, DEFAULT_LR, DEVICES, MODELS, OPTIMIZERS, ROLES, NodeConfig
 from p2ptrain.topology import TOPOLOGY_NAMES
 
 
@@ -51,6 +51,9 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, cluster_flags: bool =
                    help="non-IID shards: Dirichlet(ALPHA) split of each class over nodes; smaller = more "
                         "skewed (default: IID shards)")
     g.add_argument("--batch-size", type=int, help=f"per-node batch size (default {d.batch_size})")
+    g.add_argument("--optimizer", choices=OPTIMIZERS,
+                   help="local optimizer of the built-in training: sgd (with --momentum) or adamw (default: the "
+                        "algorithm's, sgd for the per-step algorithms)")
     g.add_argument("--lr", type=float,
                    help="learning rate (default per model: "
                         + ", ".join(f"{m} {v}" for m, v in DEFAULT_LR.items()) + ")")

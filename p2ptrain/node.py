@@ -22,7 +22,7 @@ from p2ptrain.metrics import NodeMetrics, counter_total
 from p2ptrain.train import DecentralizedTrainer, StepRecord, cycle, pick_device
 from p2ptrain.train.loop import NonFiniteError
 from p2ptrain.train.progress import ProgressWriter, write_summary
-from p2ptrain.train.setup import training_setup
+from p2ptrain.train.setup import build_optimizer, training_setup
 from p2ptrain.transport import Transport, TransportOptions
 from p2ptrain.transport.faults import LinkTable
 from p2ptrain.transport.runtime import PeerError
@@ -121,8 +121,7 @@ def run_node(config: NodeConfig) -> dict:
     try:
         loader, test_loader, model, device = training_setup(config)
         with Node(config, device=device) as node:
-            optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=config.momentum,
-                                        weight_decay=config.weight_decay)
+            optimizer = build_optimizer(config, model)
             trainer = DecentralizedTrainer(model, optimizer, node.algorithm(), device=device, metrics=node.metrics,
                                            slowdown=config.compute_slowdown, inject_nan_at=config.nan_injection_step,
                                            comm=node.comm)

@@ -72,6 +72,7 @@ class AlgorithmSpec:
     build: Callable[["Comm", Any, BuildContext], "Algorithm"] | None  # None: not run by a peer node
     topologies: tuple[str, ...] = ()               # graphs it runs on; the first is the default
     role: Literal["peer", "parameter-server"] = "peer"  # parameter-server: `ps` + `--role worker`
+    default_optimizer: Literal["sgd", "adamw"] = "sgd"  # the local optimizer `p2ptrain node` builds for it
 
     @property
     def default_topology(self) -> str | None:

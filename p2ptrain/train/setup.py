@@ -33,6 +33,14 @@ def training_setup(config):
     return loader, test_loader, model, device
 
 
+def build_optimizer(config, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The local optimizer of the built-in training: sgd (momentum) or adamw, from the settings."""
+    if config.resolved_optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    return torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=config.momentum,
+                           weight_decay=config.weight_decay)
+
+
 def initial_model(config) -> torch.nn.Module:
     """θ_0: the model `model`, `hidden`, `dataset` and `seed` define (every node builds the same one;
     the parameter server serves it to its workers). Builds the dataset only to learn its shapes."""
@@ -42,4 +50,4 @@ def initial_model(config) -> torch.nn.Module:
     return build_model(config.model, splits.input_shape, splits.num_classes, hidden=config.hidden)
 
 
-__all__ = ["training_setup", "initial_model"]
+__all__ = ["build_optimizer", "initial_model", "training_setup"]
