@@ -41,3 +41,27 @@ def run_processes(argvs: list[list[str]], timeout: float, log_dir: Path) -> None
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+@pytest.fixture
+def receiver():
+    """Node 1 of a 3-node world (nodes 0 and 2 are not started), accepting NUMEL float32
+    (tests/test_transport.py's constants), for tests that speak raw PushTensor streams to it."""
+    from tests.test_transport import KIND, NUMEL, nodes
+
+    with nodes(3, [1]) as t:
+        t[1].expect(KIND, torch.float32, NUMEL)
+        yield t[1]
+
+
+@pytest.fixture
+def raw(receiver):
+    """Synchronous stream_unary PushTensor call against the receiver, sending raw chunk bytes."""
+    import grpc
+
+    from p2ptrain._proto import p2ptrain_pb2 as pb
+    from p2ptrain.transport.server import PUSH_METHOD
+
+    with grpc.insecure_channel(receiver.peers[1]) as channel:
+        yield channel.stream_unary(PUSH_METHOD, request_serializer=lambda b: b,
+                                   response_deserializer=pb.Ack.FromString)

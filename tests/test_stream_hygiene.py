@@ -46,20 +46,6 @@ pytestmark = pytest.mark.timeout(60)
 IDLE = 1.0  # stream_idle_timeout in the tests of reaping
 
 
-@pytest.fixture
-def receiver():
-    """Node 1 of a 3-node world (0 and 2 are spoken for by the raw client), accepting NUMEL float32."""
-    with nodes(3, [1]) as t:
-        t[1].expect(KIND, torch.float32, NUMEL)
-        yield t[1]
-
-
-@pytest.fixture
-def raw(receiver):
-    with grpc.insecure_channel(receiver.peers[1]) as channel:
-        yield channel.stream_unary(PUSH_METHOD, request_serializer=lambda b: b, response_deserializer=pb.Ack.FromString)
-
-
 def held_open(h: pb.TensorHeader, release: threading.Event, tail=()):
     """Header and one data chunk, then wait for `release`, then `tail`."""
     yield encode_header(h)

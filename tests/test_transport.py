@@ -17,7 +17,7 @@ from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.metrics import NodeMetrics
 from p2ptrain.transport import PeerError, Transport, TransportOptions
 from p2ptrain.transport.framing import encode_data, encode_header, iter_data_chunks, tensor_bytes
-from p2ptrain.transport.server import PROTOCOL_VERSION, PUSH_METHOD, SERVICE_NAME
+from p2ptrain.transport.server import PROTOCOL_VERSION, SERVICE_NAME
 
 torch.set_num_threads(1)
 
@@ -231,21 +231,7 @@ def good_stream(h: pb.TensorHeader | None = None) -> list[bytes]:
     return [encode_header(h or header()), *data_chunks()]
 
 
-@pytest.fixture
-def receiver():
-    """Node 1 of a 3-node world (nodes 0 and 2 are not started), accepting NUMEL float32."""
-    with nodes(3, [1]) as t:
-        t[1].expect(KIND, torch.float32, NUMEL)
-        yield t[1]
-
-
-@pytest.fixture
-def raw(receiver):
-    """Synchronous stream_unary PushTensor call against the receiver, sending raw chunk bytes."""
-    with grpc.insecure_channel(receiver.peers[1]) as channel:
-        push = channel.stream_unary(PUSH_METHOD, request_serializer=lambda b: b,
-                                    response_deserializer=pb.Ack.FromString)
-        yield push
+# The `receiver` and `raw` fixtures (a node and a raw PushTensor client to it) are in tests/conftest.py.
 
 
 def assert_still_works(receiver: Transport, push, rejected_before: dict[str, float]) -> None:
