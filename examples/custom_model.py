@@ -1,13 +1,17 @@
-"""Decentralized training of your own torch model, optimizer and data loader with p2ptrain.
+"""Decentralized training of your own torch model, optimizer and loop with p2ptrain.
 
-Each process is one node. Here we start 3 of them on loopback with multiprocessing; on real hosts
-run the same `train_node` on every machine with its rank and the list of peer addresses.
+Each process is one node. Run it under the launcher, which starts N copies and tells each its rank
+and its peers (RANK, WORLD_SIZE, P2PTRAIN_PEERS, ...):
 
-    python examples/custom_model.py            # 3 local nodes, SGP with overlap τ = 1
+    p2ptrain launch --nodes 3 --algorithm sgp --overlap 1 -- python examples/custom_model.py
+
+or on its own (`python examples/custom_model.py 3`), when it starts 3 local nodes itself with
+multiprocessing. The three p2ptrain lines are marked.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import socket
 import sys
 
@@ -15,9 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from p2ptrain import NodeConfig
-from p2ptrain.node import Node
-from p2ptrain.train import DecentralizedTrainer, cycle
+import p2ptrain
 
 
 def my_data(rank: int, world_size: int):
@@ -29,18 +31,29 @@ def my_data(rank: int, world_size: int):
     return torch.utils.data.DataLoader(shard, batch_size=64, shuffle=True)
 
 
-def train_node(rank: int, peers: list[str], steps: int = 200) -> None:
+def train(steps: int = 200, **settings) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)  # every node starts from the same model
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1), nn.Flatten(0))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    config = NodeConfig(rank=rank, world_size=len(peers), peers=peers, algorithm="sgp",
-                        topology="exponential", options={"overlap": 1})
-    with Node(config) as node:
-        trainer = DecentralizedTrainer(model, optimizer, node.algorithm(), loss_fn=F.mse_loss, comm=node.comm)
-        result = trainer.fit(cycle(my_data(rank, len(peers))), steps, log_every=50,
-                             on_log=lambda rec, _: print(f"node {rank} step {rec.step} loss {rec.loss:.4f}"))
-    print(f"node {rank}: final loss {result.final_loss:.4f}")
+    with p2ptrain.init(**settings) as node:                                                    # p2ptrain 1/3
+        opt = p2ptrain.DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                              model=model, node=node)                          # p2ptrain 2/3
+        data = iter(())
+        for step in range(steps):
+            try:
+                x, y = next(data)
+            except StopIteration:
+                data = iter(my_data(node.rank, node.world_size))
+                x, y = next(data)
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            node.report(step + 1, loss=loss.item())                                           # p2ptrain 3/3
+            if (step + 1) % 50 == 0:
+                print(f"node {node.rank} step {step + 1} loss {loss.item():.4f}")
+        opt.finish()
+        print(f"node {node.rank}: final loss {node.summary()['final_loss']:.4f}")
 
 
 def free_port() -> int:
@@ -50,12 +63,16 @@ def free_port() -> int:
 
 
 if __name__ == "__main__":
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 3
-    peers = [f"127.0.0.1:{free_port()}" for _ in range(n)]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=train_node, args=(r, peers)) for r in range(n)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    sys.exit(max(p.exitcode for p in procs))
+    if "RANK" in os.environ:  # started by `p2ptrain launch` (or torchrun): it set everything
+        train()
+    else:
+        n = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+        peers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(n))
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=train, kwargs=dict(rank=r, world_size=n, peers=peers, algorithm="sgp",
+                                                      overlap=1)) for r in range(n)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        sys.exit(max(p.exitcode for p in procs))

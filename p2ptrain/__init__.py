@@ -1,6 +1,10 @@
 """p2ptrain: an asyncio gRPC peer-to-peer runtime for decentralized deep-learning training.
 
 Importing the package is cheap (no torch, no gRPC): the public names load on first use.
+
+    import p2ptrain
+    node = p2ptrain.init()                      # settings from `p2ptrain launch`, torchrun or the environment
+    opt = p2ptrain.DecentralizedOptimizer(torch.optim.AdamW(model.parameters()), model=model, node=node)
 """
 from __future__ import annotations
 
@@ -9,7 +13,9 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_PUBLIC = {"NodeConfig": "p2ptrain.config", "ConfigError": "p2ptrain.config"}
+_PUBLIC = {"NodeConfig": "p2ptrain.config", "ConfigError": "p2ptrain.config", "init": "p2ptrain.api",
+           "DecentralizedOptimizer": "p2ptrain.train.optimizer", "DecentralizedTrainer": "p2ptrain.train.loop",
+           "NonFiniteError": "p2ptrain.train.optimizer", "evaluate": "p2ptrain.train.evaluate"}
 
 
 def __getattr__(name: str) -> Any:  # PEP 562
@@ -18,4 +24,5 @@ def __getattr__(name: str) -> Any:  # PEP 562
     raise AttributeError(f"module 'p2ptrain' has no attribute {name!r}")
 
 
-__all__ = ["ConfigError", "NodeConfig", "__version__"]
+__all__ = ["ConfigError", "DecentralizedOptimizer", "DecentralizedTrainer", "NodeConfig", "NonFiniteError", "evaluate",
+           "init", "__version__"]

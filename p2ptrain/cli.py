@@ -177,7 +177,7 @@ def cmd_node(args: argparse.Namespace) -> int:
               f"median pi {summary.get('pi_median')}")
         return 0
     from p2ptrain.node import NoClusterToRejoin
-    from p2ptrain.train.loop import NonFiniteError
+    from p2ptrain.train.optimizer import NonFiniteError
 
     try:
         summary = run_node(config)

@@ -84,6 +84,25 @@ class Communicator:
         membership = self.transport.membership
         return not membership.dead() and not any(membership.lagging(p) for p in membership.peers)
 
+    @property
+    def max_lag(self) -> int:
+        return self.transport.membership.max_lag
+
+    def lag_report(self) -> str:
+        """Why this node must catch up, for logs."""
+        membership = self.transport.membership
+        return f"excluded by {sorted(membership.excluded_by())}, {membership.behind()} steps behind the cluster"
+
+    def abandon_catch_up(self) -> None:
+        """No donor could be had (e.g. the others finished): train on, forgetting who excluded us."""
+        self.transport.membership.rejoined()
+
+    def resume_at(self, step: int, timeout: float | None = None) -> None:
+        """Continue at `step` (from a checkpoint), and wait until every live peer has got there too:
+        a peer still at step 0 would refuse our messages as too far in its future."""
+        self.transport.set_step(step)
+        self.transport.wait_for_step(step, timeout=self.peer_timeout if timeout is None else timeout)
+
     def must_catch_up(self) -> bool:
         """A peer declared this node dead (it stalled), or it trails the cluster by more than the
         lag limit: it must rejoin through a state transfer (see DecentralizedTrainer)."""

@@ -106,6 +106,9 @@ class NodeMetrics:
         self.dropped_total += 1
 
     # Training observations --------------------------------------------------------------------
+    def set_loss(self, loss: float) -> None:
+        self.loss.labels(self.node, self.algorithm).set(loss)
+
     def on_step(self, step: int, seconds: float, loss: float | None) -> None:
         self.step.labels(self.node).set(step)
         self.step_seconds.labels(self.node, self.algorithm).observe(seconds)

@@ -1,17 +1,19 @@
 """A p2ptrain node, composed from a NodeConfig: transport (options, security, link emulation),
-metrics endpoint, communicator and algorithm.
+metrics endpoint, communicator, algorithm, and what it records into the run folder.
 
-`Node` is the reusable piece (also for the Python API); `run_node` is what `p2ptrain node` runs:
-it adds the built-in data sets and models and writes the progress / summary / snapshot files the
-launcher reads. This is the one place that turns settings into runtime objects.
+`Node` is what `p2ptrain.init()` returns to a training script of your own and what `p2ptrain node`
+runs its built-in training on (`run_node`). This is the one place that turns settings into runtime
+objects.
 """
 from __future__ import annotations
 
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from p2ptrain.algorithms import registry
 from p2ptrain.algorithms.base import Algorithm
@@ -19,16 +21,20 @@ from p2ptrain.algorithms.registry import BuildContext
 from p2ptrain.communicator import Communicator
 from p2ptrain.config import NodeConfig
 from p2ptrain.metrics import NodeMetrics, counter_total
-from p2ptrain.train import DecentralizedTrainer, StepRecord, cycle, pick_device
-from p2ptrain.train.loop import NonFiniteError
-from p2ptrain.train.progress import ProgressWriter, write_summary
+from p2ptrain.train import DecentralizedTrainer, cycle, pick_device
+from p2ptrain.train.optimizer import NonFiniteError
+from p2ptrain.train.progress import RunRecorder
 from p2ptrain.train.setup import build_optimizer, training_setup
 from p2ptrain.transport import Transport, TransportOptions
+from p2ptrain.transport.errors import PeerError
 from p2ptrain.transport.faults import LinkTable
-from p2ptrain.transport.runtime import PeerError
 from p2ptrain.transport.security import security_from_settings
 
+if TYPE_CHECKING:
+    from p2ptrain.train.optimizer import DecentralizedOptimizer
+
 log = logging.getLogger(__name__)
+PROJECTION_DIRECTIONS = 4
 
 
 class NoClusterToRejoin(PeerError):
@@ -54,7 +60,10 @@ def transport_options(config: NodeConfig, device: torch.device) -> TransportOpti
 
 
 class Node:
-    """Owns the transport (server + client pool on its loop thread) and the metrics server."""
+    """One node: its transport (server and client pool on their loop thread), metrics endpoint,
+    communicator, and the run folder's files (`out`). Use it as a context manager, or call
+    start() and close(); `report()` adds scalars such as a test accuracy to the progress lines and
+    the summary."""
 
     def __init__(self, config: NodeConfig, device: torch.device | None = None):
         self.config = config.validate()
@@ -67,11 +76,33 @@ class Node:
         self.comm = Communicator(self.transport, self.device, peer_timeout=config.peer_timeout)
         self.metrics_port: int | None = None
         self._metrics_server = None
+        out = Path(config.out) if config.out else None
+        if out:
+            out.mkdir(parents=True, exist_ok=True)
+        self.recorder = RunRecorder(out, f"node{config.rank}", rank=config.rank, log_every=config.log_every)
+        self.optimizer: DecentralizedOptimizer | None = None  # the one attached by DecentralizedOptimizer
+        self._last_step_time = time.perf_counter()
+        self._directions: torch.Tensor | None = None
+        self._started = self._closed = False
         if config.ignored_options:
             log.warning("node %d: settings for other algorithms than %s ignored: %s", config.rank, config.algorithm,
                         ", ".join(sorted(config.ignored_options)))
 
+    @property
+    def rank(self) -> int:
+        return self.config.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size
+
+    # Lifecycle ----------------------------------------------------------------------------------
     def start(self, wait_for_peers: bool = True) -> "Node":
+        """Start the transport and metrics endpoint; meet the peers (or rejoin a running cluster).
+        Starting a started node does nothing (p2ptrain.init() starts it; `with` may follow)."""
+        if self._started:
+            return self
+        self._started = True
         self.transport.start()
         if self.config.metrics_port is not None:
             server, _ = self.metrics.serve(self.config.metrics_port, addr=self.config.metrics_bind_host)
@@ -91,87 +122,141 @@ class Node:
         return self
 
     def stop(self) -> None:
+        """Stop the transport and the metrics endpoint (close() also writes the summary)."""
         self.transport.stop()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server = None
+        self.recorder.close()
+
+    def close(self, **summary) -> dict:
+        """Finish the attached optimizer (if its run was not finished), write the summary (the last
+        reported scalars, traffic, push-sum weight, ... plus `summary`) and stop. Idempotent."""
+        if self._closed:
+            return {}
+        self._closed = True
+        try:
+            model = None
+            if self.optimizer is not None:
+                self.optimizer.finish()
+                model = self.optimizer.state_vector.parameter_vector()
+            return self.recorder.finish({**self.summary(), **summary}, model)
+        finally:
+            self.stop()
 
     def __enter__(self) -> "Node":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None:
+            self.close()
+            return
+        self.fail(exc)
 
+    def fail(self, exc: BaseException) -> None:
+        """The run ended with `exc`: say so in the run folder (a non-finite run in its summary too)."""
+        self._closed = True
+        try:
+            if isinstance(exc, NonFiniteError):
+                self.recorder.finish({"rank": self.rank, "failed": True, "error": str(exc), "nonfinite_step": exc.step,
+                                      "nonfinite": exc.what, **self.recorder.summary()})
+                self.recorder.event("error", message=f"{type(exc).__name__}: {exc}")
+            elif isinstance(exc, NoClusterToRejoin):  # restarted after the others finished: nothing failed
+                self.recorder.event("not_rejoined", message=str(exc))
+            else:
+                self.recorder.event("error", message=f"{type(exc).__name__}: {exc}")
+        finally:
+            self.stop()
+
+    # What a training loop tells the node ---------------------------------------------------------
     def algorithm(self) -> Algorithm:
         """The configured algorithm, bound to this node's communicator."""
         cfg = self.config
         return registry.build(cfg.algorithm, self.comm, cfg.algorithm_options,
                               BuildContext(topology=cfg.resolved_topology, seed=cfg.seed))
 
+    def attach(self, optimizer: DecentralizedOptimizer) -> None:
+        """The DecentralizedOptimizer of this node's model (one per node)."""
+        if self.optimizer is not None and self.optimizer is not optimizer:
+            raise RuntimeError("this node already has a DecentralizedOptimizer: one model replica per node")
+        self.optimizer = optimizer
+        self.recorder.snapshot(optimizer.local_step, optimizer.state_vector.parameter_vector())  # the start
+        self._last_step_time = time.perf_counter()
+
+    def report(self, step: int, **scalars: float) -> None:
+        """Scalars of `step` (loss=..., accuracy=..., perplexity=...): they reach the live table,
+        Prometheus (loss) and the summary (the last value of each; the loss averaged)."""
+        self.recorder.report(step, **scalars)
+        if "loss" in scalars:
+            self.metrics.set_loss(float(scalars["loss"]))
+
+    def after_step(self, optimizer: DecentralizedOptimizer) -> None:
+        """Called by the optimizer after every step: metrics, progress line, snapshot."""
+        now = time.perf_counter()
+        seconds, self._last_step_time = now - self._last_step_time, now
+        step = optimizer.local_step
+        stats = optimizer.algorithm.stats()
+        self.metrics.on_step(step, seconds, None)
+        if "ps_weight" in stats:
+            self.metrics.set_ps_weight(stats["ps_weight"])
+        model = optimizer.state_vector.parameter_vector()
+        if step % self.config.log_every == 0:
+            self.metrics.set_model_projection(self.model_projection(model))
+        extra = {"ps_weight": stats["ps_weight"]} if "ps_weight" in stats else {}
+        self.recorder.step_done(step, seconds, model, bytes_sent=self.metrics.bytes_sent_total,
+                                bytes_received=self.metrics.bytes_received_total, **extra)
+
+    def model_projection(self, model: torch.Tensor) -> list[float]:
+        """<model, v_k> for fixed Gaussian directions v_k (seeded, identical on every node): for two
+        nodes, E[(<x_i, v> - <x_j, v>)^2] = |x_i - x_j|^2, so the spread across nodes estimates the
+        consensus distance without moving any model (exported as p2ptrain_model_projection)."""
+        model = model.detach().float()
+        if self._directions is None or self._directions.shape[1] != model.numel():
+            generator = torch.Generator().manual_seed(20261121)
+            self._directions = torch.randn(PROJECTION_DIRECTIONS, model.numel(), generator=generator).to(model.device)
+        return (self._directions @ model).tolist()
+
+    def summary(self) -> dict:
+        """The run so far: reported scalars, step times, traffic, membership, the algorithm's stats."""
+        optimizer = self.optimizer
+        stats = optimizer.algorithm.stats() if optimizer is not None else {}
+        return {
+            "rank": self.rank, **self.recorder.summary(),
+            "algorithm": self.config.algorithm, "topology": self.config.resolved_topology,
+            "bytes_sent": self.metrics.bytes_sent_total, "bytes_received": self.metrics.bytes_received_total,
+            "forwarded_messages": counter_total(self.metrics.registry, "p2ptrain_forwarded_messages_total"),
+            "forwarded_bytes": counter_total(self.metrics.registry, "p2ptrain_forwarded_bytes_total"),
+            "ps_weight": stats.get("ps_weight", 1.0), "min_ps_weight": stats.get("min_ps_weight", 1.0),
+            "device": self.device.type, "metrics_port": self.metrics_port,
+            "start_step": optimizer.start_step if optimizer is not None else 0,
+            "rejoined": bool(optimizer is not None and optimizer.start_step > 0 and self.comm.joined is not None),
+            "dead_peers": sorted(self.transport.membership.dead()),
+            "catch_ups": optimizer.catch_ups if optimizer is not None else 0,
+            "skipped_steps": optimizer.skipped_steps if optimizer is not None else 0,
+            "dropped_shares": int(stats.get("dropped_shares", 0)),
+            "dropped_messages": self.metrics.dropped_total, "link_timeouts": self.metrics.link_timeouts_total,
+        }
+
 
 def run_node(config: NodeConfig) -> dict:
-    """Train one node end to end; returns (and writes) its summary."""
+    """`p2ptrain node`: train the built-in model on this rank's shard end to end; returns (and
+    writes) the summary."""
     torch.set_num_threads(config.threads)
-    out = Path(config.out) if config.out else None
-    if out:
-        out.mkdir(parents=True, exist_ok=True)
-    name = f"node{config.rank}"
-    progress = ProgressWriter(out, name, rank=config.rank)
-    started = time.time()
+    node = None
     try:
         loader, test_loader, model, device = training_setup(config)
-        with Node(config, device=device) as node:
-            optimizer = build_optimizer(config, model)
-            trainer = DecentralizedTrainer(model, optimizer, node.algorithm(), device=device, metrics=node.metrics,
-                                           slowdown=config.compute_slowdown, inject_nan_at=config.nan_injection_step,
-                                           comm=node.comm)
-
-            def on_log(record: StepRecord, trainer: DecentralizedTrainer) -> None:
-                stats = trainer.algorithm.stats()
-                progress.write(step=record.step, time=time.time(), loss=record.loss,
-                               bytes_sent=node.metrics.bytes_sent_total,
-                               bytes_received=node.metrics.bytes_received_total,
-                               ps_weight=stats.get("ps_weight", 1.0), step_seconds=record.seconds)
-
-            try:
-                result = trainer.fit(cycle(loader), config.steps, on_log=on_log, log_every=config.log_every)
-            except NonFiniteError as exc:  # a failed run: say where, in the summary the launcher reads
-                write_summary(out, name, {"rank": config.rank, "steps": config.steps, "failed": True,
-                                          "error": str(exc), "nonfinite_step": exc.step, "nonfinite": exc.what,
-                                          "wall_seconds": time.time() - started})
-                raise
-            test_loss, test_accuracy = trainer.evaluate(test_loader)
-            stats = trainer.algorithm.stats()
-            summary = {
-                "rank": config.rank, "steps": config.steps, "final_loss": result.final_loss,
-                "test_accuracy": test_accuracy, "test_loss": test_loss,
-                "bytes_sent": node.metrics.bytes_sent_total,
-                "bytes_received": node.metrics.bytes_received_total,
-                "forwarded_messages": counter_total(node.metrics.registry, "p2ptrain_forwarded_messages_total"),
-                "forwarded_bytes": counter_total(node.metrics.registry, "p2ptrain_forwarded_bytes_total"),
-                "mean_step_seconds": result.mean_step_seconds,
-                "steady_step_seconds": result.steady_step_seconds,
-                "ps_weight": stats.get("ps_weight", 1.0),
-                "min_ps_weight": stats.get("min_ps_weight", 1.0),
-                "wall_seconds": time.time() - started, "device": device.type,
-                "metrics_port": node.metrics_port, "start_step": trainer.start_step,
-                "rejoined": trainer.start_step > 0,
-                "dead_peers": sorted(node.transport.membership.dead()),
-                "catch_ups": trainer.catch_ups,
-                "dropped_shares": int(stats.get("dropped_shares", 0)),
-                "dropped_messages": node.metrics.dropped_total, "link_timeouts": node.metrics.link_timeouts_total,
-            }
-        write_summary(out, name, summary, result.snapshots)
-        progress.write(event="done")
-        return summary
-    except NoClusterToRejoin as exc:  # restarted after the others finished: nothing failed
-        progress.write(event="not_rejoined", message=str(exc))
-        raise
+        node = Node(config, device=device)
+        node.start()
+        trainer = DecentralizedTrainer(model, build_optimizer(config, model), node=node, loss_fn=F.nll_loss,
+                                       slowdown=config.compute_slowdown, inject_nan_at=config.nan_injection_step)
+        trainer.fit(cycle(loader), config.steps)
+        test_loss, test_accuracy = trainer.evaluate(test_loader)
+        node.report(config.steps, test_loss=test_loss, test_accuracy=test_accuracy)
+        return node.close()
     except BaseException as exc:
-        progress.write(event="error", message=f"{type(exc).__name__}: {exc}")
+        if node is not None:
+            node.fail(exc)
         raise
-    finally:
-        progress.close()
 
 
 __all__ = ["Node", "NoClusterToRejoin", "link_table", "run_node", "transport_options"]

@@ -13,6 +13,7 @@ from contextlib import ExitStack
 import grpc
 import pytest
 import torch
+import torch.nn.functional as F
 
 from launcher.ports import free_ports
 from p2ptrain import cli
@@ -353,8 +354,8 @@ def train_cluster(n: int, steps: int, **settings) -> list[dict]:
         try:
             node = started[rank].start()
             optimizer = torch.optim.SGD(model.parameters(), lr=configs[rank].learning_rate, momentum=0.9)
-            trainer = DecentralizedTrainer(model, optimizer, node.algorithm(), device=device)
-            trainer.fit(cycle(loader), steps, log_every=steps)
+            trainer = DecentralizedTrainer(model, optimizer, node=node, device=device, loss_fn=F.nll_loss)
+            trainer.fit(cycle(loader), steps)
             _, accuracy = trainer.evaluate(test_loader)
         except BaseException:
             done.abort()  # do not keep the others waiting

@@ -76,8 +76,8 @@ def test_sgp_survives_a_stalled_peer_with_its_mass_and_rejoins(overlap, seconds)
         sgp = SGP(comm, topology, overlap=overlap)
         trainer = averaging_trainer(rank, sgp, comm)
         trainer.fit(batches(rank, comm, stall_rank=2, stall_at=15, seconds=seconds), steps)
-        return (sgp.w, sgp.min_w, trainer.flat.get().detach().clone(), trainer.catch_ups, sgp.dropped_shares,
-                sgp.x.clone())
+        return (sgp.w, sgp.min_w, trainer.optimizer.state_vector.vector().detach().clone(), trainer.catch_ups,
+                sgp.dropped_shares, sgp.x.clone())
 
     results = run_cluster(n, body, options=OPTIONS, timeout=120)
     ws = [r[0] for r in results]
@@ -101,7 +101,7 @@ def test_dpsgd_survives_a_stalled_peer_and_the_stalled_node_catches_up():
         dpsgd = DPSGD(comm, UndirectedRing(n))
         trainer = averaging_trainer(rank, dpsgd, comm)
         trainer.fit(batches(rank, comm, stall_rank=1, stall_at=10, seconds=2.0), steps)
-        return trainer.flat.get().detach().clone(), trainer.catch_ups
+        return trainer.optimizer.state_vector.vector().detach().clone(), trainer.catch_ups
 
     results = run_cluster(n, body, options=OPTIONS, timeout=120)
     xs = torch.stack([r[0] for r in results])

@@ -126,6 +126,18 @@ class Algorithm(ABC):
         own share of the mass."""
         return state.tensor.detach().clone().view_as(params)
 
+    def state_dict(self) -> dict:
+        """The algorithm's own state for a checkpoint, taken at a step boundary on every node (the
+        engine stores it beside the optimizer's). Fold in-flight messages in first, so nothing that
+        is on the wire is lost by stopping. Default: nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict, step: int) -> "torch.Tensor | None":
+        """Resume from state_dict(): `step` is the next step to run; the cluster resumes together
+        (peers loaded the same checkpoint step). Returns the parameters to compute with when the
+        algorithm holds them (SGP: z = x / w), else None. Default: nothing to restore."""
+        return None
+
     def finish(self) -> "torch.Tensor | None":
         """Flush in-flight communication at the end of training; returns final parameters, if changed."""
         return None

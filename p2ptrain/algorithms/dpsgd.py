@@ -79,6 +79,15 @@ class DPSGD(Algorithm):
         self._share(step + 1)
         return mixed
 
+    def state_dict(self) -> dict:
+        """x^t, the model the next step's gradient is taken at and the neighbours mix with."""
+        return {"x": self.x.detach().clone()}
+
+    def load_state_dict(self, state: dict, step: int) -> None:
+        """Resume at `step`: share x^step again (what the neighbours mix in at that step)."""
+        self.x = state["x"].to(self.x.device, self.x.dtype).clone()
+        self._share(step)
+
     def finish(self) -> None:
         """Consume the neighbours' last (unused) models and wait for our own sends to land."""
         for message in self.comm.gather(KIND, self._next_step, self.neighbors).values():

@@ -73,6 +73,16 @@ class PipeSGD(Algorithm):
     def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:
         return params
 
+    def state_dict(self) -> dict:
+        """The aggregated gradient of the last step, which the next update applies (one step stale)."""
+        previous = self._in_flight.result() if self._in_flight is not None else None
+        self._in_flight = _done(previous) if previous is not None else None
+        return {"stale_gradient": None if previous is None else previous.detach().clone()}
+
+    def load_state_dict(self, state: dict, step: int) -> None:
+        stale = state.get("stale_gradient")
+        self._in_flight = _done(stale) if stale is not None else None
+
     def finish(self) -> None:
         """The last all-reduce has no update left to feed, but peers are part of it: complete it."""
         if self._in_flight is not None:
@@ -80,6 +90,12 @@ class PipeSGD(Algorithm):
             self._in_flight = None
         self._comm_thread.shutdown(wait=True)
         return None
+
+
+def _done(value) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(value)
+    return future
 
 
 register(AlgorithmSpec(

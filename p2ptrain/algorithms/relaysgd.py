@@ -169,6 +169,17 @@ class RelaySGD(Algorithm):
             relay.average(x_half[sl], out=x_next[sl])
         return x_next.view_as(params)
 
+    def state_dict(self) -> dict:
+        """Every tree's last collected relay messages m_{j→i} and counters c_{j→i}."""
+        return {"trees": [{"messages": {j: m.clone() for j, m in relay.messages.items()}, "counts": dict(relay.counts)}
+                          for relay in self.relays]}
+
+    def load_state_dict(self, state: dict, step: int) -> None:
+        for relay, saved in zip(self.relays, state["trees"]):
+            for j, message in saved["messages"].items():
+                relay.messages[int(j)].copy_(message)
+            relay.counts.update({int(j): float(c) for j, c in saved["counts"].items()})
+
     def finish(self) -> None:
         """Wait for every ack so nothing is left on the wire (the model needs no final mix)."""
         for relay in self.relays:

@@ -97,6 +97,7 @@ class SGP(Algorithm):
         self._z_scale = 1.0       # max |z| of the last de-biased model, for the plausibility check
         self.min_w = 1.0          # the smallest w this node ever had (a drained node would show here)
         self._last_step = -1
+        self._mixed_through = -1  # shares of steps up to this one were all folded in (a checkpoint's flush)
         self._missing: set[tuple[int, int]] = set()  # (sender, step) shares awaited in vain so far
         self.ledger: list[tuple] | None = None  # set to [] to record every mass movement (tests)
 
@@ -114,7 +115,7 @@ class SGP(Algorithm):
         self.x.add_(params - self.z)  # x^{k+1/2} = x^k + (z' - z)
         self._push(step)
         self._reabsorb_refused(step)
-        if step >= self.tau:
+        if step - self.tau > self._mixed_through:
             self._mix(step - self.tau, step)
         self._record("w", step, self.w)
         return self._debias()
@@ -122,9 +123,29 @@ class SGP(Algorithm):
     def finish(self) -> torch.Tensor:
         """Receive the shares still in flight (the last τ steps, and earlier ones that missed their
         deadline) so no mass is left on the wire; wait for every ack (re-absorbing refusals)."""
+        self._flush()
+        self._record("w", self._last_step + 1, self.w)
+        return self._debias()
+
+    def state_dict(self) -> dict:
+        """(x, w) after folding in everything in flight up to the last step (every node checkpoints
+        at the same step, so Σ w = n holds in the checkpoints themselves)."""
+        self._flush()
+        self._debias()
+        return {"x": self.x.detach().clone(), "w": self.w, "step": self._last_step}
+
+    def load_state_dict(self, state: dict, step: int) -> torch.Tensor:
+        """Resume at `step` with the checkpoint's (x, w); returns z = x / w, the model to load."""
+        self.x.copy_(state["x"].to(self.x.device, self.x.dtype))
+        self.w = float(state["w"])
+        self._last_step = self._mixed_through = step - 1  # everything before was folded in when saved
+        self._missing.clear()
+        return self._debias()
+
+    def _flush(self) -> None:
         last = self._last_step
-        after = last + 1  # the ledger books what finish() receives after the last step
-        for step in range(max(0, last - self.tau + 1), last + 1):
+        after = last + 1  # the ledger books what the flush receives after the last step
+        for step in range(max(0, last - self.tau + 1, self._mixed_through + 1), last + 1):
             self._mix(step, after)
         # A live sender's share does come (it is re-sent until acknowledged, or re-absorbed only if
         # the sender thinks we are dead): worth a longer wait than one step's deadline.
@@ -140,8 +161,7 @@ class SGP(Algorithm):
         if self._outbox:  # their receivers stalled or died and never settled: that mass is theirs now
             log.warning("node %d: %d share(s) (w %.4g in all) still unacknowledged at the end", self.rank,
                         len(self._outbox), sum(entry[2] for entry in self._outbox))
-        self._record("w", after, self.w)
-        return self._debias()
+        self._mixed_through = last
 
     def adopt_state(self, state, params: torch.Tensor) -> torch.Tensor:
         """Catch up after a stall: merge the donor's half (x_d / 2, w_d / 2), sent as z_d with weight

@@ -14,9 +14,9 @@ from p2ptrain.metrics import PsMetrics
 from p2ptrain.ps.server import ParameterServer, ps_fingerprint
 from p2ptrain.train.data import build_dataset
 from p2ptrain.train.evaluate import evaluate
-from p2ptrain.train.flat import FlatParameters
 from p2ptrain.train.progress import ProgressWriter, finite_or_none, write_summary
 from p2ptrain.train.setup import initial_model
+from p2ptrain.train.state import ModelState
 from p2ptrain.transport.security import security_from_settings
 
 log = logging.getLogger(__name__)
@@ -46,13 +46,13 @@ def run_ps(config) -> dict:
     metrics_server = None
     try:
         model = initial_model(config)
-        flat = FlatParameters(model)
+        flat = ModelState(model, buffers=False)  # θ is the parameters alone
         metrics = PsMetrics()
         metrics_port = None
         if config.metrics_port is not None:
             metrics_server, _ = metrics.serve(config.metrics_port, addr=config.metrics_bind_host)
             metrics_port = metrics_server.server_port
-        server = ParameterServer(flat.get(), config.world_size, listen=ps_listen_address(config),
+        server = ParameterServer(flat.vector(), config.world_size, listen=ps_listen_address(config),
                                  chunk_bytes=config.chunk_bytes, fingerprint=ps_fingerprint(config),
                                  metrics=metrics, snapshot_every=config.log_every * config.world_size,
                                  security=security_from_settings(config))

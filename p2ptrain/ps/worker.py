@@ -34,10 +34,10 @@ from p2ptrain.algorithms.gem import build_rule, parse_clamp
 from p2ptrain.ps.client import PsClient, PsError
 from p2ptrain.ps.server import ps_fingerprint
 from p2ptrain.train.evaluate import evaluate
-from p2ptrain.train.flat import FlatParameters
-from p2ptrain.train.loop import TrainResult, cycle
-from p2ptrain.train.progress import ProgressWriter, finite_or_none, write_summary
+from p2ptrain.train.loop import cycle
+from p2ptrain.train.progress import RunRecorder
 from p2ptrain.train.setup import training_setup
+from p2ptrain.train.state import ModelState
 from p2ptrain.transport.security import security_from_settings
 
 log = logging.getLogger(__name__)
@@ -50,49 +50,41 @@ def _training_setup(config):
 
 
 class _Report:
-    """Progress lines, summary and snapshots in the launcher's format (see p2ptrain.train.progress)."""
+    """Progress lines, summary and snapshots in the launcher's format (p2ptrain.train.progress),
+    plus the worker's own: mean staleness τ and median π over the last log_every steps."""
 
     def __init__(self, config):
         self.config = config
         self.policy = config.algorithm_options.ps_policy
-        self.out = Path(config.out) if config.out else None
-        if self.out:
-            self.out.mkdir(parents=True, exist_ok=True)
-        self.progress = ProgressWriter(self.out, f"node{config.rank}", rank=config.rank)
-        self.result = TrainResult(steps=config.steps)
+        out = Path(config.out) if config.out else None
+        if out:
+            out.mkdir(parents=True, exist_ok=True)
+        self.recorder = RunRecorder(out, f"node{config.rank}", rank=config.rank, log_every=config.log_every)
         self.staleness: list[float] = []
         self.pi: list[float] = []
-        self.started = time.time()
 
     def step(self, step: int, loss: float, seconds: float, staleness: float, pi: float, **extra) -> None:
-        """Record finished step `step` (1-based); writes a progress line every log_every steps."""
-        self.result.losses.append(loss)
-        self.result.step_seconds.append(seconds)
+        """Record finished step `step` (1-based); a progress line every log_every steps."""
         self.staleness.append(staleness)
         self.pi.append(pi)
         every = self.config.log_every
-        if step % every == 0 or step == self.config.steps:
-            window = self.result.losses[-every:]
-            self.progress.write(step=step, time=time.time(), loss=sum(window) / len(window), step_seconds=seconds,
-                                staleness=_mean(self.staleness[-every:]), pi_median=_median(self.pi[-every:]),
-                                **extra)
+        self.recorder.report(step, loss=loss)
+        self.recorder.step_done(step, seconds, None, staleness=_mean(self.staleness[-every:]),
+                                pi_median=_median(self.pi[-every:]), **extra)
 
     def finish(self, summary: dict, snapshots: dict[int, torch.Tensor]) -> dict:
-        result = self.result
-        summary = {"rank": self.config.rank, "role": "worker", "policy": self.policy,
-                   "steps": self.config.steps, "final_loss": result.final_loss,
-                   "mean_step_seconds": result.mean_step_seconds, "steady_step_seconds": result.steady_step_seconds,
-                   "mean_staleness": _mean(self.staleness), "pi_median": _median(self.pi),
-                   "wall_seconds": time.time() - self.started, **summary}
-        write_summary(self.out, f"node{self.config.rank}", summary, snapshots)
-        self.progress.write(event="done")
-        return finite_or_none(summary)
+        for step in sorted(snapshots):
+            self.recorder.snapshot(step, snapshots[step])
+        return self.recorder.finish({"rank": self.config.rank, "role": "worker", "policy": self.policy,
+                                     **self.recorder.summary(), "steps": self.config.steps,
+                                     "mean_staleness": _mean(self.staleness), "pi_median": _median(self.pi),
+                                     **summary})
 
     def error(self, exc: BaseException) -> None:
-        self.progress.write(event="error", message=f"{type(exc).__name__}: {exc}")
+        self.recorder.event("error", message=f"{type(exc).__name__}: {exc}")
 
     def close(self) -> None:
-        self.progress.close()
+        self.recorder.close()
 
 
 def run_worker(config) -> dict:
@@ -119,7 +111,7 @@ def run_worker(config) -> dict:
         client = PsClient(config.ps_address, config.rank, chunk_bytes=config.chunk_bytes,
                           fingerprint=ps_fingerprint(config), timeout=config.peer_timeout,
                           security=security_from_settings(config))
-        flat = FlatParameters(model)
+        flat = ModelState(model, buffers=False)  # θ is the parameters alone
         nbytes = flat.numel * 4
         host = torch.empty(flat.numel, dtype=torch.float32, pin_memory=device.type == "cuda")
         theta = host if device.type == "cpu" else torch.empty(flat.numel, dtype=torch.float32, device=device)
@@ -134,7 +126,7 @@ def run_worker(config) -> dict:
 
         s_version = pull()  # s ← Pull()
         flat.load(theta)
-        s = flat.get()  # s is the model's own flat buffer: the gradient below is ∇L(s)
+        s = flat.vector()  # s is the model's own flat buffer: the gradient below is ∇L(s)
         snapshots = {0: s.detach().cpu().clone()}
         batches = iter(cycle(loader))
         rejected = 0
@@ -147,7 +139,7 @@ def run_worker(config) -> dict:
             model.zero_grad(set_to_none=True)
             loss = F.nll_loss(model(inputs), targets)
             loss.backward()
-            delta = flat.grads()
+            delta = flat.gradient_vector()
             if wd:
                 delta.add_(s, alpha=wd)
             delta.mul_(-lr)  # Δθ ← −η ∇L(s)
@@ -215,8 +207,8 @@ def run_proxy(config) -> dict:
             metrics_port = metrics_server.server_port
         optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=config.momentum,
                                     weight_decay=config.weight_decay)
-        flat = FlatParameters(model)
-        snapshots = {0: flat.get().detach().cpu().clone()}
+        flat = ModelState(model, buffers=False)  # θ is the parameters alone
+        snapshots = {0: flat.vector().detach().cpu().clone()}
         batches = iter(cycle(loader))
         for step in range(config.steps):
             started = time.perf_counter()
@@ -234,7 +226,7 @@ def run_proxy(config) -> dict:
                         bytes_received=0)
             done = step + 1
             if done % config.log_every == 0 or done == config.steps:
-                snapshots[done] = flat.get().detach().cpu().clone()
+                snapshots[done] = flat.vector().detach().cpu().clone()
         test_loss, test_accuracy = evaluate(model, test_loader, device)
         return report.finish({"test_accuracy": test_accuracy, "test_loss": test_loss, "bytes_sent": 0,
                               "bytes_received": 0, "device": device.type, "metrics_port": metrics_port},

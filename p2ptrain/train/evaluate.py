@@ -1,5 +1,5 @@
 """Evaluating a model on a held-out loader: one function for every role (nodes, parameter-server
-workers, the parameter server's θ)."""
+workers, the parameter server's θ, your own scripts)."""
 from __future__ import annotations
 
 import math
@@ -9,21 +9,32 @@ import torch
 import torch.nn.functional as F
 
 
+def accuracy(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Fraction of a batch whose argmax is the target (a classifier's accuracy)."""
+    return (output.argmax(dim=1) == targets).float().mean()
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader: Iterable, device: torch.device | str = "cpu", *,
-             loss_fn: Callable = F.nll_loss) -> tuple[float, float]:
-    """(mean loss, accuracy) of a classifier on `loader`; `loss_fn(output, targets, reduction="sum")`
-    (default: NLL of log-probabilities, what the built-in models output). NaNs for an empty loader.
+             loss_fn: Callable = F.nll_loss, metric: Callable | None = accuracy) -> tuple[float, float]:
+    """(mean loss, mean metric) over `loader`: `loss_fn(output, targets)` and `metric(output,
+    targets)` return batch means (torch's default reduction), averaged weighted by batch size. The
+    defaults suit the built-in classifiers (log-probabilities and accuracy); a regression model
+    passes its own loss and `metric=None` (then the metric is NaN). NaNs for an empty loader.
     Leaves the model in eval mode."""
     model.eval()
-    total, correct, count = 0.0, 0, 0
+    total_loss, total_metric, count = 0.0, 0.0, 0
     for inputs, targets in loader:
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         output = model(inputs)
-        total += float(loss_fn(output, targets, reduction="sum"))
-        correct += int((output.argmax(dim=1) == targets).sum())
-        count += targets.numel()
-    return (total / count, correct / count) if count else (math.nan, math.nan)
+        n = targets.shape[0] if targets.dim() else 1
+        total_loss += float(loss_fn(output, targets)) * n
+        if metric is not None:
+            total_metric += float(metric(output, targets)) * n
+        count += n
+    if not count:
+        return math.nan, math.nan
+    return total_loss / count, (total_metric / count if metric is not None else math.nan)
 
 
-__all__ = ["evaluate"]
+__all__ = ["accuracy", "evaluate"]

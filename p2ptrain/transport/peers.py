@@ -186,6 +186,25 @@ class Peers:
             except (grpc.aio.AioRpcError, concurrent.futures.TimeoutError):
                 pass
 
+    def wait_for_step(self, step: int, timeout: float) -> None:
+        """Hello every live peer until it reports a current step >= `step` (the cluster resumed
+        from checkpoints of the same step); PeerError naming the laggards after `timeout`."""
+        deadline = time.monotonic() + timeout
+        waiting = set(self.membership.live(self.others()))
+        while waiting and time.monotonic() < deadline:
+            futures = {peer: self.loop.submit(self.hello(peer, 1.0)) for peer in waiting}
+            for peer, future in futures.items():
+                try:
+                    if future.result(10).step >= step:
+                        waiting.discard(peer)
+                except (grpc.aio.AioRpcError, concurrent.futures.TimeoutError):
+                    continue
+            if waiting:
+                time.sleep(0.05)
+        if waiting:
+            raise PeerError(f"node {self.rank}: node(s) {sorted(waiting)} did not resume at step {step} within "
+                            f"{timeout:.0f}s (did every node load a checkpoint of the same step?)")
+
     def wait_for_peers(self, timeout: float = 60.0, *, require_ready: bool = False) -> None:
         """Hello every peer, waiting for it to come up (and, with require_ready, to have its
         algorithm set up, so nothing we send is refused as unexpected). Raises PeerError on an

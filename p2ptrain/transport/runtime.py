@@ -232,6 +232,10 @@ class Transport:
         (see Peers.wait_for_peers)."""
         self._peers.wait_for_peers(timeout, require_ready=require_ready)
 
+    def wait_for_step(self, step: int, timeout: float = 60.0) -> None:
+        """Wait until every live peer reports a current step >= `step` (Peers.wait_for_step)."""
+        self._peers.wait_for_step(step, timeout)
+
     def survey(self, timeout: float = 2.0) -> ClusterSurvey:
         """How many peers answer a Hello, and whether the cluster already runs (Peers.survey)."""
         return self._peers.survey(timeout)

@@ -1,0 +1,253 @@
+"""p2ptrain.DecentralizedOptimizer: any torch optimizer, made decentralized.
+
+    node = p2ptrain.init()
+    opt = p2ptrain.DecentralizedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4), model=model, node=node)
+    for step, (x, y) in enumerate(loader):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step(); scheduler.step(); opt.zero_grad(set_to_none=True)
+    opt.finish()
+
+`step()` runs the wrapped optimizer's local step between the algorithm's hooks (the engine's job;
+the algorithm owns the math, Bagua style): gradient reduction before it (all-reduce of gradients,
+Pipe-SGD), model mixing after it (SGP, D-PSGD, RelaySGD, model all-reduce). The wrapper is itself a
+torch Optimizer sharing the inner one's param_groups and state, so LR schedulers (on either),
+clip_grad_norm_, gradient accumulation (step every k micro-batches), zero_grad(set_to_none=True),
+parameter groups and optimizers with state keep working. With a GradScaler, `scaler.step(opt)`
+always reaches step() (`_step_supports_amp_scaling`): an overflowed step skips the local update but
+not the communication peers wait for (with gradient averaging the node contributes zeros and
+applies the same average as everyone, so models stay identical).
+
+The model's parameters and floating buffers (BatchNorm statistics) travel as one flat vector
+(p2ptrain.train.state.ModelState). The wrapper also does what a node needs around the algorithm:
+it resumes a restarted node from a live peer, gives its state to joiners at step boundaries, catches
+up after a stall, refuses to go on with a non-finite model, and checkpoints (state_dict: the inner
+optimizer, the step and the algorithm's own state, e.g. SGP's x and w).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from p2ptrain.train.state import ModelState
+
+if TYPE_CHECKING:
+    from p2ptrain.algorithms.base import Algorithm
+    from p2ptrain.communicator import Communicator
+
+log = logging.getLogger(__name__)
+CHECKPOINT_FORMAT = "p2ptrain.DecentralizedOptimizer/1"
+
+
+class NonFiniteError(FloatingPointError):
+    """The loss or the model became NaN/Inf at `step`: the run has failed (the summary says where)."""
+
+    def __init__(self, rank: int, step: int, what: str):
+        super().__init__(f"node {rank}: non-finite {what} at step {step}")
+        self.rank, self.step, self.what = rank, step, what
+
+
+class DecentralizedOptimizer(torch.optim.Optimizer):
+    """Wraps `optimizer` (any torch.optim.Optimizer over `model`'s parameters) for the node's
+    algorithm. `node`: a node from p2ptrain.init() (default: the one init() made); or pass the
+    `algorithm` and `comm` yourself. `sync_buffers=False` keeps buffers local."""
+
+    _step_supports_amp_scaling = True  # GradScaler.step(opt) calls step() even on overflow (see step)
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, model: nn.Module, node=None,
+                 algorithm: Algorithm | None = None, comm: Communicator | None = None, sync_buffers: bool = True,
+                 metrics=None):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"DecentralizedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, DecentralizedOptimizer):
+            raise TypeError("this optimizer is already decentralized")
+        if node is None and algorithm is None:
+            from p2ptrain.api import current_node
+
+            node = current_node()  # raises a clear error before p2ptrain.init()
+        _check_ownership(optimizer, model)
+        self.node = node
+        self.optimizer = optimizer
+        self.model = model
+        self.algorithm = algorithm if algorithm is not None else node.algorithm()
+        self.comm = comm if comm is not None else (node.comm if node is not None else None)
+        self.metrics = metrics if metrics is not None else (node.metrics if node is not None else None)
+        self.rank = self.comm.rank if self.comm is not None else 0
+        self.state_vector = ModelState(model, buffers=sync_buffers)
+        super().__init__([p for group in optimizer.param_groups for p in group["params"]], optimizer.defaults)
+        self.param_groups = optimizer.param_groups  # one set of groups: schedulers and clipping act on both
+        self.state = optimizer.state
+        self.local_step = 0           # the next step to run
+        self.start_step = 0           # where this process started (a restarted node resumes a peer's step)
+        self.catch_ups = 0            # state transfers taken after stalling (see _catch_up)
+        self.skipped_steps = 0        # local updates skipped on a GradScaler overflow
+        self._catch_up_after = 0      # no new catch-up attempt before this step (after a failed one)
+        self._finished = False
+        self._setup()
+        if node is not None:
+            node.attach(self)
+
+    # Start: a restarted node takes a live peer's state; then the algorithm sets up ----------------
+    def _setup(self) -> None:
+        state, comm = self.state_vector, self.comm
+        if comm is not None and comm.joining:
+            joined = comm.fetch_state(state.numel, state.dtype)
+            state.load(joined.tensor)
+            self.local_step = self.start_step = joined.step + 1
+        state.load(self.algorithm.setup(state.vector()))
+        self._adopt_late_states()
+
+    # The step ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One decentralized step: the algorithm's gradient hook, the local update, its mixing hook."""
+        if closure is not None:
+            raise ValueError("DecentralizedOptimizer.step() takes no closure: compute the loss and call "
+                             "backward() before step()")
+        if self._finished:
+            raise RuntimeError("step() after finish(): this optimizer's run is over")
+        step, state, algorithm = self.local_step, self.state_vector, self.algorithm
+        overflowed = self._unscale_for_grad_scaler()
+        if algorithm.uses_gradients:
+            vector = state.gradient_vector()
+            if overflowed:  # contribute nothing; apply the same average as everybody (models stay equal)
+                vector[:state.num_params].zero_()
+            reduced = algorithm.reduce_gradients(step, vector)
+            if reduced is not None:  # None: nothing to apply yet (the first pipelined Pipe-SGD step)
+                state.load_gradient_vector(reduced)
+                self.optimizer.step()
+        elif not overflowed:
+            self.optimizer.step()
+        state.load(algorithm.after_step(step, state.vector()))
+        self._serve_joiners(step)
+        self.check_finite(step, "model")
+        self.local_step = self._catch_up(step)
+        if self.node is not None:
+            self.node.after_step(self)
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def finish(self) -> None:
+        """End of training: flush the algorithm's in-flight communication (push-sum mass, the last
+        pipelined all-reduce) so no peer waits for us and nothing is left on the wire."""
+        if self._finished:
+            return
+        final = self.algorithm.finish()
+        if final is not None:
+            self.state_vector.load(final)
+        self._finished = True
+        self.check_finite(self.local_step, "final model")
+
+    # Checkpoints -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state, the step and the algorithm's own state (e.g. SGP's x and w,
+        after folding in what is in flight). Call it on every node at the same step, as with DDP;
+        save the model's own state_dict beside it."""
+        return {"format": CHECKPOINT_FORMAT, "step": self.local_step, "optimizer": self.optimizer.state_dict(),
+                "algorithm": {"name": self.algorithm.name, **self.algorithm.state_dict()}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from state_dict() (after loading the model's state): the next step() runs the
+        saved step; peers that resume too are waited for, so nobody's first messages are refused."""
+        if state_dict.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"not a DecentralizedOptimizer checkpoint (format {state_dict.get('format')!r})")
+        algorithm_state = dict(state_dict["algorithm"])
+        name = algorithm_state.pop("name")
+        if name != self.algorithm.name:
+            raise ValueError(f"the checkpoint is of algorithm {name}, this node runs {self.algorithm.name}")
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.local_step = self.start_step = int(state_dict["step"])
+        params = self.algorithm.load_state_dict(algorithm_state, self.local_step)
+        if params is not None:
+            self.state_vector.load(params)
+        if self.comm is not None:
+            self.comm.resume_at(self.local_step)
+
+    # Around the algorithm ----------------------------------------------------------------------
+    def check_finite(self, step: int, what: str, loss: float | None = None) -> None:
+        """Raise NonFiniteError (the run has failed) for a NaN/Inf loss or model."""
+        if loss is not None and not math.isfinite(loss):
+            raise NonFiniteError(self.rank, step, "loss")
+        if not bool(torch.isfinite(self.state_vector.vector()).all()):
+            raise NonFiniteError(self.rank, step, what)
+
+    def _unscale_for_grad_scaler(self) -> bool:
+        """With GradScaler.step(self): unscale the gradients (unless the user did, e.g. to clip) and
+        say whether they overflowed. Without a scaler: False."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            return False
+        scale = getattr(self, "grad_scale", None)
+        if scale is not None:  # GradScaler checked but did not unscale: the contract leaves it to us
+            inverse = 1.0 / scale
+            for p in self.state_vector.params:
+                if p.grad is not None:
+                    p.grad.mul_(inverse.to(p.grad.device, p.grad.dtype))
+        overflowed = bool(found_inf.item() > 0)
+        self.skipped_steps += overflowed
+        return overflowed
+
+    def _serve_joiners(self, step: int) -> None:
+        """Give (re)joining peers this node's state, at a step boundary where it is consistent."""
+        if self.comm is None:
+            return
+        for peer in self.comm.state_requests():
+            changed = self.algorithm.donate_state(peer, step, self.state_vector.vector())
+            if changed is not None:
+                self.state_vector.load(changed)
+            if self.metrics is not None:
+                self.metrics.on_state_transfer(peer)
+            log.info("step %d: sent this node's state to rejoining peer %d", step, peer)
+
+    def _catch_up(self, step: int) -> int:
+        """After step `step`: if this node stalled (a peer excluded it, or it trails the cluster by
+        more than the lag limit), take a state transfer from a peer that saw it leave and merge it
+        (Algorithm.adopt_state); returns the step to continue at."""
+        comm = self.comm
+        if comm is None or step < self._catch_up_after or not comm.must_catch_up():
+            return step + 1
+        state = self.state_vector
+        log.warning("node %d: fell behind at step %d (%s); catching up", comm.rank, step, comm.lag_report())
+        try:
+            donated = comm.fetch_state(state.numel, state.dtype, timeout=max(5.0, 3 * comm.link_deadline))
+        except (TimeoutError, RuntimeError) as exc:  # e.g. the others have finished: train on alone
+            log.warning("node %d: could not catch up (%s); training on from step %d", comm.rank, exc, step + 1)
+            comm.abandon_catch_up()
+            self._catch_up_after = step + comm.max_lag
+            return step + 1
+        state.load(self.algorithm.adopt_state(donated, state.vector()))
+        self._adopt_late_states()
+        self.catch_ups += 1
+        self.check_finite(donated.step, "model after catching up")
+        return max(step + 1, donated.step + 1)
+
+    def _adopt_late_states(self) -> None:
+        """States that reached us while rejoining besides the one used (an earlier donor answered
+        late): for push-sum they are mass, merged like the first."""
+        comm = self.comm
+        while comm is not None and comm.late_states:
+            self.state_vector.load(self.algorithm.adopt_state(comm.late_states.pop(0), self.state_vector.vector()))
+
+
+def _check_ownership(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Every parameter the optimizer updates must be one of the model's (they are averaged together)."""
+    owned = {id(p) for p in model.parameters()}
+    stranger = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in owned]
+    if stranger:
+        raise ValueError(f"the optimizer updates {len(stranger)} tensor(s) that are not parameters of the model "
+                         "given: build it over model.parameters()")
+    optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    left = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in optimized]
+    if left:
+        log.warning("the optimizer does not update the model's trainable parameter(s) %s; they are averaged but "
+                    "never trained here", ", ".join(left[:5]) + (" ..." if len(left) > 5 else ""))
+
+
+__all__ = ["DecentralizedOptimizer", "NonFiniteError", "CHECKPOINT_FORMAT"]
