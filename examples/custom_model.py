@@ -31,11 +31,12 @@ def my_data(rank: int, world_size: int):
     return torch.utils.data.DataLoader(shard, batch_size=64, shuffle=True)
 
 
-def train(steps: int = 200, **settings) -> None:
+def train(**settings) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)  # every node starts from the same model
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1), nn.Flatten(0))
     with p2ptrain.init(**settings) as node:                                                    # p2ptrain 1/3
+        steps = node.config.steps  # --steps of `p2ptrain launch`, or the settings given here
         opt = p2ptrain.DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                               model=model, node=node)                          # p2ptrain 2/3
         data = iter(())
@@ -70,7 +71,7 @@ if __name__ == "__main__":
         peers = ",".join(f"127.0.0.1:{free_port()}" for _ in range(n))
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=train, kwargs=dict(rank=r, world_size=n, peers=peers, algorithm="sgp",
-                                                      overlap=1)) for r in range(n)]
+                                                      overlap=1, steps=200)) for r in range(n)]
         for p in procs:
             p.start()
         for p in procs:

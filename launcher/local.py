@@ -75,10 +75,32 @@ def node_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return {**(os.environ if base is None else base), **NODE_ENV}
 
 
+def script_cluster(script: list[str], settings_env: dict[str, str]) -> dict:
+    """run_local_cluster keyword arguments that start `script` (a training script of your own,
+    e.g. ["python", "train.py", "--epochs", "3"]) once per rank instead of `p2ptrain node`, like
+    torchrun: RANK, WORLD_SIZE, LOCAL_RANK, the peers (P2PTRAIN_PEERS), the run folder
+    (P2PTRAIN_OUT), the metrics port and every setting given to launch (P2PTRAIN_<SETTING>) are in
+    its environment, where p2ptrain.init() finds them."""
+    if not script:
+        raise ValueError("nothing to run after --")
+
+    def argv(rank, world_size, peers, metrics_port, out_dir, extra_args, python=sys.executable):
+        return [python if script[0] in ("python", "python3") else script[0], *script[1:]]
+
+    def env(rank, world_size, peers, metrics_port, out_dir):
+        return {**settings_env, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(world_size), "P2PTRAIN_PEERS": ",".join(peers), "P2PTRAIN_OUT": str(out_dir),
+                **({"P2PTRAIN_METRICS_PORT": str(metrics_port)} if metrics_port is not None else {})}
+
+    return {"argv_factory": argv, "env_factory": env}
+
+
 def plan_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, host: str = "127.0.0.1",
                  metrics: bool = True, argv_factory: Callable[..., list[str]] = node_argv,
-                 hosts: list[str] | None = None, argv_prefixes: list[list[str]] | None = None) -> list[NodeProcessSpec]:
-    """Assign ports and build every node's command line.
+                 hosts: list[str] | None = None, argv_prefixes: list[list[str]] | None = None,
+                 env_factory: Callable[..., dict[str, str]] | None = None) -> list[NodeProcessSpec]:
+    """Assign ports and build every node's command line (and, with `env_factory`, its own
+    environment variables: a script of your own learns its rank and peers there).
 
     `hosts` gives every rank its own address (its own network namespace, launcher/netns.py): ports
     there cannot be probed from here and are all free, so each node listens on its address with
@@ -100,9 +122,15 @@ def plan_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, host: str 
     specs = []
     for rank in range(nodes):
         argv = argv_factory(rank, nodes, peers, metrics_ports[rank], Path(out_dir), list(extra_args))
+        env = node_env()
+        if env_factory is not None:
+            env.update(env_factory(rank, nodes, peers, metrics_ports[rank], Path(out_dir)))
         if hosts is not None:
-            argv += ["--listen", peers[rank]]
-        specs.append(NodeProcessSpec(rank=rank, env=node_env(), host=hosts[rank] if hosts else "",
+            if env_factory is not None:
+                env["P2PTRAIN_LISTEN"] = peers[rank]
+            else:
+                argv += ["--listen", peers[rank]]
+        specs.append(NodeProcessSpec(rank=rank, env=env, host=hosts[rank] if hosts else "",
                                      argv=[*(argv_prefixes[rank] if argv_prefixes else []), *argv]))
     return specs
 
@@ -112,7 +140,9 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
                       timeout: float | None = None, argv_factory: Callable[..., list[str]] = node_argv,
                       stream: TextIO = sys.stderr, services: list[NodeProcessSpec] = (),
                       service_grace: float = 30.0, hosts: list[str] | None = None,
-                      argv_prefixes: list[list[str]] | None = None, faults: list["FaultEvent"] = ()) -> dict:
+                      argv_prefixes: list[list[str]] | None = None, faults: list["FaultEvent"] = (),
+                      env_factory: Callable[..., dict[str, str]] | None = None, total_steps: int | None = None,
+                      push_sum: bool = False, title: str = "") -> dict:
     """Run `nodes` node processes to completion and return the run report.
 
     `services` (e.g. a parameter server) start first and may finish on their own once the nodes
@@ -124,10 +154,11 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
     log_dir = out_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     specs = plan_cluster(nodes, out_dir, extra_args, host=host, metrics=metrics, argv_factory=argv_factory,
-                         hosts=hosts, argv_prefixes=argv_prefixes)
+                         hosts=hosts, argv_prefixes=argv_prefixes, env_factory=env_factory)
     scrape_config.write_launch_config(out_dir, [*services, *specs], host)  # OUT/prometheus.yml
     watcher = _ProgressWatcher(out_dir, nodes)
-    view = ProgressView(stream, stream.isatty() if live is None else live, steps_from_args(extra_args))
+    view = ProgressView(stream, stream.isatty() if live is None else live,
+                        total_steps if total_steps is not None else steps_from_args(extra_args), push_sum=push_sum)
     processes = _NodeProcesses(specs, log_dir)
     service_processes = _NodeProcesses(list(services), log_dir)
 
@@ -446,15 +477,17 @@ class _NodeProcesses:
                 del self._stalled[rank]
 
     def restart(self, rank: int) -> None:
-        """Start node `rank` again with the same command plus --rejoin (it takes a live peer's state,
-        or exits at once if the cluster has finished); its log continues in the same file."""
+        """Start node `rank` again with the same command and P2PTRAIN_REJOIN=1 (it takes a live
+        peer's state, or exits at once if the cluster has finished); its log continues in the same
+        file."""
         spec = self.specs[rank]
         log = open(self.log_dir / spec.log_name, "ab")
         log.write(b"\n--- restarted by the launcher ---\n")
         log.flush()
         self._logs.append(log)
-        self.procs[rank] = subprocess.Popen([*spec.argv, "--rejoin"], env=spec.env, stdin=subprocess.DEVNULL,
-                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[rank] = subprocess.Popen(spec.argv, env={**spec.env, "P2PTRAIN_REJOIN": "1"},
+                                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
 
     def wait(self, rank: int, seconds: float) -> None:
         try:
@@ -546,6 +579,8 @@ class NodeState:
     down: bool = False   # killed by the fault plan (not a failure)
     restarts: int = 0
     note: str | None = None  # why a planned fault did not happen (e.g. a restart after the end)
+    first_seen: tuple[int, float] | None = None  # (step, time) of the first and latest progress lines
+    last_seen: tuple[int, float] | None = None
 
     def apply(self, record: dict) -> None:
         if "event" in record:
@@ -555,6 +590,17 @@ class NodeState:
         for key in ("step", "loss", "bytes_sent", "bytes_received", "ps_weight"):
             if key in record:
                 setattr(self, key, record[key])
+        if isinstance(record.get("step"), int) and isinstance(record.get("time"), (int, float)):
+            if self.first_seen is None or record["step"] < self.first_seen[0]:
+                self.first_seen = (record["step"], record["time"])  # (a restarted node starts over)
+            self.last_seen = (record["step"], record["time"])
+
+    @property
+    def steps_per_second(self) -> float | None:
+        """Steps per second between the first and the latest progress line."""
+        if self.first_seen is None or self.last_seen is None or self.last_seen[1] <= self.first_seen[1]:
+            return None
+        return (self.last_seen[0] - self.first_seen[0]) / (self.last_seen[1] - self.first_seen[1])
 
     @property
     def failed(self) -> bool:
@@ -608,16 +654,19 @@ class _ProgressWatcher:
 
 
 class ProgressView:
-    """Shows node states: a table redrawn in place on a terminal; otherwise (CI, files) one
-    compact line per node at most every LOG_EVERY_SECONDS and a final table, so logs stay short."""
+    """Shows node states: a table redrawn in place on a terminal (with steps/s and the run's ETA);
+    otherwise (CI, files) one aggregated line for the whole cluster at most every
+    LOG_EVERY_SECONDS and a final table, so logs stay short. The push-sum weight column appears
+    for push-sum algorithms only."""
 
-    COLUMNS = (("rank", 4), ("step", 13), ("loss", 10), ("MB sent", 9), ("MB recv", 9),
+    COLUMNS = (("rank", 4), ("step", 13), ("loss", 10), ("steps/s", 8), ("MB sent", 9), ("MB recv", 9),
                ("ps-weight", 9), ("status", 10))
 
-    def __init__(self, stream: TextIO, live: bool, total_steps: int | None):
+    def __init__(self, stream: TextIO, live: bool, total_steps: int | None, *, push_sum: bool = False):
         self.stream = stream
         self.live = live
         self.total_steps = total_steps
+        self.push_sum = push_sum
         self._drawn_lines = 0
         self._last_log = 0.0
 
@@ -626,11 +675,7 @@ class ProgressView:
             self._redraw(self._table(states, elapsed))
         elif elapsed - self._last_log >= LOG_EVERY_SECONDS:
             self._last_log = elapsed
-            for state in states:
-                cells = self._cells(state)
-                self._write([f"[{elapsed:7.1f}s] node {cells['rank']}: step {cells['step']} "
-                             f"loss {cells['loss']} sent {cells['MB sent']} MB recv {cells['MB recv']} MB "
-                             f"ps-weight {cells['ps-weight']} {cells['status']}"])
+            self._write([f"[{elapsed:7.1f}s] {self._summary_line(states)}"])
 
     def finish(self, states: list[NodeState], elapsed: float) -> None:
         if self.live:
@@ -638,24 +683,70 @@ class ProgressView:
         else:
             self._write(self._table(states, elapsed))
 
+    def _columns(self, states: list[NodeState]) -> tuple:
+        with_weights = self.push_sum or any(s.ps_weight is not None for s in states)
+        return tuple(c for c in self.COLUMNS if with_weights or c[0] != "ps-weight")
+
     def _cells(self, state: NodeState) -> dict[str, str]:
         total = f"/{self.total_steps}" if self.total_steps is not None else ""
         return {
             "rank": str(state.rank),
             "step": "-" if state.step is None else f"{state.step}{total}",
             "loss": _fmt(state.loss, "{:.4f}"),
+            "steps/s": _fmt(state.steps_per_second, "{:.1f}"),
             "MB sent": _fmt(state.bytes_sent, "{:.1f}", 1e-6),
             "MB recv": _fmt(state.bytes_received, "{:.1f}", 1e-6),
             "ps-weight": _fmt(state.ps_weight, "{:.3f}"),
             "status": state.status,
         }
 
+    def eta(self, states: list[NodeState]) -> float | None:
+        """Seconds until the slowest running node reaches the last step, at its current rate."""
+        running = [s for s in states if s.returncode is None and not s.down and s.step is not None]
+        if self.total_steps is None or not running:
+            return None
+        slowest = min(running, key=lambda s: s.step)
+        rate = slowest.steps_per_second
+        return max(0.0, (self.total_steps - slowest.step) / rate) if rate else None
+
+    def _summary_line(self, states: list[NodeState]) -> str:
+        """The whole cluster in one line (fields without data are left out, never printed as '-')."""
+        steps = [s.step for s in states if s.step is not None]
+        parts = []
+        if steps:
+            total = f"/{self.total_steps}" if self.total_steps is not None else ""
+            parts.append(f"step {min(steps)}{total}" if min(steps) == max(steps) else
+                         f"steps {min(steps)}-{max(steps)}{total}")
+        rates = [s.steps_per_second for s in states if s.steps_per_second]
+        if rates:
+            parts.append(f"{min(rates):.1f} steps/s")
+        losses = [s.loss for s in states if isinstance(s.loss, (int, float))]
+        if losses:
+            parts.append(f"loss {sum(losses) / len(losses):.4f}")
+        sent = [s.bytes_sent for s in states if s.bytes_sent is not None]
+        if sent:
+            parts.append(f"sent {sum(sent) * 1e-6:.1f} MB")
+        weights = [s.ps_weight for s in states if s.ps_weight is not None]
+        if weights:
+            parts.append(f"ps-weight {min(weights):.3f}..{max(weights):.3f}")
+        eta = self.eta(states)
+        if eta is not None:
+            parts.append(f"ETA {eta:.0f}s")
+        counts: dict[str, int] = {}
+        for s in states:
+            counts[s.status] = counts.get(s.status, 0) + 1
+        parts.append(", ".join(f"{n} {status}" for status, n in counts.items()))
+        return ", ".join(parts)
+
     def _table(self, states: list[NodeState], elapsed: float) -> list[str]:
-        def row(values: list[str]) -> str:
-            return "  ".join(v.rjust(width) for v, (_, width) in zip(values, self.COLUMNS))
-        lines = [f"p2ptrain cluster: {len(states)} nodes, {elapsed:.1f} s",
-                 row([name for name, _ in self.COLUMNS])]
-        lines += [row(list(self._cells(s).values())) for s in states]  # _cells follows COLUMNS order
+        columns = self._columns(states)
+
+        def row(values: dict[str, str]) -> str:
+            return "  ".join(values[name].rjust(width) for name, width in columns)
+        eta = self.eta(states)
+        lines = [f"p2ptrain cluster: {len(states)} nodes, {elapsed:.1f} s" + (f", ETA {eta:.0f} s" if eta else ""),
+                 row({name: name for name, _ in columns})]
+        lines += [row(self._cells(s)) for s in states]
         return lines
 
     def _redraw(self, lines: list[str]) -> None:

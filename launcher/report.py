@@ -91,6 +91,12 @@ def build_report(out_dir: Path, nodes: int, config: dict | None, wall_seconds: f
         for rank, records in progress.items()
     }
     history = {"steps": steps, "consensus_distance": distances, "loss": loss_history}
+    for name in sorted({n for s in summaries for n in s.get("reported", ()) if n not in ("loss", "test_loss")}):
+        cluster[f"mean_{name}"] = _mean(_numbers(summaries, name))  # what scripts report: accuracy, perplexity
+        series = {str(rank): [[r["step"], r[name]] for r in records if "step" in r and isinstance(r.get(name), float)]
+                  for rank, records in progress.items()}
+        if any(series.values()):
+            history.setdefault("reported", {})[name] = series
     for key in ("staleness", "pi_median"):  # asynchronous parameter-server workers (GEM)
         series = {str(rank): [[r["step"], r[key]] for r in records if "step" in r and r.get(key) is not None]
                   for rank, records in progress.items()}
@@ -139,20 +145,22 @@ def plot(report: dict, out_dir: Path) -> Path:
 
     history = report.get("history", {})
     cluster = report.get("cluster", {})
-    extra = [key for key in ("staleness", "pi_median") if history.get(key)]
+    titles = {"staleness": "commit staleness τ (mean per log interval)", "pi_median": "median GEM scaling π"}
+    extra = {key: history[key] for key in titles if history.get(key)}
+    extra.update(list(history.get("reported", {}).items())[:2])  # what the script reported (accuracy, ...)
     fig = Figure(figsize=(5 * (2 + len(extra)), 4), dpi=100, layout="constrained")
     loss_ax, consensus_ax, *extra_axes = fig.subplots(1, 2 + len(extra))
-    for key, ax in zip(extra, extra_axes):
-        for rank, points in sorted(history[key].items(), key=lambda kv: int(kv[0])):
+    for (key, series), ax in zip(extra.items(), extra_axes):
+        for rank, points in sorted(series.items(), key=lambda kv: int(kv[0])):
             if points:
-                ax.plot(*zip(*points), linewidth=1, label=f"worker {rank}")
+                ax.plot(*zip(*points), linewidth=1, label=f"{'worker' if key in titles else 'node'} {rank}")
         ax.set_xlabel("step")
-        ax.set_title({"staleness": "commit staleness τ (mean per log interval)",
-                      "pi_median": "median GEM scaling π"}[key])
+        ax.set_title(titles.get(key, key.replace("_", " ")))
+        ax.grid(True, alpha=0.3)
     _plot_loss(loss_ax, history.get("loss", {}))
     _plot_consensus(consensus_ax, history.get("steps", []), history.get("consensus_distance", []),
                     cluster.get("relative_consensus_distance"))
-    fig.suptitle(_plot_title(cluster))
+    fig.suptitle(_plot_title(cluster, report.get("config", {})))
     path = Path(out_dir) / PLOT_NAME
     fig.savefig(path, format="png")
     return path
@@ -266,8 +274,11 @@ def _plot_loss(ax, loss_history: dict) -> None:
                 linewidth=1.2, label=f"node {rank}")
     ax.set_title("Training loss")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    ax.set_ylabel("loss (log scale)")
     ax.grid(True, alpha=0.3)
+    values = [p[1] for rank in ranks for p in loss_history[rank] if isinstance(p[1], (int, float))]
+    if values and all(math.isfinite(v) and v > 0 for v in values):
+        ax.set_yscale("log")
     if not any(loss_history.get(rank) for rank in ranks):
         _no_data(ax, "no progress data")
     elif len(ranks) <= 12:
@@ -298,8 +309,10 @@ def _no_data(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
-def _plot_title(cluster: dict) -> str:
+def _plot_title(cluster: dict, config: dict) -> str:
     parts = [f"{cluster.get('nodes', '?')} nodes"]
+    if config.get("algorithm"):
+        parts.append(f"{config['algorithm']} on {config.get('topology') or 'its default graph'}")
     wall = cluster.get("wall_seconds")
     if isinstance(wall, (int, float)):
         parts.append(f"wall {wall:.1f} s")

@@ -45,9 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_node_arguments(ps)
     ps.set_defaults(func=cmd_ps)
 
-    launch = sub.add_parser("launch", help="run a local cluster of N node processes",
-                            description="Run N node processes on free loopback ports, show live "
-                                        "per-node progress, write OUT/report.json and OUT/plot.png.")
+    launch = sub.add_parser("launch", help="run a local cluster of N node processes (or of your own script)",
+                            usage="p2ptrain launch --nodes N [flags] [-- python train.py ARGS]",
+                            description="Run N node processes on free loopback ports, show live per-node progress, "
+                                        "write OUT/report.json and OUT/plot.png. With `-- COMMAND ...` run your own "
+                                        "training script N times instead of `p2ptrain node`, like torchrun: RANK, "
+                                        "WORLD_SIZE, LOCAL_RANK, P2PTRAIN_PEERS, P2PTRAIN_OUT, the metrics port and "
+                                        "every setting given here (P2PTRAIN_<SETTING>) are in its environment, where "
+                                        "p2ptrain.init() reads them.")
     launch.add_argument("--nodes", type=int, required=True, help="number of node processes")
     launch.add_argument("--out", default="runs/latest", help="run folder (default runs/latest)")
     launch.add_argument("--timeout", type=float, default=None, help="abort the run after this many seconds")
@@ -158,13 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _config_from_args(args: argparse.Namespace, **overrides) -> NodeConfig:
     flags = flags_from_args(args)
     flags.update(overrides)
-    return NodeConfig.from_sources(toml_path=getattr(args, "config_file", None), flags=flags)
+    spelled = {"world_size": "--nodes"} if getattr(args, "command", None) == "launch" else {}
+    return NodeConfig.from_sources(toml_path=getattr(args, "config_file", None), flags=flags, spelled=spelled)
 
 
 def cmd_node(args: argparse.Namespace) -> int:
+    config = _config_from_args(args)
+    _check_ports(config)  # before importing torch: a taken port is said at once
     from p2ptrain.node import run_node
 
-    config = _config_from_args(args)
     if config.role == "ps":
         return _serve_ps(config)
     if config.role == "worker":
@@ -192,8 +199,38 @@ def cmd_node(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_ports(config: NodeConfig) -> None:
+    """Fail at once, in one line, when this node's gRPC or metrics port is taken (not after
+    loading data and building the model, with a long gRPC traceback)."""
+    import socket
+
+    wanted = []
+    listen = config.listen or (config.peers[config.rank] if config.peers and config.role == "peer" else None)
+    if listen and not listen.startswith("unix"):
+        host, _, port = listen.rpartition(":")
+        wanted.append(("listen", host.strip("[]"), int(port)))
+    if config.metrics_port:
+        wanted.append(("metrics", config.metrics_bind_host, config.metrics_port))
+    for what, host, port in wanted:
+        if port == 0:
+            continue
+        if host in ("", "*", "0.0.0.0", "::"):  # a wildcard: taken if taken on the IPv4 wildcard
+            bind_host, family = "0.0.0.0", socket.AF_INET
+        else:
+            bind_host, family = host, socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((bind_host, port))
+            except OSError as exc:
+                raise ConfigError(f"cannot {'listen' if what == 'listen' else 'serve metrics'} on {host}:{port}: "
+                                  f"{exc.strerror or exc}") from None
+
+
 def cmd_ps(args: argparse.Namespace) -> int:
-    return _serve_ps(_config_from_args(args, role="ps"))
+    config = _config_from_args(args, role="ps")
+    _check_ports(config)
+    return _serve_ps(config)
 
 
 def _serve_ps(config: NodeConfig) -> int:
@@ -246,8 +283,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
         config = _config_from_args(args, world_size=args.nodes, rank=0, peers=placeholder_peers)
     shown = {k: v for k, v in config.to_dict().items() if k not in ("rank", "peers", "listen", "out",
                                                                     "metrics_port", "role", "ps_address")}
+    shown["topology"] = config.resolved_topology
     node_args = _node_flags_as_argv(args)
     _pass_token_by_environment(args)
+    script = getattr(args, "script", [])
+    if script:
+        if gem:
+            raise ConfigError("a script of your own runs peer nodes; --algorithm gem runs p2ptrain's own workers")
+        shown["script"] = script
     from launcher.local import fault_plan
 
     try:
@@ -256,11 +299,17 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
     if faults and gem:
         raise ConfigError("--kill/--restart/--stall apply to peer clusters, not to --algorithm gem")
-    extra = {}
+    extra: dict = {"total_steps": config.steps}
     if gem:
         from launcher.local import parameter_server_cluster
 
-        extra = parameter_server_cluster(args.nodes, Path(args.out), node_args, metrics=not args.no_metrics)
+        extra.update(parameter_server_cluster(args.nodes, Path(args.out), node_args, metrics=not args.no_metrics))
+    elif script:
+        from launcher.local import script_cluster
+        from p2ptrain.flags import settings_to_env
+
+        extra.update(script_cluster(script, settings_to_env(flags_from_args(args))))
+        extra["total_steps"] = args.steps  # what the script does with P2PTRAIN_STEPS is up to it
     netns_errors: tuple = ()  # not root, or building / removing the namespaces failed
     if netns is not None:
         from launcher.netns import NetnsCluster, NetnsError, NetnsUnavailable
@@ -271,7 +320,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
             with NetnsCluster(args.nodes, stream=sys.stderr, **netns) as namespaces:
                 report = run_local_cluster(args.nodes, Path(args.out), node_args, config=shown,
                                            metrics=not args.no_metrics, live=args.live, timeout=args.timeout,
-                                           faults=faults, **namespaces.cluster_kwargs())
+                                           faults=faults, **namespaces.cluster_kwargs(), **extra)
         else:
             report = run_local_cluster(args.nodes, Path(args.out), node_args, config=shown,
                                        metrics=not args.no_metrics, live=args.live, timeout=args.timeout,
@@ -282,12 +331,17 @@ def cmd_launch(args: argparse.Namespace) -> int:
     except netns_errors as exc:
         print(f"p2ptrain launch: {exc}", file=sys.stderr)
         return 1
-    cluster = report.get("cluster", {})
-    acc = cluster.get("mean_test_accuracy")
-    cd = cluster.get("consensus_distance")
-    print(f"mean test accuracy {acc if acc is None else f'{acc:.4f}'}, consensus distance "
-          f"{cd if cd is None else f'{cd:.3g}'}, wall {cluster.get('wall_seconds', 0):.1f}s")
+    print(_one_line(report.get("cluster", {})))
     return 0
+
+
+def _one_line(cluster: dict) -> str:
+    """The launch's result in one line: what was measured (accuracy, else loss), agreement, time."""
+    acc, loss, cd = cluster.get("mean_test_accuracy"), cluster.get("mean_final_loss"), cluster.get("consensus_distance")
+    quality = f"mean test accuracy {acc:.4f}" if acc is not None else \
+        (f"mean final loss {loss:.4f}" if loss is not None else "no accuracy or loss reported")
+    agreement = f", consensus distance {cd:.3g}" if cd is not None else ""
+    return f"{quality}{agreement}, wall {cluster.get('wall_seconds', 0):.1f}s"
 
 
 def _netns_options(args: argparse.Namespace, gem: bool) -> dict | None:
@@ -412,7 +466,15 @@ def cmd_reproduce_gem(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script: list[str] = []
+    if "--" in argv:  # `p2ptrain launch [flags] -- python train.py ARGS`: everything after is the script
+        at = argv.index("--")
+        argv, script = argv[:at], argv[at + 1:]
     args = parser.parse_args(argv)
+    args.script = script
+    if script and args.command != "launch":
+        parser.error(f"only `p2ptrain launch` runs a script after --, not `p2ptrain {args.command}`")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

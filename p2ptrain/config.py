@@ -170,6 +170,7 @@ class NodeConfig:
         need(self.model in MODELS, f"unknown model {self.model!r}; choose from {MODELS}")
         need(self.dataset in DATASETS, f"unknown dataset {self.dataset!r}; choose from {DATASETS}")
         need(self.dataset != "mnist" or bool(self.data_dir), "--dataset mnist needs --data-dir with IDX files")
+        need(not self.data_dir or os.path.isdir(self.data_dir), f"data_dir {self.data_dir!r} is not a folder")
         need(self.dirichlet_alpha is None or (0 < self.dirichlet_alpha < float("inf")),
              f"dirichlet_alpha must be a positive finite number, got {self.dirichlet_alpha}")
         need(self.batch_size >= 1, "batch_size must be >= 1")
@@ -349,15 +350,19 @@ class NodeConfig:
     # -- sources ----------------------------------------------------------------------------------
     @classmethod
     def from_sources(cls, *, toml_path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
-                     flags: Mapping[str, Any] | None = None) -> "NodeConfig":
+                     flags: Mapping[str, Any] | None = None, spelled: Mapping[str, str] = {}) -> "NodeConfig":
         """defaults < TOML < environment < flags (None-valued flags mean 'not given'). A name that
-        is neither a setting nor any algorithm's option is an error (with the closest name)."""
+        is neither a setting nor any algorithm's option is an error (with the closest name), and
+        so are two sources that disagree on the world size. `spelled` names a flag in messages when
+        the command spells it differently (launch: world_size is --nodes)."""
         shared: dict[str, Any] = {}  # from sources a whole cluster may share
-        if toml_path:
-            shared.update(_from_toml(Path(toml_path)))
-        shared.update(_from_env(os.environ if env is None else env))
+        toml = _from_toml(Path(toml_path)) if toml_path else {}
+        environment = _from_env(os.environ if env is None else env)
+        shared.update(toml)
+        shared.update(environment)
         options_known = registry.all_options()  # (flags carry the parser's other entries too: skipped)
         given = {k: v for k, v in (flags or {}).items() if v is not None and (k in _FIELDS or k in options_known)}
+        _check_agreement("world_size", toml_path, toml, environment, given, spelled)
         values = {**shared, **given}
         if values.get("role") in ("ps", "worker") and "algorithm" not in values:
             values["algorithm"] = "gem"  # the parameter-server roles run GEM and its baselines
@@ -384,6 +389,22 @@ class NodeConfig:
 
 
 _FIELDS = {f.name: f for f in fields(NodeConfig) if f.name not in ("options", "ignored_options")}
+
+
+def _check_agreement(name: str, toml_path, toml: Mapping, environment: Mapping, flags: Mapping,
+                     spelled: Mapping[str, str]) -> None:
+    """A setting two sources give differently is a mistake, not an override (e.g. a world size of 4
+    in the TOML, WORLD_SIZE=8 from the environment and --nodes 3): say which is which."""
+    present = []
+    if toml.get(name) is not None:
+        present.append((f"{name} = {toml[name]!r} in {toml_path}", str(toml[name]).strip()))
+    if environment.get(name) is not None:
+        present.append((f"{name.upper()}={environment[name]} in the environment", str(environment[name]).strip()))
+    if flags.get(name) is not None:
+        flag = spelled.get(name, f"--{name.replace('_', '-')}")
+        present.append((f"{flag} {flags[name]}", str(flags[name]).strip()))
+    if len({value for _, value in present}) > 1:
+        raise ConfigError(f"conflicting {name.replace('_', ' ')}s: " + " vs ".join(where for where, _ in present))
 
 
 def _unknown_settings(names: list[str]) -> str:

@@ -148,6 +148,24 @@ def flags_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k in names}
 
 
+def settings_to_env(settings: dict[str, Any]) -> dict[str, str]:
+    """P2PTRAIN_<SETTING> variables for settings given as flags (None: not given), the way
+    NodeConfig reads them back (lists comma- or semicolon-joined): how `p2ptrain launch` hands its
+    flags to a script of your own. The auth token is never among them (launch passes it apart)."""
+    env = {}
+    for name, value in settings.items():
+        if value is None or name == "auth_token":
+            continue
+        if isinstance(value, bool):
+            text = "1" if value else "0"
+        elif isinstance(value, (list, tuple)):
+            text = (";" if name in ("link_overrides", "relay_routes") else ",").join(map(str, value))
+        else:
+            text = str(value)
+        env[f"P2PTRAIN_{name.upper()}"] = text
+    return env
+
+
 def add_algorithm_options(group) -> None:
     """One flag per algorithm option (shared by several algorithms: one flag); its help names the
     algorithms that take it. Defaults stay None, so only given flags reach NodeConfig."""

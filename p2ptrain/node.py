@@ -136,11 +136,13 @@ class Node:
             return {}
         self._closed = True
         try:
-            model = None
+            model, final = None, {}
             if self.optimizer is not None:
                 self.optimizer.finish()
                 model = self.optimizer.state_vector.parameter_vector()
-            return self.recorder.finish({**self.summary(), **summary}, model)
+                final = {k: v for k, v in self.optimizer.algorithm.stats().items() if k == "ps_weight"}
+            final.update(bytes_sent=self.metrics.bytes_sent_total, bytes_received=self.metrics.bytes_received_total)
+            return self.recorder.finish({**self.summary(), **summary}, model, **final)
         finally:
             self.stop()
 

@@ -242,8 +242,10 @@ def test_non_tty_progress_is_compact_lines_and_final_table(tmp_path, fake_node, 
                       argv_factory=fake_factory(fake_node), stream=stream, timeout=60)
     text = stream.getvalue()
     assert "\x1b[" not in text
-    assert any(line.startswith("[") and "node 1: step " in line and f"/{STEPS} " in line
-               for line in text.splitlines()), text
+    ticks = [line for line in text.splitlines() if line.startswith("[")]
+    # one aggregated line per tick for the whole cluster (issue 12), never a line per node, never "- MB"
+    assert ticks and all("node " not in line and "- MB" not in line for line in ticks), text
+    assert any(f"/{STEPS}," in line and "steps/s" in line and "2 running" in line for line in ticks), text
     assert f"{STEPS}/{STEPS}" in text and "done" in text
 
 

@@ -107,16 +107,17 @@ class RunRecorder:
         seconds = self.step_seconds
         skip = min(10, max(1, len(seconds) // 10)) if len(seconds) > 1 else 0
         steady = seconds[skip:]
-        return {**self.scalars, "steps": self.last_step,
+        return {**self.scalars, "reported": sorted(self.scalars), "steps": self.last_step,
                 "final_loss": sum(tail) / len(tail) if tail else math.nan,
                 "mean_step_seconds": sum(seconds) / len(seconds) if seconds else math.nan,
                 "steady_step_seconds": sum(steady) / len(steady) if steady else math.nan,
                 "wall_seconds": time.time() - self.started}
 
-    def finish(self, summary: Mapping, model: torch.Tensor | None = None) -> dict:
-        """Write OUT/{name}.json (+ snapshots, the final model included) and the 'done' event."""
-        if self.last_step % self.log_every and self.step_seconds:  # the last line shows the last step
-            self.write_line(self.last_step, self.step_seconds[-1], **self.last_stats)
+    def finish(self, summary: Mapping, model: torch.Tensor | None = None, **final_stats) -> dict:
+        """Write OUT/{name}.json (+ snapshots, the final model included) and the 'done' event; the
+        last progress line shows the last step with `final_stats` (e.g. the weight once flushed)."""
+        if self.step_seconds and (final_stats or self.last_step % self.log_every):
+            self.write_line(self.last_step, self.step_seconds[-1], **{**self.last_stats, **final_stats})
         if model is not None:
             self.snapshot(self.last_step, model, final=True)
         write_summary(self.out, self.name, summary, self.snapshots)
