@@ -178,9 +178,15 @@ def cmd_node(args: argparse.Namespace) -> int:
         return 0
     from p2ptrain.node import NoClusterToRejoin
     from p2ptrain.train.loop import NonFiniteError
+    from p2ptrain.transport.rendezvous import RendezvousError, assign_rank
 
     try:
+        if config.uses_rendezvous:
+            config = assign_rank(config)  # the store hands out a rank when no source gave one
         summary = run_node(config)
+    except RendezvousError as exc:
+        print(f"p2ptrain node: {exc}", file=sys.stderr)
+        return 1
     except NoClusterToRejoin as exc:
         print(f"p2ptrain node: {exc}", file=sys.stderr)
         return EXIT_NO_CLUSTER

@@ -23,7 +23,7 @@ from p2ptrain.train import DecentralizedTrainer, StepRecord, cycle, pick_device
 from p2ptrain.train.loop import NonFiniteError
 from p2ptrain.train.progress import ProgressWriter, write_summary
 from p2ptrain.train.setup import build_optimizer, training_setup
-from p2ptrain.transport import Transport, TransportOptions
+from p2ptrain.transport import Transport, TransportOptions, rendezvous
 from p2ptrain.transport.faults import LinkTable
 from p2ptrain.transport.runtime import PeerError
 from p2ptrain.transport.security import security_from_settings
@@ -60,8 +60,10 @@ class Node:
         self.config = config.validate()
         self.device = device or pick_device(config.device)
         self.metrics = NodeMetrics(config.rank, algorithm=config.algorithm)
-        peers = config.peers or ["127.0.0.1:0"]
-        self.transport = Transport(config.rank, config.world_size, peers, listen=config.listen,
+        peers, listen = config.peers or ["127.0.0.1:0"], config.listen
+        if config.uses_rendezvous:  # addresses come from the store once the server is bound (start)
+            peers, listen = None, rendezvous.listen_address(config)
+        self.transport = Transport(config.rank, config.world_size, peers, listen=listen,
                                    options=transport_options(config, self.device), metrics=self.metrics,
                                    config_fingerprint=config.fingerprint())
         self.comm = Communicator(self.transport, self.device, peer_timeout=config.peer_timeout)
@@ -73,6 +75,8 @@ class Node:
 
     def start(self, wait_for_peers: bool = True) -> "Node":
         self.transport.start()
+        if self.config.uses_rendezvous:
+            self.transport.set_peer_addresses(rendezvous.exchange_addresses(self.config, self.transport.port))
         if self.config.metrics_port is not None:
             server, _ = self.metrics.serve(self.config.metrics_port, addr=self.config.metrics_bind_host)
             self._metrics_server = server
