@@ -1,10 +1,11 @@
-"""The `p2ptrain` command: node, ps, launch, compose, health, bench, reproduce.
+"""The `p2ptrain` command: node, ps, launch, compose, kubernetes, report, health, bench, reproduce.
 
   p2ptrain node    run one node (flags, env RANK/WORLD_SIZE/P2PTRAIN_*, or --config FILE.toml);
                    --role worker --ps HOST:PORT: an asynchronous parameter-server worker (GEM)
   p2ptrain ps      run a parameter server for --world-size workers (GEM, seed 001)
   p2ptrain launch  run a local cluster of N node processes with live progress and a report
   p2ptrain compose write a docker-compose file: N nodes (+ parameter server), Prometheus, Grafana
+  p2ptrain kubernetes  write Kubernetes manifests: StatefulSet (or parameter server + workers), Services, ...
   p2ptrain health  ask a node or parameter server whether it is serving (grpc.health.v1); exit 0 if so
   p2ptrain bench   benchmarks (transport, algorithms)
   p2ptrain reproduce  re-run a figure of the source documents (relaysgd, gem)
@@ -91,6 +92,36 @@ def build_parser() -> argparse.ArgumentParser:
                          help="/metrics port of every container (default 9100)")
     add_node_arguments(compose, cluster_flags=False)
     compose.set_defaults(func=cmd_compose)
+
+    kube = sub.add_parser("kubernetes", help="write Kubernetes manifests: a StatefulSet of N nodes (or a parameter "
+                                             "server and N workers), Services, ConfigMap, probes, ServiceMonitor",
+                          description="Write YAML manifests into --out DIR for `kubectl apply -f DIR`: a StatefulSet "
+                                      "NAME of N nodes (pod ordinal = rank) behind a headless Service giving each "
+                                      "pod a stable DNS name (the peer list); the node flags given here (and "
+                                      "--config) as node.toml in a ConfigMap; TLS and token files from the Secret "
+                                      "--secret (created by you, see README: Kubernetes); gRPC health probes; "
+                                      "Prometheus annotations and a ServiceMonitor. --ps: a parameter-server "
+                                      "Deployment + Service and a StatefulSet of N GEM workers instead.")
+    kube.add_argument("--nodes", type=int, required=True, help="number of nodes (or of parameter-server workers)")
+    kube.add_argument("--out", required=True, metavar="DIR", help="folder for the manifests (one file per object)")
+    kube.add_argument("--ps", action="store_true", help="a parameter server and N GEM workers (as --algorithm gem)")
+    kube.add_argument("--name", default="p2ptrain", help="name of the StatefulSet, Services, ... (default p2ptrain)")
+    kube.add_argument("--namespace", default="default", help="Kubernetes namespace (default default)")
+    kube.add_argument("--image", default="p2ptrain:latest", help="container image (default p2ptrain:latest, built "
+                                                                "from the Dockerfile)")
+    kube.add_argument("--gpus", type=int, default=0, metavar="K", help="nvidia.com/gpu per pod (default 0)")
+    kube.add_argument("--cpu", default="1", help="CPU requested per pod (default 1)")
+    kube.add_argument("--memory", default="2Gi", help="memory requested per pod, also its limit (default 2Gi)")
+    kube.add_argument("--storage", default="1Gi", help="each pod's volume for its run files (default 1Gi)")
+    kube.add_argument("--secret", default="p2ptrain-secret",
+                      help="Secret with the TLS / token files (keys tls.crt, tls.key, ca.crt, token), mounted when "
+                           "--tls-* or --auth-token-file is given (default p2ptrain-secret)")
+    kube.add_argument("--port", type=int, default=50051, help="gRPC port of every pod (default 50051)")
+    kube.add_argument("--metrics-port", type=int, default=9100, help="/metrics port of every pod (default 9100)")
+    kube.add_argument("--no-service-monitor", dest="service_monitor", action="store_false",
+                      help="leave out the ServiceMonitor (for clusters without the Prometheus Operator)")
+    add_node_arguments(kube, cluster_flags=False)
+    kube.set_defaults(func=cmd_kubernetes)
 
     health = sub.add_parser("health", help="ask a node or parameter server whether it is serving (grpc.health.v1)",
                             description="Ask the standard gRPC health service of a node or parameter server once "
@@ -363,6 +394,55 @@ def cmd_compose(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}: {len(spec['services'])} services", file=sys.stderr)
     else:
         sys.stdout.write(text)
+    return 0
+
+
+def cmd_kubernetes(args: argparse.Namespace) -> int:
+    """Generate the manifests, then check every pod's command as the pod will run it (CLI parser and
+    NodeConfig validation, with the user's own TLS / token files in place of the Secret's)."""
+    import shlex
+    import tempfile
+
+    from launcher import kubernetes
+
+    if getattr(args, "auth_token", None) is not None:
+        raise ConfigError("p2ptrain kubernetes writes no secret into a manifest: put the token into the Secret "
+                          f"{args.secret!r} (key token) and give --auth-token-file FILE")
+    options = kubernetes.KubernetesOptions(name=args.name, namespace=args.namespace, image=args.image, gpus=args.gpus,
+                                           cpu=args.cpu, memory=args.memory, storage=args.storage, secret=args.secret,
+                                           port=args.port, metrics_port=args.metrics_port,
+                                           service_monitor=args.service_monitor)
+    try:
+        settings = kubernetes.load_settings(args.config_file, flags_from_args(args))
+        objects = kubernetes.manifests(args.nodes, settings, ps=args.ps, options=options)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    local = {**kubernetes.pod_settings(settings, gem=args.ps or settings.get("algorithm") == "gem"),
+             **{k: settings[k] for k in kubernetes.SECRET_KEYS if settings.get(k)}}
+    parser = build_parser()
+    with tempfile.TemporaryDirectory() as tmp:
+        toml = Path(tmp) / "node.toml"
+        toml.write_text(kubernetes.to_toml(local))
+        for pod, pod_args, env in kubernetes.pod_commands(objects):
+            parsed = parser.parse_args([str(toml) if a == kubernetes.CONFIG_FILE else a for a in pod_args])
+            try:
+                NodeConfig.from_sources(toml_path=parsed.config_file, env=env, flags={
+                    **flags_from_args(parsed), **({"role": "ps"} if parsed.command == "ps" else {})})
+            except ConfigError as exc:
+                raise ConfigError(f"pod {pod}: {exc}") from None
+    defaults = kubernetes.KubernetesOptions()
+    canonical = ["--nodes", str(args.nodes), *(["--ps"] if args.ps else []),
+                 *[a for field in ("name", "namespace", "image", "gpus", "cpu", "memory", "storage", "secret", "port",
+                                   "metrics_port") if getattr(options, field) != getattr(defaults, field)
+                   for a in (f"--{field.replace('_', '-')}", str(getattr(options, field)))],
+                 *([] if args.service_monitor else ["--no-service-monitor"]), *_node_flags_as_argv(args)]
+    paths = kubernetes.write(objects, args.out, " ".join(["p2ptrain kubernetes", *map(shlex.quote, canonical)]))
+    print(f"wrote {len(paths)} manifests to {args.out}: kubectl apply -f {args.out}", file=sys.stderr)
+    if kubernetes.uses_secret(local):
+        print(f"the pods mount Secret {args.secret!r}: create it first, e.g. kubectl create secret generic "
+              f"{args.secret} -n {args.namespace} " + " ".join(
+                  f"--from-file={key}={settings[name]}" for name, key in kubernetes.SECRET_KEYS.items()
+                  if settings.get(name)), file=sys.stderr)
     return 0
 
 
