@@ -6,6 +6,7 @@
   p2ptrain launch  run a local cluster of N node processes with live progress and a report
   p2ptrain compose write a docker-compose file: N nodes (+ parameter server), Prometheus, Grafana
   p2ptrain kubernetes  write Kubernetes manifests: StatefulSet (or parameter server + workers), Services, ...
+  p2ptrain report  (re)build a run's report.json and plot.png from its folder, or merge one folder per host
   p2ptrain health  ask a node or parameter server whether it is serving (grpc.health.v1); exit 0 if so
   p2ptrain bench   benchmarks (transport, algorithms)
   p2ptrain reproduce  re-run a figure of the source documents (relaysgd, gem)
@@ -122,6 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="leave out the ServiceMonitor (for clusters without the Prometheus Operator)")
     add_node_arguments(kube, cluster_flags=False)
     kube.set_defaults(func=cmd_kubernetes)
+
+    report = sub.add_parser("report", help="(re)build the report of a run from its folder, or merge the folders "
+                                           "of a run on several hosts",
+                            description="Read node{rank}.progress.jsonl, node{rank}.json, node{rank}.snapshots.pt and "
+                                        "ps.json of one run from one folder, or from one folder per host, and write "
+                                        "report.json and plot.png (as `p2ptrain launch` does) into --out. A node "
+                                        "whose files are in two folders is an error; missing nodes are warnings.")
+    report.add_argument("folders", nargs="+", metavar="DIR", help="the run's folder(s)")
+    report.add_argument("--out", metavar="OUT", help="where to write report.json and plot.png (default: DIR, when "
+                                                     "only one is given)")
+    report.add_argument("--nodes", type=int, metavar="N",
+                        help="the run's node count (default: the highest rank found + 1)")
+    report.set_defaults(func=cmd_report)
 
     health = sub.add_parser("health", help="ask a node or parameter server whether it is serving (grpc.health.v1)",
                             description="Ask the standard gRPC health service of a node or parameter server once "
@@ -443,6 +457,27 @@ def cmd_kubernetes(args: argparse.Namespace) -> int:
               f"{args.secret} -n {args.namespace} " + " ".join(
                   f"--from-file={key}={settings[name]}" for name, key in kubernetes.SECRET_KEYS.items()
                   if settings.get(name)), file=sys.stderr)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from launcher import report as run_report
+
+    if args.nodes is not None and args.nodes < 1:
+        raise ConfigError("--nodes must be >= 1")
+    out = Path(args.out) if args.out else None
+    try:
+        result = run_report.merge_run([Path(d) for d in args.folders], out, nodes=args.nodes)
+    except ValueError as exc:  # RunFolderError: a node found twice; not a folder; several folders, no --out
+        print(f"p2ptrain report: {exc}", file=sys.stderr)
+        return 2
+    out = out or Path(args.folders[0])
+    cluster = result["cluster"]
+    accuracy = cluster.get("mean_test_accuracy")
+    print(f"report: {out / run_report.REPORT_NAME}, plot: {out / run_report.PLOT_NAME}: {cluster['nodes']} nodes, "
+          f"mean test accuracy {'-' if accuracy is None else f'{accuracy:.4f}'}")
+    for warning in result["warnings"]:
+        print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 
