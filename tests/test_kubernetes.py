@@ -7,6 +7,8 @@ parameter server."""
 from __future__ import annotations
 
 import re
+import shlex
+import subprocess
 from pathlib import Path
 
 import kubernetes_validate
@@ -130,24 +132,58 @@ def check_manifests(objects: list[dict], tmp_path: Path, nodes: int, *, tls: boo
 
 
 def check_probes(container: dict, config: NodeConfig, parser, *, tls: bool) -> None:
+    assert container["command"] == ["/bin/sh", "-c", kubernetes.RUN_ONCE, "p2ptrain"]  # args are p2ptrain's
+    liveness = container["livenessProbe"]["exec"]["command"]
+    assert liveness[:2] == ["/bin/sh", "-c"]
+    done, alive = liveness[2].split(" || ", 1)
+    assert done == f"[ -e {kubernetes.DONE_MARKER} ]"  # a finished pod idles, alive
     if config.role == "worker":  # no gRPC server: its /metrics
-        assert container["livenessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+        assert container["readinessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+        assert f"http://127.0.0.1:{config.metrics_port}/metrics" in alive
         return
     port = int(config.listen.rpartition(":")[2])
-    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-        probe = container[kind]
-        if not tls:
-            assert probe["grpc"] == {"port": port}  # health needs no token
+    secret = kubernetes.SECRET_DIR
+    for kind in ("startupProbe", "readinessProbe", None):
+        command = shlex.split(alive) if kind is None else container[kind].get("exec", {}).get("command")
+        if kind and not tls:
+            assert container[kind]["grpc"] == {"port": port}  # health needs no token
             continue
-        command = probe["exec"]["command"]  # grpc probes speak no TLS: p2ptrain health with the TLS flags
         assert command[:3] == ["p2ptrain", "health", f"127.0.0.1:{port}"]
         health = parser.parse_args(command[1:])
-        secret = kubernetes.SECRET_DIR
-        assert (health.tls_ca, health.tls_cert, health.tls_key) == (f"{secret}/ca.crt", f"{secret}/tls.crt",
-                                                                     f"{secret}/tls.key")
-        assert health.tls_server_name and health.timeout < probe["timeoutSeconds"]
+        assert health.timeout < (container[kind] if kind else container["livenessProbe"])["timeoutSeconds"]
+        if tls:  # grpc probes speak no TLS: p2ptrain health with the TLS flags
+            assert (health.tls_ca, health.tls_cert, health.tls_key) == (f"{secret}/ca.crt", f"{secret}/tls.crt",
+                                                                         f"{secret}/tls.key")
+            assert health.tls_server_name
     assert container["startupProbe"]["periodSeconds"] * container["startupProbe"]["failureThreshold"] >= \
         config.peer_timeout
+
+
+def test_a_pod_trains_once_then_idles(tmp_path):
+    """The container command (RUN_ONCE) with stand-ins for p2ptrain and sleep: a finished run leaves
+    the marker and idles; a failed one exits with its code (Kubernetes restarts it: it rejoins); a
+    container restarted on a volume with the marker idles without training again."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "p2ptrain").write_text('#!/bin/sh\necho "trained $*" >> "$LOG"\nexit "${CODE:-0}"\n')
+    (bin_dir / "sleep").write_text('#!/bin/sh\necho "idle $*" >> "$LOG"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    marker = tmp_path / "runs" / ".p2ptrain-done"
+    marker.parent.mkdir()
+    script = kubernetes.RUN_ONCE.replace(kubernetes.DONE_MARKER, str(marker))
+    log = tmp_path / "log"
+
+    def start(code: int) -> int:
+        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "LOG": str(log), "CODE": str(code)}
+        return subprocess.run(["/bin/sh", "-c", script, "p2ptrain", "node", "--steps", "5"], env=env,
+                              capture_output=True, text=True, timeout=30).returncode
+
+    assert start(3) == 3 and not marker.exists()
+    assert start(0) == 0 and marker.exists()
+    assert start(0) == 0
+    assert log.read_text().splitlines() == ["trained node --steps 5", "trained node --steps 5", "idle infinity",
+                                            "idle infinity"]
 
 
 def check_service_monitor(monitor: dict, objects: list[dict]) -> None:
