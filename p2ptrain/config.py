@@ -63,8 +63,8 @@ class NodeConfig:
     listen: str | None = None                        # bind address (default: [::]:<own peer port>; with a
                                                      # rendezvous [::]:0, a port the OS picks)
     # Rendezvous (transport/rendezvous.py): how a node given no peer list finds its peers; not in the fingerprint
-    rendezvous: str | None = None                    # HOST:PORT of a c10d TCPStore (torchrun's own, or one the
-                                                     # rank-0 node hosts there); env MASTER_ADDR:MASTER_PORT
+    rendezvous: str | None = None                    # HOST:PORT of a c10d TCPStore (torchrun's own, or one a node
+                                                     # on HOST hosts); env MASTER_ADDR:MASTER_PORT
     advertise: str | None = None                     # HOST[:PORT] peers reach this node at; None: the host of
                                                      # listen, or the local address that routes to the store
     run_id: str = "p2ptrain"                         # namespaces this run's keys in the store (env TORCHELASTIC_RUN_ID)

@@ -24,9 +24,9 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, cluster_flags: bool =
                                         "[::]:0, a free port the OS picks, published to the store)")
         g.add_argument("--rendezvous", metavar="HOST:PORT",
                        help="without --peers: find the peers through the c10d TCPStore at HOST:PORT (default under "
-                            "torchrun or with MASTER_ADDR/MASTER_PORT set: that store; the rank-0 node hosts it when "
-                            "HOST is its own address and nobody else does); ranks not given (RANK, SLURM_PROCID, "
-                            "--rank) are handed out by the store in arrival order")
+                            "torchrun or with MASTER_ADDR/MASTER_PORT set: that store; when nothing answers there, a "
+                            "node on HOST with rank 0, or with none given, hosts it); ranks not given (RANK, "
+                            "SLURM_PROCID, --rank) are handed out by the store in arrival order")
         g.add_argument("--advertise", metavar="HOST[:PORT]",
                        help="the address peers reach this node at, published to the rendezvous store (default: the "
                             "host of --listen, else the local address that routes to the store; PORT: the bound "

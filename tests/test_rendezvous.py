@@ -240,6 +240,18 @@ def test_nodes_meet_through_an_explicit_store_that_assigns_ranks(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_unranked_nodes_host_the_store_themselves(tmp_path):
+    """No store runs at the address, which is this machine's: the first node to bind it hosts it."""
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "p2ptrain", "node", "--rendezvous", f"127.0.0.1:{free_port()}", "--world-size",
+            "2", "--out", str(out), "--peer-timeout", "60", *QUICK]
+    results = run_nodes([argv] * 2, clean_env(), timeout=100)
+    assert_ok(results)
+    assert sum("this node: hosting the rendezvous store" in r.stderr for r in results) == 1
+    assert [n["rank"] for n in summaries(out, 2)] == [0, 1]
+
+
+@pytest.mark.timeout(120)
 def test_unreachable_store_is_one_line_and_exit_1(tmp_path):
     port = free_port()
     start = time.monotonic()

@@ -1,8 +1,10 @@
 """Rendezvous: how a node given no peer list learns every peer's gRPC address (and, when no launcher
 gave it one, its rank) through a c10d key-value store, torch.distributed.TCPStore, that every node of
-the run reaches: torchrun's own store (MASTER_ADDR:MASTER_PORT in its workers' environment), the one
-named by --rendezvous, or one that the rank-0 node hosts at that address when it is its own (torch's
-env:// convention; a Slurm script points MASTER_ADDR at the first host, where task 0 runs).
+the run reaches: torchrun's own store (MASTER_ADDR:MASTER_PORT in its workers' environment), one
+someone started at the address named by --rendezvous, or else one a node hosts there when the
+address is its own and nothing answers at it yet: the rank-0 node (torch's env:// convention; a Slurm
+script points MASTER_ADDR at the first host, where task 0 runs) or a node whose rank the store will
+assign (the first to bind the port wins, as torchrun's c10d backend does).
 
 Keys, under p2ptrain/<run id>/ (torchrun's agent keeps its own keys in the same store):
   world_size      the run's node count, set by the first node; a node that says otherwise fails
@@ -203,10 +205,12 @@ def _store(config: RendezvousSettings) -> dist.Store:
 
 def _connect(config: RendezvousSettings, host: str, port: int) -> dist.Store:
     timeout = datetime.timedelta(seconds=config.peer_timeout)
-    if config.rank_given and config.rank == 0 and _is_local(host) and not _answers(host, port):
-        try:  # torch's env:// convention: rank 0 hosts the store, unless one runs there (torchrun's agent)
+    may_host = config.rank == 0 or not config.rank_given  # never a node whose rank says it is not first
+    if may_host and _is_local(host) and not _answers(host, port):
+        try:  # rank 0 (torch's env:// convention) or the first unranked node hosts, unless a store runs there
             store = dist.TCPStore(host, port, is_master=True, timeout=timeout, wait_for_workers=False)
-            log.info("node 0: hosting the rendezvous store on port %d", port)
+            log.info("%s: hosting the rendezvous store on port %d",
+                     f"node {config.rank}" if config.rank_given else "this node", port)
             return store
         except RuntimeError as exc:
             if "EADDRINUSE" not in str(exc) and errno.errorcode[errno.EADDRINUSE] not in str(exc):
