@@ -81,6 +81,14 @@ class KubernetesOptions:
     metrics_port: int = DEFAULT_METRICS_PORT
     service_monitor: bool = True
 
+    def as_flags(self) -> list[str]:
+        """The `p2ptrain kubernetes` flags that differ from the defaults (for the files' header)."""
+        default = KubernetesOptions()
+        flags = [a for name in ("name", "namespace", "image", "gpus", "cpu", "memory", "storage", "secret", "port",
+                                "metrics_port") if getattr(self, name) != getattr(default, name)
+                 for a in (f"--{name.replace('_', '-')}", str(getattr(self, name)))]
+        return flags + ([] if self.service_monitor else ["--no-service-monitor"])
+
 
 def load_settings(config_file: str | None, flags: Mapping[str, Any]) -> dict[str, Any]:
     """The settings a cluster shares: the TOML file's (top level or its [node] table), the given
@@ -113,7 +121,7 @@ def manifests(nodes: int, settings: Mapping[str, Any], *, ps: bool = False,
     if settings.get("auth_token") is not None:
         raise ValueError("p2ptrain kubernetes writes no secret into a manifest: put the token in the Secret "
                          f"{o.secret!r} (key {SECRET_KEYS['auth_token_file']!r}) and give --auth-token-file FILE")
-    gem = ps or settings.get("algorithm") == "gem"
+    gem = runs_gem(settings, ps)
     if gem and settings.get("algorithm", "gem") != "gem":
         raise ValueError(f"--ps runs a parameter server and GEM workers: --algorithm {settings['algorithm']} "
                          "does not apply (drop it, or drop --ps)")
@@ -126,6 +134,40 @@ def manifests(nodes: int, settings: Mapping[str, Any], *, ps: bool = False,
     if o.service_monitor:
         objects.append(service_monitor(o))
     return objects
+
+
+def runs_gem(settings: Mapping[str, Any], ps: bool) -> bool:
+    """A parameter server and workers (--ps, or --algorithm gem as in `p2ptrain launch`)?"""
+    return ps or settings.get("algorithm") == "gem"
+
+
+def check_pods(objects: list[dict], settings: Mapping[str, Any], parser, *, ps: bool) -> None:
+    """Every pod's command as the pod will run it, through `parser` (the p2ptrain CLI's) and NodeConfig
+    validation, with the user's own TLS / token files where the pods mount the Secret's; ValueError
+    (ConfigError) naming the first pod whose command fails."""
+    import tempfile
+
+    from p2ptrain.config import ConfigError, NodeConfig
+    from p2ptrain.flags import flags_from_args
+
+    local = {**pod_settings(settings, gem=runs_gem(settings, ps)),
+             **{name: settings[name] for name in SECRET_KEYS if settings.get(name)}}
+    with tempfile.TemporaryDirectory() as tmp:
+        toml = Path(tmp) / Path(CONFIG_FILE).name
+        toml.write_text(to_toml(local))
+        for pod, args, env in pod_commands(objects):
+            parsed = parser.parse_args([str(toml) if a == CONFIG_FILE else a for a in args])
+            try:
+                NodeConfig.from_sources(toml_path=parsed.config_file, env=env, flags={
+                    **flags_from_args(parsed), **({"role": "ps"} if parsed.command == "ps" else {})})
+            except ConfigError as exc:
+                raise ConfigError(f"pod {pod}: {exc}") from None
+
+
+def secret_command(settings: Mapping[str, Any], o: KubernetesOptions) -> str | None:
+    """The `kubectl create secret` the pods need, from the user's files; None when they need none."""
+    files = [f"--from-file={key}={settings[name]}" for name, key in SECRET_KEYS.items() if settings.get(name)]
+    return f"kubectl create secret generic {o.secret} -n {o.namespace} {' '.join(files)}" if files else None
 
 
 def pod_settings(settings: Mapping[str, Any], *, gem: bool) -> dict[str, Any]:
@@ -386,5 +428,5 @@ def _literal(dumper: yaml.SafeDumper, value: str):  # multi-line strings (node.t
 
 _Dumper.add_representer(str, _literal)
 
-__all__ = ["KubernetesOptions", "SECRET_KEYS", "load_settings", "manifests", "pod_commands", "pod_settings", "to_toml",
-           "write"]
+__all__ = ["KubernetesOptions", "SECRET_KEYS", "check_pods", "load_settings", "manifests", "pod_commands",
+           "pod_settings", "runs_gem", "secret_command", "to_toml", "write"]

@@ -412,16 +412,12 @@ def cmd_compose(args: argparse.Namespace) -> int:
 
 
 def cmd_kubernetes(args: argparse.Namespace) -> int:
-    """Generate the manifests, then check every pod's command as the pod will run it (CLI parser and
-    NodeConfig validation, with the user's own TLS / token files in place of the Secret's)."""
+    """Generate the manifests and check every pod's command as the pod will run it (CLI parser and
+    NodeConfig validation), so a bad flag fails here and not in N pods."""
     import shlex
-    import tempfile
 
     from launcher import kubernetes
 
-    if getattr(args, "auth_token", None) is not None:
-        raise ConfigError("p2ptrain kubernetes writes no secret into a manifest: put the token into the Secret "
-                          f"{args.secret!r} (key token) and give --auth-token-file FILE")
     options = kubernetes.KubernetesOptions(name=args.name, namespace=args.namespace, image=args.image, gpus=args.gpus,
                                            cpu=args.cpu, memory=args.memory, storage=args.storage, secret=args.secret,
                                            port=args.port, metrics_port=args.metrics_port,
@@ -429,34 +425,15 @@ def cmd_kubernetes(args: argparse.Namespace) -> int:
     try:
         settings = kubernetes.load_settings(args.config_file, flags_from_args(args))
         objects = kubernetes.manifests(args.nodes, settings, ps=args.ps, options=options)
+        kubernetes.check_pods(objects, settings, build_parser(), ps=args.ps)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    local = {**kubernetes.pod_settings(settings, gem=args.ps or settings.get("algorithm") == "gem"),
-             **{k: settings[k] for k in kubernetes.SECRET_KEYS if settings.get(k)}}
-    parser = build_parser()
-    with tempfile.TemporaryDirectory() as tmp:
-        toml = Path(tmp) / "node.toml"
-        toml.write_text(kubernetes.to_toml(local))
-        for pod, pod_args, env in kubernetes.pod_commands(objects):
-            parsed = parser.parse_args([str(toml) if a == kubernetes.CONFIG_FILE else a for a in pod_args])
-            try:
-                NodeConfig.from_sources(toml_path=parsed.config_file, env=env, flags={
-                    **flags_from_args(parsed), **({"role": "ps"} if parsed.command == "ps" else {})})
-            except ConfigError as exc:
-                raise ConfigError(f"pod {pod}: {exc}") from None
-    defaults = kubernetes.KubernetesOptions()
-    canonical = ["--nodes", str(args.nodes), *(["--ps"] if args.ps else []),
-                 *[a for field in ("name", "namespace", "image", "gpus", "cpu", "memory", "storage", "secret", "port",
-                                   "metrics_port") if getattr(options, field) != getattr(defaults, field)
-                   for a in (f"--{field.replace('_', '-')}", str(getattr(options, field)))],
-                 *([] if args.service_monitor else ["--no-service-monitor"]), *_node_flags_as_argv(args)]
+    canonical = ["--nodes", str(args.nodes), *(["--ps"] if args.ps else []), *options.as_flags(),
+                 *_node_flags_as_argv(args)]
     paths = kubernetes.write(objects, args.out, " ".join(["p2ptrain kubernetes", *map(shlex.quote, canonical)]))
     print(f"wrote {len(paths)} manifests to {args.out}: kubectl apply -f {args.out}", file=sys.stderr)
-    if kubernetes.uses_secret(local):
-        print(f"the pods mount Secret {args.secret!r}: create it first, e.g. kubectl create secret generic "
-              f"{args.secret} -n {args.namespace} " + " ".join(
-                  f"--from-file={key}={settings[name]}" for name, key in kubernetes.SECRET_KEYS.items()
-                  if settings.get(name)), file=sys.stderr)
+    if secret := kubernetes.secret_command(settings, options):
+        print(f"the pods mount Secret {args.secret!r}: create it first, e.g. {secret}", file=sys.stderr)
     return 0
 
 
