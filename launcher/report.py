@@ -2,20 +2,75 @@
 
 It reads only the run folder (never live processes), so a report can be rebuilt after the fact
 from any run folder, including a partial one: missing or unreadable files become warnings in the
-report instead of errors.
+report instead of errors. A run on several hosts may have written into one folder per host:
+`locate` finds which folder holds each node's files (`RunFiles`; a rank found in two folders is an
+error, a missing rank a warning) and `merge_run` writes the report of the whole run
+(`p2ptrain report DIR [DIR ...]`).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
 REPORT_NAME = "report.json"
 PLOT_NAME = "plot.png"
+PS_SUMMARY = "ps.json"
+_NODE_FILE = re.compile(r"node(\d+)\.(?:json|progress\.jsonl|snapshots\.pt)")
+# What a rebuilt report keeps of an earlier report.json of the same folder: only the launcher knew these.
+_LAUNCHER_NODE_KEYS = ("outcome", "outcome_reason")
+_LAUNCHER_CLUSTER_KEYS = ("failed", "failed_nodes", "failure")
+
+
+class RunFolderError(ValueError):
+    """The folders given do not hold one run: a node's (or the server's) files are in two of them."""
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """Where the files of one run are: node{rank}.* of each rank in one folder, ps.json in one.
+    Ranks without files are looked for in `default` (so warnings name a path)."""
+    default: Path
+    nodes: dict[int, Path] = field(default_factory=dict)
+    ps: Path | None = None
+
+    def folder(self, rank: int) -> Path:
+        return self.nodes.get(rank, self.default)
+
+    @property
+    def ps_summary(self) -> Path:
+        return (self.ps or self.default) / PS_SUMMARY
+
+
+def locate(folders: Sequence[Path]) -> RunFiles:
+    """Which of `folders` holds each node's files (and ps.json); RunFolderError when two do."""
+    if not folders:
+        raise ValueError("no run folder given")
+    seen: dict[int, tuple[Path, str]] = {}
+    ps: Path | None = None
+    unique = list(dict.fromkeys(Path(f).resolve() for f in folders))
+    for folder in unique:
+        if not folder.is_dir():
+            raise RunFolderError(f"{folder} is not a folder")
+        for path in sorted(folder.iterdir()):
+            match = _NODE_FILE.fullmatch(path.name)
+            if match:
+                rank = int(match.group(1))
+                if rank in seen and seen[rank][0] != folder:
+                    raise RunFolderError(f"node {rank} found twice: {seen[rank][0] / seen[rank][1]} and {path} (one "
+                                         "run per report: were two runs, or a copied folder, given?)")
+                seen.setdefault(rank, (folder, path.name))
+            elif path.name == PS_SUMMARY:
+                if ps is not None:
+                    raise RunFolderError(f"two parameter-server summaries: {ps / PS_SUMMARY} and {path}")
+                ps = folder
+    return RunFiles(default=unique[0], nodes={rank: folder for rank, (folder, _) in seen.items()}, ps=ps)
 _MAX_NOTED_PATHS = 10  # how many JSON paths a non-finite-number note lists before summarising
 
 
@@ -59,17 +114,18 @@ def consensus_distance(params: torch.Tensor) -> float:
     return float(deviation.pow(2).sum(dim=1).mean().sqrt())
 
 
-def build_report(out_dir: Path, nodes: int, config: dict | None, wall_seconds: float) -> dict:
-    """Collect per-node summaries, cluster aggregates, loss and consensus histories."""
-    out_dir = Path(out_dir)
+def build_report(out_dir: Path | RunFiles, nodes: int, config: dict | None, wall_seconds: float) -> dict:
+    """Collect per-node summaries, cluster aggregates, loss and consensus histories from one run
+    folder, or from the folders `locate` found."""
+    files = out_dir if isinstance(out_dir, RunFiles) else RunFiles(default=Path(out_dir))
     warnings: list[str] = []
-    summaries = [_load_summary(out_dir, rank, warnings) for rank in range(nodes)]
-    progress = {rank: load_progress(out_dir, rank) for rank in range(nodes)}
+    summaries = [_load_summary(files.folder(rank), rank, warnings) for rank in range(nodes)]
+    progress = {rank: load_progress(files.folder(rank), rank) for rank in range(nodes)}
     for rank, records in progress.items():
         if not any(r.get("event") == "done" for r in records):
-            warnings.append(f"node {rank}: no 'done' event in {progress_path(out_dir, rank).name}")
+            warnings.append(f"node {rank}: no 'done' event in {progress_path(files.folder(rank), rank).name}")
 
-    steps, distances, mean_norm = _consensus_history(out_dir, nodes, warnings)
+    steps, distances, mean_norm = _consensus_history(files, nodes, warnings)
     final_distance = distances[-1] if distances else None
     relative = final_distance / mean_norm if final_distance is not None and mean_norm else None
 
@@ -109,13 +165,48 @@ def build_report(out_dir: Path, nodes: int, config: dict | None, wall_seconds: f
         "history": history,
         "warnings": warnings,
     }
-    ps_path = Path(out_dir) / "ps.json"
+    ps_path = files.ps_summary
     if ps_path.exists():
         try:
             result["ps"] = json.loads(ps_path.read_text())
         except (OSError, ValueError) as exc:
             warnings.append(f"parameter server: cannot read {ps_path.name} ({exc})")
     return result
+
+
+def merge_run(folders: Sequence[Path], out_dir: Path | None = None, nodes: int | None = None) -> dict:
+    """The report of a run whose files are in `folders` (one per host, or one), written with its
+    plot into `out_dir` (default: the only folder). The node count is `nodes`, else the highest
+    rank found + 1 (a missing rank is a warning, as a missing file is); the wall time is that of
+    the progress records. An earlier report.json in `out_dir` lends what only the launcher knew:
+    the config, the wall time and each node's outcome."""
+    files = locate(folders)
+    if out_dir is None:
+        if len({Path(f).resolve() for f in folders}) > 1:
+            raise ValueError("several run folders: give --out OUT for the merged report")
+        out_dir = files.default
+    out_dir = Path(out_dir)
+    count = nodes if nodes is not None else max(files.nodes, default=-1) + 1
+    previous = _previous_report(out_dir)
+    report = build_report(files, count, previous.get("config"), _wall_seconds(files, count))
+    missing = [rank for rank in range(count) if rank not in files.nodes]
+    if missing:
+        report["warnings"].insert(0, f"no files of node(s) {missing} in {', '.join(str(Path(f)) for f in folders)}")
+    extra = sorted(rank for rank in files.nodes if rank >= count)
+    if extra:
+        report["warnings"].insert(0, f"files of node(s) {extra} beyond --nodes {count} left out")
+    if previous.get("cluster", {}).get("wall_seconds") is not None:
+        report["cluster"]["wall_seconds"] = previous["cluster"]["wall_seconds"]
+    for key in _LAUNCHER_CLUSTER_KEYS:
+        if key in previous.get("cluster", {}):
+            report["cluster"][key] = previous["cluster"][key]
+    earlier = {n.get("rank"): n for n in previous.get("nodes", []) if isinstance(n, dict)}
+    for node in report["nodes"]:
+        node.update({k: earlier[node["rank"]][k] for k in _LAUNCHER_NODE_KEYS if k in earlier.get(node["rank"], {})})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_report(report, out_dir)
+    plot(report, out_dir)
+    return report
 
 
 def write_report(report: dict, out_dir: Path) -> Path:
@@ -183,12 +274,27 @@ def _load_summary(out_dir: Path, rank: int, warnings: list[str]) -> dict:
     return {"rank": rank, **summary}
 
 
-def _load_snapshots(out_dir: Path, nodes: int, warnings: list[str]) -> list[dict[int, torch.Tensor]] | None:
+def _previous_report(out_dir: Path) -> dict:
+    try:
+        previous = json.loads((out_dir / REPORT_NAME).read_text())
+    except (OSError, ValueError):
+        return {}
+    return previous if isinstance(previous, dict) else {}
+
+
+def _wall_seconds(files: RunFiles, nodes: int) -> float:
+    """From the first to the last progress record of any node."""
+    times = [r["time"] for rank in range(nodes) for r in load_progress(files.folder(rank), rank)
+             if isinstance(r.get("time"), (int, float))]
+    return max(times) - min(times) if times else 0.0
+
+
+def _load_snapshots(files: RunFiles, nodes: int, warnings: list[str]) -> list[dict[int, torch.Tensor]] | None:
     """Per node {step: flat params}; None (with warnings) if any node's snapshots are unusable,
     since a consensus distance over a subset of nodes would be misleading."""
     per_node: list[dict[int, torch.Tensor]] = []
     for rank in range(nodes):
-        path = snapshot_path(out_dir, rank)
+        path = snapshot_path(files.folder(rank), rank)
         if not path.exists():
             warnings.append(f"node {rank}: {path.name} missing; consensus distance unavailable")
             continue
@@ -212,9 +318,9 @@ def _load_snapshots(out_dir: Path, nodes: int, warnings: list[str]) -> list[dict
     return per_node
 
 
-def _consensus_history(out_dir: Path, nodes: int, warnings: list[str]) -> tuple[list[int], list[float], float | None]:
+def _consensus_history(files: RunFiles, nodes: int, warnings: list[str]) -> tuple[list[int], list[float], float | None]:
     """Consensus distance at each snapshot step all nodes share, and ||zbar|| at the last one."""
-    per_node = _load_snapshots(out_dir, nodes, warnings) if nodes > 0 else None
+    per_node = _load_snapshots(files, nodes, warnings) if nodes > 0 else None
     if per_node is None:
         return [], [], None
     steps = sorted(set.intersection(*(set(snaps) for snaps in per_node)))

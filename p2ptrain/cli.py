@@ -1,10 +1,12 @@
-"""The `p2ptrain` command: node, ps, launch, compose, health, bench, reproduce.
+"""The `p2ptrain` command: node, ps, launch, compose, kubernetes, report, health, bench, reproduce.
 
   p2ptrain node    run one node (flags, env RANK/WORLD_SIZE/P2PTRAIN_*, or --config FILE.toml);
                    --role worker --ps HOST:PORT: an asynchronous parameter-server worker (GEM)
   p2ptrain ps      run a parameter server for --world-size workers (GEM, seed 001)
   p2ptrain launch  run a local cluster of N node processes with live progress and a report
   p2ptrain compose write a docker-compose file: N nodes (+ parameter server), Prometheus, Grafana
+  p2ptrain kubernetes  write Kubernetes manifests: StatefulSet (or parameter server + workers), Services, ...
+  p2ptrain report  (re)build a run's report.json and plot.png from its folder, or merge one folder per host
   p2ptrain health  ask a node or parameter server whether it is serving (grpc.health.v1); exit 0 if so
   p2ptrain bench   benchmarks (transport, algorithms)
   p2ptrain reproduce  re-run a figure of the source documents (relaysgd, gem)
@@ -97,6 +99,49 @@ def build_parser() -> argparse.ArgumentParser:
     add_node_arguments(compose, cluster_flags=False)
     compose.set_defaults(func=cmd_compose)
 
+    kube = sub.add_parser("kubernetes", help="write Kubernetes manifests: a StatefulSet of N nodes (or a parameter "
+                                             "server and N workers), Services, ConfigMap, probes, ServiceMonitor",
+                          description="Write YAML manifests into --out DIR for `kubectl apply -f DIR`: a StatefulSet "
+                                      "NAME of N nodes (pod ordinal = rank) behind a headless Service giving each "
+                                      "pod a stable DNS name (the peer list); the node flags given here (and "
+                                      "--config) as node.toml in a ConfigMap; TLS and token files from the Secret "
+                                      "--secret (created by you, see README: Kubernetes); gRPC health probes; "
+                                      "Prometheus annotations and a ServiceMonitor. --ps: a parameter-server "
+                                      "Deployment + Service and a StatefulSet of N GEM workers instead.")
+    kube.add_argument("--nodes", type=int, required=True, help="number of nodes (or of parameter-server workers)")
+    kube.add_argument("--out", required=True, metavar="DIR", help="folder for the manifests (one file per object)")
+    kube.add_argument("--ps", action="store_true", help="a parameter server and N GEM workers (as --algorithm gem)")
+    kube.add_argument("--name", default="p2ptrain", help="name of the StatefulSet, Services, ... (default p2ptrain)")
+    kube.add_argument("--namespace", default="default", help="Kubernetes namespace (default default)")
+    kube.add_argument("--image", default="p2ptrain:latest", help="container image (default p2ptrain:latest, built "
+                                                                "from the Dockerfile)")
+    kube.add_argument("--gpus", type=int, default=0, metavar="K", help="nvidia.com/gpu per pod (default 0)")
+    kube.add_argument("--cpu", default="1", help="CPU requested per pod (default 1)")
+    kube.add_argument("--memory", default="2Gi", help="memory requested per pod, also its limit (default 2Gi)")
+    kube.add_argument("--storage", default="1Gi", help="each pod's volume for its run files (default 1Gi)")
+    kube.add_argument("--secret", default="p2ptrain-secret",
+                      help="Secret with the TLS / token files (keys tls.crt, tls.key, ca.crt, token), mounted when "
+                           "--tls-* or --auth-token-file is given (default p2ptrain-secret)")
+    kube.add_argument("--port", type=int, default=50051, help="gRPC port of every pod (default 50051)")
+    kube.add_argument("--metrics-port", type=int, default=9100, help="/metrics port of every pod (default 9100)")
+    kube.add_argument("--no-service-monitor", dest="service_monitor", action="store_false",
+                      help="leave out the ServiceMonitor (for clusters without the Prometheus Operator)")
+    add_node_arguments(kube, cluster_flags=False)
+    kube.set_defaults(func=cmd_kubernetes)
+
+    report = sub.add_parser("report", help="(re)build the report of a run from its folder, or merge the folders "
+                                           "of a run on several hosts",
+                            description="Read node{rank}.progress.jsonl, node{rank}.json, node{rank}.snapshots.pt and "
+                                        "ps.json of one run from one folder, or from one folder per host, and write "
+                                        "report.json and plot.png (as `p2ptrain launch` does) into --out. A node "
+                                        "whose files are in two folders is an error; missing nodes are warnings.")
+    report.add_argument("folders", nargs="+", metavar="DIR", help="the run's folder(s)")
+    report.add_argument("--out", metavar="OUT", help="where to write report.json and plot.png (default: DIR, when "
+                                                     "only one is given)")
+    report.add_argument("--nodes", type=int, metavar="N",
+                        help="the run's node count (default: the highest rank found + 1)")
+    report.set_defaults(func=cmd_report)
+
     health = sub.add_parser("health", help="ask a node or parameter server whether it is serving (grpc.health.v1)",
                             description="Ask the standard gRPC health service of a node or parameter server once "
                                         "and print its status: exit 0 when SERVING, 1 otherwise (NOT_SERVING: not "
@@ -185,9 +230,15 @@ def cmd_node(args: argparse.Namespace) -> int:
         return 0
     from p2ptrain.node import NoClusterToRejoin
     from p2ptrain.train.optimizer import NonFiniteError
+    from p2ptrain.transport.rendezvous import RendezvousError, assign_rank
 
     try:
+        if config.uses_rendezvous:
+            config = assign_rank(config)  # the store hands out a rank when no source gave one
         summary = run_node(config)
+    except RendezvousError as exc:
+        print(f"p2ptrain node: {exc}", file=sys.stderr)
+        return 1
     except NoClusterToRejoin as exc:
         print(f"p2ptrain node: {exc}", file=sys.stderr)
         return EXIT_NO_CLUSTER
@@ -411,6 +462,53 @@ def cmd_compose(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}: {len(spec['services'])} services", file=sys.stderr)
     else:
         sys.stdout.write(text)
+    return 0
+
+
+def cmd_kubernetes(args: argparse.Namespace) -> int:
+    """Generate the manifests and check every pod's command as the pod will run it (CLI parser and
+    NodeConfig validation), so a bad flag fails here and not in N pods."""
+    import shlex
+
+    from launcher import kubernetes
+
+    options = kubernetes.KubernetesOptions(name=args.name, namespace=args.namespace, image=args.image, gpus=args.gpus,
+                                           cpu=args.cpu, memory=args.memory, storage=args.storage, secret=args.secret,
+                                           port=args.port, metrics_port=args.metrics_port,
+                                           service_monitor=args.service_monitor)
+    try:
+        settings = kubernetes.load_settings(args.config_file, flags_from_args(args))
+        objects = kubernetes.manifests(args.nodes, settings, ps=args.ps, options=options)
+        kubernetes.check_pods(objects, settings, build_parser(), ps=args.ps)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    canonical = ["--nodes", str(args.nodes), *(["--ps"] if args.ps else []), *options.as_flags(),
+                 *_node_flags_as_argv(args)]
+    paths = kubernetes.write(objects, args.out, " ".join(["p2ptrain kubernetes", *map(shlex.quote, canonical)]))
+    print(f"wrote {len(paths)} manifests to {args.out}: kubectl apply -f {args.out}", file=sys.stderr)
+    if secret := kubernetes.secret_command(settings, options):
+        print(f"the pods mount Secret {args.secret!r}: create it first, e.g. {secret}", file=sys.stderr)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from launcher import report as run_report
+
+    if args.nodes is not None and args.nodes < 1:
+        raise ConfigError("--nodes must be >= 1")
+    out = Path(args.out) if args.out else None
+    try:
+        result = run_report.merge_run([Path(d) for d in args.folders], out, nodes=args.nodes)
+    except ValueError as exc:  # RunFolderError: a node found twice; not a folder; several folders, no --out
+        print(f"p2ptrain report: {exc}", file=sys.stderr)
+        return 2
+    out = out or Path(args.folders[0])
+    cluster = result["cluster"]
+    accuracy = cluster.get("mean_test_accuracy")
+    print(f"report: {out / run_report.REPORT_NAME}, plot: {out / run_report.PLOT_NAME}: {cluster['nodes']} nodes, "
+          f"mean test accuracy {'-' if accuracy is None else f'{accuracy:.4f}'}")
+    for warning in result["warnings"]:
+        print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 

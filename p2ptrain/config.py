@@ -1,9 +1,12 @@
 """NodeConfig: every setting of a node as plain data, and where settings come from:
 defaults < TOML file < environment < command-line flags.
 
-Environment: torchrun's RANK / WORLD_SIZE, and P2PTRAIN_<SETTING> for any setting (e.g.
-P2PTRAIN_PEERS="node0:50051,node1:50051", P2PTRAIN_OVERLAP=1), which is what docker-compose uses.
-List settings in one string: peers comma-separated, link_overrides semicolon-separated.
+Environment: P2PTRAIN_<SETTING> for any setting (e.g. P2PTRAIN_PEERS="node0:50051,node1:50051",
+P2PTRAIN_OVERLAP=1), which is what docker-compose uses, and below it what launchers set: torchrun's
+RANK / WORLD_SIZE (or GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK), TORCHELASTIC_RUN_ID and
+MASTER_ADDR / MASTER_PORT (the rendezvous store, for a node given no peer list), and Slurm's
+SLURM_PROCID / SLURM_NTASKS. List settings in one string: peers comma-separated, link_overrides
+semicolon-separated.
 
 An algorithm's own options (SGP's overlap, all-reduce's compression, ...) are declared by the
 algorithm (p2ptrain/algorithms/registry.py) and travel in `options`; a flag that does not apply to
@@ -57,7 +60,14 @@ class NodeConfig:
     rank: int = 0
     world_size: int = 1
     peers: list[str] = field(default_factory=list)  # address of every node, indexed by rank
-    listen: str | None = None                        # bind address (default: [::]:<own peer port>)
+    listen: str | None = None                        # bind address (default: [::]:<own peer port>; with a
+                                                     # rendezvous [::]:0, a port the OS picks)
+    # Rendezvous (transport/rendezvous.py): how a node given no peer list finds its peers; not in the fingerprint
+    rendezvous: str | None = None                    # HOST:PORT of a c10d TCPStore (torchrun's own, or one a node
+                                                     # on HOST hosts); env MASTER_ADDR:MASTER_PORT
+    advertise: str | None = None                     # HOST[:PORT] peers reach this node at; None: the host of
+                                                     # listen, or the local address that routes to the store
+    run_id: str = "p2ptrain"                         # namespaces this run's keys in the store (env TORCHELASTIC_RUN_ID)
     # Algorithm
     algorithm: str = "sgp"
     topology: str | None = None                      # None: the algorithm's default (its registry entry)
@@ -124,6 +134,8 @@ class NodeConfig:
     # Options of other algorithms that came from a shared TOML file or the environment (a cluster's
     # workers and peers may share one file): kept here, reported at start-up, never applied.
     ignored_options: dict[str, Any] = field(default_factory=dict)
+    # False when no source gave a rank: a rendezvous store then assigns one (rendezvous.assign_rank).
+    rank_given: bool = field(default=True, compare=False, repr=False)
 
 
     # -- the algorithm ----------------------------------------------------------------------------
@@ -155,7 +167,10 @@ class NodeConfig:
         need(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
         need(0 <= self.rank < self.world_size, f"rank {self.rank} outside 0..{self.world_size - 1}")
         need(self.role in ROLES, f"unknown role {self.role!r}; choose from {ROLES}")
-        if self.role == "peer" and (self.world_size > 1 or self.peers):
+        self._validate_rendezvous(need)
+        if self.role == "peer" and not self.uses_rendezvous and (self.world_size > 1 or self.peers):
+            need(bool(self.peers), "no --peers and no rendezvous: set --rendezvous HOST:PORT or run under torchrun "
+                                   "(or give --peers host:port,... in rank order)")
             need(len(self.peers) == self.world_size,
                  f"--peers lists {len(self.peers)} addresses but world size is {self.world_size}: "
                  "give one host:port per node, in rank order")
@@ -224,6 +239,26 @@ class NodeConfig:
             need(self.resolved_topology in spec.topologies,
                  f"{spec.name} cannot run on topology {self.topology!r}; choose from {spec.topologies}")
         self.algorithm_options  # raises ConfigError with the algorithm's own reason
+
+    def _validate_rendezvous(self, need) -> None:
+        if self.rendezvous is not None:
+            need(self.role == "peer", "--rendezvous is for peer nodes (a parameter-server worker finds its server "
+                                      "through --ps-address)")
+            need(not self.peers, "give --peers or --rendezvous, not both")
+            need(_is_host_port(self.rendezvous), f"rendezvous {self.rendezvous!r} is not HOST:PORT")
+        if self.advertise is not None:
+            host, _, port = self.advertise.rpartition(":") if _has_port(self.advertise) else (self.advertise, "", "")
+            need(_is_host(host) and (not port or (port.isdigit() and 0 < int(port) < 65536)),
+                 f"advertise {self.advertise!r} is not HOST or HOST:PORT")
+            need(_unbracket(host) not in _WILDCARD_HOSTS,
+                 f"advertise {self.advertise!r} is a wildcard; give the address peers reach this node at")
+        need(bool(self.run_id) and self.run_id.isprintable() and not any(c.isspace() for c in self.run_id),
+             f"run_id {self.run_id!r} must be non-empty, without spaces")
+
+    @property
+    def uses_rendezvous(self) -> bool:
+        """This node finds its peers through a rendezvous store instead of a peer list."""
+        return self.role == "peer" and not self.peers and self.rendezvous is not None
 
     def _validate_ps(self, need) -> None:
         if self.ps_address is not None:
@@ -342,6 +377,7 @@ class NodeConfig:
         del values["options"]
         if not values["ignored_options"]:
             del values["ignored_options"]
+        del values["rank_given"]
         values.update(dataclasses.asdict(self.algorithm_options))
         if values.get("auth_token") is not None:
             values["auth_token"] = "<redacted>"
@@ -357,15 +393,18 @@ class NodeConfig:
         the command spells it differently (launch: world_size is --nodes)."""
         shared: dict[str, Any] = {}  # from sources a whole cluster may share
         toml = _from_toml(Path(toml_path)) if toml_path else {}
-        environment = _from_env(os.environ if env is None else env)
+        env = os.environ if env is None else env
+        environment = _from_env(env)
         shared.update(toml)
         shared.update(environment)
         options_known = registry.all_options()  # (flags carry the parser's other entries too: skipped)
         given = {k: v for k, v in (flags or {}).items() if v is not None and (k in _FIELDS or k in options_known)}
-        _check_agreement("world_size", toml_path, toml, environment, given, spelled)
+        _check_agreement("world_size", toml_path, toml, environment, given, spelled, env)
         values = {**shared, **given}
         if values.get("role") in ("ps", "worker") and "algorithm" not in values:
             values["algorithm"] = "gem"  # the parameter-server roles run GEM and its baselines
+        if values.get("role", "peer") == "peer" and not values.get("peers"):
+            _rendezvous_from_launcher(values, env, given)
         settings = {k: _coerce(k, v, _FIELDS[k].type) for k, v in values.items() if k in _FIELDS}
         algorithm = str(settings.get("algorithm", cls.algorithm))
         taken = registry.get(algorithm).option_fields() if algorithm in registry.names() else {}
@@ -382,24 +421,26 @@ class NodeConfig:
             else:
                 ignored[name] = value
         try:
-            config = cls(**settings, options=options, ignored_options=ignored)
+            config = cls(**settings, options=options, ignored_options=ignored, rank_given="rank" in values)
         except (TypeError, ValueError) as exc:
             raise ConfigError(str(exc)) from None
         return config.validate()
 
 
-_FIELDS = {f.name: f for f in fields(NodeConfig) if f.name not in ("options", "ignored_options")}
+_FIELDS = {f.name: f for f in fields(NodeConfig) if f.name not in ("options", "ignored_options", "rank_given")}
 
 
 def _check_agreement(name: str, toml_path, toml: Mapping, environment: Mapping, flags: Mapping,
-                     spelled: Mapping[str, str]) -> None:
+                     spelled: Mapping[str, str], env: Mapping[str, str]) -> None:
     """A setting two sources give differently is a mistake, not an override (e.g. a world size of 4
     in the TOML, WORLD_SIZE=8 from the environment and --nodes 3): say which is which."""
     present = []
     if toml.get(name) is not None:
         present.append((f"{name} = {toml[name]!r} in {toml_path}", str(toml[name]).strip()))
     if environment.get(name) is not None:
-        present.append((f"{name.upper()}={environment[name]} in the environment", str(environment[name]).strip()))
+        variable = next((v for v in (f"P2PTRAIN_{name.upper()}", *_LAUNCHER_VARIABLES.get(name, ())) if v in env),
+                        name.upper())
+        present.append((f"{variable}={environment[name]} in the environment", str(environment[name]).strip()))
     if flags.get(name) is not None:
         flag = spelled.get(name, f"--{name.replace('_', '-')}")
         present.append((f"{flag} {flags[name]}", str(flags[name]).strip()))
@@ -443,6 +484,18 @@ def parse_slowdown(spec: str | float | None, world_size: int) -> dict[int, float
 def _unbracket(host: str) -> str:
     """"[::1]" (the form in host:port addresses) -> "::1" (the form sockets bind)."""
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def _has_port(text: str) -> bool:
+    """"host:port" / "[v6]:port" rather than a bare host or IPv6 literal."""
+    if text.startswith("["):
+        return "]:" in text
+    return text.count(":") == 1
+
+
+def _is_host_port(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return bool(sep and _has_port(text) and _is_host(host) and port.isdigit() and 0 < int(port) < 65536)
 
 
 def _is_host(text: str) -> bool:
@@ -524,12 +577,45 @@ def _from_toml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    if "WORLD_SIZE" in env:
-        values["world_size"] = env["WORLD_SIZE"]
+_LAUNCHER_VARIABLES = {"world_size": ("WORLD_SIZE", "SLURM_NTASKS")}  # in the order _launcher_identity reads them
+
+
+def _launcher_identity(env: Mapping[str, str]) -> dict[str, str]:
+    """Rank, world size and run id as torchrun or Slurm set them (P2PTRAIN_* overrides them)."""
+    values: dict[str, str] = {}
     if "RANK" in env:
         values["rank"] = env["RANK"]
+    elif all(env.get(k, "").isdigit() for k in ("GROUP_RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK")):
+        values["rank"] = str(int(env["GROUP_RANK"]) * int(env["LOCAL_WORLD_SIZE"]) + int(env["LOCAL_RANK"]))
+    elif "SLURM_PROCID" in env:
+        values["rank"] = env["SLURM_PROCID"]
+    if "WORLD_SIZE" in env:
+        values["world_size"] = env["WORLD_SIZE"]
+    elif "SLURM_NTASKS" in env:
+        values["world_size"] = env["SLURM_NTASKS"]
+    if env.get("TORCHELASTIC_RUN_ID"):
+        restarts = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+        # torchrun restarts every worker as a new round: a fresh rendezvous, never the last round's keys
+        values["run_id"] = env["TORCHELASTIC_RUN_ID"] + (f"-restart{restarts}" if restarts not in ("", "0") else "")
+    return values
+
+
+def _rendezvous_from_launcher(values: dict[str, Any], env: Mapping[str, str], flags: Mapping[str, Any]) -> None:
+    """A node given no peer list: the store at MASTER_ADDR:MASTER_PORT (torchrun's, Slurm scripts')
+    unless one is named; the launcher's world size must then agree with --world-size; a rendezvous
+    needs a world size."""
+    if values.get("rendezvous") is None and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        host = env["MASTER_ADDR"]
+        values["rendezvous"] = f"[{host}]:{env['MASTER_PORT']}" if ":" in host else f"{host}:{env['MASTER_PORT']}"
+    if values.get("rendezvous") is None:
+        return
+    if "world_size" not in values:
+        raise ConfigError("a rendezvous needs the number of nodes: --world-size N (or WORLD_SIZE / SLURM_NTASKS "
+                          "from torchrun / Slurm)")
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = dict(_launcher_identity(env))
     for name in [*_FIELDS, *registry.all_options()]:
         key = f"P2PTRAIN_{name.upper()}"
         if key in env:

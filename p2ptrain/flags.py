@@ -20,7 +20,20 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, cluster_flags: bool =
         g.add_argument("--rank", type=int, help="this node's rank (env RANK)")
         g.add_argument("--world-size", type=int, help="number of nodes (env WORLD_SIZE)")
         g.add_argument("--peers", help="comma-separated host:port of every node in rank order")
-        g.add_argument("--listen", help="bind address, default [::]:<own port from --peers>")
+        g.add_argument("--listen", help="bind address, default [::]:<own port from --peers> (with a rendezvous: "
+                                        "[::]:0, a free port the OS picks, published to the store)")
+        g.add_argument("--rendezvous", metavar="HOST:PORT",
+                       help="without --peers: find the peers through the c10d TCPStore at HOST:PORT (default under "
+                            "torchrun or with MASTER_ADDR/MASTER_PORT set: that store; when nothing answers there, a "
+                            "node on HOST with rank 0, or with none given, hosts it); ranks not given (RANK, "
+                            "SLURM_PROCID, --rank) are handed out by the store in arrival order")
+        g.add_argument("--advertise", metavar="HOST[:PORT]",
+                       help="the address peers reach this node at, published to the rendezvous store (default: the "
+                            "host of --listen, else the local address that routes to the store; PORT: the bound "
+                            "port)")
+        g.add_argument("--run-id", metavar="ID",
+                       help="name of this run in the rendezvous store, so jobs sharing a store do not mix (default "
+                            "TORCHELASTIC_RUN_ID under torchrun, else p2ptrain)")
     g = parser.add_argument_group("algorithm")
     specs = registry.algorithms()
     g.add_argument("--algorithm", choices=tuple(specs),

@@ -25,7 +25,7 @@ from p2ptrain.train import DecentralizedTrainer, cycle, pick_device
 from p2ptrain.train.optimizer import NonFiniteError
 from p2ptrain.train.progress import RunRecorder
 from p2ptrain.train.setup import build_optimizer, training_setup
-from p2ptrain.transport import Transport, TransportOptions
+from p2ptrain.transport import Transport, TransportOptions, rendezvous
 from p2ptrain.transport.errors import PeerError
 from p2ptrain.transport.faults import LinkTable
 from p2ptrain.transport.security import security_from_settings
@@ -69,8 +69,10 @@ class Node:
         self.config = config.validate()
         self.device = device or pick_device(config.device)
         self.metrics = NodeMetrics(config.rank, algorithm=config.algorithm)
-        peers = config.peers or ["127.0.0.1:0"]
-        self.transport = Transport(config.rank, config.world_size, peers, listen=config.listen,
+        peers, listen = config.peers or ["127.0.0.1:0"], config.listen
+        if config.uses_rendezvous:  # addresses come from the store once the server is bound (start)
+            peers, listen = None, rendezvous.listen_address(config)
+        self.transport = Transport(config.rank, config.world_size, peers, listen=listen,
                                    options=transport_options(config, self.device), metrics=self.metrics,
                                    config_fingerprint=config.fingerprint())
         self.comm = Communicator(self.transport, self.device, peer_timeout=config.peer_timeout)
@@ -104,6 +106,8 @@ class Node:
             return self
         self._started = True
         self.transport.start()
+        if self.config.uses_rendezvous:
+            self.transport.set_peer_addresses(rendezvous.exchange_addresses(self.config, self.transport.port))
         if self.config.metrics_port is not None:
             server, _ = self.metrics.serve(self.config.metrics_port, addr=self.config.metrics_bind_host)
             self._metrics_server = server

@@ -16,8 +16,9 @@ torch.set_num_threads(1)
 
 PEERS2 = "127.0.0.1:50051,127.0.0.1:50052"
 # Every setting: NodeConfig's fields (the algorithm's options travel in `options`, whose names are the
-# registry's; `ignored_options` is bookkeeping) plus every algorithm option.
-FIELDS = [f.name for f in dataclasses.fields(NodeConfig) if f.name not in ("options", "ignored_options")] + \
+# registry's; `ignored_options` and `rank_given` are bookkeeping) plus every algorithm option.
+FIELDS = [f.name for f in dataclasses.fields(NodeConfig)
+          if f.name not in ("options", "ignored_options", "rank_given")] + \
     list(registry.all_options())
 
 
@@ -107,7 +108,7 @@ def test_invalid_toml_and_missing_file(tmp_path):
     ({"flags": {"rank": -1}}, r"rank -1 outside 0\.\.0"),
     ({"flags": {"world_size": 0}}, "world_size must be >= 1, got 0"),
     ({"flags": {"world_size": 3, "peers": PEERS2}}, "--peers lists 2 addresses but world size is 3"),
-    ({"flags": {"world_size": 2}}, "--peers lists 0 addresses but world size is 2"),
+    ({"flags": {"world_size": 2}}, "no --peers and no rendezvous: set --rendezvous HOST:PORT or run under torchrun"),
     ({"flags": {"world_size": 2, "peers": "foo,127.0.0.1:1"}}, "peer address 'foo' is not host:port"),
     ({"flags": {"world_size": 2, "peers": "127.0.0.1:1,127.0.0.1:99999"}},
      "peer address '127.0.0.1:99999' is not host:port"),
@@ -213,7 +214,7 @@ def test_node_help_mentions_every_setting(capsys):
 def test_launch_help_mentions_shared_settings(capsys):
     text = _help(capsys, ["launch", "--help"])
     per_node = {"rank", "world_size", "peers", "listen", "metrics_port", "metrics_host", "role", "ps_address",
-                "rejoin"}
+                "rejoin", "rendezvous", "advertise", "run_id"}
     missing = [f for f in FIELDS if f not in per_node and _flag(f) not in text]
     assert missing == []
     for flag in ("--nodes", "--timeout", "--no-metrics", "--live", "--no-live"):

@@ -68,6 +68,12 @@ class ChannelPool:
         self.security = security
         self._clients: dict[int, PeerClient] = {}
 
+    def set_addresses(self, addresses: list[str]) -> None:
+        """Peer addresses learned after start-up (a rendezvous); before any channel is made."""
+        if self._clients:
+            raise RuntimeError("peer addresses can only be set before the first call to a peer")
+        self.addresses = list(addresses)
+
     def client(self, peer: int) -> PeerClient:
         client = self._clients.get(peer)
         if client is None:

@@ -35,20 +35,23 @@ from p2ptrain.transport.tuning import tune_process_for_transfer
 
 
 class Transport:
-    """Tensor push/receive for node `rank` of `world_size`; peers[i] is node i's address."""
+    """Tensor push/receive for node `rank` of `world_size`; peers[i] is node i's address. peers=None:
+    addresses learned after start (`set_peer_addresses`, from a rendezvous); `listen` is then required."""
 
-    def __init__(self, rank: int, world_size: int, peers: list[str], *, listen: str | None = None,
+    def __init__(self, rank: int, world_size: int, peers: list[str] | None, *, listen: str | None = None,
                  options: TransportOptions | None = None, metrics=None, config_fingerprint: str = ""):
-        if len(peers) != world_size:
+        if peers is None and not listen:
+            raise ValueError("without peer addresses (learned after start) give the listen address")
+        if peers is not None and len(peers) != world_size:
             raise ValueError(f"need one address per node: {len(peers)} addresses for world size {world_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside 0..{world_size - 1}")
         self.rank = rank
         self.world_size = world_size
-        self.peers = list(peers)
+        self.peers = list(peers) if peers is not None else [""] * world_size
         self.options = options = options or TransportOptions()
         check_chunk_bytes(options.chunk_bytes)
-        self.listen = listen or f"[::]:{peers[rank].rsplit(':', 1)[1]}"
+        self.listen = listen or f"[::]:{self.peers[rank].rsplit(':', 1)[1]}"
         self.metrics = metrics
         self.identity = Identity(rank, world_size, config_fingerprint)
         self.inbox = Inbox(rank, world_size, step_window=options.step_window, pin_memory=options.pin_memory)
@@ -89,6 +92,15 @@ class Transport:
         if port == 0:
             raise PeerError(f"node {self.rank} could not listen on {self.listen}")
         self.port = port
+
+    def set_peer_addresses(self, addresses: list[str]) -> None:
+        """Every node's address, in rank order, learned once this server is bound (a rendezvous
+        publishes `self.port`); call before anything is sent or greeted."""
+        if len(addresses) != self.world_size:
+            raise ValueError(f"need one address per node: {len(addresses)} addresses for world size "
+                             f"{self.world_size}")
+        self._channels.set_addresses(addresses)
+        self.peers[:] = addresses  # in place: Peers (Hello messages) shares this list
 
     def stop(self) -> None:
         """Graceful: in-flight RPCs get `shutdown_grace` seconds, then channels close."""

@@ -1,0 +1,296 @@
+"""Rendezvous: how a node given no peer list learns every peer's gRPC address (and, when no launcher
+gave it one, its rank) through a c10d key-value store, torch.distributed.TCPStore, that every node of
+the run reaches: torchrun's own store (MASTER_ADDR:MASTER_PORT in its workers' environment), one
+someone started at the address named by --rendezvous, or else one a node hosts there when the
+address is its own and nothing answers at it yet: the rank-0 node (torch's env:// convention; a Slurm
+script points MASTER_ADDR at the first host, where task 0 runs) or a node whose rank the store will
+assign (the first to bind the port wins, as torchrun's c10d backend does).
+
+Keys, under p2ptrain/<run id>/ (torchrun's agent keeps its own keys in the same store):
+  world_size      the run's node count, set by the first node; a node that says otherwise fails
+  next_rank       a counter (store.add): ranks for nodes given none, in arrival order
+  address/<rank>  HOST:PORT of node <rank>, set once (compare_set): a second claim of a rank fails
+  joined          a counter of nodes that have read every address: nobody goes on before all have,
+                  so the process hosting the store never takes it away from a node still reading
+
+A node publishes the address its peers reach it at: --advertise, else the host of --listen, else
+the local address of the interface that routes to the store (a UDP connect(), which sends nothing,
+then getsockname()), never a loopback address when the store is on another machine.
+
+This module only discovers the peer list. It never trains and never talks gRPC: node.py hands the
+addresses to the Transport (Transport.set_peer_addresses) once its server is bound, so the port
+published is the one the OS picked.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import errno
+import ipaddress
+import logging
+import socket
+import threading
+import time
+from typing import Protocol
+
+import torch.distributed as dist
+
+from p2ptrain.transport.errors import PeerError
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "p2ptrain"   # then /<run id>/...
+ANY_PORT_LISTEN = "[::]:0"  # a rendezvous node's default bind address: every interface, a port the OS picks
+POLL_SECONDS = 0.05
+
+
+class RendezvousSettings(Protocol):
+    """What a rendezvous reads of a node's settings (NodeConfig's fields of these names)."""
+    rank: int
+    rank_given: bool       # False: the store assigns the rank
+    world_size: int
+    rendezvous: str | None  # HOST:PORT of the store
+    advertise: str | None
+    listen: str | None
+    run_id: str
+    peer_timeout: float    # bounds every wait: connecting, and for the other nodes
+    rejoin: bool
+
+
+class RendezvousError(PeerError):
+    """The store is unreachable, or the nodes of a run disagree (world size, a rank claimed twice,
+    more nodes than the world size); the message says which and what to do."""
+
+
+def listen_address(config: RendezvousSettings) -> str:
+    """Where a rendezvous node binds its gRPC server: --listen, else every interface on a free port."""
+    return config.listen or ANY_PORT_LISTEN
+
+
+def assign_rank(config: RendezvousSettings) -> RendezvousSettings:
+    """`config` (a dataclass) with a rank: its own when a source gave one, else the next one the store
+    hands out."""
+    if config.rank_given:
+        return config
+    store = _run_store(config)
+    _agree_on_world_size(store, config)
+    rank = store.add("next_rank", 1) - 1
+    if rank >= config.world_size:
+        raise RendezvousError(f"rendezvous {config.rendezvous} run {config.run_id!r}: more than {config.world_size} "
+                              f"nodes asked for a rank (this is number {rank + 1}): a node started twice, --world-size "
+                              "is too small, or an earlier run used this store and run id (give a new --run-id)")
+    log.info("rendezvous %s run %r: the store assigned rank %d", config.rendezvous, config.run_id, rank)
+    return dataclasses.replace(config, rank=rank, rank_given=True)  # type: ignore[type-var]
+
+
+def exchange_addresses(config: RendezvousSettings, port: int) -> list[str]:
+    """Publish this node's address (its gRPC server is bound to `port`) and return every node's, in
+    rank order, once all `world_size` nodes have published theirs (and read them all)."""
+    deadline = time.monotonic() + config.peer_timeout
+    store = _run_store(config)
+    _agree_on_world_size(store, config)
+    me = advertised_address(config, port)
+    key = f"address/{config.rank}"
+    if config.rejoin:  # a restarted node takes its rank back, at its new address
+        store.set(key, me)
+    else:
+        holder = store.compare_set(key, "", me).decode()
+        if holder != me:
+            raise RendezvousError(f"rendezvous {config.rendezvous} run {config.run_id!r}: rank {config.rank} claimed "
+                                  f"twice: {holder} has it, so this node ({me}) cannot; give every node its own rank "
+                                  "(--rank, RANK, SLURM_PROCID) or none at all, or a new --run-id for a new run")
+    keys = [f"address/{rank}" for rank in range(config.world_size)]
+    _wait(lambda: store.check(keys), deadline, lambda: (
+        f"rendezvous {config.rendezvous} run {config.run_id!r}: after {config.peer_timeout:g}s no address from "
+        f"rank(s) {[r for r, k in enumerate(keys) if not store.check([k])]} of {config.world_size}"))
+    addresses = [store.get(k).decode() for k in keys]
+    if not config.rejoin:
+        store.add("joined", 1)
+        _wait(lambda: store.add("joined", 0) >= config.world_size, deadline, lambda: (
+            f"rendezvous {config.rendezvous} run {config.run_id!r}: after {config.peer_timeout:g}s only "
+            f"{store.add('joined', 0)} of {config.world_size} nodes read the addresses"))
+    log.info("node %d: rendezvous %s run %r: this node at %s; peers %s", config.rank, config.rendezvous,
+             config.run_id, me, ",".join(addresses))
+    return addresses
+
+
+def advertised_address(config: RendezvousSettings, port: int) -> str:
+    """HOST:PORT peers reach this node at (see the module docstring)."""
+    host, advertised_port = config.advertise, None
+    if host is not None and _split_port(host)[1] is not None:
+        host, advertised_port = _split_port(host)
+    if host is None:
+        listen_host = _unbracket(listen_address(config).rpartition(":")[0])
+        if listen_host not in ("", "0.0.0.0", "::", "*"):
+            host = listen_host
+        else:
+            store_host, store_port = store_address(config)
+            host = default_advertise_host(store_host, store_port)
+    host = _unbracket(host)
+    return f"[{host}]:{advertised_port or port}" if ":" in host else f"{host}:{advertised_port or port}"
+
+
+def default_advertise_host(store_host: str, store_port: int) -> str:
+    """The local address of the interface that routes to the store. When the store's *name*
+    resolves to loopback here (a hosts file mapping this machine's name to 127.0.1.1) other hosts
+    still reach it by that name, so a non-loopback interface address is taken instead; loopback
+    only when the store is named as loopback (127.0.0.1, ::1, localhost): a one-machine run."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(store_host, store_port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(sockaddr)  # UDP: picks the route and source address, sends nothing
+            host = probe.getsockname()[0]
+    except OSError as exc:
+        raise RendezvousError(f"rendezvous store host {store_host!r}: no route to it ({exc}); set --advertise "
+                              "HOST") from None
+    if not ipaddress.ip_address(host.split("%")[0]).is_loopback or _names_loopback(store_host):
+        return host
+    others = non_loopback_addresses()
+    if not others:
+        raise RendezvousError(f"the rendezvous store {store_host!r} resolves to loopback ({host}) here, and this "
+                              "machine has no other address to advertise: set --advertise HOST")
+    return others[0]
+
+
+def non_loopback_addresses() -> list[str]:
+    """IPv4 addresses of this machine's interfaces, loopback left out (Linux: SIOCGIFADDR; else the
+    addresses its host name resolves to)."""
+    found: list[str] = []
+    try:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            for _, name in socket.if_nameindex():
+                try:
+                    packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+                except OSError:
+                    continue  # no IPv4 address on it
+                found.append(socket.inet_ntoa(packed[20:24]))
+    except (ImportError, OSError):
+        try:
+            found = socket.gethostbyname_ex(socket.gethostname())[2]
+        except OSError:
+            found = []
+    return [a for a in found if not ipaddress.ip_address(a).is_loopback]
+
+
+def store_address(config: RendezvousSettings) -> tuple[str, int]:
+    if config.rendezvous is None:
+        raise RendezvousError("no rendezvous store configured (--rendezvous HOST:PORT)")
+    host, _, port = config.rendezvous.rpartition(":")
+    return _unbracket(host), int(port)
+
+
+# --- the store ------------------------------------------------------------------------------------
+
+_stores: dict[tuple[str, int], dist.Store] = {}  # one connection (or hosted server) per store and process,
+_stores_lock = threading.Lock()                  # kept for the process's life: a hosted store must outlive
+                                                 # every other node's reads
+
+
+def _run_store(config: RendezvousSettings) -> dist.Store:
+    """The store's keys of this run: p2ptrain/<run id>/..."""
+    return dist.PrefixStore(f"{KEY_PREFIX}/{config.run_id}", _store(config))
+
+
+def _store(config: RendezvousSettings) -> dist.Store:
+    host, port = store_address(config)
+    with _stores_lock:
+        store = _stores.get((host, port))
+        if store is None:
+            store = _stores[(host, port)] = _connect(config, host, port)
+        return store
+
+
+def _connect(config: RendezvousSettings, host: str, port: int) -> dist.Store:
+    timeout = datetime.timedelta(seconds=config.peer_timeout)
+    may_host = config.rank == 0 or not config.rank_given  # never a node whose rank says it is not first
+    if may_host and _is_local(host) and not _answers(host, port):
+        try:  # rank 0 (torch's env:// convention) or the first unranked node hosts, unless a store runs there
+            store = dist.TCPStore(host, port, is_master=True, timeout=timeout, wait_for_workers=False)
+            log.info("%s: hosting the rendezvous store on port %d",
+                     f"node {config.rank}" if config.rank_given else "this node", port)
+            return store
+        except RuntimeError as exc:
+            if "EADDRINUSE" not in str(exc) and errno.errorcode[errno.EADDRINUSE] not in str(exc):
+                raise RendezvousError(f"cannot host the rendezvous store on {host}:{port}: "
+                                      f"{_first_line(exc)}") from None
+    try:
+        return dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+    except RuntimeError as exc:  # DistNetworkError / DistStoreError
+        raise RendezvousError(f"rendezvous store {config.rendezvous} unreachable after {config.peer_timeout:g}s "
+                              f"({_first_line(exc)}): is it running? torchrun runs one; otherwise the rank-0 node "
+                              "hosts it when the address is its own") from None
+
+
+def _agree_on_world_size(store: dist.Store, config: RendezvousSettings) -> None:
+    said = store.compare_set("world_size", "", str(config.world_size)).decode()
+    if said != str(config.world_size):
+        raise RendezvousError(f"rendezvous {config.rendezvous} run {config.run_id!r}: world size mismatch: this node "
+                              f"says {config.world_size}, the run's first node said {said}")
+
+
+def _wait(done, deadline: float, problem) -> None:
+    while not done():
+        if time.monotonic() >= deadline:
+            raise RendezvousError(problem())
+        time.sleep(POLL_SECONDS)
+
+
+def _is_local(host: str) -> bool:
+    """Whether `host` names this machine: one of its addresses can be bound."""
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.bind((sockaddr[0], 0))
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _answers(host: str, port: int) -> bool:
+    """Whether something already accepts connections there (torchrun's agent store, or a store
+    someone started): then it is the store, and hosting another one beside it would split the run."""
+    try:
+        with socket.create_connection((host, port), timeout=2.0):
+            return True
+    except OSError:
+        return False
+
+
+def _names_loopback(host: str) -> bool:
+    if host.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _split_port(text: str) -> tuple[str, int | None]:
+    """"host:port" / "[v6]:port" -> (host, port); a bare host or IPv6 literal -> (host, None)."""
+    if text.startswith("[") and "]:" in text:
+        host, _, port = text.rpartition(":")
+        return host, int(port)
+    if text.count(":") == 1:
+        host, _, port = text.partition(":")
+        return host, int(port)
+    return text, None
+
+
+def _unbracket(host: str) -> str:
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+__all__ = ["RendezvousError", "RendezvousSettings", "advertised_address", "assign_rank", "default_advertise_host",
+           "exchange_addresses", "listen_address", "non_loopback_addresses", "store_address"]
