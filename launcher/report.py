@@ -243,8 +243,9 @@ def plot(report: dict, out_dir: Path) -> Path:
     loss_ax, consensus_ax, *extra_axes = fig.subplots(1, 2 + len(extra))
     for (key, series), ax in zip(extra.items(), extra_axes):
         for rank, points in sorted(series.items(), key=lambda kv: int(kv[0])):
-            if points:
-                ax.plot(*zip(*points), linewidth=1, label=f"{'worker' if key in titles else 'node'} {rank}")
+            if points:  # (markers: a value reported once, at the end, is a single point)
+                ax.plot(*zip(*points), linewidth=1, marker="o", markersize=3,
+                        label=f"{'worker' if key in titles else 'node'} {rank}")
         ax.set_xlabel("step")
         ax.set_title(titles.get(key, key.replace("_", " ")))
         ax.grid(True, alpha=0.3)

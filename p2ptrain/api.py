@@ -21,6 +21,10 @@ def init(config_file: str | None = None, **settings: Any):
     if _current is not None and not _current._closed:
         raise RuntimeError("p2ptrain.init() was already called in this process; close() that node first")
     config = NodeConfig.from_sources(toml_path=config_file, flags=settings)
+    if config.uses_rendezvous:  # no peer list: the store hands out a rank when no source gave one
+        from p2ptrain.transport.rendezvous import assign_rank
+
+        config = assign_rank(config)
     import torch
 
     torch.set_num_threads(config.threads)
