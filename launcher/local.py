@@ -152,6 +152,7 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
     """
     out_dir = Path(out_dir)
     log_dir = out_dir / "logs"
+    stale = run_report.clear_earlier_run(out_dir)  # a reused folder: never judge this run by the last one's files
     log_dir.mkdir(parents=True, exist_ok=True)
     specs = plan_cluster(nodes, out_dir, extra_args, host=host, metrics=metrics, argv_factory=argv_factory,
                          hosts=hosts, argv_prefixes=argv_prefixes, env_factory=env_factory)
@@ -164,6 +165,8 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
 
     print(f"launching {nodes} nodes{f' and {len(services)} service(s)' if services else ''}; run folder "
           f"{out_dir}, logs in {log_dir}", file=stream, flush=True)
+    if stale:
+        print(f"(removed {len(stale)} files of an earlier run in {out_dir})", file=stream, flush=True)
     start = time.monotonic()
     failure: ClusterError | None = None
     try:

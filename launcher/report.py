@@ -74,6 +74,25 @@ def locate(folders: Sequence[Path]) -> RunFiles:
 _MAX_NOTED_PATHS = 10  # how many JSON paths a non-finite-number note lists before summarising
 
 
+_RUN_FILE = re.compile(r"(?:node\d+|ps)\.(?:json|progress\.jsonl|snapshots\.pt)|report\.json|plot\.png")
+
+
+def clear_earlier_run(out_dir: Path) -> list[Path]:
+    """Remove what an earlier run left in `out_dir` (node and server files, report, plot, node logs),
+    so that a new run into the same folder is never judged by the old one's files; the paths removed.
+    Anything else in the folder is left alone."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    stale = [p for p in out_dir.iterdir() if _RUN_FILE.fullmatch(p.name) and p.is_file()]
+    logs = out_dir / "logs"
+    if logs.is_dir():
+        stale += [p for p in logs.iterdir() if re.fullmatch(r"(?:node\d+|ps)\.log", p.name) and p.is_file()]
+    for path in stale:
+        path.unlink()
+    return stale
+
+
 def progress_path(out_dir: Path, rank: int) -> Path:
     return Path(out_dir) / f"node{rank}.progress.jsonl"
 
@@ -309,6 +328,11 @@ def _load_snapshots(files: RunFiles, nodes: int, warnings: list[str]) -> list[di
             warnings.append(f"node {rank}: cannot read {path.name} ({exc}); consensus distance unavailable")
             continue
         per_node.append(dict(zip(steps, params)))
+        coordinates = blob.get("coordinates")
+        if isinstance(coordinates, list) and len(coordinates) == 2 and coordinates[0] != coordinates[1]:
+            note = f"consensus distance estimated from {coordinates[0]:,} of {coordinates[1]:,} coordinates"
+            if note not in warnings:
+                warnings.append(note)
     if len(per_node) != nodes:
         return None
     dims = {row.shape[0] for snaps in per_node for row in snaps.values()}

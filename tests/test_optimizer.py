@@ -229,6 +229,20 @@ def test_mixed_dtype_models_are_grouped_per_dtype():
         assert torch.equal(first, results[0][0]) and torch.equal(second, results[0][1])
 
 
+def test_non_persistent_buffers_are_constants_not_state():
+    """A causal mask registered with persistent=False (full of -inf) is neither exchanged nor checked;
+    BatchNorm's running statistics are, and integer buffers stay local."""
+    from p2ptrain.train.state import ModelState
+
+    model = net()
+    model.register_buffer("mask", torch.full((4, 4), float("-inf")).triu(1), persistent=False)
+    state = ModelState(model)
+    assert state.num_buffers == 2 * 8  # running_mean + running_var, not the mask, not num_batches_tracked
+    assert torch.isfinite(state.vector()).all()
+    state.load(state.vector() + 1.0)
+    assert torch.equal(model.mask, torch.full((4, 4), float("-inf")).triu(1))
+
+
 def test_clear_errors_at_construction():
     model, other = net(), net(1)
     with pytest.raises(RuntimeError, match=r"call p2ptrain.init\(\) first"):

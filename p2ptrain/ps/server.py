@@ -37,6 +37,7 @@ import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.algorithms.gem import staleness_scale
+from p2ptrain.train.progress import SnapshotSeries
 from p2ptrain.transport.framing import (
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES,
@@ -131,8 +132,9 @@ class CentralVariable:
         self.pulled: set[int] = set()    # workers that pulled θ at least once (only they may say Done)
         self.last_activity = time.monotonic()
         self.log: list[AppliedCommit] | None = [] if keep_log else None
-        self.snapshot_every = snapshot_every
-        self.snapshots: dict[int, torch.Tensor] = {0: self.theta.clone()} if snapshot_every else {}
+        self.snapshots = SnapshotSeries(snapshot_every) if snapshot_every else None  # θ for the report, bounded
+        if self.snapshots is not None:
+            self.snapshots.add(0, self.theta)
 
     # Pull -------------------------------------------------------------------------------------
     def snapshot(self) -> tuple[int, torch.Tensor]:
@@ -215,8 +217,8 @@ class CentralVariable:
         self.commit_bytes += self.nbytes
         if self.log is not None:
             self.log.append(record)
-        if self.snapshot_every and self.version % self.snapshot_every == 0:
-            self.snapshots[self.version] = self.theta.clone()
+        if self.snapshots is not None and self.snapshots.due(self.version):
+            self.snapshots.add(self.version, self.theta)
         return record
 
     def applied(self, worker: int, message_id: int) -> AppliedCommit | None:
@@ -443,8 +445,8 @@ class ParameterServer:
     def commit_log(self) -> list[AppliedCommit]:
         return self.call(lambda: list(self.state.log or []))
 
-    def snapshots(self) -> dict[int, torch.Tensor]:
-        return self.call(lambda: dict(self.state.snapshots))
+    def snapshots(self) -> SnapshotSeries | None:
+        return self.call(lambda: self.state.snapshots.copy() if self.state.snapshots is not None else None)
 
 
 __all__ = ["ParameterServer", "ParameterServerService", "CentralVariable", "AppliedCommit", "ps_fingerprint",

@@ -63,22 +63,25 @@ class _Report:
         self.staleness: list[float] = []
         self.pi: list[float] = []
 
-    def step(self, step: int, loss: float, seconds: float, staleness: float, pi: float, **extra) -> None:
-        """Record finished step `step` (1-based); a progress line every log_every steps."""
+    def step(self, step: int, loss: float, seconds: float, staleness: float, pi: float, model: torch.Tensor,
+             **extra) -> None:
+        """Record finished step `step` (1-based) with the worker's model; a progress line every
+        log_every steps."""
         self.staleness.append(staleness)
         self.pi.append(pi)
         every = self.config.log_every
         self.recorder.report(step, loss=loss)
-        self.recorder.step_done(step, seconds, None, staleness=_mean(self.staleness[-every:]),
+        self.recorder.step_done(step, seconds, model, staleness=_mean(self.staleness[-every:]),
                                 pi_median=_median(self.pi[-every:]), **extra)
 
-    def finish(self, summary: dict, snapshots: dict[int, torch.Tensor]) -> dict:
-        for step in sorted(snapshots):
-            self.recorder.snapshot(step, snapshots[step])
+    def start(self, model: torch.Tensor) -> None:
+        self.recorder.snapshot(0, model)
+
+    def finish(self, summary: dict, model: torch.Tensor) -> dict:
         return self.recorder.finish({"rank": self.config.rank, "role": "worker", "policy": self.policy,
                                      **self.recorder.summary(), "steps": self.config.steps,
                                      "mean_staleness": _mean(self.staleness), "pi_median": _median(self.pi),
-                                     **summary})
+                                     **summary}, model=model)
 
     def error(self, exc: BaseException) -> None:
         self.recorder.event("error", message=f"{type(exc).__name__}: {exc}")
@@ -127,7 +130,7 @@ def run_worker(config) -> dict:
         s_version = pull()  # s ← Pull()
         flat.load(theta)
         s = flat.vector()  # s is the model's own flat buffer: the gradient below is ∇L(s)
-        snapshots = {0: s.detach().cpu().clone()}
+        report.start(s)
         batches = iter(cycle(loader))
         rejected = 0
         version = s_version
@@ -165,12 +168,9 @@ def run_worker(config) -> dict:
             seconds = time.perf_counter() - started
             loss_value = float(loss.detach())
             metrics.on_step(step + 1, seconds, loss_value)
-            report.step(step + 1, loss_value, seconds, staleness, pi, version=version,
+            report.step(step + 1, loss_value, seconds, staleness, pi, s, version=version,
                         bytes_sent=metrics.bytes_sent_total, bytes_received=metrics.bytes_received_total,
                         rejected=rejected)
-            done = step + 1
-            if done % config.log_every == 0 or done == config.steps:
-                snapshots[done] = s.detach().cpu().clone()
         final_version = pull()  # evaluate the central variable as it is when this worker stops
         flat.load(theta)
         client.done(config.steps)
@@ -180,7 +180,7 @@ def run_worker(config) -> dict:
             "commits": config.steps - rejected, "rejected_commits": rejected,
             "bytes_sent": metrics.bytes_sent_total, "bytes_received": metrics.bytes_received_total,
             "device": device.type, "metrics_port": metrics_port, "ps_address": config.ps_address,
-        }, snapshots)
+        }, s)
     except BaseException as exc:
         report.error(exc)
         raise
@@ -208,7 +208,7 @@ def run_proxy(config) -> dict:
         optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=config.momentum,
                                     weight_decay=config.weight_decay)
         flat = ModelState(model, buffers=False)  # θ is the parameters alone
-        snapshots = {0: flat.vector().detach().cpu().clone()}
+        report.start(flat.vector())
         batches = iter(cycle(loader))
         for step in range(config.steps):
             started = time.perf_counter()
@@ -222,15 +222,12 @@ def run_proxy(config) -> dict:
             seconds = time.perf_counter() - started
             loss_value = float(loss.detach())
             metrics.on_step(step + 1, seconds, loss_value)
-            report.step(step + 1, loss_value, seconds, 0.0, math.nan, version=step + 1, bytes_sent=0,
+            report.step(step + 1, loss_value, seconds, 0.0, math.nan, flat.vector(), version=step + 1, bytes_sent=0,
                         bytes_received=0)
-            done = step + 1
-            if done % config.log_every == 0 or done == config.steps:
-                snapshots[done] = flat.vector().detach().cpu().clone()
         test_loss, test_accuracy = evaluate(model, test_loader, device)
         return report.finish({"test_accuracy": test_accuracy, "test_loss": test_loss, "bytes_sent": 0,
                               "bytes_received": 0, "device": device.type, "metrics_port": metrics_port},
-                             snapshots)
+                             flat.vector())
     except BaseException as exc:
         report.error(exc)
         raise

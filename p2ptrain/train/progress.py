@@ -3,7 +3,8 @@ the parameter server): progress lines the launcher tails, a summary, and model s
 
     OUT/{name}.progress.jsonl   one JSON object per line, flushed (the launcher reads it live)
     OUT/{name}.json             the summary (non-finite numbers written as null)
-    OUT/{name}.snapshots.pt     {"steps": [...], "params": [n, d]} flat models for the consensus plot
+    OUT/{name}.snapshots.pt     {"steps": [...], "params": [n, d], "coordinates": [d, P]} flat models
+                                (or a fixed sample of d of their P coordinates) for the consensus plot
 """
 from __future__ import annotations
 
@@ -15,7 +16,12 @@ from typing import Mapping
 
 import torch
 
-MAX_SNAPSHOTS = 64  # per node: a long run keeps every 2nd, 4th, ... snapshot, not all of them
+MAX_SNAPSHOTS = 32  # per node: a long run keeps every 2nd, 4th, ... snapshot, not all of them
+# Larger models are snapshotted as this many coordinates, the same ones on every node (a fixed seed),
+# scaled by sqrt(P / d) so distances and norms estimate the full model's: a run folder holds at most
+# (MAX_SNAPSHOTS + 1) x 512 KB of snapshots per node, whatever the model.
+SNAPSHOT_COORDINATES = 1 << 17
+_SAMPLE_SEED = 20_250_401
 
 
 class ProgressWriter:
@@ -40,22 +46,95 @@ def finite_or_none(summary: Mapping) -> dict:
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
 
 
-def write_summary(out: Path | None, name: str, summary: Mapping,
-                  snapshots: Mapping[int, torch.Tensor] | None = None) -> None:
-    """OUT/{name}.json (and OUT/{name}.snapshots.pt when `snapshots` are given)."""
+class SnapshotSampler:
+    """The coordinates a snapshot keeps of a P-element model: all of them up to `limit`, else a
+    fixed random `limit` of them (the same on every node, which all have the same P) scaled by
+    sqrt(P / limit), so that squared distances between nodes are unbiased estimates of the full ones."""
+
+    def __init__(self, limit: int = SNAPSHOT_COORDINATES):
+        self.limit = limit
+        self.total: int | None = None
+        self._index: torch.Tensor | None = None
+        self._scale = 1.0
+
+    def __call__(self, model: torch.Tensor) -> torch.Tensor:
+        flat = model.detach().reshape(-1)
+        if self.total != flat.numel():
+            self.total = flat.numel()
+            if self.total > self.limit:
+                generator = torch.Generator().manual_seed(_SAMPLE_SEED)
+                self._index = torch.randperm(self.total, generator=generator)[:self.limit].sort().values
+                self._scale = math.sqrt(self.total / self.limit)
+            else:
+                self._index, self._scale = None, 1.0
+        if self._index is None:
+            return flat.to("cpu", torch.float32, copy=True)
+        return flat[self._index.to(flat.device)].to("cpu", torch.float32) * self._scale
+
+    @property
+    def coordinates(self) -> list[int] | None:
+        """[kept, of P] once a model was seen."""
+        return None if self.total is None else [min(self.total, self.limit), self.total]
+
+
+class SnapshotSeries:
+    """Flat-model snapshots for the consensus plot, bounded in number and size: one every `every`
+    steps; when more than `max_snapshots` are held, every other one is dropped and the interval
+    doubles (every node thins at the same steps, so they keep sharing steps); each is a
+    SnapshotSampler sample. A final snapshot is always kept."""
+
+    def __init__(self, every: int, max_snapshots: int = MAX_SNAPSHOTS, sample: SnapshotSampler | None = None):
+        if every < 1:
+            raise ValueError(f"snapshot interval must be >= 1, got {every}")
+        self.every = every
+        self.max_snapshots = max_snapshots
+        self.sample = sample or SnapshotSampler()
+        self.by_step: dict[int, torch.Tensor] = {}
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def add(self, step: int, model: torch.Tensor, final: bool = False) -> None:
+        self.by_step[step] = self.sample(model)
+        if len(self.by_step) > self.max_snapshots and not final:
+            steps = sorted(self.by_step)
+            keep = set(steps[::2])
+            self.by_step = {s: t for s, t in self.by_step.items() if s in keep}
+            self.every *= 2
+
+    def copy(self) -> "SnapshotSeries":
+        """A copy whose list of snapshots later additions do not change (the tensors are shared:
+        they are never written)."""
+        twin = SnapshotSeries(self.every, self.max_snapshots, self.sample)
+        twin.by_step = dict(self.by_step)
+        return twin
+
+    def __len__(self) -> int:
+        return len(self.by_step)
+
+    def save(self, path: Path) -> None:
+        steps = sorted(self.by_step)
+        blob = {"steps": steps, "params": torch.stack([self.by_step[s] for s in steps])}
+        if self.sample.coordinates is not None:
+            blob["coordinates"] = self.sample.coordinates
+        torch.save(blob, path)
+
+
+def write_summary(out: Path | None, name: str, summary: Mapping, snapshots: SnapshotSeries | None = None) -> None:
+    """OUT/{name}.json (and OUT/{name}.snapshots.pt when there are `snapshots`)."""
     if out is None:
         return
     out = Path(out)
     if snapshots:
-        steps = sorted(snapshots)
-        torch.save({"steps": steps, "params": torch.stack([snapshots[s] for s in steps])},
-                   out / f"{name}.snapshots.pt")
+        snapshots.save(out / f"{name}.snapshots.pt")
     (out / f"{name}.json").write_text(json.dumps(finite_or_none(summary), indent=2))
 
 
 class RunRecorder:
     """What one node writes while it trains: every `log_every` steps a progress line (step, time,
-    the scalars reported since, traffic, push-sum weight), a snapshot of the flat model for the
+    the mean loss since the last line, traffic, push-sum weight); a line of their own, at their step,
+    for other reported scalars (accuracy, perplexity: a value is plotted where it was measured, not
+    repeated on every line after); a snapshot of the flat model for the
     consensus plot (at most MAX_SNAPSHOTS: when full, every other one is dropped and the interval
     doubles, so a 1,500-step run does not write 70 MB per node), and at the end the summary."""
 
@@ -67,8 +146,7 @@ class RunRecorder:
         self.scalars: dict[str, float] = {}       # the latest value of every reported scalar
         self.losses: list[float] = []             # every reported loss, for the summary
         self.step_seconds: list[float] = []
-        self.snapshots: dict[int, torch.Tensor] = {}
-        self.snapshot_every = log_every
+        self.snapshots = SnapshotSeries(log_every, max_snapshots)
         self.started = time.time()
         self.last_step = 0
         self.last_stats: dict = {}
@@ -79,20 +157,22 @@ class RunRecorder:
         values = {k: float(v) for k, v in scalars.items()}
         self.scalars.update(values)
         if "loss" in values:
-            self.losses.append(values["loss"])
+            self.losses.append(values.pop("loss"))
+        if values:
+            self.progress.write(step=step, time=time.time(), **values)
 
     def step_done(self, step: int, seconds: float, model: torch.Tensor | None, **stats) -> None:
         """Step `step` (1-based count of steps done) took `seconds`; `stats` go into the line."""
         self.last_step, self.last_stats = step, stats
         self.step_seconds.append(seconds)
-        if model is not None and step % self.snapshot_every == 0:
-            self.snapshot(step, model)
+        if model is not None and self.snapshots.due(step):
+            self.snapshots.add(step, model)
         if step % self.log_every == 0:
             self.write_line(step, seconds, **stats)
 
     def write_line(self, step: int, seconds: float, **stats) -> None:
         window = self.losses[-self.log_every:]
-        line = {"step": step, "time": time.time(), "step_seconds": seconds, **self.scalars, **stats}
+        line = {"step": step, "time": time.time(), "step_seconds": seconds, **stats}
         if window:
             line["loss"] = sum(window) / len(window)
         self.progress.write(**line)
@@ -119,7 +199,7 @@ class RunRecorder:
         if self.step_seconds and (final_stats or self.last_step % self.log_every):
             self.write_line(self.last_step, self.step_seconds[-1], **{**self.last_stats, **final_stats})
         if model is not None:
-            self.snapshot(self.last_step, model, final=True)
+            self.snapshots.add(self.last_step, model, final=True)
         write_summary(self.out, self.name, summary, self.snapshots)
         self.event("done")
         return finite_or_none(summary)
@@ -127,14 +207,10 @@ class RunRecorder:
     def close(self) -> None:
         self.progress.close()
 
-    def snapshot(self, step: int, model: torch.Tensor, final: bool = False) -> None:
-        """Keep the flat model of `step` (thinning old ones when there are too many)."""
-        self.snapshots[step] = model.detach().to("cpu", torch.float32, copy=True)
-        if len(self.snapshots) > self.max_snapshots and not final:
-            steps = sorted(self.snapshots)
-            keep = set(steps[::2]) | {steps[0]}
-            self.snapshots = {s: t for s, t in self.snapshots.items() if s in keep}
-            self.snapshot_every *= 2
+    def snapshot(self, step: int, model: torch.Tensor) -> None:
+        """Keep the flat model of `step` now (e.g. the starting model, step 0)."""
+        self.snapshots.add(step, model)
 
 
-__all__ = ["MAX_SNAPSHOTS", "ProgressWriter", "RunRecorder", "finite_or_none", "write_summary"]
+__all__ = ["MAX_SNAPSHOTS", "SNAPSHOT_COORDINATES", "ProgressWriter", "RunRecorder", "SnapshotSampler",
+           "SnapshotSeries", "finite_or_none", "write_summary"]

@@ -129,11 +129,17 @@ class ModelState:
 
 
 def _float_buffer_owners(model: nn.Module):
-    """((module, name), buffer) for every floating-point buffer, each buffer once."""
+    """((module, name), buffer) for every persistent floating-point buffer, each buffer once.
+
+    Non-persistent buffers (register_buffer(..., persistent=False): a causal mask full of -inf, a
+    rotary table) are constants the model recomputes, not state: averaging them is meaningless and
+    a mask's -inf would fail the finite checks."""
+    persistent = {id(t) for t in model.state_dict(keep_vars=True).values()}
     seen: set[int] = set()
     for module in model.modules():
         for name, buffer in module._buffers.items():
-            if buffer is not None and buffer.dtype.is_floating_point and id(buffer) not in seen:
+            if (buffer is not None and buffer.dtype.is_floating_point and id(buffer) in persistent
+                    and id(buffer) not in seen):
                 seen.add(id(buffer))
                 yield (module, name), buffer
 
