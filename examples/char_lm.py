@@ -121,15 +121,18 @@ def train(args: argparse.Namespace, steps: int, batch_size: int, lr: float, seed
     inner = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                               lr=lr, betas=(0.9, 0.95))
     opt = inner if node is None else p2ptrain.DecentralizedOptimizer(inner, model=model, node=node)  # p2ptrain 2/3
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(max(1, steps // 10), steps))
-    sampler = torch.Generator().manual_seed(seed + 1000 + rank)
+    start = opt.local_step if node is not None else 0  # a node restarted by the launcher rejoins at a peer's step
+    factor = warmup_cosine(max(1, steps // 10), steps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda done: factor(start + done))
+    sampler = torch.Generator().manual_seed(seed + 1000 + rank + 7919 * start)
     val_loss = float("nan")
-    for step in range(1, steps + 1):
+    for step in range(start + 1, steps + 1):
         x, y = windows(shard, torch.randint(0, len(shard) - args.context - 1, (batch_size,), generator=sampler),
                        args.context)
         loss = lm_loss(model(x), y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if args.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         schedule.step()
         opt.zero_grad(set_to_none=True)
@@ -153,6 +156,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=64, help="model width (default 64)")
     parser.add_argument("--layers", type=int, default=2, help="Transformer blocks (default 2)")
     parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    parser.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping (default 1; 0: none)")
     parser.add_argument("--eval-every", type=int, default=100, help="validation every this many steps")
     parser.add_argument("--val-windows", type=int, default=256, help="held-out windows scored (default 256)")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3; launch's --lr wins)")

@@ -40,7 +40,7 @@ def train(**settings) -> None:
         opt = p2ptrain.DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                               model=model, node=node)                          # p2ptrain 2/3
         data = iter(())
-        for step in range(steps):
+        for step in range(opt.local_step, steps):  # (a restarted node rejoins at a live peer's step)
             try:
                 x, y = next(data)
             except StopIteration:

@@ -53,7 +53,7 @@ def main() -> None:
         model = cnn()
         inner = torch.optim.SGD(model.parameters(), lr=settings.lr or 0.05, momentum=0.9, weight_decay=1e-4)
         opt = p2ptrain.DecentralizedOptimizer(inner, model=model, node=node)                   # p2ptrain 2/3
-        step = 0
+        step = opt.local_step  # 0, or where a node restarted by the launcher (--restart) rejoined
         while step < settings.steps:
             for x, y in loader:
                 model.train()

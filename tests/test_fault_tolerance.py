@@ -133,7 +133,7 @@ def test_gossip_relay_and_allreduce_degrade_but_never_hang_under_drops(algorithm
             return DPSGD(comm, UndirectedRing(n))
         if algorithm == "relaysgd":
             return RelaySGD(comm, "chain")
-        return AllReduceSGD(comm)
+        return AllReduceSGD(comm, average="models")
 
     def body(rank, comm):
         algo = build(comm)

@@ -99,7 +99,8 @@ def test_wrapper_with_clipping_scheduler_scaler_and_accumulation_matches_the_ref
 
     def body(rank, comm):
         model = net()
-        opt = p2ptrain.DecentralizedOptimizer(adamw(model), model=model, algorithm=AllReduceSGD(comm), comm=comm)
+        opt = p2ptrain.DecentralizedOptimizer(adamw(model), model=model, algorithm=AllReduceSGD(comm, average="models"),
+                                              comm=comm)
         scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)  # on the wrapper itself
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if scaled else None
         user_loop(model, opt, rank, steps, scaler=scaler, scheduler=scheduler)
@@ -306,3 +307,23 @@ def test_stop_and_resume_from_checkpoints_continues_the_run(algorithm):
     else:
         assert sum(r[2] for r in resumed) == pytest.approx(N, abs=1e-9)
         assert sum(c["optimizer"]["algorithm"]["w"] for c in checkpoints.values()) == pytest.approx(N, abs=1e-9)
+
+
+def test_evaluate_takes_the_users_loss_and_metric():
+    """No silent default loss (nll_loss on raw scores went to -2.9e11); regression models pass
+    metric=None; the model is left in eval mode, as documented."""
+    model = nn.Linear(3, 1)
+    loader = [(torch.randn(8, 3), torch.randn(8, 1)) for _ in range(3)]
+    with pytest.raises(TypeError, match="loss_fn"):
+        p2ptrain.evaluate(model, loader)
+    loss, metric = p2ptrain.evaluate(model, loader, loss_fn=F.mse_loss, metric=None)
+    expected = sum(F.mse_loss(model(x), y).item() for x, y in loader) / 3
+    assert loss == pytest.approx(expected, rel=1e-6) and metric != metric  # NaN: no metric asked for
+    assert not model.training
+    classifier = nn.Linear(3, 4)
+    batches = [(torch.randn(10, 3), torch.randint(0, 4, (10,))) for _ in range(2)]
+    _, top1 = p2ptrain.evaluate(classifier, batches, loss_fn=F.cross_entropy)
+    assert top1 == pytest.approx(sum((classifier(x).argmax(1) == y).float().mean().item() for x, y in batches) / 2)
+    _, custom = p2ptrain.evaluate(classifier, batches, loss_fn=F.cross_entropy,
+                                  metric=lambda out, y: (out.argmax(1) != y).float().mean())
+    assert custom == pytest.approx(1 - top1)

@@ -136,7 +136,9 @@ def test_sigstopped_sgp_node_rejoins_and_the_run_matches_a_clean_one(tmp_path):
     assert "fault: stall node 2" in proc.stderr
     nodes = stalled["nodes"]
     assert sum(s["ps_weight"] for s in nodes) == pytest.approx(4.0, abs=1e-6)
-    assert min(s["min_ps_weight"] for s in nodes) > 0.05
+    # No weight collapse (a de-biased z = x / w blown up): a node whose in-flight share waits on the
+    # frozen peer halves its w a few times (0.11 here when idle, 0.025 seen under a load of 7).
+    assert min(s["min_ps_weight"] for s in nodes) > 0.01
     assert nodes[2]["catch_ups"] >= 1
     assert not stalled["cluster"]["failed"]
     accuracy = lambda report: report["cluster"]["mean_test_accuracy"]  # noqa: E731

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from p2ptrain.metrics import PsMetrics
 from p2ptrain.ps.server import ParameterServer, ps_fingerprint
@@ -68,7 +69,8 @@ def run_ps(config) -> dict:
         flat.load(theta)
         test = build_dataset(config.dataset, config.data_dir, seed=config.seed, num_train=config.num_train,
                              num_test=config.num_test).test
-        test_loss, test_accuracy = evaluate(model, torch.utils.data.DataLoader(test, batch_size=512))
+        test_loss, test_accuracy = evaluate(model, torch.utils.data.DataLoader(test, batch_size=512),
+                                             loss_fn=F.nll_loss)  # the built-in models output log-probabilities
         wall = time.time() - started
         summary = {
             "role": "ps", **stats, "complete": complete, "numel": flat.numel, "test_loss": test_loss,

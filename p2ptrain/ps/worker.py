@@ -174,7 +174,7 @@ def run_worker(config) -> dict:
         final_version = pull()  # evaluate the central variable as it is when this worker stops
         flat.load(theta)
         client.done(config.steps)
-        test_loss, test_accuracy = evaluate(model, test_loader, device)
+        test_loss, test_accuracy = evaluate(model, test_loader, device, loss_fn=F.nll_loss)
         return report.finish({
             "test_accuracy": test_accuracy, "test_loss": test_loss, "final_version": final_version,
             "commits": config.steps - rejected, "rejected_commits": rejected,
@@ -224,7 +224,7 @@ def run_proxy(config) -> dict:
             metrics.on_step(step + 1, seconds, loss_value)
             report.step(step + 1, loss_value, seconds, 0.0, math.nan, flat.vector(), version=step + 1, bytes_sent=0,
                         bytes_received=0)
-        test_loss, test_accuracy = evaluate(model, test_loader, device)
+        test_loss, test_accuracy = evaluate(model, test_loader, device, loss_fn=F.nll_loss)
         return report.finish({"test_accuracy": test_accuracy, "test_loss": test_loss, "bytes_sent": 0,
                               "bytes_received": 0, "device": device.type, "metrics_port": metrics_port},
                              flat.vector())

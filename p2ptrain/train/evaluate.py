@@ -6,7 +6,6 @@ import math
 from typing import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 
 
 def accuracy(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -16,12 +15,12 @@ def accuracy(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader: Iterable, device: torch.device | str = "cpu", *,
-             loss_fn: Callable = F.nll_loss, metric: Callable | None = accuracy) -> tuple[float, float]:
+             loss_fn: Callable, metric: Callable | None = accuracy) -> tuple[float, float]:
     """(mean loss, mean metric) over `loader`: `loss_fn(output, targets)` and `metric(output,
-    targets)` return batch means (torch's default reduction), averaged weighted by batch size. The
-    defaults suit the built-in classifiers (log-probabilities and accuracy); a regression model
-    passes its own loss and `metric=None` (then the metric is NaN). NaNs for an empty loader.
-    Leaves the model in eval mode."""
+    targets)` return batch means (torch's default reduction), averaged weighted by batch size.
+    There is no default loss (nll_loss on raw scores would be silently wrong); the metric defaults
+    to top-1 accuracy, and a regression model passes `metric=None` (then the metric is NaN). NaNs
+    for an empty loader. Leaves the model in eval mode."""
     model.eval()
     total_loss, total_metric, count = 0.0, 0.0, 0
     for inputs, targets in loader:
