@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TextIO
 
+from p2ptrain.exit_codes import EXIT_NO_CLUSTER
+
 from . import prometheus as scrape_config
 from . import report as run_report
 from .ports import free_ports, host_port
@@ -31,7 +33,6 @@ NETNS_METRICS_PORT = 9400
 # One thread per process: N nodes share this machine's cores, and unbuffered output keeps the
 # logs current when a node is killed.
 NODE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-EXIT_NO_CLUSTER = 3     # `p2ptrain node --rejoin` found no live peer (p2ptrain.cli): the cluster had finished
 
 
 class ClusterError(RuntimeError):

@@ -4,9 +4,13 @@ arguments. DecentralizedOptimizer finds the node init() made, so a loop adopts p
 lines (see README, "Use your own model")."""
 from __future__ import annotations
 
+import logging
+import os
+import sys
 from typing import Any
 
 from p2ptrain.config import NodeConfig
+from p2ptrain.exit_codes import EXIT_NO_CLUSTER
 
 _current = None  # the Node init() made in this process
 
@@ -14,12 +18,16 @@ _current = None  # the Node init() made in this process
 def init(config_file: str | None = None, **settings: Any):
     """Build and start this process's node: settings from `config_file` (TOML) < the environment
     < `settings` (any NodeConfig setting or algorithm option, e.g. algorithm="sgp", overlap=1).
-    Returns the started Node (also a context manager; close() it at the end)."""
-    from p2ptrain.node import Node
+    Returns the started Node (also a context manager; close() it at the end).
+
+    A process restarted by the launcher to rejoin (P2PTRAIN_REJOIN=1) whose cluster has already
+    finished exits here with EXIT_NO_CLUSTER and one line: there is nothing left to train."""
+    from p2ptrain.node import NoClusterToRejoin, Node
 
     global _current
-    if _current is not None and not _current._closed:
+    if _current is not None and not _current.closed:
         raise RuntimeError("p2ptrain.init() was already called in this process; close() that node first")
+    _log_to_stderr()
     config = NodeConfig.from_sources(toml_path=config_file, flags=settings)
     if config.uses_rendezvous:  # no peer list: the store hands out a rank when no source gave one
         from p2ptrain.transport.rendezvous import assign_rank
@@ -31,6 +39,10 @@ def init(config_file: str | None = None, **settings: Any):
     node = Node(config)
     try:
         node.start()
+    except NoClusterToRejoin as exc:
+        node.fail(exc)
+        print(f"p2ptrain: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_NO_CLUSTER) from None
     except BaseException as exc:
         node.fail(exc)
         raise
@@ -38,9 +50,22 @@ def init(config_file: str | None = None, **settings: Any):
     return node
 
 
+def _log_to_stderr() -> None:
+    """p2ptrain's log lines (peers lost, rejoins, dropped shares) on stderr, as `p2ptrain node`
+    prints them, unless the script configured logging itself. P2PTRAIN_LOG_LEVEL (default INFO)."""
+    logger = logging.getLogger("p2ptrain")
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    level = os.environ.get("P2PTRAIN_LOG_LEVEL", "INFO").upper()
+    logger.setLevel(level if level in logging.getLevelNamesMapping() else logging.INFO)
+
+
 def current_node():
     """The node p2ptrain.init() made in this process (RuntimeError before init())."""
-    if _current is None or _current._closed:
+    if _current is None or _current.closed:
         raise RuntimeError("no p2ptrain node: call p2ptrain.init() first (or pass node=... / algorithm=...)")
     return _current
 

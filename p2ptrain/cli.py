@@ -20,10 +20,8 @@ import sys
 from pathlib import Path
 
 from p2ptrain.config import ConfigError, NodeConfig
+from p2ptrain.exit_codes import EXIT_CONFIG, EXIT_NO_CLUSTER, EXIT_NON_FINITE
 from p2ptrain.flags import add_node_arguments, flags_from_args
-
-EXIT_NO_CLUSTER = 3    # `node --rejoin` found no live peer: the cluster has finished
-EXIT_NON_FINITE = 4    # the node's loss or model became NaN/Inf (summary: nonfinite_step)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -578,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ConfigError as exc:
-        parser.exit(2, f"p2ptrain: configuration error: {exc}\n")
+        parser.exit(EXIT_CONFIG, f"p2ptrain: configuration error: {exc}\n")
     except KeyboardInterrupt:
         return 130
 

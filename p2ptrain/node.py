@@ -125,6 +125,11 @@ class Node:
             self.transport.wait_for_peers(timeout=self.config.peer_timeout)
         return self
 
+    @property
+    def closed(self) -> bool:
+        """close() (or fail()) ran: the node no longer trains."""
+        return self._closed
+
     def stop(self) -> None:
         """Stop the transport and the metrics endpoint (close() also writes the summary)."""
         self.transport.stop()

@@ -80,3 +80,18 @@ def test_char_lm_single_process_reference_runs(tmp_path):
                            "--eval-every", "10"], cwd=ROOT, env=node_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "single process, batch 16: validation loss" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_killed_script_node_restarted_by_the_launcher_rejoins_mid_run(tmp_path):
+    """`launch --kill 1@50 --restart 1@100 -- python examples/custom_model.py`: the restarted
+    script's DecentralizedOptimizer takes a live peer's model and step, and its loop starts at
+    opt.local_step, so it finishes with the others, in consensus."""
+    report, logs = launch_script(tmp_path, ["--nodes", "3", "--algorithm", "sgp", "--overlap", "1", "--steps", "6000",
+                                            "--kill", "1@50", "--restart", "1@100"], ["examples/custom_model.py"])
+    assert not report["cluster"]["failed"]
+    node = report["nodes"][1]
+    assert node["steps"] == 6000 and node.get("outcome") != "not rejoined", node
+    assert "--- restarted by the launcher ---" in logs
+    assert report["cluster"]["relative_consensus_distance"] < 0.01
