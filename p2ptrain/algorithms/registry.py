@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from p2ptrain.algorithms.base import Algorithm, Comm
 
 # One line per algorithm: the module p2ptrain.algorithms.<name> registers itself when imported.
-ALGORITHM_MODULES = ("sgp", "allreduce", "dpsgd", "relaysgd", "pipesgd", "gem", "diloco")
+ALGORITHM_MODULES = ("sgp", "allreduce", "dpsgd", "relaysgd", "pipesgd", "gem", "diloco", "gossip_diloco")
 
 
 @dataclass(frozen=True)
