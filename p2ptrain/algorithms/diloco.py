@@ -175,7 +175,7 @@ class DiLoCo(Algorithm):
             self._pool.shutdown(wait=True)
         last = self._last_step
         for p in range(self.F):
-            if self.tau or self._last_sync(p, last) != last:
+            if self._final_sync(p, last):
                 self._merge(p, self._sync(p, self._pseudo_gradient(p, params), last + 1), params, overlapped=False)
         return params
 
@@ -208,10 +208,17 @@ class DiLoCo(Algorithm):
             return None
         return ((step + 1) // self.period - 1) % self.F
 
-    def _last_sync(self, p: int, last: int) -> int:
-        """The last step <= `last` that fragment p was synced after (-1: none)."""
+    def fragment_syncs(self, steps: int) -> int:
+        """How many fragment syncs a run of `steps` steps makes, finish()'s included."""
+        return sum(self.due(step) is not None for step in range(steps)) + \
+            sum(self._final_sync(p, steps - 1) for p in range(self.F))
+
+    def _final_sync(self, p: int, last: int) -> bool:
+        """Whether finish() syncs fragment p: it trained since its last outer step (overlapped syncs
+        merge with mixing; otherwise unless its last scheduled sync came after the last step)."""
         offset = (p + 1) * self.period - 1
-        return -1 if last < offset else offset + (last - offset) // self.H * self.H
+        last_sync = -1 if last < offset else offset + (last - offset) // self.H * self.H
+        return bool(self.tau) or last_sync != last
 
     # One fragment's outer step ------------------------------------------------------------------
     def _pseudo_gradient(self, p: int, params: torch.Tensor) -> torch.Tensor:
