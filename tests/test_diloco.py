@@ -104,9 +104,12 @@ def test_flags_build_diloco_with_adamw_and_refuse_what_does_not_apply():
     assert (options.outer_lr, options.outer_momentum, options.mixing) == (0.7, 0.9, 0.5)
     assert config.resolved_optimizer == "adamw" and config.learning_rate == 0.003
     assert config.resolved_topology == "ring" and config.resolved_max_lag >= 16
-    gossip = NodeConfig.from_sources(env={}, flags=dict(algorithm="gossip-diloco", compression="topk",
-                                                        topk_fraction=0.05)).validate()
-    assert gossip.resolved_topology == "exponential" and gossip.algorithm_options.topk_fraction == 0.05
+    gossip = NodeConfig.from_sources(env={}, flags=dict(algorithm="gossip-diloco", compression="int8")).validate()
+    assert gossip.resolved_topology == "exponential" and gossip.algorithm_options.compression == "int8"
+    with pytest.raises(ConfigError, match="would drown"):
+        NodeConfig.from_sources(env={}, flags=dict(algorithm="gossip-diloco", compression="topk")).validate()
+    with pytest.raises(ConfigError, match="step_window"):
+        NodeConfig.from_sources(env={}, flags=dict(algorithm="diloco", inner_steps=100)).validate()
     with pytest.raises(ConfigError, match="does not apply"):
         NodeConfig.from_sources(env={}, flags=dict(algorithm="gossip-diloco", fragments=2)).validate()
     with pytest.raises(ConfigError, match="error feedback"):
@@ -323,7 +326,8 @@ def test_diloco_node_that_takes_a_donors_anchor_gets_its_outer_state_at_the_next
 # -- gossip-DiLoCo --------------------------------------------------------------------------------------
 def test_gossip_diloco_matches_the_push_sum_recursion():
     """Without faults every outer step is one exact push-sum round on the exponential graph of that
-    outer step: X ← P (w Δ), w ← P w, then each node's Nesterov step on its own z = x / w."""
+    outer step: X ← P (w [θ^anchor ; Δ]), w ← P w, then each node's Nesterov step from its mixed anchor
+    with its mixed pseudo-gradient."""
     n, H, steps = 5, 4, 24
     graph = build_topology("exponential", n, peers_per_step=1)
 
@@ -339,10 +343,12 @@ def test_gossip_diloco_matches_the_push_sum_recursion():
         xs = [inner(r, step, x) for r, x in enumerate(xs)]
         if (step + 1) % H == 0:
             P = torch.tensor(graph.mixing_matrix((step + 1) // H - 1), dtype=torch.float64)
-            X = P @ torch.stack([(anchors[r] - xs[r]).double() * w[r] for r in range(n)])
+            X = P @ torch.stack([torch.cat([anchors[r], anchors[r] - xs[r]]).double() * w[r] for r in range(n)])
             w = P @ w
             for r in range(n):
-                outer.step(anchors[r], (X[r] / w[r]).float(), buffers[r])
+                z = (X[r] / w[r]).float()
+                anchors[r] = z[:NUMEL].clone()
+                outer.step(anchors[r], z[NUMEL:], buffers[r])
                 xs[r] = anchors[r].clone()
         for r in range(n):
             torch.testing.assert_close(results[r][0][step], xs[r], atol=1e-5, rtol=0)
@@ -366,7 +372,7 @@ def mass_at_each_sync(ledgers: list[list[tuple]], syncs: list[int]) -> list[floa
     return totals
 
 
-@pytest.mark.parametrize("codec", ["none", "int8"])
+@pytest.mark.parametrize("codec", ["none", "bf16"])
 def test_gossip_diloco_conserves_push_sum_mass_under_20_percent_drops(codec):
     """6 nodes, 20% of messages lost on every link (re-sent with the same id) and a deadline short
     enough that shares come late: Σ w (with the shares in flight) is n at every outer step and
@@ -434,3 +440,39 @@ def test_launch_diloco_end_to_end(tmp_path):
     numel = finals[0].numel()
     per_step_allreduce = 60 * 2 * (3 - 1) / 3 * numel * 4
     assert max(s["bytes_sent"] for s in summaries) < per_step_allreduce / 8
+
+
+def launch(tmp_path, name: str, nodes: int, *args: str) -> list[dict]:
+    out = tmp_path / name
+    argv = [sys.executable, "-m", "p2ptrain", "launch", "--nodes", str(nodes), "--out", str(out), "--no-live",
+            "--no-metrics", "--timeout", "400", *args]
+    proc = subprocess.run(argv, env=node_env(), capture_output=True, text=True, timeout=460, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads((out / f"node{r}.json").read_text()) for r in range(nodes)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_launch_streaming_diloco_int4_with_a_frozen_node_that_catches_up(tmp_path):
+    """4 processes, Streaming DiLoCo (F = 4, τ = 1) with int4 pseudo-gradients; node 2 is SIGSTOPped
+    for 8 link deadlines: the others re-form their ring without it, it catches up (the engine's state
+    transfer, then the offers of the next syncs) and all four end with the same bits."""
+    summaries = launch(tmp_path, "streaming", 4, "--algorithm", "diloco", "--inner-steps", "20", "--fragments", "4",
+                       "--outer-delay", "1", "--compression", "int4", "--steps", "300", "--link-deadline", "1",
+                       "--stall", "2@100:8", "--num-train", "6000")
+    assert summaries[2]["catch_ups"] >= 1
+    finals = [torch.load(tmp_path / "streaming" / f"node{r}.snapshots.pt")["params"][-1] for r in range(4)]
+    assert all(torch.equal(f, finals[0]) for f in finals)
+    assert min(s["test_accuracy"] for s in summaries) > 0.8
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_launch_gossip_diloco_with_drops_and_a_frozen_node(tmp_path):
+    summaries = launch(tmp_path, "gossip", 6, "--algorithm", "gossip-diloco", "--inner-steps", "10", "--steps", "300",
+                       "--link", "drop=0.2,latency=5ms,jitter=5ms", "--link-deadline", "1", "--stall", "2@100:8",
+                       "--num-train", "6000")
+    assert sum(s["dropped_messages"] for s in summaries) > 0
+    assert summaries[2]["catch_ups"] >= 1
+    assert sum(s["ps_weight"] for s in summaries) == pytest.approx(6.0, abs=1e-6)
+    assert min(s["test_accuracy"] for s in summaries) > 0.8

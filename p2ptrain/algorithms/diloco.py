@@ -71,11 +71,15 @@ class DiLoCoOptions(OuterOptions):
     mixing: float = option(0.5, "Streaming DiLoCo's mixing factor α for overlapped syncs: θ_fragment <- α "
                                 "θ_local + (1-α) θ_outer (0: take the outer parameters)", metavar="ALPHA")
 
+    def bounded_delay(self) -> int:
+        """A node waits at every fragment's sync (or τ steps after it) for the others."""
+        return self.inner_steps // max(1, self.fragments) + self.outer_delay
+
     def validate(self, settings) -> None:
-        super().validate(settings)
         if self.fragments < 1 or self.inner_steps % self.fragments:
             raise ValueError(f"fragments F must be >= 1 and divide inner_steps H = {self.inner_steps}, "
                              f"got {self.fragments}")
+        super().validate(settings)
         if not 0 <= self.outer_delay <= self.inner_steps // self.fragments:
             raise ValueError(f"outer_delay τ must be within [0, H/F = {self.inner_steps // self.fragments}], "
                              f"got {self.outer_delay}")

@@ -57,6 +57,10 @@ class OuterOptions(AlgorithmOptions):
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if not 0 < self.topk_fraction <= 1:
             raise ValueError(f"topk_fraction must be in (0, 1], got {self.topk_fraction}")
+        if settings is not None and self.bounded_delay() >= settings.step_window:
+            # a sync's messages reach a node up to that many steps behind: its step window must take them
+            raise ValueError(f"the steps between two syncs ({self.bounded_delay()}) must be smaller than "
+                             f"step_window ({settings.step_window}): raise --step-window")
 
     def outer_settings(self) -> dict:
         """The shared options as keyword arguments of the algorithms' constructors."""

@@ -4,15 +4,17 @@ The synthetic task with the MLP on 8 node processes whose links are emulated at 
 50 ms latency (`--link bandwidth=100mbit,latency=50ms`): AllReduce every step (gradients averaged
 before the inner optimizer, AdamW like DiLoCo's inner steps, so only the communication differs),
 DiLoCo with H ∈ {10, 50, 100}, Streaming DiLoCo (F fragments, τ = 1, α = 0.5 as in the paper and
-α = 0), DiLoCo H = 50 with int8 / int4 / top-k pseudo-gradients, gossip-DiLoCo, and gossip-DiLoCo
-with 20% of messages dropped and one node frozen (`launch --stall`). The table holds the final
-validation loss and accuracy (mean over nodes, worst node), MB sent per node, MB per sync (bytes
-per node over the number of syncs of the schedule: the peak, since every sync of a variant moves
-the same amount), wall-clock seconds since launch, bytes relative to AllReduce, and the seconds a
-variant took to reach AllReduce's final accuracy. Every node's model snapshots are evaluated on
-the validation set afterwards, against the time its progress file gives for that step, for the
-plot of validation loss against wall-clock time (OUT/diloco.png). Ratios are against runs of the
-same invocation; the targets of the issue are checked and printed with their numbers.
+α = 0), DiLoCo H = 50 with int8 / int4 / top-k pseudo-gradients, gossip-DiLoCo (two out-peers per
+outer step), and gossip-DiLoCo with 20% of messages dropped and one node frozen (`launch --stall`).
+
+The table holds the final validation loss and accuracy (mean over nodes, worst node), MB sent per
+node, MB per sync (bytes per node over the number of syncs of the schedule: the peak, since every
+sync of a variant moves the same amount), wall-clock seconds since launch, bytes relative to
+AllReduce, and the seconds a variant took to reach AllReduce's final accuracy. Every node's model
+snapshots are evaluated on the validation set afterwards, against the time its progress file
+gives for that step, for the plot of validation loss against wall-clock time (OUT/diloco.png).
+Ratios are against runs of the same invocation; the targets of the issue are checked and printed
+with their numbers.
 """
 from __future__ import annotations
 
@@ -36,22 +38,25 @@ def variants(fragments: int, topk_fraction: float) -> dict[str, tuple[str, list[
     """key -> (row name, node flags)."""
     diloco = ["--algorithm", "diloco"]
     h50 = [*diloco, "--inner-steps", "50"]
-    gossip = ["--algorithm", "gossip-diloco", "--inner-steps", "50"]
+    # two out-peers per outer step (one: 0.84 accuracy here; three: 0.90); gossip keeps nodes in
+    # lockstep only loosely, so its messages may meet a node several H behind: a wide step window
+    gossip = ["--algorithm", "gossip-diloco", "--inner-steps", "50", "--peers-per-step", "2", "--step-window", "256"]
     streaming = [*h50, "--fragments", str(fragments), "--outer-delay", "1"]
     return {
         "allreduce": ("allreduce every step", ["--algorithm", "allreduce", "--average", "gradients",
                                                 "--optimizer", "adamw"]),
         "diloco-h10": ("diloco H=10", [*diloco, "--inner-steps", "10"]),
         "diloco-h50": ("diloco H=50", h50),
-        "diloco-h100": ("diloco H=100", [*diloco, "--inner-steps", "100"]),
+        # (a node may be H steps behind when a sync's messages reach it: its step window must take them)
+        "diloco-h100": ("diloco H=100", [*diloco, "--inner-steps", "100", "--step-window", "128"]),
         "streaming": (f"streaming H=50 F={fragments} tau=1 a=0.5", [*streaming, "--mixing", "0.5"]),
         "streaming-a0": (f"streaming H=50 F={fragments} tau=1 a=0", [*streaming, "--mixing", "0"]),
         "int8": ("diloco H=50 int8", [*h50, "--compression", "int8"]),
         "int4": ("diloco H=50 int4", [*h50, "--compression", "int4"]),
         "topk": (f"diloco H=50 topk {topk_fraction:g}", [*h50, "--compression", "topk", "--topk-fraction",
                                                           str(topk_fraction)]),
-        "gossip": ("gossip-diloco H=50", gossip),
-        "gossip-faults": ("gossip-diloco H=50 drop=0.2 +stall", gossip),
+        "gossip": ("gossip-diloco H=50 2 peers", gossip),
+        "gossip-faults": ("gossip-diloco H=50 2 peers drop=0.2 +stall", gossip),
     }
 
 
@@ -180,38 +185,38 @@ def targets(rows: dict[str, Row]) -> list[str]:
 
     base, h50 = ok("allreduce"), ok("diloco-h50")
     if base and h50:
-        gap = 100 * (base.val_accuracy - h50.val_accuracy)
+        gap = 100 * (h50.val_accuracy - base.val_accuracy)
         loss = (h50.val_loss - base.val_loss) / base.val_loss
         fewer = base.mb_sent / h50.mb_sent
-        check((gap <= 1 or loss <= 0.02) and fewer >= 40,
-              f"diloco H=50 vs allreduce: {gap:+.1f} points below, val loss {100 * loss:+.1f}%, {fewer:.0f}x fewer "
-              "bytes (target: within 1 point or 2% loss, >= 40x fewer bytes)")
+        check((gap >= -1 or loss <= 0.02) and fewer >= 40,
+              f"diloco H=50 vs allreduce: accuracy {gap:+.1f} points, val loss {100 * loss:+.1f}%, {fewer:.0f}x fewer "
+              "bytes (target: within 1 point or 2% of the loss, >= 40x fewer bytes)")
         reach, wall = h50.seconds_to(base.val_accuracy), base.run.wall_seconds
         check(reach <= 0.2 * wall, f"diloco H=50 reached allreduce's final accuracy {base.val_accuracy:.3f} after "
               f"{fmt(reach, '{:.0f}')} s = {fmt(reach / wall, '{:.2f}')}x allreduce's {wall:.0f} s (target <= 0.2x)")
     for key in ("streaming", "streaming-a0"):
         row = ok(key)
         if row and h50:
-            share, gap = row.mb_per_sync / h50.mb_per_sync, 100 * (h50.val_accuracy - row.val_accuracy)
+            share, gap = row.mb_per_sync / h50.mb_per_sync, 100 * (row.val_accuracy - h50.val_accuracy)
             fragments = round(h50.mb_per_sync / row.mb_per_sync) if row.mb_per_sync else 0
             check(share <= 1 / max(1, fragments) + 0.01 and abs(gap) <= 1,
-                  f"{row.name}: {share:.3f}x DiLoCo's MB per sync, {gap:+.1f} points vs diloco H=50 "
+                  f"{row.name}: {share:.3f}x DiLoCo's MB per sync, accuracy {gap:+.1f} points vs diloco H=50 "
                   "(target <= 1/F per sync, within 1 point)")
     for key in ("int8", "int4", "topk"):
         row = ok(key)
         if row and h50:
-            fewer, gap = h50.mb_sent / row.mb_sent, 100 * (h50.val_accuracy - row.val_accuracy)
+            fewer, gap = h50.mb_sent / row.mb_sent, 100 * (row.val_accuracy - h50.val_accuracy)
             target = key != "int8"
             check((fewer >= 4 or not target) and abs(gap) <= 1,
-                  f"{row.name}: {fewer:.1f}x fewer bytes than fp32 diloco H=50, {gap:+.1f} points"
+                  f"{row.name}: {fewer:.1f}x fewer bytes than fp32 diloco H=50, accuracy {gap:+.1f} points"
                   + (" (target >= 4x, within 1 point)" if target else " (within 1 point)"))
     clean, faulty = ok("gossip"), rows.get("gossip-faults")
     if faulty is not None:
         if faulty.run.error:
             check(False, f"{faulty.name}: did not finish ({faulty.run.error})")
         elif clean:
-            gap = 100 * (clean.val_accuracy - faulty.val_accuracy)
-            check(abs(gap) <= 2, f"{faulty.name}: finished, {gap:+.1f} points vs gossip-diloco without faults "
+            gap = 100 * (faulty.val_accuracy - clean.val_accuracy)
+            check(abs(gap) <= 2, f"{faulty.name}: finished, accuracy {gap:+.1f} points vs gossip-diloco without faults "
                                  "(target within 2 points)")
     return lines
 
