@@ -476,3 +476,41 @@ def test_launch_gossip_diloco_with_drops_and_a_frozen_node(tmp_path):
     assert summaries[2]["catch_ups"] >= 1
     assert sum(s["ps_weight"] for s in summaries) == pytest.approx(6.0, abs=1e-6)
     assert min(s["test_accuracy"] for s in summaries) > 0.8
+
+
+# -- p2ptrain reproduce diloco ---------------------------------------------------------------------------
+def _row(key, accuracy, mb, syncs, curve=(), loss=0.3, wall=100.0):
+    from p2ptrain.bench.clusters import VariantResult
+    from p2ptrain.bench.reproduce_diloco import Row
+
+    run = VariantResult(key, [], 8, 300, 0.1, 1.0, accuracy, accuracy, 0.0, wall)
+    return Row(key, key, run, val_loss=loss, val_accuracy=accuracy, worst_accuracy=accuracy, mb_sent=mb,
+               syncs=syncs, curve=list(curve))
+
+
+def test_reproduce_diloco_checks_the_issue_targets():
+    from p2ptrain.bench.reproduce_diloco import targets
+
+    rows = {"allreduce": _row("allreduce", 0.90, 250.0, 300, [(200.0, 0.3, 0.90)], wall=240.0),
+            "diloco-h50": _row("diloco-h50", 0.905, 5.0, 6, [(10.0, 0.5, 0.8), (30.0, 0.4, 0.91)]),
+            "streaming": _row("streaming", 0.88, 6.0, 36),
+            "int4": _row("int4", 0.90, 0.6, 6), "topk": _row("topk", 0.89, 1.0, 6),
+            "gossip": _row("gossip", 0.89, 10.0, 6), "gossip-faults": _row("gossip-faults", 0.88, 9.0, 6)}
+    lines = targets(rows)
+    assert lines[0].startswith("PASS") and "50x fewer bytes" in lines[0]
+    assert lines[1].startswith("PASS") and "after 30 s = 0.12x" in lines[1]
+    assert lines[2].startswith("MISS") and "0.200x DiLoCo's MB per sync, accuracy -2.5 points" in lines[2]
+    assert lines[3].startswith("PASS") and "8.3x fewer bytes" in lines[3]
+    assert lines[4].startswith("MISS") and "-1.5 points" in lines[4]
+    assert lines[5].startswith("PASS") and "-1.0 points" in lines[5]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_reproduce_diloco_prints_its_table_and_plot(tmp_path):
+    argv = [sys.executable, "-m", "p2ptrain", "reproduce", "diloco", "--nodes", "3", "--steps", "60",
+            "--variants", "allreduce,diloco-h10,int4", "--link", "latency=2ms", "--num-train", "3000",
+            "--out", str(tmp_path)]
+    proc = subprocess.run(argv, env=node_env(), capture_output=True, text=True, timeout=560, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "diloco H=10" in proc.stdout and "s to AR acc" in proc.stdout and (tmp_path / "diloco.png").exists()
