@@ -31,7 +31,7 @@ from p2ptrain.bench.clusters import VariantResult, fmt, print_table, run_variant
 LINK = "bandwidth=100mbit,latency=50ms"
 FRAGMENTS = 5
 TOPK_FRACTION = 0.1
-STALL = "3@100:20"
+STALL = "3@60:8"
 
 
 def variants(fragments: int, topk_fraction: float) -> dict[str, tuple[str, list[str]]]:
