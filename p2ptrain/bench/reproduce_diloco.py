@@ -305,15 +305,17 @@ def _plot(rows: dict[str, Row], out: Path) -> Path | None:
     if not curves:
         return None
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(13, 5))
-    for name, curve in curves.items():
+    colors = plt.cm.tab20.colors  # (the default cycle repeats after 10 variants)
+    for (name, curve), color in zip(curves.items(), colors[::2] + colors[1::2]):
         seconds = [p[0] for p in curve]
-        loss_ax.plot(seconds, [p[1] for p in curve], label=name, marker=".")
-        acc_ax.plot(seconds, [p[2] for p in curve], label=name, marker=".")
+        loss_ax.plot(seconds, [p[1] for p in curve], label=name, marker=".", color=color)
+        acc_ax.plot(seconds, [p[2] for p in curve], label=name, marker=".", color=color)
     loss_ax.set(xlabel="wall-clock seconds since launch", ylabel="validation loss (mean over nodes)", yscale="log",
                 title="validation loss against wall-clock time")
     acc_ax.set(xlabel="wall-clock seconds since launch", ylabel="validation accuracy (mean over nodes)",
@@ -322,6 +324,8 @@ def _plot(rows: dict[str, Row], out: Path) -> Path | None:
     for ax in (loss_ax, acc_ax):
         ax.grid(alpha=0.3)
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     fig.tight_layout()
     path = out / "diloco.png"
     out.mkdir(parents=True, exist_ok=True)
