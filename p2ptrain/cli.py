@@ -9,7 +9,7 @@
   p2ptrain report  (re)build a run's report.json and plot.png from its folder, or merge one folder per host
   p2ptrain health  ask a node or parameter server whether it is serving (grpc.health.v1); exit 0 if so
   p2ptrain bench   benchmarks (transport, algorithms)
-  p2ptrain reproduce  re-run a figure of the source documents (relaysgd, gem)
+  p2ptrain reproduce  re-run a figure of the source documents (relaysgd, gem, diloco)
 """
 from __future__ import annotations
 
@@ -200,6 +200,15 @@ def build_parser() -> argparse.ArgumentParser:
                                formatter_class=argparse.RawDescriptionHelpFormatter)
     reproduce_gem.add_arguments(gem)
     gem.set_defaults(func=cmd_reproduce_gem)
+
+    from p2ptrain.bench import reproduce_diloco
+
+    diloco = repro_sub.add_parser("diloco", help="issue 15: AllReduce vs DiLoCo, Streaming DiLoCo, compressed "
+                                                 "pseudo-gradients and gossip-DiLoCo over emulated WAN links",
+                                  description=reproduce_diloco.__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    reproduce_diloco.add_arguments(diloco)
+    diloco.set_defaults(func=cmd_reproduce_diloco)
     return parser
 
 
@@ -550,6 +559,12 @@ def cmd_bench_algorithms(args: argparse.Namespace) -> int:
 
 def cmd_reproduce_relaysgd(args: argparse.Namespace) -> int:
     from p2ptrain.bench.reproduce import main as reproduce_main
+
+    return reproduce_main(args)
+
+
+def cmd_reproduce_diloco(args: argparse.Namespace) -> int:
+    from p2ptrain.bench.reproduce_diloco import main as reproduce_main
 
     return reproduce_main(args)
 

@@ -1,4 +1,5 @@
-"""Wire codecs of seed 004 (Pipe-SGD): fp16 truncation and int8 max-|x| quantization."""
+"""Wire codecs of seed 004 (Pipe-SGD): fp16 truncation and int8 max-|x| quantization; and those of
+DiLoCo's pseudo-gradients: bf16 rounding, int4 max-|x| quantization, top-k with error feedback."""
 import math
 
 import numpy as np
@@ -6,13 +7,28 @@ import pytest
 import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.compression import CODECS, CompressionError, Encoded, Fp16Truncate, Int8Quantize, NoCompression, get_codec
+from p2ptrain.compression import (
+    CODEC_NAMES,
+    CODECS,
+    CompressionError,
+    Encoded,
+    Fp16Truncate,
+    Int8Quantize,
+    NoCompression,
+    TopK,
+    encode_with_feedback,
+    get_codec,
+    make_codec,
+)
 
 torch.set_num_threads(1)
 
 FP16 = get_codec("fp16")
 INT8 = get_codec("int8")
 NONE = get_codec("none")
+BF16 = get_codec("bf16")
+INT4 = get_codec("int4")
+TOPK = get_codec("topk")
 
 
 def _wide_range(n_per_mag: int = 200, seed: int = 0) -> torch.Tensor:
@@ -189,13 +205,173 @@ def test_large_scale_no_overflow():
 
 
 def test_default_channel_layouts_match_the_codecs():
-    """A channel declared without codecs accepts the fixed-rate codecs by their numbers alone
-    (inbox.FIXED_RATE_CODECS: the transport never imports this module): pin those numbers here."""
+    """A channel declared without codecs accepts the fixed-rate codecs of seed 004 by their numbers
+    alone (inbox.FIXED_RATE_CODECS: the transport never imports this module): pin those numbers
+    here. The DiLoCo codecs (bf16, int4, top-k) are accepted only where a channel declares them
+    (codecs=, with their exact layout), so a default channel refuses them."""
     from p2ptrain.transport.inbox import FIXED_RATE_CODECS
 
-    assert set(FIXED_RATE_CODECS) | {pb.CODEC_NONE} == {codec.wire_id for codec in CODECS.values()}
+    wire_ids = {codec.wire_id for codec in CODECS.values()}
+    assert set(FIXED_RATE_CODECS) | {pb.CODEC_NONE} <= wire_ids
+    assert wire_ids - set(FIXED_RATE_CODECS) - {pb.CODEC_NONE} == {pb.CODEC_BF16, pb.CODEC_INT4_QUANTIZE, pb.CODEC_TOPK}
     x = torch.randn(1000)
     for wire_id, (per_element, params) in FIXED_RATE_CODECS.items():
         codec, encoded = get_codec(wire_id), get_codec(wire_id).encode(x)
         assert codec.payload_bytes(x.numel()) == encoded.nbytes == per_element * x.numel()
         assert codec.param_count == len(encoded.params) == params
+
+
+def test_codec_names_and_codecs_stay_in_step():
+    """p2ptrain.compression lists the names without importing torch; codecs.CODECS holds the codecs."""
+    assert CODEC_NAMES == tuple(CODECS)
+    assert all(CODECS[name].name == name for name in CODEC_NAMES)
+    assert len({codec.wire_id for codec in CODECS.values()}) == len(CODECS)
+    assert set(pb.Codec.values()) == {codec.wire_id for codec in CODECS.values()}
+
+
+# -- bf16 rounding ---------------------------------------------------------------------------------
+def test_bf16_rounds_to_nearest_within_half_an_ulp():
+    x = _wide_range(seed=3)
+    enc, y = _roundtrip(BF16, x)
+    assert enc.codec == pb.CODEC_BF16 and enc.payload.dtype == torch.int16 and enc.params == ()
+    assert ((y - x).abs() / x.abs()).max().item() <= 2.0 ** -8
+    assert torch.equal(y, x.to(torch.bfloat16).float())  # torch's round-to-nearest-even, bit for bit
+    _, t = _roundtrip(FP16, x)  # nearest is never further than truncation
+    assert ((y - x).abs() <= (t - x).abs()).all()
+
+
+def test_bf16_clamps_beyond_the_largest_bfloat16_instead_of_overflowing():
+    x = torch.tensor([3.4028235e38, -3.4e38, 1.0])
+    _, y = _roundtrip(BF16, x)
+    assert torch.isfinite(y).all() and y[0].item() == -y[1].item() == torch.finfo(torch.bfloat16).max
+
+
+# -- int4 quantization -----------------------------------------------------------------------------
+@pytest.mark.parametrize("mag", [1e-20, 1e-3, 1.0, 1e4, 1e20])
+@pytest.mark.parametrize("numel", [1, 2, 999, 1000])
+def test_int4_error_bound_and_packing(mag, numel):
+    g = torch.Generator().manual_seed(numel)
+    x = torch.randn(numel, generator=g) * mag
+    enc, y = _roundtrip(INT4, x)
+    scale = x.abs().max().item() / 7
+    assert (y - x).abs().max().item() <= scale / 2 * (1 + 1e-6)
+    assert enc.payload.dtype == torch.uint8 and enc.nbytes == (numel + 1) // 2 == INT4.payload_bytes(numel)
+    (sent_scale,) = enc.params
+    assert sent_scale == pytest.approx(scale, rel=1e-6)
+    nibbles = torch.stack([enc.payload & 15, enc.payload >> 4], dim=1).reshape(-1)
+    assert ((nibbles[:numel] >= 1) & (nibbles[:numel] <= 15)).all()
+    assert numel % 2 == 0 or nibbles[-1].item() == 0  # the padding nibble
+
+
+def test_int4_extremes_exact_and_all_zeros():
+    x = torch.tensor([-7.0, 0.0, 2.0, 7.0, 3.5])
+    enc, y = _roundtrip(INT4, x)
+    assert y[0].item() == -7.0 and y[1].item() == 0.0 and y[3].item() == 7.0 and y[2].item() == 2.0
+    assert enc.payload.tolist() == [1 | (8 << 4), 10 | (15 << 4), 12]  # 3.5 -> round half even = 4
+    zeros = torch.zeros(5)
+    enc, y = _roundtrip(INT4, zeros)
+    assert enc.params == (0.0,) and torch.equal(y, zeros)
+
+
+@pytest.mark.parametrize("params", [(), (1.0, 2.0), (-0.5,), (float("nan"),), (float("inf"),)])
+def test_int4_decode_bad_scale(params):
+    enc = INT4.encode(torch.randn(10))
+    with pytest.raises(CompressionError):
+        INT4.decode(enc.payload, params, enc.shape)
+
+
+# -- top-k -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fraction,numel,k", [(0.01, 1000, 10), (0.01, 50, 1), (0.1, 118282, 11828), (1.0, 7, 7),
+                                              (0.25, 10, 2)])
+def test_topk_keeps_the_k_largest_exactly_and_zeroes_the_rest(fraction, numel, k):
+    codec = make_codec("topk", topk_fraction=fraction)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    enc, y = _roundtrip(codec, x)
+    assert codec.kept(numel) == k and enc.nbytes == 8 * k == codec.payload_bytes(numel)
+    kept = y != 0
+    assert int(kept.sum()) == k
+    assert torch.equal(y[kept], x[kept])  # the kept entries travel exactly
+    assert x[kept].abs().min() >= x[~kept].abs().max() if k < numel else True
+    index = enc.payload[:4 * k].view(torch.int32)
+    assert (index[1:] > index[:-1]).all()  # ascending
+
+
+def test_topk_decodes_with_any_fraction_and_from_raw_bytes():
+    codec = make_codec("topk", topk_fraction=0.3)
+    x = torch.randn(40)
+    enc = codec.encode(x)
+    wire = torch.frombuffer(bytearray(enc.payload.numpy().tobytes()), dtype=torch.uint8)
+    assert torch.equal(get_codec(pb.CODEC_TOPK).decode(wire, (), (40,)), codec.decode(enc.payload, (), (40,)))
+
+
+def _topk_payload(index, values):
+    return torch.cat([torch.tensor(index, dtype=torch.int32).view(torch.uint8),
+                      torch.tensor(values, dtype=torch.float32).view(torch.uint8)])
+
+
+@pytest.mark.parametrize("index,values,match", [
+    ([3, 1], [1.0, 2.0], "ascending"), ([1, 1], [1.0, 2.0], "ascending"), ([0, 10], [1.0, 2.0], "ascending"),
+    ([-1, 2], [1.0, 2.0], "ascending"), ([0, 1], [float("nan"), 1.0], "non-finite"),
+    ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1.0] * 11, "k index/value")])
+def test_topk_decode_refuses_forged_payloads(index, values, match):
+    with pytest.raises(CompressionError, match=match):
+        TOPK.decode(_topk_payload(index, values), (), (10,))
+    with pytest.raises(CompressionError, match="k index/value"):
+        TOPK.decode(torch.zeros(7, dtype=torch.uint8), (), (10,))
+
+
+def test_topk_fraction_must_be_a_fraction():
+    for bad in (0.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(CompressionError, match="fraction"):
+            TopK(bad)
+
+
+# -- the new codecs alike --------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["bf16", "int4", "topk"])
+@pytest.mark.parametrize("shape", [(10,), (3, 4, 5), (0,), ()])
+def test_new_codecs_shapes_and_payload_bytes(name, shape):
+    codec = CODECS[name]
+    x = torch.randn(shape)
+    enc, y = _roundtrip(codec, x)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    assert enc.nbytes == codec.payload_bytes(x.numel()) and len(enc.params) == codec.param_count
+
+
+@pytest.mark.parametrize("name", ["bf16", "int4", "topk"])
+def test_new_codecs_refuse_non_finite_input_and_wrong_sizes(name):
+    codec = CODECS[name]
+    x = torch.randn(100)
+    x[7] = float("nan")
+    with pytest.raises(CompressionError, match="NaN/Inf"):
+        codec.encode(x)
+    enc = codec.encode(torch.randn(100))
+    with pytest.raises(CompressionError):
+        codec.decode(enc.payload[:-1], enc.params, (100,))
+
+
+# -- error feedback --------------------------------------------------------------------------------
+def test_error_feedback_residual_plus_transmitted_is_the_input_exactly_for_topk():
+    codec = make_codec("topk", topk_fraction=0.05)
+    x = torch.randn(1000)
+    residual = torch.full_like(x, 123.0)  # overwritten, not added to
+    encoded, decoded = encode_with_feedback(codec, x, residual)
+    assert torch.equal(decoded + residual, x)
+    assert torch.equal(decoded, codec.decode(encoded.payload, encoded.params, (1000,)))
+    assert int((residual == 0).sum()) == codec.kept(1000)
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "bf16", "int8", "int4", "topk"])
+def test_error_feedback_loses_nothing_over_rounds(name):
+    """The DiLoCo loop: each round sends encode(g_t + e_t) and keeps e_{t+1} = the rest on the node.
+    Σ transmitted + the last residual = Σ g_t: what a round drops is sent later, never lost."""
+    codec = make_codec(name, topk_fraction=0.02)
+    g = torch.Generator().manual_seed(5)
+    residual, sent, total = torch.zeros(500), torch.zeros(500), torch.zeros(500)
+    for _ in range(30):
+        grad = torch.randn(500, generator=g)
+        total += grad
+        _, decoded = encode_with_feedback(codec, grad + residual, residual)
+        sent += decoded
+    torch.testing.assert_close(sent + residual, total, atol=1e-4, rtol=0)
+    if name == "topk":  # the residual stays bounded: everything dropped is sent eventually
+        assert residual.abs().max() < 30 * grad.abs().max()

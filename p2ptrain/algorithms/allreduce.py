@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from p2ptrain.algorithms.base import Algorithm, Comm
 from p2ptrain.algorithms.collectives import RingAllReduce
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, option, register
-from p2ptrain.compression import CODEC_NAMES
+from p2ptrain.compression import CODEC_HELP, CODEC_NAMES, NEEDS_ERROR_FEEDBACK
 
 if TYPE_CHECKING:
     import torch
@@ -32,8 +32,13 @@ AVERAGE_WHAT = ("models", "gradients")
 class AllReduceOptions(AlgorithmOptions):
     average: str = option("gradients", "average the gradients before the step (data-parallel SGD, as DDP), or "
                                        "the models after it (seed 003 Alg. 3)", choices=AVERAGE_WHAT)
-    compression: str = option("none", "codec of every ring hop: fp16 = 16-bit truncation, int8 = 8-bit scalar "
-                                      "quantization", choices=CODEC_NAMES)
+    compression: str = option("none", CODEC_HELP, choices=CODEC_NAMES)
+
+    def validate(self, settings) -> None:
+        super().validate(settings)
+        if self.compression in NEEDS_ERROR_FEEDBACK:
+            raise ValueError(f"compression {self.compression} drops most of the tensor and needs error feedback, "
+                             "which allreduce does not keep: use it with diloco or gossip-diloco")
 
 
 class AllReduceSGD(Algorithm):

@@ -9,10 +9,21 @@ around the ring. Each node sends 2(n-1)/n of the tensor, the bandwidth-optimal a
 With a lossy codec every reduce-scatter hop decompresses, sums and recompresses (seed 004 §3.2);
 an owner compresses its finished segment once and the all-gather forwards those bytes untouched,
 and the owner adopts the decoded value itself, so all nodes end with bit-identical results.
+Error feedback (`residual=`): every point where this node compresses (one reduce-scatter hop per
+segment, and its owned segment) writes what it lost into the caller's residual, so the sum that
+comes out plus every node's residual is exactly the sum that went in (to float rounding).
 
 Every round has its own channel, so the receiver knows the exact size of each segment (and accepts
 only this ring's codec, in the layout compression.py gives it) and the mailbox never mixes rounds;
 the step number keeps consecutive all-reduces apart.
+
+Re-forming the ring (`elastic=True`): a call may name its `members` (the caller passes itself and
+`comm.live(...)` peers): the ring is those ranks in rank order, cut into len(members) segments.
+Channels are then named by ring size and segment, declared for every size up front, so a segment
+always arrives with its exact size whoever forwards it. Members must agree on the member list: a
+node with another view waits on channels nobody sends on and the call fails on every node (it
+never completes on a wrong ring: each segment of an m-ring is one channel). A failed call throws
+away, at the next call, the segments of earlier steps that arrive late.
 """
 from __future__ import annotations
 
@@ -41,11 +52,44 @@ class CollectiveIncomplete(TimeoutError):
     """A collective could not complete (a peer missed the link deadline, refused, or is dead)."""
 
 
+class _Ring:
+    """Who is where on one ring: `members` in rank order, this node at `position`."""
+
+    def __init__(self, members: tuple[int, ...], rank: int, numel: int):
+        self.members, self.m = members, len(members)
+        self.position = members.index(rank)
+        self.bounds = segment_bounds(numel, self.m)
+        self.next = members[(self.position + 1) % self.m]
+        self.prev = members[(self.position - 1) % self.m]
+
+    # Which segment moves where in round r
+    def rs_send(self, r: int) -> int:
+        return (self.position - r) % self.m
+
+    def rs_recv(self, r: int) -> int:
+        return (self.position - r - 1) % self.m
+
+    def ag_send(self, r: int) -> int:
+        return (self.position + 1 - r) % self.m
+
+    def ag_recv(self, r: int) -> int:
+        return (self.position - r) % self.m
+
+    def owned(self) -> int:
+        """The segment this node finishes in reduce-scatter: (position + 1) mod m."""
+        return (self.position + 1) % self.m
+
+    def size(self, segment: int) -> int:
+        start, end = self.bounds[segment]
+        return end - start
+
+
 class RingAllReduce:
     """All-reduce of one fixed-size flat tensor on the ring i -> i+1; declare before comm.ready()."""
 
     def __init__(self, comm: Comm, numel: int, dtype: torch.dtype | None = None, *,
-                 codec: compression.Codec | str | None = None, tag: str = "", kind: int = KIND):
+                 codec: compression.Codec | str | None = None, tag: str = "", kind: int = KIND,
+                 elastic: bool = False):
         self.comm = comm
         self.rank, self.n = comm.rank, comm.world_size
         self.numel = numel
@@ -57,29 +101,23 @@ class RingAllReduce:
         self.dtype = dtype
         self._failed_at: int | None = None  # step of the last incomplete round
         self.tag, self.kind = tag, kind
-        self.bounds = segment_bounds(numel, self.n)
-        self.next, self.prev = (self.rank + 1) % self.n, (self.rank - 1) % self.n
-        for r in range(self.n - 1):  # the segment node `rank` receives in each round
-            for phase, segment in (("rs", self._rs_recv(r)), ("ag", self._ag_recv(r))):
-                size = self._size(segment)
-                comm.expect(kind, dtype, size, channel=self._channel(phase, r), codecs=self._layout(size))
-
-    # Which segment moves where in round r -----------------------------------------------------------
-    def _rs_send(self, r: int) -> int:
-        return (self.rank - r) % self.n
-
-    def _rs_recv(self, r: int) -> int:
-        return (self.rank - r - 1) % self.n
-
-    def _ag_send(self, r: int) -> int:
-        return (self.rank + 1 - r) % self.n
-
-    def _ag_recv(self, r: int) -> int:
-        return (self.rank - r) % self.n
-
-    def _size(self, segment: int) -> int:
-        start, end = self.bounds[segment]
-        return end - start
+        self.elastic = elastic
+        self._full = _Ring(tuple(range(self.n)), self.rank, numel)
+        self._last_members: tuple[int, ...] = self._full.members
+        self.bounds = self._full.bounds
+        self.next, self.prev = self._full.next, self._full.prev
+        if elastic:  # every ring size, every segment: ring re-formation needs no new declaration
+            for m in range(2, self.n + 1):
+                for segment, (start, end) in enumerate(segment_bounds(numel, m)):
+                    for phase in ("rs", "ag"):
+                        comm.expect(kind, dtype, end - start, channel=self._channel(m, phase, 0, segment),
+                                    codecs=self._layout(end - start), preallocate=2 if m == self.n else 0)
+        else:
+            for r in range(self.n - 1):  # the segment node `rank` receives in each round
+                for phase, segment in (("rs", self._full.rs_recv(r)), ("ag", self._full.ag_recv(r))):
+                    size = self._full.size(segment)
+                    comm.expect(kind, dtype, size, channel=self._channel(self.n, phase, r, segment),
+                                codecs=self._layout(size))
 
     def _layout(self, numel: int) -> dict[int, tuple[int, int]]:
         """What a segment of `numel` elements arrives as: this ring's codec, with its exact payload
@@ -87,39 +125,53 @@ class RingAllReduce:
         codec = self.codec
         return {codec.wire_id: (codec.payload_bytes(numel, self.dtype), codec.param_count)}
 
-    def _channel(self, phase: str, r: int) -> str:
-        return f"{self.tag}{phase}{r}"
+    def _channel(self, m: int, phase: str, r: int, segment: int) -> str:
+        return f"{self.tag}{m}.{phase}{segment}" if self.elastic else f"{self.tag}{phase}{r}"
 
     def owned_segment(self) -> int:
-        """The segment this node finishes in reduce-scatter: (rank + 1) mod n."""
-        return (self.rank + 1) % self.n
+        """The segment this node finishes in reduce-scatter on the full ring: (rank + 1) mod n."""
+        return self._full.owned()
 
     # The collective -------------------------------------------------------------------------------
-    def __call__(self, tensor: torch.Tensor, step: int, *, average: bool = True) -> torch.Tensor:
-        """Sum (or mean) of `tensor` over all nodes, written into `tensor` and returned.
+    def __call__(self, tensor: torch.Tensor, step: int, *, average: bool = True, members=None,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum (or mean) of `tensor` over the ring's members, written into `tensor` and returned.
 
-        Raises CollectiveIncomplete, with `tensor` restored, when a ring neighbour's segment misses
-        the link deadline or a node is dead (the ring is not re-formed: callers fall back to their
-        local value for this step and the next call tries again)."""
+        `members` (elastic rings only): the ranks to reduce over, this node among them (default:
+        all). `residual` (sums only): tensor of the same size that receives what this node's
+        compressions lost (error feedback; zeros without a lossy codec).
+
+        Raises CollectiveIncomplete, with `tensor` and `residual` restored, when a ring neighbour's
+        segment misses the link deadline or a node is dead (callers fall back to their local value
+        for this step and the next call tries again; an elastic caller passes the live members)."""
         if tensor.numel() != self.numel or tensor.dtype != self.dtype:
             raise ValueError(f"all-reduce declared for {self.numel} x {self.dtype}, "
                              f"got {tensor.numel()} x {tensor.dtype}")
-        if self.n == 1:
+        if residual is not None and (average or residual.numel() != self.numel):
+            raise ValueError("a residual is kept for sums (average=False) of the declared size only")
+        ring = self._ring_of(members)
+        if ring.m == 1:
+            if residual is not None:
+                residual.zero_()
             return tensor
-        if self._failed_at is not None:  # segments of a failed round may still come: throw them away
-            self._discard_through(step - 1)
-        if not self.comm.all_alive():
+        if self._failed_at is not None or ring.members != self._last_members:
+            self._discard_through(step - 1)  # segments of a failed or re-formed ring may still come
+        self._last_members = ring.members
+        if not self.elastic and not self.comm.all_alive():
             self._failed_at = step
             raise CollectiveIncomplete(f"node {self.rank}: all-reduce of step {step} skipped: a node is dead")
-        if not self.comm.make_room(self.next, 2 * (self.n - 1)):  # a stalled neighbour holds our last round
+        if not self.comm.make_room(ring.next, 2 * (ring.m - 1)):  # a stalled neighbour holds our last round
             self._failed_at = step
-            raise CollectiveIncomplete(f"node {self.rank}: all-reduce of step {step} skipped: node {self.next} "
+            raise CollectiveIncomplete(f"node {self.rank}: all-reduce of step {step} skipped: node {ring.next} "
                                        "acknowledges nothing")
         original = tensor.clone()
+        kept = residual.clone() if residual is not None else None
         try:
-            return self._ring(tensor, step, average)
+            return self._ring(tensor, step, average, ring, residual)
         except CollectiveIncomplete:
             tensor.copy_(original)
+            if residual is not None:
+                residual.copy_(kept)
             self._failed_at = step
             raise
 
@@ -132,56 +184,84 @@ class RingAllReduce:
             log.warning("%s; keeping the local value for this step", exc)
             return tensor
 
+    def _ring_of(self, members) -> _Ring:
+        if members is None:
+            return self._full
+        members = tuple(sorted(set(int(m) for m in members)))
+        if members == self._full.members:
+            return self._full
+        if not self.elastic:
+            raise ValueError("only an elastic ring (elastic=True) is re-formed over other members")
+        if self.rank not in members or not all(0 <= m < self.n for m in members):
+            raise ValueError(f"members {list(members)} must be ranks of this cluster, node {self.rank} among them")
+        return _Ring(members, self.rank, self.numel)
+
     def _discard_through(self, step: int) -> None:
-        for r in range(self.n - 1):
-            for phase in ("rs", "ag"):
-                for stale in self.comm.take(self.kind, step, channel=self._channel(phase, r)):
-                    stale.release()
+        if self.elastic:
+            channels = [self._channel(m, phase, 0, segment) for m in range(2, self.n + 1)
+                        for segment in range(m) for phase in ("rs", "ag")]
+        else:
+            channels = [self._channel(self.n, phase, r, 0) for r in range(self.n - 1) for phase in ("rs", "ag")]
+        for channel in channels:
+            for stale in self.comm.take(self.kind, step, channel=channel):
+                stale.release()
         self._failed_at = None
 
-    def _ring(self, tensor: torch.Tensor, step: int, average: bool) -> torch.Tensor:
+    def _encode(self, segment: torch.Tensor, residual: torch.Tensor | None):
+        """(encoded, decoded or None): with a residual, what the encoding lost goes into it."""
+        if residual is None:
+            return self.codec.encode(segment), None
+        return compression.encode_with_feedback(self.codec, segment, residual)
+
+    def _ring(self, tensor: torch.Tensor, step: int, average: bool, ring: _Ring,
+              residual: torch.Tensor | None) -> torch.Tensor:
         flat = tensor.view(-1)
-        segment = lambda k: flat[self.bounds[k][0]:self.bounds[k][1]]  # noqa: E731
+        segment = lambda k: flat[ring.bounds[k][0]:ring.bounds[k][1]]  # noqa: E731
+        lost = (lambda k: residual.view(-1)[ring.bounds[k][0]:ring.bounds[k][1]]) if residual is not None \
+            else (lambda k: None)  # noqa: E731
         acks: list[concurrent.futures.Future] = []
 
-        for r in range(self.n - 1):  # reduce-scatter: decompress, sum, recompress at every hop
-            encoded = self.codec.encode(segment(self._rs_send(r)))
-            acks.append(self._send(_own(encoded), encoded.codec, encoded.params, step, "rs", r))
-            received = self._recv(step, "rs", r)
-            segment(self._rs_recv(r)).add_(self._decode(received, self._size(self._rs_recv(r))))
+        for r in range(ring.m - 1):  # reduce-scatter: decompress, sum, recompress at every hop
+            sent = ring.rs_send(r)
+            encoded, _ = self._encode(segment(sent), lost(sent))
+            acks.append(self._send(ring, _own(encoded), encoded.codec, encoded.params, step, "rs", r, sent))
+            received = self._recv(ring, step, "rs", r, ring.rs_recv(r))
+            segment(ring.rs_recv(r)).add_(self._decode(received, ring.size(ring.rs_recv(r))))
             received.release()
 
-        owned = segment(self.owned_segment())
+        owned = segment(ring.owned())
         if average:
-            owned.div_(self.n)
-        encoded = self.codec.encode(owned)
+            owned.div_(ring.m)
+        encoded, decoded = self._encode(owned, lost(ring.owned()))
         if encoded.codec != compression.UNCOMPRESSED:  # adopt the lossy value everybody else will get
-            owned.copy_(self.codec.decode(encoded.payload, encoded.params, owned.shape, owned.dtype))
+            if decoded is None:
+                decoded = self.codec.decode(encoded.payload, encoded.params, owned.shape, owned.dtype)
+            owned.copy_(decoded)
         payload, codec_id, params = _own(encoded), encoded.codec, encoded.params
-        for r in range(self.n - 1):  # all-gather: finished segments travel on, bytes untouched
-            acks.append(self._send(payload, codec_id, params, step, "ag", r))
-            received = self._recv(step, "ag", r)
-            target = segment(self._ag_recv(r))
+        for r in range(ring.m - 1):  # all-gather: finished segments travel on, bytes untouched
+            acks.append(self._send(ring, payload, codec_id, params, step, "ag", r, ring.ag_send(r)))
+            received = self._recv(ring, step, "ag", r, ring.ag_recv(r))
+            target = segment(ring.ag_recv(r))
             target.copy_(self._decode(received, target.numel()))
-            if r < self.n - 2:
+            if r < ring.m - 2:
                 payload, codec_id, params = received.tensor.clone(), received.codec, received.codec_params
             received.release()
-        self._check(acks)
+        self._check(acks, ring)
         return tensor
 
-    def _send(self, payload: torch.Tensor, codec_id: int, params: tuple[float, ...], step: int,
-              phase: str, r: int) -> concurrent.futures.Future:
-        numel = self._size(self._rs_send(r) if phase == "rs" else self._ag_send(r))
-        return self.comm.send(self.next, payload, kind=self.kind, step=step, channel=self._channel(phase, r),
-                              codec=codec_id, codec_params=params, dtype=self.dtype, numel=numel,
-                              shape=(numel,), reliable=True)
+    def _send(self, ring: _Ring, payload: torch.Tensor, codec_id: int, params: tuple[float, ...], step: int,
+              phase: str, r: int, segment: int) -> concurrent.futures.Future:
+        numel = ring.size(segment)
+        return self.comm.send(ring.next, payload, kind=self.kind, step=step,
+                              channel=self._channel(ring.m, phase, r, segment), codec=codec_id, codec_params=params,
+                              dtype=self.dtype, numel=numel, shape=(numel,), reliable=True)
 
-    def _recv(self, step: int, phase: str, r: int):
-        got = self.comm.gather(self.kind, step, [self.prev], channel=self._channel(phase, r))
-        if self.prev not in got:
+    def _recv(self, ring: _Ring, step: int, phase: str, r: int, segment: int):
+        got = self.comm.gather(self.kind, step, [ring.prev], channel=self._channel(ring.m, phase, r, segment))
+        if ring.prev not in got:
             raise CollectiveIncomplete(f"node {self.rank}: step-{step} all-reduce segment ({phase} round {r}) "
-                                       f"from node {self.prev} missed the link deadline")
-        return got[self.prev]
+                                       f"from node {ring.prev} missed the link deadline")
+        return got[ring.prev]
 
     def _decode(self, received, numel: int) -> torch.Tensor:
         if received.codec == compression.UNCOMPRESSED:
@@ -189,15 +269,15 @@ class RingAllReduce:
         codec = compression.get_codec(received.codec)
         return codec.decode(received.tensor, received.codec_params, (numel,), self.dtype)
 
-    def _check(self, acks: list[concurrent.futures.Future]) -> None:
+    def _check(self, acks: list[concurrent.futures.Future], ring: _Ring) -> None:
         for future in acks:
             exc = future.exception()
             if exc is not None:
-                raise CollectiveIncomplete(f"node {self.rank}: all-reduce message to node {self.next} "
+                raise CollectiveIncomplete(f"node {self.rank}: all-reduce message to node {ring.next} "
                                            f"failed: {exc}")
             outcome = future.result()
             if not outcome.delivered:
-                raise CollectiveIncomplete(f"node {self.rank}: all-reduce message refused by node {self.next}: "
+                raise CollectiveIncomplete(f"node {self.rank}: all-reduce message refused by node {ring.next}: "
                                            f"{outcome.reason}: {outcome.detail}")
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from p2ptrain.algorithms.base import Algorithm, Comm
 from p2ptrain.algorithms.collectives import RingAllReduce
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, option, register
-from p2ptrain.compression import CODEC_NAMES
+from p2ptrain.compression import CODEC_HELP, CODEC_NAMES, NEEDS_ERROR_FEEDBACK
 
 if TYPE_CHECKING:
     import torch
@@ -29,12 +29,14 @@ WIDTH = 2  # K: the seed shows K = 2 is optimal under limited resources
 
 @dataclass(frozen=True)
 class PipeSGDOptions(AlgorithmOptions):
-    compression: str = option("none", "codec of every ring hop: fp16 = 16-bit truncation, int8 = 8-bit scalar "
-                                      "quantization", choices=CODEC_NAMES)
+    compression: str = option("none", CODEC_HELP, choices=CODEC_NAMES)
     warmup_steps: int = option(0, "synchronous all-reduce steps before pipelining")
 
     def validate(self, settings) -> None:
         super().validate(settings)
+        if self.compression in NEEDS_ERROR_FEEDBACK:
+            raise ValueError(f"compression {self.compression} drops most of the tensor and needs error feedback, "
+                             "which pipesgd does not keep: use it with diloco or gossip-diloco")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from p2ptrain.algorithms.base import Algorithm, Comm
 
 # One line per algorithm: the module p2ptrain.algorithms.<name> registers itself when imported.
-ALGORITHM_MODULES = ("sgp", "allreduce", "dpsgd", "relaysgd", "pipesgd", "gem")
+ALGORITHM_MODULES = ("sgp", "allreduce", "dpsgd", "relaysgd", "pipesgd", "gem", "diloco", "gossip_diloco")
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,8 @@ def _load() -> dict[str, AlgorithmSpec]:
 def algorithms() -> dict[str, AlgorithmSpec]:
     """Every registered algorithm, by name, in ALGORITHM_MODULES order."""
     registry = _load()
-    return {name: registry[name] for name in ALGORITHM_MODULES if name in registry} | registry
+    order = {module: i for i, module in enumerate(ALGORITHM_MODULES)}  # a module spells "-" as "_"
+    return dict(sorted(registry.items(), key=lambda item: order.get(item[0].replace("-", "_"), len(order))))
 
 
 def get(name: str) -> AlgorithmSpec:

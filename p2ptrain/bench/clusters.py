@@ -34,19 +34,21 @@ class VariantResult:
 
 def run_variant(name: str, nodes: int, steps: int, node_args: list[str], out_dir: Path, *,
                 timeout: float | None = None, keep: bool = True, echo=None,
-                parameter_server: bool = False) -> VariantResult:
+                parameter_server: bool = False, stalls: list[str] = ()) -> VariantResult:
     """Run one cluster; a failed run comes back with `error` set rather than aborting the sweep.
     With `parameter_server` the nodes are asynchronous workers around one `p2ptrain ps`, and the
-    test accuracy is that of the server's final θ."""
+    test accuracy is that of the server's final θ. `stalls`: `launch --stall RANK@STEP:SECONDS`."""
     from launcher import run_local_cluster
-    from launcher.local import ClusterError, parameter_server_cluster
+    from launcher.local import ClusterError, fault_plan, parameter_server_cluster
 
-    run_dir = Path(out_dir) / _slug(name)
+    run_dir = variant_dir(out_dir, name)
     if run_dir.exists():
         shutil.rmtree(run_dir)
     args = ["--steps", str(steps), *node_args]
     log = io.StringIO()
     extra = parameter_server_cluster(nodes, run_dir, args, metrics=False) if parameter_server else {}
+    if stalls:
+        extra["faults"] = fault_plan([], [], nodes, list(stalls))
     try:
         report = run_local_cluster(nodes, run_dir, args, metrics=False, live=False, timeout=timeout, stream=log,
                                    **extra)
@@ -77,6 +79,11 @@ def run_variant(name: str, nodes: int, steps: int, node_args: list[str], out_dir
     if not keep:
         shutil.rmtree(run_dir, ignore_errors=True)
     return result
+
+
+def variant_dir(out_dir: Path, name: str) -> Path:
+    """The run folder of the variant `name` under `out_dir` (what run_variant writes to)."""
+    return Path(out_dir) / _slug(name)
 
 
 def _slug(name: str) -> str:

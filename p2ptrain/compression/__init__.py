@@ -1,4 +1,5 @@
-"""Lossy tensor codecs for the wire (seed 004: 16-bit truncation, 8-bit scalar quantization).
+"""Lossy tensor codecs for the wire (seed 004: 16-bit truncation, 8-bit scalar quantization; the
+DiLoCo family's pseudo-gradients: bfloat16, 4-bit quantization, top-k with error feedback).
 
 The codec names here import nothing heavy, so settings and `p2ptrain --help` can list them; the
 codecs themselves (p2ptrain.compression.codecs) are plain vectorized torch and load on first use.
@@ -8,11 +9,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-CODEC_NAMES = ("none", "fp16", "int8")  # --compression values; codecs.CODECS holds one codec per name
+# --compression values; codecs.CODECS holds one codec per name (a test keeps the two in step)
+CODEC_NAMES = ("none", "fp16", "bf16", "int8", "int4", "topk")
 UNCOMPRESSED = 0  # wire id of the identity codec (the wire's CODEC_NONE)
+CODEC_HELP = ("codec of every ring hop (each decompresses, sums, recompresses): fp16 = 16-bit truncation, bf16 = "
+              "bfloat16 rounded to nearest, int8 / int4 = 8- / 4-bit scalar quantization (scale max|x|/127, /7), "
+              "topk = the --topk-fraction largest entries (diloco and gossip-diloco only: they keep what a codec "
+              "drops on the node as error feedback)")
+NEEDS_ERROR_FEEDBACK = ("topk",)  # codecs that drop most of a tensor: only for algorithms with error feedback
 
-_FROM_CODECS = ("CODECS", "Codec", "CompressionError", "Encoded", "Fp16Truncate", "Int8Quantize", "NoCompression",
-                "get_codec")
+_FROM_CODECS = ("CODECS", "Bf16Round", "Codec", "CompressionError", "Encoded", "Fp16Truncate", "Int4Quantize",
+                "Int8Quantize", "NoCompression", "TopK", "encode_with_feedback", "get_codec", "make_codec")
 
 
 def __getattr__(name: str) -> Any:  # PEP 562: the codecs are imported (with torch) when first asked for
@@ -21,4 +28,4 @@ def __getattr__(name: str) -> Any:  # PEP 562: the codecs are imported (with tor
     raise AttributeError(f"module 'p2ptrain.compression' has no attribute {name!r}")
 
 
-__all__ = ["CODEC_NAMES", "UNCOMPRESSED", *_FROM_CODECS]
+__all__ = ["CODEC_HELP", "CODEC_NAMES", "NEEDS_ERROR_FEEDBACK", "UNCOMPRESSED", *_FROM_CODECS]

@@ -1,9 +1,18 @@
-"""Lossy tensor codecs for the wire, after Pipe-SGD (seed 004).
+"""Lossy tensor codecs for the wire, after Pipe-SGD (seed 004) and the compressed pseudo-gradients
+of the DiLoCo family (OpenDiLoCo / INTELLECT-1: 16-bit and int8; Streaming DiLoCo: 4 bits;
+DeMo / SparseLoCo: top-k with error feedback).
 
 Seed 004 compresses the exchanged tensors with "16-bit truncation (drop low mantissa bits)" and
 "8-bit scalar quantization with range from the max |value|". A codec turns a float32 tensor into
 a payload (the bytes that travel as TensorChunk data) plus a few doubles (`codec_params` of the
 TensorHeader, e.g. the int8 scale); `header.codec` carries the codec's `wire_id` (pb.CODEC_*).
+Every codec's payload size is an exact function of the element count (`payload_bytes`), which is
+what a receiver declares per channel; top-k's depends on its kept fraction, so one codec object
+per fraction (`make_codec`), while decoding reads k off the payload and needs none.
+
+Error feedback (`encode_with_feedback`): the part of a tensor an encoding loses is handed back to
+the caller, who keeps it on the node and adds it to what it encodes next; transmitted + residual
+== input, exactly for top-k (every element is in exactly one of the two).
 
 Everything is plain vectorized torch so it runs on whatever device the tensor lives on; the only
 host syncs are the finiteness check and reading the int8 scale, which must go into the header.
@@ -217,12 +226,157 @@ class Int8Quantize(Codec):
         return int(numel)
 
 
-CODECS: dict[str, Codec] = {"none": NoCompression(), "fp16": Fp16Truncate(), "int8": Int8Quantize()}
+BF16_MAX = 3.3895313892515355e38  # the largest finite bfloat16
+
+
+class Bf16Round(Codec):
+    """bfloat16 rounded to nearest even (the 16-bit format OpenDiLoCo's pseudo-gradients use).
+
+    Sign, 8-bit exponent and 7 mantissa bits, as Fp16Truncate, but rounded to nearest instead of
+    toward zero: relative error <= 2^-8 for normal values. Values beyond the largest bfloat16
+    (which nearest rounding would turn into infinity) are clamped to it first.
+    """
+
+    wire_id = pb.CODEC_BF16
+    name = "bf16"
+    param_count = 0
+
+    def encode(self, tensor: torch.Tensor) -> Encoded:
+        tensor, amax = self._check_input(tensor)
+        flat = tensor.reshape(-1)
+        if tensor.numel() and float(amax) > BF16_MAX:
+            flat = flat.clamp(-BF16_MAX, BF16_MAX)
+        words = flat.to(torch.bfloat16).view(torch.int16)
+        return Encoded(self.wire_id, words, (), torch.float32, tuple(tensor.shape))
+
+    def decode(self, payload, params, shape, dtype=torch.float32):
+        self._check_params(params, self.param_count)
+        self._check_dtype(dtype)
+        numel = _numel(shape)
+        words = _reinterpret(payload, torch.int16, 2 * numel, self.name)
+        out = words.view(torch.bfloat16).to(torch.float32).reshape(tuple(int(d) for d in shape))
+        return out if dtype == torch.float32 else out.to(dtype)
+
+    def payload_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        return 2 * int(numel)
+
+
+class Int4Quantize(Codec):
+    """4-bit scalar quantization with range from the max |value| (Streaming DiLoCo sends its outer
+    gradients in 4 bits; this is the uniform integer variant).
+
+    scale = max|x| / 7 and q = round(x / scale) in [-7, 7]; q + 8 (1..15) is one nibble, two per
+    byte, the element of even index in the low nibble; an odd count leaves the last high nibble 0.
+    The scale travels as the single codec param. Error per element <= scale / 2. A nibble 0 (never
+    produced) decodes to -8 scale, still finite and bounded.
+    """
+
+    wire_id = pb.CODEC_INT4_QUANTIZE
+    name = "int4"
+    param_count = 1
+    LEVELS = 7
+
+    def encode(self, tensor: torch.Tensor) -> Encoded:
+        tensor, amax = self._check_input(tensor)
+        flat = tensor.reshape(-1)
+        scale = amax / float(self.LEVELS)
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = flat.div(safe).round_().clamp_(-self.LEVELS, self.LEVELS).add_(8).to(torch.uint8)
+        if q.numel() % 2:
+            q = torch.cat([q, q.new_zeros(1)])
+        packed = q[0::2] | (q[1::2] << 4)
+        return Encoded(self.wire_id, packed.contiguous(), (float(scale),), torch.float32, tuple(tensor.shape))
+
+    def decode(self, payload, params, shape, dtype=torch.float32):
+        (scale,) = self._check_params(params, self.param_count)
+        if not math.isfinite(scale) or scale < 0:
+            raise CompressionError(f"int4: scale must be finite and >= 0, got {scale}")
+        self._check_dtype(dtype)
+        numel = _numel(shape)
+        packed = _reinterpret(payload, torch.uint8, self.payload_bytes(numel), self.name)
+        q = torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1)[:numel]
+        out = q.to(torch.float32).sub_(8).mul_(scale).reshape(tuple(int(d) for d in shape))
+        return out if dtype == torch.float32 else out.to(dtype)
+
+    def payload_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        return (int(numel) + 1) // 2
+
+
+DEFAULT_TOPK_FRACTION = 0.01
+
+
+class TopK(Codec):
+    """Top-k sparsification (DeMo / SparseLoCo keep the largest entries of the pseudo-gradient and
+    feed the rest back): the k = max(1, round(fraction * n)) entries of largest |x|, exact.
+
+    Payload: k int32 indices in ascending order, then the k float32 values at them (8 k bytes, no
+    codec params); the decoded tensor holds those values and zeros elsewhere. Decoding reads k off
+    the payload size and refuses indices that are out of range or not strictly ascending (so no
+    element is written twice) and non-finite values. Meant for error feedback: what it drops is
+    everything but k entries.
+    """
+
+    wire_id = pb.CODEC_TOPK
+    name = "topk"
+    param_count = 0
+
+    def __init__(self, fraction: float = DEFAULT_TOPK_FRACTION):
+        if not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
+            raise CompressionError(f"topk: the kept fraction must be in (0, 1], got {fraction!r}")
+        self.fraction = float(fraction)
+
+    def kept(self, numel: int) -> int:
+        """k for a tensor of `numel` elements."""
+        numel = int(numel)
+        return 0 if numel == 0 else min(numel, max(1, round(self.fraction * numel)))
+
+    def encode(self, tensor: torch.Tensor) -> Encoded:
+        tensor, _ = self._check_input(tensor)
+        flat = tensor.reshape(-1)
+        k = self.kept(flat.numel())
+        index = flat.abs().topk(k, sorted=False).indices.sort().values if k else flat.new_zeros(0, dtype=torch.long)
+        values = flat[index]
+        payload = torch.cat([index.to(torch.int32).view(torch.uint8), values.view(torch.uint8)])
+        return Encoded(self.wire_id, payload, (), torch.float32, tuple(tensor.shape))
+
+    def decode(self, payload, params, shape, dtype=torch.float32):
+        self._check_params(params, self.param_count)
+        self._check_dtype(dtype)
+        numel = _numel(shape)
+        if not isinstance(payload, torch.Tensor):
+            raise CompressionError(f"topk: payload must be a torch.Tensor, got {type(payload).__name__}")
+        nbytes = payload.numel() * payload.element_size()
+        k = nbytes // 8
+        if nbytes % 8 or k > numel or (numel and not k):
+            raise CompressionError(f"topk: payload of {nbytes} bytes is not k index/value pairs for {numel} "
+                                   f"elements (8 bytes each, 1 <= k <= {numel})")
+        raw = _reinterpret(payload, torch.uint8, nbytes, self.name)
+        index = _reinterpret(raw[:4 * k], torch.int32, 4 * k, self.name).to(torch.long)
+        values = _reinterpret(raw[4 * k:], torch.float32, 4 * k, self.name)
+        if k and (int(index[0]) < 0 or int(index[-1]) >= numel or not bool((index[1:] > index[:-1]).all())):
+            raise CompressionError("topk: indices must be strictly ascending within [0, numel)")
+        if k and not bool(torch.isfinite(values).all()):
+            raise CompressionError("topk: non-finite values")
+        out = torch.zeros(numel, dtype=torch.float32)
+        out[index] = values
+        out = out.reshape(tuple(int(d) for d in shape))
+        return out if dtype == torch.float32 else out.to(dtype)
+
+    def payload_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        return 8 * self.kept(numel)
+
+    def __repr__(self) -> str:
+        return f"TopK(fraction={self.fraction:g}, wire_id={self.wire_id})"
+
+
+CODECS: dict[str, Codec] = {"none": NoCompression(), "fp16": Fp16Truncate(), "bf16": Bf16Round(),
+                            "int8": Int8Quantize(), "int4": Int4Quantize(), "topk": TopK()}
 _BY_WIRE_ID: dict[int, Codec] = {c.wire_id: c for c in CODECS.values()}
 
 
 def get_codec(name_or_wire_id: str | int) -> Codec:
-    """Look a codec up by config name ("none"/"fp16"/"int8") or by header wire id (pb.CODEC_*)."""
+    """Look a codec up by config name (CODEC_NAMES) or by header wire id (pb.CODEC_*); top-k by name
+    keeps DEFAULT_TOPK_FRACTION (see make_codec), and any top-k object decodes any top-k payload."""
     if isinstance(name_or_wire_id, str):
         codec = CODECS.get(name_or_wire_id.strip().lower())
         if codec is None:
@@ -234,3 +388,24 @@ def get_codec(name_or_wire_id: str | int) -> Codec:
             raise CompressionError(f"unknown codec wire id {name_or_wire_id}; known: {sorted(_BY_WIRE_ID)}")
         return codec
     raise CompressionError(f"codec must be a name or a wire id, got {type(name_or_wire_id).__name__}")
+
+
+def make_codec(name: str, *, topk_fraction: float | None = None) -> Codec:
+    """The codec `name`; for "topk", one keeping `topk_fraction` of the entries (default
+    DEFAULT_TOPK_FRACTION)."""
+    if name.strip().lower() == "topk" and topk_fraction is not None:
+        return TopK(topk_fraction)
+    return get_codec(name)
+
+
+def encode_with_feedback(codec: Codec, tensor: torch.Tensor, residual: torch.Tensor) -> tuple[Encoded, torch.Tensor]:
+    """Encode `tensor` and write into `residual` (same shape) what the encoding lost:
+    residual = tensor - decoded. Returns (encoded, decoded); decoded + residual == tensor, exactly
+    where the codec keeps an element or drops it whole (top-k), to float rounding otherwise."""
+    encoded = codec.encode(tensor)
+    if encoded.codec == NoCompression.wire_id:
+        residual.zero_()
+        return encoded, tensor
+    decoded = codec.decode(encoded.payload, encoded.params, encoded.shape, torch.float32)
+    torch.sub(tensor, decoded, out=residual)
+    return encoded, decoded

@@ -1,0 +1,251 @@
+"""Push-sum mass of one node (Kempe et al.; seeds 000, 002): the pair (x, w) whose de-biased value
+z = x / w converges to the network average, and every rule that keeps Σ_i w_i = n exact.
+
+    push:  keep p x, p w and send (p x, p w) to each out-neighbour,   p = 1 / (out-degree + 1)
+    mix:   x += Σ received x-shares,   w += Σ received w-shares;   z = x / w
+
+What the algorithms built on it (SGP, gossip-DiLoCo) add is what x holds and when they push and
+mix; the mass bookkeeping is here, once (it is what tests/test_fault_tolerance.py's ledger checks):
+- a share is waited for at most the link deadline; one that comes later is folded in at the next
+  mix (and awaited once more in finish());
+- the transport retransmits a lost share with the same message id (the receiver drops a
+  duplicate), so a share is delivered at most once;
+- a share the receiver definitively refuses, voids when settling, or cannot take because it is
+  dead is re-absorbed by the sender; a sent share stays in the outbox until its Ack says which;
+- a share that would make w exceed n (mass never does) or whose de-biased values are absurd is
+  dropped, so a hostile or broken peer cannot poison the model;
+- a (re)joining peer gets half of a donor's (x, w), which keeps Σ w and the donor's z unchanged,
+  and a node that catches up merges the donor's half into its own mass.
+With a lossy codec a share travels encoded; the sender keeps what the encoding lost in `residual`
+(x units: the caller folds it back into x) and re-absorbs the decoded share, so Σ x + Σ residual
+is conserved as well.
+
+It never picks peers (the caller's graph does), never decides what x means and never touches the
+model the engine trains.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Iterable
+
+from p2ptrain import compression
+from p2ptrain.algorithms.base import Comm, Kind
+
+if TYPE_CHECKING:
+    import torch
+
+FINISH_WAIT_SECONDS = 10.0  # finish(): how long to wait in all for shares that missed their deadline
+PLAUSIBLE_SCALE = 1e4  # a share's de-biased values may exceed ours (or 1) by at most this factor
+
+
+class PushSum:
+    """(x, w) of one node, its shares in flight (`outbox`) and the shares it still waits for."""
+
+    def __init__(self, comm: Comm, *, kind: Kind = Kind.PUSH_SUM, channel: str = "",
+                 codec: compression.Codec | None = None, log: logging.Logger | None = None):
+        self.comm = comm
+        self.rank = comm.rank
+        self.kind, self.channel = kind, channel
+        self.codec = codec if codec is not None and codec.wire_id != compression.UNCOMPRESSED else None
+        self.log = log or logging.getLogger(__name__)
+        self.x: torch.Tensor | None = None
+        self.w = 1.0
+        self.z: torch.Tensor | None = None
+        self.residual: torch.Tensor | None = None  # what the codec lost of our shares (x units)
+        self.outbox: deque = deque()  # (future of Delivery, x-share, w-share, receiver, step) until acknowledged
+        self.refused_shares = 0
+        self.dropped_shares = 0   # implausible shares refused at the fold (hostile or broken senders)
+        self._z_scale = 1.0       # max |z| of the last de-biased model, for the plausibility check
+        self.min_w = 1.0          # the smallest w this node ever had (a drained node would show here)
+        self.missing: set[tuple[int, int]] = set()  # (sender, step) shares awaited in vain so far
+        self.ledger: list[tuple] | None = None  # set to [] to record every mass movement (tests)
+
+    def expect(self, like: torch.Tensor) -> None:
+        """Declare the shares' size (and codec layout); call before comm.ready()."""
+        codecs = None
+        if self.codec is not None:
+            codecs = {self.codec.wire_id: (self.codec.payload_bytes(like.numel(), like.dtype), self.codec.param_count)}
+        self.comm.expect(self.kind, like.dtype, like.numel(), channel=self.channel or None, codecs=codecs)
+
+    def start(self, z: torch.Tensor, weight: float) -> torch.Tensor:
+        """Hold the mass (weight z, weight) and return z."""
+        self.w = weight
+        self.x = z.detach().clone() * weight
+        if self.codec is not None:
+            self.residual = self.x.new_zeros(self.x.shape)
+        return self.debias()
+
+    # The steps ---------------------------------------------------------------------------------
+    def push(self, peers: list[int], step: int) -> None:
+        """Keep p = 1 / (len(peers) + 1) of (x, w) and send a share p (x, w) to each of `peers`."""
+        p = 1.0 / (len(peers) + 1)  # uniform weights: column i of P^(k), over the peers that take a share
+        share_w = p * self.w
+        encoded = None
+        if self.codec is not None and peers:
+            share = self.x * p
+            encoded = self.codec.encode(share)
+            decoded = self.codec.decode(encoded.payload, encoded.params, share.shape, share.dtype)
+            self.residual.add_(share.sub_(decoded), alpha=len(peers))  # lost on the wire, kept here
+        for peer in peers:
+            if encoded is None:
+                share_x = self.x * p  # a fresh tensor per peer: ownership passes to the transport
+                future = self.comm.send(peer, share_x, kind=self.kind, step=step, ps_weight=share_w,
+                                        reliable=True, settle=True, **self._on_channel())
+            else:
+                share_x = decoded  # re-absorbed as what left, if it does not get through
+                future = self.comm.send(peer, encoded.payload, kind=self.kind, step=step, ps_weight=share_w,
+                                        reliable=True, settle=True, codec=encoded.codec,
+                                        codec_params=encoded.params, dtype=share_x.dtype, numel=share_x.numel(),
+                                        shape=tuple(share_x.shape), **self._on_channel())
+            self.outbox.append((future, share_x, share_w, peer, step))
+            self.record("send", step, share_w, peer)
+        self.x.mul_(p)
+        self.w *= p
+
+    def mix(self, senders: list[int], step: int, now: int) -> None:
+        """Add the step-`step` shares of `senders` that arrive within the link deadline, and any late
+        ones that arrived meanwhile; remember the missing ones (they are folded in later)."""
+        arrived = self.comm.gather(self.kind, step, senders, **self._on_channel())
+        self.missing.update((s, step) for s in self.comm.live(senders) if s not in arrived)
+        self.fold(arrived.values(), now)
+        self.fold(self.comm.take(self.kind, step, **self._on_channel()), now)  # shares of earlier steps that came late
+
+    def fold(self, shares, now: int) -> None:
+        for share in shares:
+            values = self._values(share)
+            problem = self.implausible(share, values)
+            if problem:
+                self.log.error("node %d: dropped node %d's step-%d share: %s", self.rank, share.sender, share.step,
+                               problem)
+                self.dropped_shares += 1
+                self.missing.discard((share.sender, share.step))
+                share.release()
+                continue
+            self.x.add_(values.view_as(self.x))
+            self.w += share.ps_weight
+            self.missing.discard((share.sender, share.step))
+            self.record("mix", now, share.ps_weight, share.sender, share.step)
+            share.release()
+
+    def implausible(self, share, values: torch.Tensor) -> str:
+        """Why a share cannot be honest push-sum mass ("" if it can)."""
+        n = self.comm.world_size
+        if not 0.0 < share.ps_weight <= n:
+            return f"weight {share.ps_weight!r} outside (0, {n}]"
+        if self.w + share.ps_weight > n * (1 + 1e-9):
+            return f"w would become {self.w + share.ps_weight:.6g} > n = {n} (push-sum mass never exceeds n)"
+        scale = float(values.abs().max()) / share.ps_weight if values.numel() else 0.0
+        if not math.isfinite(scale) or scale > PLAUSIBLE_SCALE * max(1.0, self._z_scale):
+            return f"de-biased values up to {scale:.3g}, ours up to {self._z_scale:.3g}"
+        return ""
+
+    def reabsorb_refused(self, now: int) -> None:
+        """Re-absorb the shares that did not get through: the receiver refused them, voided them when
+        settling, or was dead before they left. Acks may complete in any order (a stalled peer's
+        wait while later ones land), so every finished entry is looked at."""
+        pending: deque = deque()
+        for entry in self.outbox:
+            future, share_x, share_w, peer, sent = entry
+            if not future.done():
+                pending.append(entry)
+                continue
+            if future.cancelled():
+                self.log.warning("node %d: step-%d share for node %d: outcome unknown (send cancelled)", self.rank,
+                                 sent, peer)
+                continue
+            exc = future.exception()
+            if exc is None and future.result().delivered:
+                continue  # accepted, or a duplicate of a retransmission that was accepted
+            why = f"{type(exc).__name__}: {exc}" if exc is not None else \
+                f"{future.result().reason}: {future.result().detail}"
+            self.log.warning("node %d: step-%d share for node %d not delivered (%s); re-absorbing it", self.rank,
+                             sent, peer, why)
+            self.x.add_(share_x)
+            self.w += share_w
+            self.refused_shares += 1
+            self.record("reabsorb", now, share_w, peer, sent)
+        self.outbox = pending
+
+    def finish(self, unmixed: Iterable[tuple[list[int], int]], last: int) -> torch.Tensor:
+        """flush(), then the de-biased model: the end of the run."""
+        self.flush(unmixed, last)
+        self.record("w", last + 1, self.w)
+        return self.debias()
+
+    def flush(self, unmixed: Iterable[tuple[list[int], int]], last: int) -> None:
+        """Receive the shares still in flight (`unmixed`: (senders, step) not mixed yet, and earlier
+        ones that missed their deadline) so no mass is left on the wire; wait for every ack
+        (re-absorbing refusals). What it receives is booked at step last + 1. Also before a
+        checkpoint, when the run goes on after it."""
+        after = last + 1
+        for senders, step in unmixed:
+            self.mix(senders, step, after)
+        # A live sender's share does come (it is re-sent until acknowledged, or re-absorbed only if
+        # the sender thinks we are dead): worth a longer wait than one step's deadline.
+        budget = min(self.comm.peer_timeout, max(self.comm.link_deadline, FINISH_WAIT_SECONDS))
+        end = time.monotonic() + budget  # one budget for all of them
+        for sender, step in sorted(self.missing, key=lambda m: m[1]):
+            if (sender, step) in self.missing:
+                wait = max(0.0, end - time.monotonic())
+                self.fold(self.comm.gather(self.kind, step, [sender], deadline=wait, **self._on_channel()).values(),
+                          after)
+        self.fold(self.comm.take(self.kind, last, **self._on_channel()), after)
+        concurrent.futures.wait([entry[0] for entry in self.outbox], timeout=max(0.0, end - time.monotonic()))
+        self.reabsorb_refused(after)
+        if self.outbox:  # their receivers stalled or died and never settled: that mass is theirs now
+            self.log.warning("node %d: %d share(s) (w %.4g in all) still unacknowledged at the end", self.rank,
+                             len(self.outbox), sum(entry[2] for entry in self.outbox))
+
+    def merge(self, state, now: int, x_share: torch.Tensor | None = None) -> torch.Tensor:
+        """Merge a donor's half (x_d / 2, w_d / 2) into our own (x, w): sent as z_d with weight
+        w_d / 2 (or, where the state carries a model that is not z, as `x_share`). Σ w is conserved
+        and z moves to the weighted mean."""
+        if x_share is None:
+            self.x.add_(state.tensor.view_as(self.x), alpha=state.ps_weight)
+        else:
+            self.x.add_(x_share)
+        self.w += state.ps_weight
+        self.missing.clear()  # shares of steps before the rejoin: the senders had excluded us
+        self.record("mix", now, state.ps_weight, state.sender, state.step)
+        state.release()
+        return self.debias()
+
+    def split(self, peer: int, step: int, model: torch.Tensor | None = None) -> torch.Tensor:
+        """Give a (re)joining peer half of (x, w): Σ w is conserved and both keep this node's z. It is
+        sent as a model to load: z itself, or `model` where the caller's model is not z."""
+        share_x, share_w = self.x * 0.5, self.w * 0.5
+        sent = share_x / share_w if model is None else model.detach().clone()
+        future = self.comm.send(peer, sent, kind=Kind.STATE, step=step, ps_weight=share_w, reliable=True,
+                                settle=True)
+        self.outbox.append((future, share_x, share_w, peer, step))
+        self.x.mul_(0.5)
+        self.w *= 0.5
+        self.record("send", step, share_w, peer)
+        return self.debias()
+
+    def record(self, event: str, step: int, weight: float, peer: int = -1, sent: int = -1) -> None:
+        if self.ledger is not None:
+            self.ledger.append((event, step, weight, peer, sent))
+
+    def debias(self) -> torch.Tensor:
+        self.min_w = min(self.min_w, self.w)
+        self.z = self.x / self.w
+        self._z_scale = float(self.z.abs().max()) if self.z.numel() else 0.0
+        return self.z
+
+    def _values(self, share) -> torch.Tensor:
+        """A share's x-values, decoded when it travelled encoded."""
+        if share.codec == compression.UNCOMPRESSED:
+            return share.tensor
+        return compression.get_codec(share.codec).decode(share.tensor, share.codec_params, (share.tensor.numel(),)
+                                                         if self.x is None else tuple(self.x.shape), self.x.dtype)
+
+    def _on_channel(self) -> dict:
+        return {"channel": self.channel} if self.channel else {}
+
+
+__all__ = ["FINISH_WAIT_SECONDS", "PLAUSIBLE_SCALE", "PushSum"]

@@ -1,0 +1,334 @@
+"""`p2ptrain reproduce diloco`: issue 15's WAN comparison at a size that runs here in minutes.
+
+The synthetic task with the MLP on 8 node processes whose links are emulated at 100 Mbit/s with
+50 ms latency (`--link bandwidth=100mbit,latency=50ms`): AllReduce every step (gradients averaged
+before the inner optimizer, AdamW like DiLoCo's inner steps, so only the communication differs),
+DiLoCo with H ∈ {10, 50, 100}, Streaming DiLoCo (F fragments, τ = 1, α = 0.5 as in the paper and
+α = 0), DiLoCo H = 50 with int8 / int4 / top-k pseudo-gradients, gossip-DiLoCo (two out-peers per
+outer step), and gossip-DiLoCo with 20% of messages dropped and one node frozen (`launch --stall`).
+
+The table holds the final validation loss and accuracy (mean over nodes, worst node), MB sent per
+node, MB per sync (bytes per node over the number of syncs of the schedule: the peak, since every
+sync of a variant moves the same amount), wall-clock seconds since launch, bytes relative to
+AllReduce, and the seconds a variant took to reach AllReduce's final accuracy. Every node's model
+snapshots are evaluated on the validation set afterwards, against the time its progress file
+gives for that step, for the plot of validation loss against wall-clock time (OUT/diloco.png).
+Ratios are against runs of the same invocation; the targets of the issue are checked and printed
+with their numbers.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from p2ptrain.bench.clusters import VariantResult, fmt, print_table, run_variant, variant_dir
+
+LINK = "bandwidth=100mbit,latency=50ms"
+FRAGMENTS = 5
+TOPK_FRACTION = 0.1
+STALL = "3@60:8"
+
+
+def variants(fragments: int, topk_fraction: float) -> dict[str, tuple[str, list[str]]]:
+    """key -> (row name, node flags)."""
+    diloco = ["--algorithm", "diloco"]
+    h50 = [*diloco, "--inner-steps", "50"]
+    # two out-peers per outer step (one: 0.84 accuracy here; three: 0.90); gossip keeps nodes in
+    # lockstep only loosely, so its messages may meet a node several H behind: a wide step window
+    gossip = ["--algorithm", "gossip-diloco", "--inner-steps", "50", "--peers-per-step", "2", "--step-window", "256"]
+    streaming = [*h50, "--fragments", str(fragments), "--outer-delay", "1"]
+    return {
+        "allreduce": ("allreduce every step", ["--algorithm", "allreduce", "--average", "gradients",
+                                                "--optimizer", "adamw"]),
+        "diloco-h10": ("diloco H=10", [*diloco, "--inner-steps", "10"]),
+        "diloco-h50": ("diloco H=50", h50),
+        # (a node may be H steps behind when a sync's messages reach it: its step window must take them)
+        "diloco-h100": ("diloco H=100", [*diloco, "--inner-steps", "100", "--step-window", "128"]),
+        "streaming": (f"streaming H=50 F={fragments} tau=1 a=0.5", [*streaming, "--mixing", "0.5"]),
+        "streaming-a0": (f"streaming H=50 F={fragments} tau=1 a=0", [*streaming, "--mixing", "0"]),
+        "int8": ("diloco H=50 int8", [*h50, "--compression", "int8"]),
+        "int4": ("diloco H=50 int4", [*h50, "--compression", "int4"]),
+        "topk": (f"diloco H=50 topk {topk_fraction:g}", [*h50, "--compression", "topk", "--topk-fraction",
+                                                          str(topk_fraction)]),
+        "gossip": ("gossip-diloco H=50 2 peers", gossip),
+        "gossip-faults": ("gossip-diloco H=50 2 peers drop=0.2 +stall", gossip),
+    }
+
+
+def add_arguments(parser) -> None:
+    keys = ",".join(variants(FRAGMENTS, TOPK_FRACTION))
+    parser.add_argument("--nodes", type=int, default=8, help="cluster size (default 8)")
+    parser.add_argument("--steps", type=int, default=300, help="training steps per run (default 300)")
+    parser.add_argument("--variants", default=keys, help=f"comma-separated subset of {keys} (default all)")
+    parser.add_argument("--link", default=LINK, help=f"emulated links of every node (default {LINK})")
+    parser.add_argument("--link-deadline", type=float, default=5.0,
+                        help="the nodes' --link-deadline: the outer sync's deadline (default 5 s)")
+    parser.add_argument("--fragments", type=int, default=FRAGMENTS,
+                        help=f"Streaming DiLoCo's F (default {FRAGMENTS}; must divide 50)")
+    parser.add_argument("--topk-fraction", type=float, default=TOPK_FRACTION,
+                        help=f"kept fraction of the top-k run (default {TOPK_FRACTION})")
+    parser.add_argument("--stall", default=STALL,
+                        help=f"the frozen node of gossip-faults, RANK@STEP:SECONDS (default {STALL})")
+    parser.add_argument("--log-every", type=int, default=10, help="snapshot / progress interval (default 10)")
+    parser.add_argument("--num-train", type=int, default=12000, help="training samples, all nodes (default 12000)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of data, split and init (default 0)")
+    parser.add_argument("--extra", default="", help="more node flags for every run, one string")
+    parser.add_argument("--out", default="runs/reproduce-diloco", help="run folders and the plot "
+                                                                      "(default runs/reproduce-diloco)")
+    parser.add_argument("--keep-snapshots", action="store_true", help="keep the model snapshots after evaluating")
+    parser.add_argument("--timeout", type=float, default=1200, help="per-run timeout in seconds (default 1200)")
+    parser.add_argument("--json", action="store_true", help="also print the results as JSON")
+
+
+@dataclass
+class Row:
+    key: str
+    name: str
+    run: VariantResult
+    val_loss: float = math.nan
+    val_accuracy: float = math.nan
+    worst_accuracy: float = math.nan
+    mb_sent: float = math.nan
+    syncs: int = 0
+    curve: list[tuple[float, float, float]] = field(default_factory=list)  # (seconds since launch, loss, accuracy)
+
+    @property
+    def mb_per_sync(self) -> float:
+        return self.mb_sent / self.syncs if self.syncs else math.nan
+
+    def seconds_to(self, accuracy: float) -> float:
+        """Seconds since launch until the nodes' mean validation accuracy first reached `accuracy`."""
+        return next((t for t, _, a in self.curve if a >= accuracy), math.nan)
+
+    def to_dict(self) -> dict:
+        return {"key": self.key, "name": self.name, "val_loss": self.val_loss, "val_accuracy": self.val_accuracy,
+                "worst_accuracy": self.worst_accuracy, "mb_sent_per_node": self.mb_sent, "syncs": self.syncs,
+                "mb_per_sync": self.mb_per_sync, "wall_seconds": self.run.wall_seconds, "error": self.run.error,
+                "curve": self.curve}
+
+
+def main(args) -> int:
+    table = variants(args.fragments, args.topk_fraction)
+    keys = [k.strip() for k in args.variants.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in table]
+    if unknown or not keys or args.nodes < 2 or args.steps < 1 or 50 % args.fragments:
+        print(f"p2ptrain reproduce diloco: choose variants from {', '.join(table)}, --nodes >= 2, --steps >= 1 and "
+              "--fragments dividing 50", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    common = ["--dataset", "synthetic", "--model", "mlp", "--num-train", str(args.num_train), "--seed",
+              str(args.seed), "--log-every", str(args.log_every), "--link-deadline", str(args.link_deadline),
+              "--threads", "1", *args.extra.split()]
+    evaluator = _Evaluator(args)
+    rows: dict[str, Row] = {}
+    for key in keys:
+        name, flags = table[key]
+        link = args.link + (",drop=0.2" if key == "gossip-faults" else "")
+        stalls = [args.stall] if key == "gossip-faults" and args.stall else []
+        print(f"  running {name} ...", file=sys.stderr, flush=True)
+        launched = time.time()
+        run = run_variant(name, args.nodes, args.steps, [*flags, "--link", link, *common], out,
+                          timeout=args.timeout, echo=lambda text: print(text, file=sys.stderr), stalls=stalls)
+        row = Row(key, name, run, syncs=_syncs(flags, args.steps, args.nodes))
+        if not run.error:
+            _measure(row, variant_dir(out, name), args.nodes, launched, evaluator, keep=args.keep_snapshots)
+        rows[key] = row
+        print(f"    {name}: val acc {fmt(row.val_accuracy)}, {fmt(row.mb_sent, '{:.2f}')} MB/node, "
+              f"{fmt(run.wall_seconds, '{:.0f}')} s{'  FAILED: ' + run.error if run.error else ''}",
+              file=sys.stderr, flush=True)
+    report(rows, sys.stdout)
+    plot = _plot(rows, out)
+    if plot:
+        print(f"\nplot: {plot}")
+    if args.json:
+        print(json.dumps([r.to_dict() for r in rows.values()], indent=2, default=str))
+    return 0 if not any(r.run.error for r in rows.values()) else 1
+
+
+def report(rows: dict[str, Row], stream) -> None:
+    base = rows.get("allreduce")
+    usable = base is not None and not base.run.error
+    headers = ["variant", "val loss", "val acc (worst)", "MB sent/node", "MB/sync", "wall s", "x fewer bytes",
+               "s to AR acc"]
+    table = []
+    for row in rows.values():
+        if row.run.error:
+            table.append([row.name, "failed", "-", "-", "-", "-", "-", "-"])
+            continue
+        fewer = base.mb_sent / row.mb_sent if usable and row.mb_sent else math.nan
+        reach = row.seconds_to(base.val_accuracy) if usable else math.nan
+        table.append([row.name, fmt(row.val_loss, "{:.4f}"),
+                      f"{fmt(row.val_accuracy)} ({fmt(row.worst_accuracy)})", fmt(row.mb_sent, "{:.2f}"),
+                      fmt(row.mb_per_sync, "{:.3f}"), fmt(row.run.wall_seconds, "{:.0f}"), fmt(fewer, "{:.1f}"),
+                      fmt(reach, "{:.0f}")])
+    print_table(table, headers, stream)
+    print(file=stream)
+    for line in targets(rows):
+        print(line, file=stream)
+
+
+def targets(rows: dict[str, Row]) -> list[str]:
+    """The issue's targets, each PASS/MISS with its numbers (only where both runs are here)."""
+    def ok(key: str) -> Row | None:
+        row = rows.get(key)
+        return row if row is not None and not row.run.error else None
+
+    lines = []
+
+    def check(passed: bool, text: str) -> None:
+        lines.append(f"{'PASS' if passed else 'MISS'}  {text}")
+
+    base, h50 = ok("allreduce"), ok("diloco-h50")
+    if base and h50:
+        gap = 100 * (h50.val_accuracy - base.val_accuracy)
+        loss = (h50.val_loss - base.val_loss) / base.val_loss
+        fewer = base.mb_sent / h50.mb_sent
+        check((gap >= -1 or loss <= 0.02) and fewer >= 40,
+              f"diloco H=50 vs allreduce: accuracy {gap:+.1f} points, val loss {100 * loss:+.1f}%, {fewer:.0f}x fewer "
+              "bytes (target: within 1 point or 2% of the loss, >= 40x fewer bytes)")
+        reach, wall = h50.seconds_to(base.val_accuracy), base.run.wall_seconds
+        check(reach <= 0.2 * wall, f"diloco H=50 reached allreduce's final accuracy {base.val_accuracy:.3f} after "
+              f"{fmt(reach, '{:.0f}')} s = {fmt(reach / wall, '{:.2f}')}x allreduce's {wall:.0f} s (target <= 0.2x)")
+    for key in ("streaming", "streaming-a0"):
+        row = ok(key)
+        if row and h50:
+            share, gap = row.mb_per_sync / h50.mb_per_sync, 100 * (row.val_accuracy - h50.val_accuracy)
+            fragments = round(h50.mb_per_sync / row.mb_per_sync) if row.mb_per_sync else 0
+            check(share <= 1 / max(1, fragments) + 0.01 and abs(gap) <= 1,
+                  f"{row.name}: {share:.3f}x DiLoCo's MB per sync, accuracy {gap:+.1f} points vs diloco H=50 "
+                  "(target <= 1/F per sync, within 1 point)")
+    for key in ("int8", "int4", "topk"):
+        row = ok(key)
+        if row and h50:
+            fewer, gap = h50.mb_sent / row.mb_sent, 100 * (row.val_accuracy - h50.val_accuracy)
+            target = key != "int8"
+            check((fewer >= 4 or not target) and abs(gap) <= 1,
+                  f"{row.name}: {fewer:.1f}x fewer bytes than fp32 diloco H=50, accuracy {gap:+.1f} points"
+                  + (" (target >= 4x, within 1 point)" if target else " (within 1 point)"))
+    clean, faulty = ok("gossip"), rows.get("gossip-faults")
+    if faulty is not None:
+        if faulty.run.error:
+            check(False, f"{faulty.name}: did not finish ({faulty.run.error})")
+        elif clean:
+            gap = 100 * (faulty.val_accuracy - clean.val_accuracy)
+            check(abs(gap) <= 2, f"{faulty.name}: finished, accuracy {gap:+.1f} points vs gossip-diloco without faults "
+                                 "(target within 2 points)")
+    return lines
+
+
+# -- measuring a run ----------------------------------------------------------------------------------
+def _syncs(flags: list[str], steps: int, nodes: int) -> int:
+    """Syncs of the variant's schedule: one per step for allreduce, the outer steps otherwise."""
+    def value(flag: str, default: int) -> int:
+        return int(flags[flags.index(flag) + 1]) if flag in flags else default
+
+    algorithm = flags[flags.index("--algorithm") + 1]
+    if algorithm == "diloco":
+        from p2ptrain.algorithms.diloco import DiLoCo
+
+        algo = DiLoCo(types.SimpleNamespace(rank=0, world_size=nodes), inner_steps=value("--inner-steps", 50),
+                      fragments=value("--fragments", 1), outer_delay=value("--outer-delay", 0))
+        return algo.fragment_syncs(steps)
+    if algorithm == "gossip-diloco":
+        h = value("--inner-steps", 50)
+        return steps // h + bool(steps % h)
+    return steps
+
+
+class _Evaluator:
+    """The validation set and model of the runs, to evaluate snapshots after a run."""
+
+    def __init__(self, args):
+        self.args = args
+        self._ready = None
+
+    def evaluate(self, params) -> tuple[float, float]:
+        """(validation loss, accuracy) of the flat model `params`."""
+        if self._ready is None:
+            import torch
+
+            from p2ptrain.config import NodeConfig
+            from p2ptrain.train.data import build_dataset
+            from p2ptrain.train.flat import FlatParameters
+            from p2ptrain.train.setup import initial_model
+
+            torch.set_num_threads(1)
+            config = NodeConfig.from_sources(env={}, flags={"num_train": self.args.num_train, "seed": self.args.seed})
+            model = initial_model(config)
+            test = build_dataset("synthetic", None, seed=self.args.seed, num_train=self.args.num_train).test
+            self._ready = (model, FlatParameters(model), torch.utils.data.DataLoader(test, batch_size=1000))
+        from p2ptrain.train.evaluate import evaluate
+
+        model, flat, loader = self._ready
+        flat.load(params)
+        return evaluate(model, loader)
+
+
+def _measure(row: Row, folder: Path, nodes: int, launched: float, evaluator: _Evaluator, *, keep: bool) -> None:
+    import torch
+
+    summaries = [json.loads((folder / f"node{r}.json").read_text()) for r in range(nodes)
+                 if (folder / f"node{r}.json").exists()]
+    accuracies = [s["test_accuracy"] for s in summaries if s.get("test_accuracy") is not None]
+    losses = [s["test_loss"] for s in summaries if s.get("test_loss") is not None]
+    row.val_accuracy = sum(accuracies) / len(accuracies) if accuracies else math.nan
+    row.worst_accuracy = min(accuracies, default=math.nan)
+    row.val_loss = sum(losses) / len(losses) if losses else math.nan
+    row.mb_sent = sum(s["bytes_sent"] for s in summaries) / len(summaries) / 1e6 if summaries else math.nan
+    points: dict[int, list[tuple[float, float, float]]] = {}
+    for rank in range(nodes):
+        snapshots, progress = folder / f"node{rank}.snapshots.pt", folder / f"node{rank}.progress.jsonl"
+        if not snapshots.exists() or not progress.exists():
+            continue
+        times = {}
+        for line in progress.read_text().splitlines():
+            record = json.loads(line)
+            if "step" in record and "time" in record:
+                times[record["step"]] = record["time"] - launched
+        saved = torch.load(snapshots)
+        for step, params in zip(saved["steps"], saved["params"]):
+            if step in times:
+                loss, accuracy = evaluator.evaluate(params)
+                points.setdefault(step, []).append((times[step], loss, accuracy))
+        if not keep:
+            snapshots.unlink()
+    row.curve = [tuple(sum(p[i] for p in pts) / len(pts) for i in range(3)) for _, pts in sorted(points.items())]
+
+
+def _plot(rows: dict[str, Row], out: Path) -> Path | None:
+    curves = {r.name: r.curve for r in rows.values() if r.curve}
+    if not curves:
+        return None
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(13, 5))
+    colors = plt.cm.tab20.colors  # (the default cycle repeats after 10 variants)
+    for (name, curve), color in zip(curves.items(), colors[::2] + colors[1::2]):
+        seconds = [p[0] for p in curve]
+        loss_ax.plot(seconds, [p[1] for p in curve], label=name, marker=".", color=color)
+        acc_ax.plot(seconds, [p[2] for p in curve], label=name, marker=".", color=color)
+    loss_ax.set(xlabel="wall-clock seconds since launch", ylabel="validation loss (mean over nodes)", yscale="log",
+                title="validation loss against wall-clock time")
+    acc_ax.set(xlabel="wall-clock seconds since launch", ylabel="validation accuracy (mean over nodes)",
+               title="validation accuracy against wall-clock time")
+    acc_ax.legend(fontsize=7)
+    for ax in (loss_ax, acc_ax):
+        ax.grid(alpha=0.3)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    fig.tight_layout()
+    path = out / "diloco.png"
+    out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
