@@ -35,6 +35,7 @@ class Communicator:
         self.joining = False        # set before setup: this node (re)joins a running cluster
         self.joined: Message | None = None  # the state it got (model, ps-weight, donor's step)
         self.late_states: list[Message] = []  # further states that arrived while rejoining (see fetch_state)
+        self.resume_step = 0        # after a (re)join: the step to continue at (>= the donor's step + 1)
 
     @property
     def link_deadline(self) -> float:
@@ -53,7 +54,7 @@ class Communicator:
         (a rejoining node instead tells the live peers it is back and at which step)."""
         self.transport.mark_ready()
         if self.joining:
-            self.transport.announce_ready()
+            self.resume_step = self.transport.announce_ready()
         elif self.world_size > 1:
             self.transport.wait_for_peers(timeout=self.peer_timeout, require_ready=True)
 
@@ -110,7 +111,8 @@ class Communicator:
 
     def fetch_state(self, numel: int, dtype: torch.dtype, timeout: float | None = None) -> Message:
         """Rejoin: ask a live peer for its model state and wait for it (like hivemind's
-        load_state_from_peers). Returns the state; the node resumes at `state.step + 1` as a new
+        load_state_from_peers). Returns the state; the node resumes at `resume_step` (`state.step +
+        1`, or the cluster's step if it has moved on; a restarted node learns it in ready()) as a new
         incarnation, so peers that declared it dead take it back."""
         timeout = self.peer_timeout if timeout is None else timeout
         self.transport.expect(STATE, dtype, numel, preallocate=1)
@@ -131,7 +133,7 @@ class Communicator:
                 self.late_states.extend(late)  # an earlier donor answered too: SGP merges that mass as well
                 self.joined = state
                 donor = state.sender
-                self.transport.rejoined(state.step + 1)
+                self.resume_step = self.transport.rejoined(state.step + 1)
                 log.info("node %d: rejoined with node %d's state of step %d (ps-weight %.4g)", self.rank, donor,
                          state.step, state.ps_weight)
                 return state

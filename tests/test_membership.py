@@ -2,6 +2,7 @@
 who is dead, who lags, who comes back (only a new incarnation), who gets our state."""
 from __future__ import annotations
 
+from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.membership import Membership
 
 
@@ -42,7 +43,34 @@ def test_a_dead_peer_returns_only_as_a_new_incarnation():
     assert not m.alive(2), "a stalled peer that simply resumes must rejoin first"
     m.hello(2, ready=True, incarnation=12, current_step=90, resume_step=90)  # after its state transfer
     assert m.alive(2) and not m.excludes(2)
-    assert m.awaited([2], step=89) == [] and m.awaited([2], step=90) == [2]
+    # It may move on past step 90 (to the cluster's step): awaited from its first share on.
+    assert m.live([2]) == [2] and m.awaited([2], step=90) == []
+    m.heard_from(2, step=97, kind=pb.MESSAGE_KIND_PUSH_SUM)
+    assert m.awaited([2], step=96) == [] and m.awaited([2], step=97) == [2]
+
+
+def test_a_rejoined_peer_far_behind_our_step_is_sent_to_not_judged_lagging():
+    """It resumes at the cluster's step, not at the step it announced: push to it at once."""
+    m = membership(max_lag=5)
+    m.step = 400
+    m.mark_dead(3, "probe")
+    m.hello(3, ready=True, incarnation=2, current_step=300, resume_step=301)
+    assert m.live([3]) == [3] and not m.lagging(3)
+
+
+def test_after_our_rejoin_a_peer_is_awaited_from_its_reply_or_its_first_training_message():
+    """Nobody sent to us for the steps before it learned we were back: never wait for those."""
+    m = membership(rank=0)
+    m.rejoining()
+    m.rejoined()
+    m.step = 120
+    assert m.awaited([1, 2, 3], step=120) == []
+    m.confirmed(1, since_step=125)                                # answered our announce at its step 124
+    m.heard_from(2, step=119, kind=pb.MESSAGE_KIND_STATE)        # the donor's state is no confirmation
+    m.heard_from(3, step=122, kind=pb.MESSAGE_KIND_PUSH_SUM)     # its first share after our rejoin
+    assert m.awaited([1, 2, 3], step=121) == []
+    assert m.awaited([1, 2, 3], step=122) == [3]
+    assert m.awaited([1, 2, 3], step=125) == [1, 3]
 
 
 def test_a_restarted_process_asking_for_state_retires_its_earlier_self():

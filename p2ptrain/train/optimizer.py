@@ -99,7 +99,9 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             joined = comm.fetch_state(state.numel, state.dtype)
             state.load(joined.tensor)
             self.local_step = self.start_step = joined.step + 1
-        state.load(self.algorithm.setup(state.vector()))
+        state.load(self.algorithm.setup(state.vector()))  # (a rejoining node announces itself here)
+        if comm is not None and comm.joining:
+            self.local_step = self.start_step = max(self.local_step, comm.resume_step)
         self._adopt_late_states()
 
     # The step ----------------------------------------------------------------------------------
@@ -226,7 +228,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._adopt_late_states()
         self.catch_ups += 1
         self.check_finite(donated.step, "model after catching up")
-        return max(step + 1, donated.step + 1)
+        return max(step + 1, donated.step + 1, comm.resume_step)
 
     def _adopt_late_states(self) -> None:
         """States that reached us while rejoining besides the one used (an earlier donor answered

@@ -140,7 +140,7 @@ class Inbox:
         self._open_per_sender: Counter[int] = Counter()
         self._dedup_window = dedup_window
         self._waiters: list[tuple[object, asyncio.Future]] = []
-        self.on_deliver = lambda sender, step: None     # e.g. membership: the sender is alive, at `step`
+        self.on_deliver = lambda sender, step, kind: None  # e.g. membership: the sender is alive, at `step`
         self.excluded = lambda: frozenset()             # senders not worth waiting for (dead peers)
 
     # Configuration (thread-safe enough: plain attribute writes read on the loop thread) ---------
@@ -269,7 +269,7 @@ class Inbox:
             shape=tuple(header.shape) or (header.numel,), message_id=header.message_id,
             _release=lambda: self.pool.release(buffer))
         box[header.sender] = message
-        self.on_deliver(header.sender, header.step)
+        self.on_deliver(header.sender, header.step, header.kind)
         self._wake_waiters()
         return message
 

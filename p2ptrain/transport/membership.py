@@ -14,8 +14,11 @@ A crashed or stalled peer must not stall the others, and must not corrupt them w
   extrapolated, so a peer we rarely hear from is not judged on old news) is treated like a dead one
   for sending and waiting (a bounded delay never lets a healthy peer fall that far behind); the
   lagging node sees the same gap from its side and catches up through a state transfer.
-- **Rejoining.** A node that rejoins waits only for peers it has heard from since (they learn of it
-  at different steps); messages of the others are folded in whenever they come.
+- **Rejoining.** A node that rejoins resumes at the cluster's step (the announce replies say it):
+  the steps it skips carry no messages for it, since nobody knew it was back. It waits for a peer
+  from the step after the one that peer's reply names (or, without a reply, from the peer's first
+  message); the peers wait for it from its first message. Earlier messages are folded in whenever
+  they come.
 - **Donating.** A node hands its state only to a peer it saw leave (declared dead, lagging, or a new
   incarnation of it asked), never to a Hello(want_state) from a peer that never went away.
 
@@ -28,6 +31,8 @@ import logging
 import statistics
 import time
 from typing import Callable, Iterable
+
+from p2ptrain._proto import p2ptrain_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -124,10 +129,12 @@ class Membership:
         log.warning("node %d: peer %d considered dead (%s)", self.rank, peer, why)
 
     def mark_alive(self, peer: int, since_step: int | None = None) -> None:
-        """`peer` is up; with `since_step` it (re)joined and resumes at that step."""
+        """`peer` is up; with `since_step` it (re)joined and resumes at that step or later (it
+        moves on to the cluster's step): it is awaited from its first message of the training on."""
         if since_step is not None and since_step > self._alive_since.get(peer, 0):
             self._alive_since = {**self._alive_since, peer: since_step}
-            self.note_step(peer, since_step)
+            self._unconfirmed = self._unconfirmed | {peer}
+            self.note_step(peer, max(since_step, self.step))  # it joins at our step: not lagging
         if peer in self._dead:
             self._dead = self._dead - {peer}
             self._changed(peer, True)
@@ -159,11 +166,15 @@ class Membership:
             else:
                 self.mark_dead(peer, "restarted (a new incarnation asks for state)")
 
-    def heard_from(self, peer: int, step: int | None = None) -> None:
-        """A message from `peer` arrived: after our own rejoin it is confirmed. It never revives a
-        dead peer (only a rejoin does)."""
-        if peer in self._unconfirmed:
+    def heard_from(self, peer: int, step: int | None = None, kind: int | None = None) -> None:
+        """A message from `peer` arrived. After our own rejoin, its first message of the training
+        (not a state transfer) confirms it: it sends to us from that message's step on, so earlier
+        steps (when it did not know we were back) are not waited for; their messages, if any come,
+        are folded in late. It never revives a dead peer (only a rejoin does)."""
+        if peer in self._unconfirmed and kind != pb.MESSAGE_KIND_STATE:
             self._unconfirmed = self._unconfirmed - {peer}
+            if step is not None and step > self._alive_since.get(peer, 0):
+                self._alive_since = {**self._alive_since, peer: step}
         if step is not None:
             self.note_step(peer, step)
 
@@ -172,6 +183,12 @@ class Membership:
         if by_peer not in self._excluded_by:
             self._excluded_by = self._excluded_by | {by_peer}
             log.warning("node %d: peer %d considers this node dead; it will rejoin", self.rank, by_peer)
+
+    def confirmed(self, peer: int, since_step: int) -> None:
+        """After our rejoin: `peer` answered our announce at step since_step - 1, so it sends to us
+        from since_step on; wait for its messages from then."""
+        self._alive_since = {**self._alive_since, peer: since_step}
+        self._unconfirmed = self._unconfirmed - {peer}
 
     def rejoining(self) -> None:
         """This node rejoins a running cluster: don't wait for anyone until they have sent to us."""

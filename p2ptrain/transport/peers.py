@@ -176,15 +176,26 @@ class Peers:
             running |= bool(reply.compatible and reply.ready and reply.step > 0)
         return ClusterSurvey(reachable=reachable, running=running)
 
-    def announce_ready(self) -> None:
+    def announce_ready(self) -> list[int]:
         """Tell every peer (one Hello each, failures ignored) that this node is ready again and
-        resumes at `resume_step`, so they send to it and wait for it from that step on."""
-        futures = [self._hello_once(peer, self.hello_request(), 2.0) for peer in self.others()]
-        for future in futures:
+        resumes at `resume_step`; returns the steps the peers that answered were at when they
+        learned it (each sends to this node from its next step on)."""
+        steps = []
+        for future in [self.loop.submit(self._announce(peer)) for peer in self.others()]:
             try:
-                future.result(10)
-            except (grpc.aio.AioRpcError, concurrent.futures.TimeoutError):
-                pass
+                reply = future.result(10)
+            except (grpc.aio.AioRpcError, concurrent.futures.TimeoutError, asyncio.TimeoutError):
+                continue
+            if reply.compatible and reply.ready:
+                steps.append(reply.step)
+        return steps
+
+    async def _announce(self, peer: int) -> pb.HelloReply:
+        reply = await self.greet(peer, self.hello_request(), 2.0, wait_for_ready=False)
+        if reply.compatible and reply.ready and reply.node_id == peer:
+            # It marked us alive before answering, so its pushes from its next step on reach us.
+            self.membership.confirmed(peer, since_step=reply.step + 1)
+        return reply
 
     def wait_for_step(self, step: int, timeout: float) -> None:
         """Hello every live peer until it reports a current step >= `step` (the cluster resumed

@@ -261,23 +261,29 @@ class Transport:
         if self.health is not None:
             self.health.set_serving(True)
 
-    def announce_ready(self) -> None:
-        """Tell every peer (one Hello each, failures ignored) that this node is ready again and
-        resumes at `resume_step`."""
-        self._peers.announce_ready()
+    def announce_ready(self) -> int:
+        """Tell every peer (one Hello each, failures ignored) that this node is ready again; returns
+        the step it resumes at: `resume_step`, or past the furthest step a peer was at when it
+        learned, if the cluster moved on while this node fetched and loaded its state. Nobody sent
+        it anything for the steps in between, so running them would only push mass out (SGP: w
+        halves with every step that brings nothing in)."""
+        steps = self._peers.announce_ready()
+        if steps and max(steps) + 1 > self._peers.resume_step:
+            self.resume_at(max(steps) + 1)
+        return self._peers.resume_step
 
     def resume_at(self, step: int) -> None:
         """A rejoined node continues at `step`: centre its step window there and say so in Hellos."""
         self._peers.resume_step = step
         self.set_step(step)
 
-    def rejoined(self, step: int) -> None:
-        """A state transfer completed: resume at `step` as a new incarnation (so peers that declared
-        this node dead take it back) and tell every peer."""
+    def rejoined(self, step: int) -> int:
+        """A state transfer completed: resume at `step` or later (announce_ready) as a new
+        incarnation (so peers that declared this node dead take it back) and tell every peer once
+        this node is ready (a restarted node announces after its setup). Returns the step."""
         self._peers.rejoined()
         self.resume_at(step)
-        if self._peers.ready:
-            self.announce_ready()
+        return self.announce_ready() if self._peers.ready else step
 
     def request_state(self, timeout: float) -> int:
         """Ask live peers for their model state until a ready one accepts; returns its rank (the
