@@ -54,6 +54,7 @@ def test_bench_algorithms_rejects_unknown_variant(tmp_path):
     assert set(VARIANTS) >= {"allreduce", "dpsgd", "sgp-tau0", "sgp-tau1", "relaysgd", "pipesgd-int8"}
 
 
+@pytest.mark.slow  # 22 s; test_bench_algorithms_runs_variants_over_emulated_links stays in the default suite
 @pytest.mark.timeout(300)
 def test_reproduce_relaysgd_prints_the_alpha_table(tmp_path):
     proc = run("reproduce", "relaysgd", "--nodes", "3", "--steps", "5", "--alphas", "0.1",

@@ -229,6 +229,7 @@ def test_killed_node_rejoins_from_a_live_peer_and_ends_in_consensus(tmp_path):
     assert 2.0 < total_w <= 4.0 + 1e-6 and math.isfinite(total_w)
 
 
+@pytest.mark.slow  # 51 s; the exact ledger under 20% drops stays in the default suite (in-process)
 def test_sgp_with_20_percent_drops_trains_as_well_as_without(tmp_path):
     """The issue's figure as a test: 6 real node processes, every link drops 20% of messages (re-sent
     with the same id) and jitters: the push-sum weights still sum to n and the accuracy is within

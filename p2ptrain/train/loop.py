@@ -83,7 +83,7 @@ class DecentralizedTrainer:
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """One step at the optimizer's current step; returns the loss."""
         step = self.optimizer.local_step
-        started = time.perf_counter()
+        started = self._compute_clock()
         self.model.train()
         inputs = inputs.to(self.device, non_blocking=True)
         targets = targets.to(self.device, non_blocking=True)
@@ -101,7 +101,7 @@ class DecentralizedTrainer:
         if self.slowdown > 1.0:  # emulate a slower machine: stretch this step's compute
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - started))
+            time.sleep((self.slowdown - 1.0) * (self._compute_clock() - started))
         if self.clip_grad_norm is not None:
             if self.grad_scaler is not None:
                 self.grad_scaler.unscale_(self.optimizer)
@@ -116,6 +116,11 @@ class DecentralizedTrainer:
         if self.node is not None:
             self.node.report(step + 1, loss=value)
         return value
+
+    def _compute_clock(self) -> float:
+        """What --slowdown stretches: this thread's CPU time on CPU (a stall, e.g. SIGSTOP, is
+        not compute, and stretching it would make a 4 s stall last 12 s), wall time on CUDA."""
+        return time.perf_counter() if self.device.type == "cuda" else time.thread_time()
 
     def fit(self, batches: Iterable, steps: int) -> TrainResult:
         """Train until the optimizer has done `steps` steps (a catch-up after a stall may skip some),
