@@ -39,3 +39,21 @@ def run_cluster(n: int, body: Callable[[int, Communicator], object], *, timeout:
     finally:
         for transport in transports:
             transport.stop()
+
+
+def mass_in_flight_ledgers(ledgers: list[list[tuple]], at_steps) -> list[float]:
+    """For each step k of `at_steps`: Σ_i w_i after step k (the ledgers' "w" entries) plus every
+    share sent by step k that was neither mixed in nor re-absorbed by then (on the wire, or waiting
+    in an inbox). Push-sum conserves it: n at every step."""
+    totals = []
+    for k in at_steps:
+        total = 0.0
+        for ledger in ledgers:
+            total += next(w for event, step, w, *_ in ledger if event == "w" and step == k)
+            for event, step, w, *_ in ledger:
+                if step <= k and event == "send":
+                    total += w
+                elif step <= k and event in ("mix", "reabsorb"):
+                    total -= w
+        totals.append(total)
+    return totals

@@ -21,7 +21,7 @@ from p2ptrain.compression import make_codec
 from p2ptrain.config import ConfigError, NodeConfig
 from p2ptrain.topology import build_topology
 from p2ptrain.transport import TransportOptions
-from tests.cluster import run_cluster
+from tests.cluster import mass_in_flight_ledgers, run_cluster
 from tests.conftest import ROOT, node_env
 from tests.test_allreduce import LR, gradient, vector
 from tests.test_fault_tolerance import lossy
@@ -355,23 +355,6 @@ def test_gossip_diloco_matches_the_push_sum_recursion():
     assert [r[1] for r in results] == pytest.approx(w.tolist(), abs=1e-9)
 
 
-def mass_at_each_sync(ledgers: list[list[tuple]], syncs: list[int]) -> list[float]:
-    """Σ_i w_i after the outer step at step k, plus every share sent by then that was neither mixed
-    in nor re-absorbed (on the wire, or waiting in an inbox)."""
-    totals = []
-    for k in syncs:
-        total = 0.0
-        for ledger in ledgers:
-            total += next(w for event, step, w, *_ in ledger if event == "w" and step == k)
-            for event, step, w, *_ in ledger:
-                if step <= k and event == "send":
-                    total += w
-                elif step <= k and event in ("mix", "reabsorb"):
-                    total -= w
-        totals.append(total)
-    return totals
-
-
 @pytest.mark.parametrize("codec", ["none", "bf16"])
 def test_gossip_diloco_conserves_push_sum_mass_under_20_percent_drops(codec):
     """6 nodes, 20% of messages lost on every link (re-sent with the same id) and a deadline short
@@ -389,7 +372,7 @@ def test_gossip_diloco_conserves_push_sum_mass_under_20_percent_drops(codec):
     results = run_cluster(n, body, options_for=lossy(0.2, deadline=0.004))
     ledgers = [r[0] for r in results]
     syncs = list(range(H - 1, steps, H))
-    assert mass_at_each_sync(ledgers, syncs) == pytest.approx([float(n)] * len(syncs), abs=1e-9)
+    assert mass_in_flight_ledgers(ledgers, syncs) == pytest.approx([float(n)] * len(syncs), abs=1e-9)
     assert sum(r[1] for r in results) == pytest.approx(n, abs=1e-9)
     late = [e for ledger in ledgers for e in ledger if e[0] == "mix" and e[1] > e[4]]
     assert late, "no share came late: the deadline path is untested"
@@ -420,7 +403,7 @@ def test_gossip_diloco_donor_hands_over_anchor_mass_and_momentum():
     assert sum(r[0] for r in results) == pytest.approx(n, abs=1e-9)  # half of node 1's w moved, none lost
     assert results[3][1] >= 1  # it got the donor's outer state (version >= 1) and stepped on from it
     syncs = list(range(H - 1, steps, H))
-    assert mass_at_each_sync([r[2] for r in results], syncs) == pytest.approx([float(n)] * len(syncs), abs=1e-9)
+    assert mass_in_flight_ledgers([r[2] for r in results], syncs) == pytest.approx([float(n)] * len(syncs), abs=1e-9)
 
 
 # -- end to end ------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from p2ptrain.topology import build_topology
 from p2ptrain.topology.undirected import UndirectedRing
 from p2ptrain.transport import TransportOptions
 from p2ptrain.transport.faults import LinkTable
-from tests.cluster import run_cluster
+from tests.cluster import mass_in_flight_ledgers, run_cluster
 from tests.conftest import ROOT, node_env
 
 DIM = 16
@@ -47,23 +47,6 @@ def metric(comm, name: str) -> float:
 
 # Part 1: push-sum mass ---------------------------------------------------------------------------
 
-def mass_at_each_step(ledgers: list[list[tuple]], steps: int) -> list[float]:
-    """Σ_i w_i after step k, plus every share sent by step k that was neither mixed in nor
-    re-absorbed by step k (it is on the wire, or waiting in an inbox)."""
-    totals = []
-    for k in range(steps):
-        total = 0.0
-        for ledger in ledgers:
-            total += next(w for event, step, w, *_ in ledger if event == "w" and step == k)
-            for event, step, w, *_ in ledger:
-                if step <= k and event == "send":
-                    total += w
-                elif step <= k and event in ("mix", "reabsorb"):
-                    total -= w
-        totals.append(total)
-    return totals
-
-
 @pytest.mark.parametrize("overlap", [0, 1])
 def test_sgp_conserves_push_sum_mass_under_20_percent_drops(overlap):
     """6 nodes, 20% of messages lost on every link (re-sent with the same id), a link deadline
@@ -83,7 +66,7 @@ def test_sgp_conserves_push_sum_mass_under_20_percent_drops(overlap):
 
     results = run_cluster(n, body, options_for=lossy(0.2, deadline=0.004), metrics=True)
     ledgers = [r[0] for r in results]
-    assert mass_at_each_step(ledgers, steps) == pytest.approx([float(n)] * steps, abs=1e-9)
+    assert mass_in_flight_ledgers(ledgers, range(steps)) == pytest.approx([float(n)] * steps, abs=1e-9)
     assert sum(r[2] for r in results) == pytest.approx(n, abs=1e-9)
     assert sum(r[3] for r in results) > 0.1 * n * steps * 0.5, "the links dropped (almost) nothing"
     late = [e for ledger in ledgers for e in ledger if e[0] == "mix" and e[1] - e[4] > overlap]
