@@ -204,39 +204,35 @@ def test_a_rejoining_node_that_finds_no_cluster_exits_at_once(tmp_path):
     assert last == "p2ptrain node: node 1: no live peer to rejoin: the cluster has finished (or is unreachable)"
 
 
-def test_mass_waiting_on_a_dead_peer_scales_the_local_update_not_the_seed_otherwise():
-    """PushSum.step_scale: w / (w + mass of shares unacknowledged by peers now considered dead),
-    1 when none waits (the seed's x^{k+1/2} = x^k + (z' - z)), so z steps by (z' - z) / (w + w_out)
-    instead of by (z' - z) / w while a frozen peer holds that mass."""
-    import concurrent.futures
+def test_with_mass_gone_the_local_update_moves_z_by_the_optimizer_step_not_one_over_w_times_it():
+    """SGP scales x += (z' - z) by min(1, w): after 3/4 of a node's mass is gone (a crash took it,
+    or a frozen peer holds it), z moves by exactly the optimizer's step, where the seed's unscaled
+    update would move it 4x as far; with w >= 1 it is the seed's update (z moves by step / w)."""
+    topology = build_topology("exponential", 1)
 
-    from p2ptrain.algorithms.pushsum import PushSum
+    def body(rank, comm):
+        sgp = SGP(comm, topology, overlap=0)
+        z = sgp.setup(initial(rank))
+        d = torch.full((DIM,), 0.5)
+        sgp.mass.x.mul_(0.25)  # mass lost: (x, w) -> (x / 4, 1 / 4), z unchanged
+        sgp.mass.w = 0.25
+        moved_small_w = sgp.after_step(0, z + d) - z
+        z = sgp.z.clone()
+        sgp.mass.x.mul_(8.0)  # mass doubled: w = 2
+        sgp.mass.w = 2.0
+        moved_large_w = sgp.after_step(1, z + d) - z
+        return moved_small_w, moved_large_w
 
-    class Peers:  # the two things PushSum.step_scale asks of its communicator
-        rank, world_size, dead = 0, 4, {2}
-
-        def live(self, peers):
-            return [p for p in peers if p not in self.dead]
-
-    comm = Peers()
-    mass = PushSum(comm)
-    mass.start(torch.ones(3), 0.25)
-    pending, acked = concurrent.futures.Future(), concurrent.futures.Future()
-    acked.set_result(None)
-    mass.outbox.extend([(pending, torch.zeros(3), 0.5, 2, 7), (acked, torch.zeros(3), 0.125, 2, 6),
-                        (concurrent.futures.Future(), torch.zeros(3), 0.125, 1, 7)])
-    assert mass.step_scale() == pytest.approx(0.25 / (0.25 + 0.5))  # only the live-less, unsettled share
-    comm.dead = set()
-    assert mass.step_scale() == 1.0  # back (or never gone): the seed's update
-    comm.dead = {2}
-    pending.set_result(None)
-    assert mass.step_scale() == 1.0  # settled: the mass is wherever the Ack said
+    moved_small_w, moved_large_w = run_cluster(1, body)[0]
+    torch.testing.assert_close(moved_small_w, torch.full((DIM,), 0.5))    # not 2.0
+    torch.testing.assert_close(moved_large_w, torch.full((DIM,), 0.25))   # the seed's d / w
 
 
 @pytest.mark.slow
 def test_a_node_frozen_past_the_end_of_the_run_does_not_wreck_the_others(tmp_path):
     """`--stall 2@90:30` outlasts the run: the three live nodes' shares to node 2 stay unsettled to
-    the end (most of their w), yet they train as well as a clean run (within 1.5 points)."""
+    the end (most of their w, and w scales their updates down instead of their learning rate up),
+    yet they train as well as a clean run (within 1.5 points)."""
     proc, clean = launch(tmp_path, "clean", *SGP_RUN)
     proc, stalled = launch(tmp_path, "frozen", *SGP_RUN, "--stall", "2@90:30")
     assert proc.returncode == 0, proc.stderr[-3000:]

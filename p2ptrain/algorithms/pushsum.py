@@ -144,15 +144,14 @@ class PushSum:
         return ""
 
     def step_scale(self) -> float:
-        """w / (w + w_out), where w_out is the mass of the shares still unacknowledged by peers now
-        considered dead (stalled or crashed): mass that is ours again if they void it when they
-        answer. 1 in normal operation. The caller scales its local update by it, so a node whose
-        mass waits on a frozen peer steps on z as if that mass were home (the seed's update acts
-        on z with step γ / w, and a frozen receiver can hold most of its in-neighbours' w for as
-        long as it stays frozen: 8x the learning rate wrecked every live model in a 17 s stall)."""
-        live = set(self.comm.live(sorted({entry[3] for entry in self.outbox})))
-        waiting = sum(entry[2] for entry in self.outbox if entry[3] not in live and not entry[0].done())
-        return self.w / (self.w + waiting) if waiting > 0 else 1.0
+        """min(1, w): what the caller scales its local update x += (z' - z) by. The seed's update
+        moves z = x / w by the optimizer's step divided by w, and in consensus w is Σ w / n: every
+        node steps 1 / w times too far once mass is gone (a crashed node takes its w and what it
+        had received with it: 1.9 of 3 once, i.e. 3.4x the learning rate, and the model diverged)
+        or held (a frozen peer holds the τ + 1 shares it was sent until it answers: up to 75% of
+        each in-neighbour's w). Scaled, z never moves further than the optimizer's step; with
+        w >= 1 (the steady state of the symmetric graphs at update time) it is the seed's update."""
+        return min(1.0, self.w)
 
     def reabsorb_refused(self, now: int) -> None:
         """Re-absorb the shares that did not get through: the receiver refused them, voided them when

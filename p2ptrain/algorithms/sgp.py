@@ -23,9 +23,10 @@ the shares in flight, is what makes the de-biased z_i converge to the average):
 - a share whose send failed after bytes left is *settled* with the receiver before it is
   re-absorbed (the transport asks which it delivered; the rest it voids), so a stalled peer that
   wakes up with our shares in its socket never lets the same mass count twice;
-- while shares wait on a peer declared dead (their outcome is settled when it answers), the local
-  update is scaled by w / (w + their mass): z steps as if that mass were home, instead of with
-  γ / w for as long as the peer stays frozen (PushSum.step_scale; 1, i.e. the seed, otherwise);
+- the local update is scaled by min(1, w) (PushSum.step_scale): with the seed's unscaled update z
+  steps γ / w, so once mass is gone with a crashed node, or held by a frozen one until it answers,
+  every node's learning rate is multiplied by n / Σ w (3.4x seen, and the models diverged); with
+  w >= 1 it is the seed's update;
 - a node that stalled and was excluded catches up by merging half of a donor's (x, w) into its own
   (adopt_state): its own mass is not thrown away;
 - a share that would make w exceed n (mass never does) or whose de-biased values are absurd is
@@ -118,7 +119,7 @@ class SGP(Algorithm):
 
     def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:
         self.comm.set_step(step)
-        # x^{k+1/2} = x^k + (z' - z), scaled down only while mass waits on a peer declared dead
+        # x^{k+1/2} = x^k + (z' - z), scaled by min(1, w) so z never steps further than the optimizer
         self.mass.x.add_(params - self.mass.z, alpha=self.mass.step_scale())
         self._push(step)
         self.mass.reabsorb_refused(step)
