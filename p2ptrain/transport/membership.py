@@ -14,11 +14,11 @@ A crashed or stalled peer must not stall the others, and must not corrupt them w
   extrapolated, so a peer we rarely hear from is not judged on old news) is treated like a dead one
   for sending and waiting (a bounded delay never lets a healthy peer fall that far behind); the
   lagging node sees the same gap from its side and catches up through a state transfer.
-- **Rejoining.** A node that rejoins resumes at the cluster's step (the announce replies say it):
-  the steps it skips carry no messages for it, since nobody knew it was back. It waits for a peer
-  from the step after the one that peer's reply names (or, without a reply, from the peer's first
-  message); the peers wait for it from its first message. Earlier messages are folded in whenever
-  they come.
+- **Rejoining.** A node that rejoins resumes at the cluster's step (the furthest step the announce
+  replies name): the steps it skips carry no messages for it, since nobody knew it was back. It
+  waits for a peer from the step after the one that peer's reply names (or, without a reply, from
+  the peer's first message); the peers wait for it from its first message. Earlier messages are
+  folded in whenever they come.
 - **Donating.** A node hands its state only to a peer it saw leave (declared dead, lagging, or a new
   incarnation of it asked), never to a Hello(want_state) from a peer that never went away.
 

@@ -263,13 +263,15 @@ class Transport:
 
     def announce_ready(self) -> int:
         """Tell every peer (one Hello each, failures ignored) that this node is ready again; returns
-        the step it resumes at: `resume_step`, or past the furthest step a peer was at when it
-        learned, if the cluster moved on while this node fetched and loaded its state. Nobody sent
-        it anything for the steps in between, so running them would only push mass out (SGP: w
-        halves with every step that brings nothing in)."""
+        the step it resumes at: `resume_step`, or the furthest step a peer is at when it learns, if
+        the cluster moved on while this node fetched and loaded its state. Nobody sent it anything
+        for the steps in between, so running them would only push mass out (SGP: w halves with
+        every step that brings nothing in); and a peer of a lockstep ring (AllReduce, Pipe-SGD)
+        that reports step s is inside step s, waiting for this node's share of it, so s (not s + 1)
+        keeps the ring's rounds aligned."""
         steps = self._peers.announce_ready()
-        if steps and max(steps) + 1 > self._peers.resume_step:
-            self.resume_at(max(steps) + 1)
+        if steps and max(steps) > self._peers.resume_step:
+            self.resume_at(max(steps))
         return self._peers.resume_step
 
     def resume_at(self, step: int) -> None:
