@@ -23,10 +23,11 @@ the shares in flight, is what makes the de-biased z_i converge to the average):
 - a share whose send failed after bytes left is *settled* with the receiver before it is
   re-absorbed (the transport asks which it delivered; the rest it voids), so a stalled peer that
   wakes up with our shares in its socket never lets the same mass count twice;
-- the local update is scaled by min(1, w) (PushSum.step_scale): with the seed's unscaled update z
-  steps γ / w, so once mass is gone with a crashed node, or held by a frozen one until it answers,
-  every node's learning rate is multiplied by n / Σ w (3.4x seen, and the models diverged); with
-  w >= 1 it is the seed's update;
+- the local update is scaled by min(1, w / w_steady) (PushSum.step_scale; w_steady = 1 / (1 +
+  τ k / (k + 1)), the w of a node at update time when no mass is missing): with the seed's
+  unscaled update z steps γ / w, so once mass is gone with a crashed node, or held by a frozen
+  one until it answers, every node's learning rate grows with the mass missing (3.4x seen, and
+  the models diverged); in the steady state it is the seed's update;
 - a node that stalled and was excluded catches up by merging half of a donor's (x, w) into its own
   (adopt_state): its own mass is not thrown away;
 - a share that would make w exceed n (mass never does) or whose de-biased values are absurd is
@@ -119,8 +120,8 @@ class SGP(Algorithm):
 
     def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:
         self.comm.set_step(step)
-        # x^{k+1/2} = x^k + (z' - z), scaled by min(1, w) so z never steps further than the optimizer
-        self.mass.x.add_(params - self.mass.z, alpha=self.mass.step_scale())
+        # x^{k+1/2} = x^k + (z' - z), scaled down only while w is below its steady state
+        self.mass.x.add_(params - self.mass.z, alpha=self.mass.step_scale(self._steady_w(step)))
         self._push(step)
         self.mass.reabsorb_refused(step)
         if step - self.tau > self._mixed_through:
@@ -177,6 +178,12 @@ class SGP(Algorithm):
         peers = [peer for peer in self.comm.live(self.topology.out_peers(self.rank, step))
                  if self.comm.make_room(peer, window)]
         self.mass.push(peers, step)
+
+    def _steady_w(self, step: int) -> float:
+        """w at the update when no mass is missing: with k out-peers (p = 1 / (k + 1)) and τ steps
+        of shares in flight, w + τ k p w = 1, i.e. 1 / (1 + τ k / (k + 1)): 2/3 for τ = 1, k = 1."""
+        k = len(self.topology.out_peers(self.rank, step))
+        return 1.0 / (1.0 + self.tau * k / (k + 1))
 
     def _mix(self, step: int, now: int) -> None:
         """Add the step-`step` shares of the in-neighbours that arrive within the link deadline, and
