@@ -255,3 +255,19 @@ def test_the_steady_state_weight_with_shares_in_flight_is_the_seeds_update():
     assert mass.step_scale(sgp._steady_w(5)) == pytest.approx(1.0)
     mass.w = 1 / 3
     assert mass.step_scale(sgp._steady_w(5)) == pytest.approx(0.5)
+
+
+def test_a_cancelled_send_reads_as_a_failed_one_not_a_crash():
+    """The transport may cancel a send to a peer that went away: the algorithms' ack checks see a
+    failure (D-PSGD once died in _check_acks with CancelledError after a 12 s stall)."""
+    import concurrent.futures
+
+    from p2ptrain.algorithms.base import send_failure
+
+    cancelled, failed, done = (concurrent.futures.Future() for _ in range(3))
+    cancelled.cancel()
+    failed.set_exception(ConnectionError("reset"))
+    done.set_result("ack")
+    assert isinstance(send_failure(cancelled), concurrent.futures.CancelledError)
+    assert isinstance(send_failure(failed), ConnectionError)
+    assert send_failure(done) is None

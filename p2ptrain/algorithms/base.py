@@ -147,4 +147,12 @@ class Algorithm(ABC):
         return {}
 
 
-__all__ = ["Algorithm", "Comm", "Delivery", "Kind", "Received"]
+def send_failure(future: concurrent.futures.Future) -> BaseException | None:
+    """Why a finished send failed (None if it completed): its exception, or CancelledError for a
+    send the transport cancelled (future.exception() would raise that instead of returning it)."""
+    if future.cancelled():
+        return concurrent.futures.CancelledError("send cancelled")
+    return future.exception()
+
+
+__all__ = ["Algorithm", "Comm", "Delivery", "Kind", "Received", "send_failure"]

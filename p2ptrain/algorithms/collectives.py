@@ -32,7 +32,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from p2ptrain import compression
-from p2ptrain.algorithms.base import Comm, Kind
+from p2ptrain.algorithms.base import Comm, Kind, send_failure
 
 if TYPE_CHECKING:
     import torch
@@ -271,7 +271,7 @@ class RingAllReduce:
 
     def _check(self, acks: list[concurrent.futures.Future], ring: _Ring) -> None:
         for future in acks:
-            exc = future.exception()
+            exc = send_failure(future)
             if exc is not None:
                 raise CollectiveIncomplete(f"node {self.rank}: all-reduce message to node {ring.next} "
                                            f"failed: {exc}")

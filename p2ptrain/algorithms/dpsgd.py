@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from p2ptrain.algorithms.base import Algorithm, Comm, Kind
+from p2ptrain.algorithms.base import Algorithm, Comm, Kind, send_failure
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, register
 from p2ptrain.topology import build_undirected
 from p2ptrain.topology.undirected import UndirectedGraph
@@ -113,7 +113,7 @@ class DPSGD(Algorithm):
             if not future.done():
                 pending.append(future)
                 continue
-            exc = future.exception()
+            exc = send_failure(future)
             if exc is not None:  # lost on the link, or the peer is dead: it mixes without us
                 log.debug("node %d: a D-PSGD model was not delivered: %s", self.rank, exc)
             elif not future.result().delivered:

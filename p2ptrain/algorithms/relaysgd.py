@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from p2ptrain.algorithms.base import Algorithm, Comm, Kind
+from p2ptrain.algorithms.base import Algorithm, Comm, Kind, send_failure
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, register
 from p2ptrain.topology.trees import Tree, build_relay_trees, coordinate_slices
 
@@ -115,7 +115,7 @@ class RelaySum:
             if not future.done():
                 pending.append((future, peer, step))
                 continue
-            exc = future.exception()
+            exc = send_failure(future)
             if exc is not None:  # lost or the peer is dead: the receiver drops message and count
                 log.debug("node %d: relay message of step %d to %d (%s) not delivered: %s", self.rank, step,
                           peer, self.channel, exc)
