@@ -99,14 +99,16 @@ def script_cluster(script: list[str], settings_env: dict[str, str]) -> dict:
 def plan_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, host: str = "127.0.0.1",
                  metrics: bool = True, argv_factory: Callable[..., list[str]] = node_argv,
                  hosts: list[str] | None = None, argv_prefixes: list[list[str]] | None = None,
-                 env_factory: Callable[..., dict[str, str]] | None = None) -> list[NodeProcessSpec]:
+                 env_factory: Callable[..., dict[str, str]] | None = None,
+                 world_size: int | None = None) -> list[NodeProcessSpec]:
     """Assign ports and build every node's command line (and, with `env_factory`, its own
     environment variables: a script of your own learns its rank and peers there).
 
     `hosts` gives every rank its own address (its own network namespace, launcher/netns.py): ports
     there cannot be probed from here and are all free, so each node listens on its address with
     NETNS_NODE_PORT (metrics on NETNS_METRICS_PORT). `argv_prefixes[rank]` goes in front of the
-    rank's command (`ip netns exec NS`).
+    rank's command (`ip netns exec NS`). `world_size`: the nodes that start together (an elastic
+    run plans `nodes` ranks, the ones beyond join later); default `nodes`.
     """
     if nodes < 1:
         raise ValueError(f"nodes must be >= 1, got {nodes}")
@@ -121,11 +123,12 @@ def plan_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, host: str 
         peers = [host_port(h, NETNS_NODE_PORT) for h in hosts]
         metrics_ports = [NETNS_METRICS_PORT if metrics else None] * nodes
     specs = []
+    world = world_size or nodes
     for rank in range(nodes):
-        argv = argv_factory(rank, nodes, peers, metrics_ports[rank], Path(out_dir), list(extra_args))
+        argv = argv_factory(rank, world, peers, metrics_ports[rank], Path(out_dir), list(extra_args))
         env = node_env()
         if env_factory is not None:
-            env.update(env_factory(rank, nodes, peers, metrics_ports[rank], Path(out_dir)))
+            env.update(env_factory(rank, world, peers, metrics_ports[rank], Path(out_dir)))
         if hosts is not None:
             if env_factory is not None:
                 env["P2PTRAIN_LISTEN"] = peers[rank]
@@ -143,12 +146,13 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
                       service_grace: float = 30.0, hosts: list[str] | None = None,
                       argv_prefixes: list[list[str]] | None = None, faults: list["FaultEvent"] = (),
                       env_factory: Callable[..., dict[str, str]] | None = None, total_steps: int | None = None,
-                      push_sum: bool = False, title: str = "") -> dict:
+                      push_sum: bool = False, title: str = "", first: int | None = None) -> dict:
     """Run `nodes` node processes to completion and return the run report.
 
     `services` (e.g. a parameter server) start first and may finish on their own once the nodes
     are done (they get `service_grace` seconds); one exiting non-zero fails the run.
     `hosts` / `argv_prefixes`: one address / command prefix per rank (see plan_cluster).
+    `first`: an elastic run starts only ranks below it; the others join when a `join` fault fires.
     Raises ClusterError on the first node failure or on timeout, after stopping every process.
     """
     out_dir = Path(out_dir)
@@ -156,9 +160,11 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
     stale = run_report.clear_earlier_run(out_dir)  # a reused folder: never judge this run by the last one's files
     log_dir.mkdir(parents=True, exist_ok=True)
     specs = plan_cluster(nodes, out_dir, extra_args, host=host, metrics=metrics, argv_factory=argv_factory,
-                         hosts=hosts, argv_prefixes=argv_prefixes, env_factory=env_factory)
+                         hosts=hosts, argv_prefixes=argv_prefixes, env_factory=env_factory, world_size=first)
     scrape_config.write_launch_config(out_dir, [*services, *specs], host)  # OUT/prometheus.yml
     watcher = _ProgressWatcher(out_dir, nodes)
+    for state in watcher.states[first if first is not None else nodes:]:
+        state.down = state.joins = True  # joins later (its join event starts it)
     view = ProgressView(stream, stream.isatty() if live is None else live,
                         total_steps if total_steps is not None else steps_from_args(extra_args), push_sum=push_sum)
     processes = _NodeProcesses(specs, log_dir)
@@ -172,7 +178,7 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
     failure: ClusterError | None = None
     try:
         service_processes.start()
-        processes.start()
+        processes.start(first)
         _supervise(processes, watcher, view, start, timeout, log_dir, service_processes, faults=faults,
                    stream=stream)
         _wait_services(service_processes, service_grace, log_dir)
@@ -270,8 +276,9 @@ def parameter_server_cluster(workers: int, out: Path, node_args: list[str], *, m
 class FaultEvent:
     """Kill (SIGKILL, no goodbye), restart, or stall (SIGSTOP, then SIGCONT `seconds` later: a GC
     pause, swap storm or preempted VM) one node once the cluster reaches a step (the highest step
-    any node reported), e.g. to check that the others train on and the node rejoins."""
-    action: str  # "kill" | "restart" | "stall"
+    any node reported), e.g. to check that the others train on and the node rejoins; or, in an
+    elastic run, start a new node that joins (`join`) or ask one to leave (`leave`: SIGTERM)."""
+    action: str  # "kill" | "restart" | "stall" | "join" | "leave"
     rank: int
     at_step: int
     seconds: float = 0.0  # stall only
@@ -296,17 +303,48 @@ class FaultEvent:
         return event
 
 
-def fault_plan(kills: list[str], restarts: list[str], nodes: int, stalls: list[str] = ()) -> list[FaultEvent]:
-    """Validated events in step order; a restart needs an earlier kill of the same rank."""
-    events = [FaultEvent.parse("kill", k, nodes) for k in kills] + \
-             [FaultEvent.parse("restart", r, nodes) for r in restarts] + \
-             [FaultEvent.parse("stall", s, nodes) for s in stalls]
+def join_plan(joins: list[str], nodes: int) -> list[FaultEvent]:
+    """`--join COUNT@STEP` events: COUNT new nodes start at STEP, ranks nodes, nodes + 1, ... in step order."""
+    parsed = []
+    for spec in joins:
+        count, sep, step = spec.partition("@")
+        if not (sep and count.strip().isdigit() and step.strip().isdigit() and int(count) >= 1):
+            raise ValueError(f"--join {spec!r}: expected COUNT@STEP, e.g. 2@100")
+        parsed.append((int(step), int(count)))
+    events, rank = [], nodes
+    for step, count in sorted(parsed):
+        for _ in range(count):
+            events.append(FaultEvent("join", rank, step))
+            rank += 1
+    return events
+
+
+def fault_plan(kills: list[str], restarts: list[str], nodes: int, stalls: list[str] = (), joins: list[str] = (),
+               leaves: list[str] = ()) -> list[FaultEvent]:
+    """Validated events in step order; a restart needs an earlier kill of the same rank; a node
+    leaves (SIGTERM) once at most, after it joined, and at least one node stays."""
+    joined = join_plan(list(joins), nodes)
+    slots = nodes + len(joined)
+    events = [FaultEvent.parse("kill", k, slots) for k in kills] + \
+             [FaultEvent.parse("restart", r, slots) for r in restarts] + \
+             [FaultEvent.parse("stall", s, slots) for s in stalls] + joined + \
+             [FaultEvent.parse("leave", leave, slots) for leave in leaves]
+    started = {e.rank: e.at_step for e in joined}
+    left = [e.rank for e in events if e.action == "leave"]
+    for event in events:
+        if event.action == "leave" and event.at_step <= started.get(event.rank, -1):
+            raise ValueError(f"--leave {event.rank}@{event.at_step}: node {event.rank} joins only at step "
+                             f"{started[event.rank]}")
+    if len(set(left)) != len(left):
+        raise ValueError("a node leaves twice")
+    if len(set(left)) >= slots:
+        raise ValueError("the plan lets every node leave")
     events.sort(key=lambda e: (e.at_step, e.action != "kill"))
     down: set[int] = set()
     for event in events:
-        if event.action == "stall":
+        if event.action in ("stall", "join", "leave"):
             if event.rank in down:
-                raise ValueError(f"--stall {event.rank}@{event.at_step}: node {event.rank} is killed then")
+                raise ValueError(f"--{event.action} {event.rank}@{event.at_step}: node {event.rank} is killed then")
             continue
         if event.action == "kill":
             if event.rank in down:
@@ -325,12 +363,19 @@ def _apply_faults(events: list[FaultEvent], processes: "_NodeProcesses", watcher
                   stream: TextIO) -> None:
     """Fire every due event (in order); fired events are removed from `events`."""
     cluster_step = max((s.step or 0 for s in watcher.states), default=0)
-    while events and events[0].at_step <= cluster_step:
-        event = events.pop(0)
+    for event in [e for e in events if e.at_step <= cluster_step]:
         state = watcher.states[event.rank]
+        if event.action == "leave" and (state.step is None or state.joins):
+            continue  # not training yet (a node that just joined): it leaves once it is
+        events.remove(event)
         if event.action == "kill":
             processes.kill(event.rank)
             state.down = True
+        elif event.action == "join":
+            processes.join(event.rank)
+            state.down = state.joins = False
+        elif event.action == "leave":
+            processes.leave(event.rank)
         elif event.action == "stall":
             processes.stall(event.rank, event.seconds)
             print(f"fault: stall node {event.rank} for {event.seconds:g}s at cluster step {cluster_step}",
@@ -369,7 +414,7 @@ def _supervise(processes: "_NodeProcesses", watcher: "_ProgressWatcher", view: "
         if failed:
             raise _failure_error(failed, processes, watcher, log_dir)
         if all(s.returncode == 0 or s.down or (s.returncode is not None and s.outcome_reason)
-               for s in watcher.states) and not any(e.action == "restart" for e in faults):
+               for s in watcher.states) and not any(e.action in ("restart", "join") for e in faults):
             processes.resume_stalled(everything=True)
             return
         if timeout is not None and elapsed >= timeout:
@@ -444,12 +489,20 @@ class _NodeProcesses:
         self._swept: set[int] = set()
         self._stalled: dict[int, float] = {}  # rank -> monotonic time to resume it (SIGCONT)
 
-    def start(self) -> None:
-        for spec in self.specs:
-            log = open(self.log_dir / spec.log_name, "wb")
-            self._logs.append(log)
-            self.procs.append(subprocess.Popen(spec.argv, env=spec.env, stdin=subprocess.DEVNULL, stdout=log,
-                                               stderr=subprocess.STDOUT, start_new_session=True))
+    def start(self, count: int | None = None) -> None:
+        """Start the first `count` nodes (all by default; the others join later: join())."""
+        for spec in self.specs[:count]:
+            self._spawn(spec, spec.env, "wb")
+
+    def _spawn(self, spec: NodeProcessSpec, env: dict[str, str], mode: str) -> None:
+        log = open(self.log_dir / spec.log_name, mode)
+        self._logs.append(log)
+        proc = subprocess.Popen(spec.argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        if spec.rank < len(self.procs):
+            self.procs[spec.rank] = proc
+        else:
+            self.procs.append(proc)
 
     def returncodes(self) -> list[int | None]:
         """Exit codes, None while running (or not started). Reaps exited nodes and sweeps their
@@ -459,6 +512,17 @@ class _NodeProcesses:
             if code is not None:
                 self._sweep(proc)
         return codes + [None] * (len(self.specs) - len(codes))
+
+    def join(self, rank: int) -> None:
+        """Start node `rank`, outside the first ones, as a new member of the running cluster
+        (P2PTRAIN_JOIN=1: it takes a live peer's state and starts at the agreed step)."""
+        self._spawn(self.specs[rank], {**self.specs[rank].env, "P2PTRAIN_JOIN": "1"}, "wb")
+
+    def leave(self, rank: int) -> None:
+        """Ask node `rank` to leave gracefully: SIGTERM to it alone (not its group), as docker stop,
+        kubectl delete or a Slurm preemption would."""
+        if rank < len(self.procs) and self.procs[rank].poll() is None:
+            self.procs[rank].send_signal(signal.SIGTERM)
 
     def kill(self, rank: int) -> None:
         """SIGKILL node `rank`'s process group, as a crash would."""
@@ -485,13 +549,9 @@ class _NodeProcesses:
         peer's state, or exits at once if the cluster has finished); its log continues in the same
         file."""
         spec = self.specs[rank]
-        log = open(self.log_dir / spec.log_name, "ab")
-        log.write(b"\n--- restarted by the launcher ---\n")
-        log.flush()
-        self._logs.append(log)
-        self.procs[rank] = subprocess.Popen(spec.argv, env={**spec.env, "P2PTRAIN_REJOIN": "1"},
-                                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+        with open(self.log_dir / spec.log_name, "ab") as log:
+            log.write(b"\n--- restarted by the launcher ---\n")
+        self._spawn(spec, {**spec.env, "P2PTRAIN_REJOIN": "1"}, "ab")
 
     def wait(self, rank: int, seconds: float) -> None:
         try:
@@ -580,7 +640,8 @@ class NodeState:
     event: str | None = None
     message: str | None = None
     returncode: int | None = None
-    down: bool = False   # killed by the fault plan (not a failure)
+    down: bool = False   # killed by the fault plan (not a failure), or not joined yet
+    joins: bool = False  # an elastic run's node that starts later (its join event)
     restarts: int = 0
     note: str | None = None  # why a planned fault did not happen (e.g. a restart after the end)
     first_seen: tuple[int, float] | None = None  # (step, time) of the first and latest progress lines
@@ -623,6 +684,8 @@ class NodeState:
         """How the node ended, for the report."""
         if self.outcome_reason:
             return "not rejoined"
+        if self.joins:
+            return "not joined"
         if self.down:
             return "killed"
         if self.failed:
@@ -631,6 +694,8 @@ class NodeState:
 
     @property
     def status(self) -> str:
+        if self.joins:
+            return "to join"
         if self.down:
             return "killed"
         if self.returncode not in (None, 0):

@@ -145,6 +145,7 @@ def build_report(out_dir: Path | RunFiles, nodes: int, config: dict | None, wall
             warnings.append(f"node {rank}: no 'done' event in {progress_path(files.folder(rank), rank).name}")
 
     steps, distances, mean_norm = _consensus_history(files, nodes, warnings)
+    stayed = [n for n in summaries if not (n and n.get("left_at") is not None)]  # elastic: the final members
     final_distance = distances[-1] if distances else None
     relative = final_distance / mean_norm if final_distance is not None and mean_norm else None
 
@@ -154,8 +155,9 @@ def build_report(out_dir: Path | RunFiles, nodes: int, config: dict | None, wall
         "consensus_step": steps[-1] if steps else None,
         "consensus_distance": final_distance,
         "relative_consensus_distance": relative,
-        "mean_test_accuracy": _mean(_numbers(summaries, "test_accuracy")),
-        "min_test_accuracy": _min(_numbers(summaries, "test_accuracy")),
+        "mean_test_accuracy": _mean(_numbers(stayed, "test_accuracy")),
+        "min_test_accuracy": _min(_numbers(stayed, "test_accuracy")),
+        "left_nodes": [n["rank"] for n in summaries if n and n.get("left_at") is not None],
         "mean_final_loss": _mean(_numbers(summaries, "final_loss")),
         "total_bytes_sent": _sum(_numbers(summaries, "bytes_sent")),
         "total_bytes_received": _sum(_numbers(summaries, "bytes_received")),

@@ -15,7 +15,8 @@ __version__ = "0.1.0"
 
 _PUBLIC = {"NodeConfig": "p2ptrain.config", "ConfigError": "p2ptrain.config", "init": "p2ptrain.api",
            "DecentralizedOptimizer": "p2ptrain.train.optimizer", "DecentralizedTrainer": "p2ptrain.train.loop",
-           "NonFiniteError": "p2ptrain.train.optimizer", "evaluate": "p2ptrain.train.evaluate"}
+           "NonFiniteError": "p2ptrain.train.optimizer", "LeftCluster": "p2ptrain.train.optimizer",
+           "evaluate": "p2ptrain.train.evaluate"}
 
 
 def __getattr__(name: str) -> Any:  # PEP 562
@@ -24,5 +25,5 @@ def __getattr__(name: str) -> Any:  # PEP 562
     raise AttributeError(f"module 'p2ptrain' has no attribute {name!r}")
 
 
-__all__ = ["ConfigError", "DecentralizedOptimizer", "DecentralizedTrainer", "NodeConfig", "NonFiniteError", "evaluate",
-           "init", "__version__"]
+__all__ = ["ConfigError", "DecentralizedOptimizer", "DecentralizedTrainer", "LeftCluster", "NodeConfig",
+           "NonFiniteError", "evaluate", "init", "__version__"]

@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--restart", action="append", default=[], metavar="RANK@STEP",
                         help="start a killed node again at STEP: it fetches the model from a live peer and "
                              "rejoins (repeatable)")
+    launch.add_argument("--join", dest="join_at", action="append", default=[], metavar="COUNT@STEP",
+                        help="elastic run: start COUNT more nodes once the cluster reaches STEP; they join as new "
+                             "members, nobody restarts (repeatable; ranks --nodes, --nodes+1, ...)")
+    launch.add_argument("--leave", dest="leave_at", action="append", default=[], metavar="RANK@STEP",
+                        help="elastic run: SIGTERM node RANK once the cluster reaches STEP; it hands over its "
+                             "push-sum mass and leaves, the others go on (repeatable)")
     launch.add_argument("--netns", action="store_true",
                         help="run every node in its own Linux network namespace (veth + bridge, own IP); "
                              "needs root or CAP_NET_ADMIN")
@@ -337,7 +343,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
         config = _config_from_args(args, world_size=args.nodes, rank=0, role="worker",
                                    ps_address="127.0.0.1:20000")  # validate early
     else:
-        placeholder_peers = [f"127.0.0.1:{20000 + i}" for i in range(args.nodes)]
+        _elastic_launch(args)
+        slots = args.max_nodes or args.nodes
+        placeholder_peers = [f"127.0.0.1:{20000 + i}" for i in range(slots)]
         config = _config_from_args(args, world_size=args.nodes, rank=0, peers=placeholder_peers)
     shown = {k: v for k, v in config.to_dict().items() if k not in ("rank", "peers", "listen", "out",
                                                                     "metrics_port", "role", "ps_address")}
@@ -352,11 +360,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from launcher.local import fault_plan
 
     try:
-        faults = fault_plan(args.kill, args.restart, args.nodes, args.stall)
+        faults = fault_plan(args.kill, args.restart, args.nodes, args.stall, args.join_at, args.leave_at)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if faults and gem:
-        raise ConfigError("--kill/--restart/--stall apply to peer clusters, not to --algorithm gem")
+        raise ConfigError("--kill/--restart/--stall/--join/--leave apply to peer clusters, not to --algorithm gem")
+    slots = config.slots if not gem else args.nodes
+    extra_first = {"first": args.nodes} if slots > args.nodes else {}
     extra: dict = {"total_steps": config.steps}
     if gem:
         from launcher.local import parameter_server_cluster
@@ -375,14 +385,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
         netns_errors = (NetnsError, NetnsUnavailable)
     try:
         if netns is not None:
-            with NetnsCluster(args.nodes, stream=sys.stderr, **netns) as namespaces:
-                report = run_local_cluster(args.nodes, Path(args.out), node_args, config=shown,
+            with NetnsCluster(slots, stream=sys.stderr, **netns) as namespaces:
+                report = run_local_cluster(slots, Path(args.out), node_args, config=shown,
                                            metrics=not args.no_metrics, live=args.live, timeout=args.timeout,
-                                           faults=faults, **namespaces.cluster_kwargs(), **extra)
+                                           faults=faults, **namespaces.cluster_kwargs(), **extra, **extra_first)
         else:
-            report = run_local_cluster(args.nodes, Path(args.out), node_args, config=shown,
+            report = run_local_cluster(slots, Path(args.out), node_args, config=shown,
                                        metrics=not args.no_metrics, live=args.live, timeout=args.timeout,
-                                       faults=faults, **extra)
+                                       faults=faults, **extra, **extra_first)
     except ClusterError as exc:
         print(f"p2ptrain launch: {exc}", file=sys.stderr)
         return 1
@@ -391,6 +401,19 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return 1
     print(_one_line(report.get("cluster", {})))
     return 0
+
+
+def _elastic_launch(args: argparse.Namespace) -> None:
+    """--join / --leave make the run elastic: --max-nodes covers the nodes that join (set here when
+    not given; too small a value is an error); the node flags passed on carry it."""
+    joins = sum(int(spec.partition("@")[0]) for spec in args.join_at if spec.partition("@")[0].strip().isdigit())
+    if not (args.join_at or args.leave_at):
+        return
+    needed = args.nodes + joins
+    if args.max_nodes is None:
+        args.max_nodes = needed
+    elif args.max_nodes < needed:
+        raise ConfigError(f"--max-nodes {args.max_nodes} is below --nodes {args.nodes} plus {joins} joining")
 
 
 def _one_line(cluster: dict) -> str:

@@ -32,10 +32,13 @@ class Communicator:
         self.world_size = transport.world_size
         self.staging = Staging(device)
         self.peer_timeout = peer_timeout
-        self.joining = False        # set before setup: this node (re)joins a running cluster
+        self.joining = False        # set before setup: this node (re)joins a running cluster (see wants_membership)
         self.joined: Message | None = None  # the state it got (model, ps-weight, donor's step)
         self.late_states: list[Message] = []  # further states that arrived while rejoining (see fetch_state)
         self.resume_step = 0        # after a (re)join: the step to continue at (>= the donor's step + 1)
+        self.wants_membership = True  # stands for itself as a member (a joiner: once set up to receive)
+        self.leaving = False          # stands for a view without itself (leave())
+        self.drops_dead = False       # stands for views without the peers it declared dead (rings)
 
     @property
     def link_deadline(self) -> float:
@@ -55,6 +58,8 @@ class Communicator:
         self.transport.mark_ready()
         if self.joining:
             self.resume_step = self.transport.announce_ready()
+            self.wants_membership = True  # now that it accepts every message it asks to be a member, if new
+            self.reconcile_views()
         elif self.world_size > 1:
             self.transport.wait_for_peers(timeout=self.peer_timeout, require_ready=True)
 
@@ -134,11 +139,80 @@ class Communicator:
                 self.joined = state
                 donor = state.sender
                 self.resume_step = self.transport.rejoined(state.step + 1)
+                if self.transport.ready:  # caught up: a member again, if it was dropped
+                    self.reconcile_views()
                 log.info("node %d: rejoined with node %d's state of step %d (ps-weight %.4g)", self.rank, donor,
                          state.step, state.ps_weight)
                 return state
         finally:
             self.transport.unexpect(STATE)  # a state push nobody asked for is refused (the donor keeps it)
+
+    # Elastic membership: views (transport/views.py) -----------------------------------------------
+    def members(self, step: int) -> tuple[int, ...]:
+        """The ranks that train together at `step` (the topology or the ring is built over them)."""
+        return self.transport.views.members_at(step)
+
+    def view_switches_at(self, step: int) -> bool:
+        """The members change at `step` (a ring re-forms, and first re-synchronizes the model)."""
+        return self.transport.views.switches_at(step)
+
+    def first_step_as_member(self, step: int) -> int | None:
+        """The first step >= `step` at which this node is a member (a joiner: the view's switch)."""
+        return self.transport.views.first_step_as_member(self.rank, step)
+
+    def first_step_without_me(self, step: int) -> int | None:
+        """The first step >= `step` at which this node is no member (a leaver stops before it)."""
+        return self.transport.views.first_step_without(self.rank, step)
+
+    def departing(self, step: int) -> frozenset[int]:
+        """Members at `step` that the latest view drops and that did not propose it themselves: a
+        ring with them cannot complete (they died), so it is not tried until the view switches."""
+        latest = self.transport.views.latest
+        return frozenset(set(self.members(step)) - set(latest.members) - {latest.proposer})
+
+    def newcomer(self, peer: int) -> bool:
+        """`peer` is not a member of the latest view: it joins (or comes back after leaving, or
+        after being dropped), and holds no push-sum mass (see Algorithm.welcome)."""
+        return self.transport.joining(peer)
+
+    def leave(self) -> None:
+        """Propose the members without this node: it trains up to the step before they switch
+        (first_step_without_me), then hands over what it holds (Algorithm.hand_over) and stops."""
+        self.leaving = True
+        self.reconcile_views()
+
+    def drop_dead_members(self) -> None:
+        """From now on, propose the members without those this node declared dead (a ring re-forms
+        without them; one that rejoins is no longer dead, and proposes itself again)."""
+        self.drops_dead = True
+        self.reconcile_views()
+
+    def realign(self) -> None:
+        """Propose the current members again, unless a switch is pending: a new view over the same
+        ranks, at whose switch every ring member averages the model with a long deadline, which
+        brings nodes that fell out of step (rounds failing forever) back together."""
+        views = self.transport.views
+        if views.latest.switch_step <= self.transport.membership.step:
+            log.warning("node %d: the ring keeps failing; proposing to re-form it", self.rank)
+            self.transport.propose_view(views.latest.members)
+
+    def reconcile_views(self) -> int:
+        """Propose the members this node stands for, if the latest view differs: itself in (unless
+        it leaves, or must catch up first), itself out when leaving, and with drops_dead the peers
+        it declared dead out. What it stands for is state, not a one-off request, so a proposal
+        that lost to a concurrent one (same epoch, greater proposer) is made again on top of the
+        winner, and nodes with opposite wishes cannot flip-flop (a dead peer that rejoined is no
+        longer dead here). Cheap when nothing differs; returns the latest view's switch step."""
+        views, membership = self.transport.views, self.transport.membership
+        latest = set(views.latest.members)
+        out = {self.rank} if self.leaving else set()
+        if self.drops_dead:
+            out |= set(membership.dead()) & latest
+        into = {self.rank} if self.wants_membership and not self.leaving and not membership.must_catch_up() else set()
+        target = (latest | into) - out
+        if target and target != latest:  # (the last member cannot leave: it trains on)
+            self.transport.propose_view(target)
+        return views.latest.switch_step
 
     def state_requests(self) -> list[int]:
         """Peers that asked for this node's state (served by the engine at a step boundary)."""

@@ -49,8 +49,8 @@ ALL_INTERFACES = "0.0.0.0"
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "*")
 # Settings every node of a cluster must share (checked in Hello), besides the algorithm's own options
 # that declare fingerprint=True.
-FINGERPRINT_SETTINGS = ("world_size", "algorithm", "resolved_topology", "model", "hidden", "dataset", "seed",
-                        "dirichlet_alpha", "num_train")
+FINGERPRINT_SETTINGS = ("world_size", "max_nodes", "algorithm", "resolved_topology", "model", "hidden", "dataset",
+                        "seed", "dirichlet_alpha", "num_train")
 
 
 class ConfigError(ValueError):
@@ -108,6 +108,9 @@ class NodeConfig:
     max_lag: int | None = None                       # a peer this many steps behind is not sent to or waited
                                                      # for, a node this far behind catches up by a state
                                                      # transfer; None: max(16, (overlap+1)(world_size-1)+1)
+    max_nodes: int | None = None                     # elastic run: up to this many nodes; ranks world_size..
+                                                     # max_nodes-1 join later (--join); SIGTERM = leave
+    join: bool = False                               # this node joins a running elastic cluster as a new member
     rejoin: bool = False                             # this process restarts into a running cluster: take a
                                                      # live peer's state, or exit at once if none answers
     inject_nan: str | None = None                    # fault injection "RANK@STEP": that node's loss is NaN
@@ -168,15 +171,21 @@ class NodeConfig:
                 raise ConfigError(msg)
 
         need(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
-        need(0 <= self.rank < self.world_size, f"rank {self.rank} outside 0..{self.world_size - 1}")
+        need(self.max_nodes is None or self.max_nodes >= self.world_size,
+             f"max_nodes {self.max_nodes} is below the world size {self.world_size}")
+        need(0 <= self.rank < self.slots, f"rank {self.rank} outside 0..{self.slots - 1}")
+        need(self.rank < self.world_size or self.join,
+             f"rank {self.rank} is beyond the {self.world_size} starting nodes: a node that joins later needs --join")
+        need(not self.join or self.elastic, "--join needs an elastic run: give --max-nodes (every node the same)")
         need(self.role in ROLES, f"unknown role {self.role!r}; choose from {ROLES}")
         self._validate_rendezvous(need)
         if self.role == "peer" and not self.uses_rendezvous and (self.world_size > 1 or self.peers):
             need(bool(self.peers), "no --peers and no rendezvous: set --rendezvous HOST:PORT or run under torchrun "
                                    "(or give --peers host:port,... in rank order)")
-            need(len(self.peers) == self.world_size,
-                 f"--peers lists {len(self.peers)} addresses but world size is {self.world_size}: "
-                 "give one host:port per node, in rank order")
+            need(len(self.peers) == self.slots,
+                 f"--peers lists {len(self.peers)} addresses but world size is {self.slots}: "
+                 "give one host:port per node, in rank order" + (" (one per rank up to --max-nodes)"
+                                                                 if self.elastic else ""))
             for addr in self.peers:
                 host, sep, port = addr.rpartition(":")
                 need(bool(sep and host and port.isdigit() and 0 < int(port) < 65536),
@@ -257,6 +266,16 @@ class NodeConfig:
                  f"advertise {self.advertise!r} is a wildcard; give the address peers reach this node at")
         need(bool(self.run_id) and self.run_id.isprintable() and not any(c.isspace() for c in self.run_id),
              f"run_id {self.run_id!r} must be non-empty, without spaces")
+
+    @property
+    def slots(self) -> int:
+        """Ranks a node of this run may have: max_nodes in an elastic run, else the world size."""
+        return self.max_nodes if self.max_nodes is not None else self.world_size
+
+    @property
+    def elastic(self) -> bool:
+        """Nodes may join (up to max_nodes) and leave (SIGTERM) while the run goes on."""
+        return self.max_nodes is not None
 
     @property
     def uses_rendezvous(self) -> bool:

@@ -91,7 +91,15 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, cluster_flags: bool =
                    help="a peer this many steps behind is neither sent to nor waited for, and a node this far "
                         "behind the cluster (e.g. after a stall) catches up through a state transfer "
                         "(default max(16, (overlap+1)*(world_size-1)+1))")
+    g.add_argument("--max-nodes", type=int, metavar="N",
+                   help="elastic run: up to N nodes; ranks from the world size up to N-1 join while it runs "
+                        "(--join), and a node leaves gracefully on SIGTERM (hands over its push-sum mass; the "
+                        "others switch topology or re-form their ring at one agreed step) (default: static)")
     if cluster_flags:
+        g.add_argument("--join", action="store_true", default=None,
+                       help="this node joins a running elastic cluster as a new member: it takes a live peer's "
+                            "state and starts training at the step all members switch to the larger view "
+                            "(`launch --join` sets it)")
         g.add_argument("--rejoin", action="store_true", default=None,
                        help="this process restarts into a running cluster: take a live peer's state, or exit at "
                             "once (code 3) when no peer answers (`launch --restart` sets it)")

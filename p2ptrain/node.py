@@ -22,7 +22,7 @@ from p2ptrain.communicator import Communicator
 from p2ptrain.config import NodeConfig
 from p2ptrain.metrics import NodeMetrics, counter_total
 from p2ptrain.train import DecentralizedTrainer, cycle, pick_device
-from p2ptrain.train.optimizer import NonFiniteError
+from p2ptrain.train.optimizer import LeftCluster, NonFiniteError
 from p2ptrain.train.progress import RunRecorder
 from p2ptrain.train.setup import build_optimizer, training_setup
 from p2ptrain.transport import Transport, TransportOptions, rendezvous
@@ -56,7 +56,8 @@ def transport_options(config: NodeConfig, device: torch.device) -> TransportOpti
                             pin_memory=device.type == "cuda", links=link_table(config),
                             security=security_from_settings(config), relay_routes=tuple(config.relay_routes),
                             relays=config.relays, relay_retry_after=config.relay_retry_after,
-                            max_lag=config.resolved_max_lag)
+                            max_lag=config.resolved_max_lag,
+                            initial_members=config.world_size if config.elastic else None)
 
 
 class Node:
@@ -72,7 +73,7 @@ class Node:
         peers, listen = config.peers or ["127.0.0.1:0"], config.listen
         if config.uses_rendezvous:  # addresses come from the store once the server is bound (start)
             peers, listen = None, rendezvous.listen_address(config)
-        self.transport = Transport(config.rank, config.world_size, peers, listen=listen,
+        self.transport = Transport(config.rank, config.slots, peers, listen=listen,
                                    options=transport_options(config, self.device), metrics=self.metrics,
                                    config_fingerprint=config.fingerprint())
         self.comm = Communicator(self.transport, self.device, peer_timeout=config.peer_timeout)
@@ -112,6 +113,13 @@ class Node:
             server, _ = self.metrics.serve(self.config.metrics_port, addr=self.config.metrics_bind_host)
             self._metrics_server = server
             self.metrics_port = server.server_port
+        if self.config.join:  # a new member of a running elastic cluster: take a live peer's state first
+            if not self.transport.survey().reachable:
+                raise NoClusterToRejoin(f"node {self.config.rank}: no live peer to join: the cluster has finished "
+                                        "(or is unreachable)")
+            self.comm.joining = True
+            log.info("node %d: joining the running cluster", self.config.rank)
+            return self
         if self.config.world_size > 1:
             survey = self.transport.survey()
             if self.config.rejoin and not survey.reachable:
@@ -161,6 +169,9 @@ class Node:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc is None:
             self.close()
+            return
+        if isinstance(exc, LeftCluster):  # left gracefully (SIGTERM in an elastic run): a normal end
+            self.close(left_at=exc.step)
             return
         self.fail(exc)
 
@@ -241,6 +252,8 @@ class Node:
             "device": self.device.type, "metrics_port": self.metrics_port,
             "start_step": optimizer.start_step if optimizer is not None else 0,
             "rejoined": bool(optimizer is not None and optimizer.start_step > 0 and self.comm.joined is not None),
+            "joined": self.config.join,
+            "members": list(self.transport.views.latest.members),
             "dead_peers": sorted(self.transport.membership.dead()),
             "catch_ups": optimizer.catch_ups if optimizer is not None else 0,
             "skipped_steps": optimizer.skipped_steps if optimizer is not None else 0,
@@ -260,10 +273,10 @@ def run_node(config: NodeConfig) -> dict:
         node.start()
         trainer = DecentralizedTrainer(model, build_optimizer(config, model), node=node, loss_fn=F.nll_loss,
                                        slowdown=config.compute_slowdown, inject_nan_at=config.nan_injection_step)
-        trainer.fit(cycle(loader), config.steps)
+        result = trainer.fit(cycle(loader), config.steps)
         test_loss, test_accuracy = trainer.evaluate(test_loader)
-        node.report(config.steps, test_loss=test_loss, test_accuracy=test_accuracy)
-        return node.close()
+        node.report(result.left_at or config.steps, test_loss=test_loss, test_accuracy=test_accuracy)
+        return node.close(**({"left_at": result.left_at} if result.left_at is not None else {}))
     except BaseException as exc:
         if node is not None:
             node.fail(exc)

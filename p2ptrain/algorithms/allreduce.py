@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from p2ptrain.algorithms.base import Algorithm, Comm
-from p2ptrain.algorithms.collectives import RingAllReduce
+from p2ptrain.algorithms.collectives import MemberRing
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, option, register
 from p2ptrain.compression import CODEC_HELP, CODEC_NAMES, NEEDS_ERROR_FEEDBACK
 
@@ -43,6 +43,7 @@ class AllReduceOptions(AlgorithmOptions):
 
 class AllReduceSGD(Algorithm):
     name = "allreduce"
+    elastic = True  # the ring re-forms over each step's members (collectives.MemberRing)
 
     @classmethod
     def from_options(cls, comm: Comm, options: AllReduceOptions, context: BuildContext) -> "AllReduceSGD":
@@ -58,7 +59,8 @@ class AllReduceSGD(Algorithm):
         self.allreduce = None
 
     def setup(self, params: torch.Tensor) -> torch.Tensor:
-        self.allreduce = RingAllReduce(self.comm, params.numel(), params.dtype, codec=self.codec)
+        self.allreduce = MemberRing(self.comm, params.numel(), params.dtype, codec=self.codec,
+                                    resync_deadline=self.comm.peer_timeout)
         self.comm.ready()
         return params
 
@@ -66,11 +68,19 @@ class AllReduceSGD(Algorithm):
         self.comm.set_step(step)
         return self.allreduce.reduce_or_keep(grads, step)
 
+    def members_changed(self, step: int, params: torch.Tensor) -> torch.Tensor:
+        """A new view: one model over the re-formed ring before its first round."""
+        self.comm.set_step(step)
+        return self.allreduce.resync(params, step)
+
     def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:
         if self.uses_gradients:
             return params
         self.comm.set_step(step)
         return self.allreduce.reduce_or_keep(params, step)
+
+    def stats(self) -> dict[str, float]:
+        return {"ring_resyncs": float(self.allreduce.resyncs)} if self.allreduce is not None else {}
 
 
 register(AlgorithmSpec(

@@ -29,6 +29,7 @@ class Kind(enum.IntEnum):
     ALLREDUCE = 3   # one segment of a ring all-reduce
     RELAY = 4       # RelaySum message, its counter as relay_count
     STATE = 5       # a (re)joining peer's state transfer
+    LEAVE = 9       # a leaving node's whole push-sum mass, handed to a member that stays
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class Comm(Protocol):
     @property
     def link_deadline(self) -> float: ...
 
+    peer_timeout: float  # seconds before a silent peer counts as gone (a barrier waits this long)
+
     def expect(self, kind: Kind, dtype: "torch.dtype", numel: int, *, channel: str | None = None,
                preallocate: int = 2, max_payload_bytes: int | None = None, codecs=None) -> None:
         """Accept messages of `kind` (on `channel`) holding `numel` x `dtype`; call before ready()."""
@@ -73,6 +76,21 @@ class Comm(Protocol):
         """Every expect() done: announce readiness and wait for the peers to be ready too."""
 
     def set_step(self, step: int) -> None: ...
+
+    def members(self, step: int) -> tuple[int, ...]:
+        """The ranks training together at `step` (all of them, unless nodes joined or left)."""
+
+    def view_switches_at(self, step: int) -> bool:
+        """The members at `step` differ from those at step - 1."""
+
+    def departing(self, step: int) -> frozenset[int]:
+        """Members at `step` that a pending view drops without their own say (they died)."""
+
+    def drop_dead_members(self) -> None:
+        """Propose the members without the peers this node declared dead."""
+
+    def realign(self) -> None:
+        """Propose the same members again (a ring whose nodes fell out of step re-forms)."""
 
     def live(self, peers: Iterable[int]) -> list[int]:
         """The peers neither dead nor lagging: send to and wait for these only."""
@@ -97,6 +115,7 @@ class Comm(Protocol):
 class Algorithm(ABC):
     name = "algorithm"
     uses_gradients = False  # True: the engine calls reduce_gradients after every backward
+    elastic = False         # True: nodes may join and leave while it runs (welcome / hand_over, views)
     comm: Comm
 
     @abstractmethod
@@ -106,6 +125,12 @@ class Algorithm(ABC):
     @abstractmethod
     def after_step(self, step: int, params: "torch.Tensor") -> "torch.Tensor":
         """`params` = model after the local optimizer step of `step`; returns the model for step+1."""
+
+    def members_changed(self, step: int, params: "torch.Tensor") -> "torch.Tensor | None":
+        """A new view takes effect at `step` (nodes joined or left; the engine calls this before
+        the step's hooks); returns new parameters if the algorithm changed them. Default: nothing
+        (graphs follow Comm.members by themselves); rings re-form and re-synchronize here."""
+        return None
 
     def reduce_gradients(self, step: int, grads: "torch.Tensor") -> "torch.Tensor | None":
         """Flat local gradient of `step` (a copy the algorithm may keep); returns the gradient to
@@ -118,6 +143,17 @@ class Algorithm(ABC):
         a copy of the model; push-sum algorithms split their mass instead (see SGP)."""
         self.comm.send(peer, params.detach().clone(), kind=Kind.STATE, step=step, ps_weight=1.0, reliable=True)
         return None
+
+    def welcome(self, peer: int, step: int, params: "torch.Tensor") -> "torch.Tensor | None":
+        """Send a node that joins the cluster (a new member) its start state; returns new parameters
+        if that changed them. Default: as donate_state. Push-sum algorithms hand it a new unit of
+        mass instead of half of theirs, so Σ w stays the member count (see SGP)."""
+        return self.donate_state(peer, step, params)
+
+    def hand_over(self, members: list[int], step: int) -> None:
+        """This node leaves after `step` (finish() was called): give what it holds that the others
+        need to a member that stays. Default: nothing (a model copy is no one's loss); push-sum
+        algorithms hand their whole mass to one of `members`."""
 
     def adopt_state(self, state: Received, params: "torch.Tensor") -> "torch.Tensor":
         """A node that stalled and fell behind caught up: `state` is a donor's state transfer,

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KIND = Kind.ALLREDUCE
+REALIGN_AFTER = 3  # rounds failed in a row before a ring re-forms over the same members (MemberRing)
 
 
 def segment_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -134,11 +135,12 @@ class RingAllReduce:
 
     # The collective -------------------------------------------------------------------------------
     def __call__(self, tensor: torch.Tensor, step: int, *, average: bool = True, members=None,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, deadline: float | None = None) -> torch.Tensor:
         """Sum (or mean) of `tensor` over the ring's members, written into `tensor` and returned.
 
         `members` (elastic rings only): the ranks to reduce over, this node among them (default:
-        all). `residual` (sums only): tensor of the same size that receives what this node's
+        all). `deadline`: how long each segment is waited for (default: the link deadline).
+        `residual` (sums only): tensor of the same size that receives what this node's
         compressions lost (error feedback; zeros without a lossy codec).
 
         Raises CollectiveIncomplete, with `tensor` and `residual` restored, when a ring neighbour's
@@ -167,7 +169,7 @@ class RingAllReduce:
         original = tensor.clone()
         kept = residual.clone() if residual is not None else None
         try:
-            return self._ring(tensor, step, average, ring, residual)
+            return self._ring(tensor, step, average, ring, residual, deadline)
         except CollectiveIncomplete:
             tensor.copy_(original)
             if residual is not None:
@@ -214,7 +216,7 @@ class RingAllReduce:
         return compression.encode_with_feedback(self.codec, segment, residual)
 
     def _ring(self, tensor: torch.Tensor, step: int, average: bool, ring: _Ring,
-              residual: torch.Tensor | None) -> torch.Tensor:
+              residual: torch.Tensor | None, deadline: float | None = None) -> torch.Tensor:
         flat = tensor.view(-1)
         segment = lambda k: flat[ring.bounds[k][0]:ring.bounds[k][1]]  # noqa: E731
         lost = (lambda k: residual.view(-1)[ring.bounds[k][0]:ring.bounds[k][1]]) if residual is not None \
@@ -225,7 +227,7 @@ class RingAllReduce:
             sent = ring.rs_send(r)
             encoded, _ = self._encode(segment(sent), lost(sent))
             acks.append(self._send(ring, _own(encoded), encoded.codec, encoded.params, step, "rs", r, sent))
-            received = self._recv(ring, step, "rs", r, ring.rs_recv(r))
+            received = self._recv(ring, step, "rs", r, ring.rs_recv(r), deadline)
             segment(ring.rs_recv(r)).add_(self._decode(received, ring.size(ring.rs_recv(r))))
             received.release()
 
@@ -240,7 +242,7 @@ class RingAllReduce:
         payload, codec_id, params = _own(encoded), encoded.codec, encoded.params
         for r in range(ring.m - 1):  # all-gather: finished segments travel on, bytes untouched
             acks.append(self._send(ring, payload, codec_id, params, step, "ag", r, ring.ag_send(r)))
-            received = self._recv(ring, step, "ag", r, ring.ag_recv(r))
+            received = self._recv(ring, step, "ag", r, ring.ag_recv(r), deadline)
             target = segment(ring.ag_recv(r))
             target.copy_(self._decode(received, target.numel()))
             if r < ring.m - 2:
@@ -256,8 +258,9 @@ class RingAllReduce:
                               channel=self._channel(ring.m, phase, r, segment), codec=codec_id, codec_params=params,
                               dtype=self.dtype, numel=numel, shape=(numel,), reliable=True)
 
-    def _recv(self, ring: _Ring, step: int, phase: str, r: int, segment: int):
-        got = self.comm.gather(self.kind, step, [ring.prev], channel=self._channel(ring.m, phase, r, segment))
+    def _recv(self, ring: _Ring, step: int, phase: str, r: int, segment: int, deadline: float | None = None):
+        got = self.comm.gather(self.kind, step, [ring.prev], channel=self._channel(ring.m, phase, r, segment),
+                               deadline=deadline)
         if ring.prev not in got:
             raise CollectiveIncomplete(f"node {self.rank}: step-{step} all-reduce segment ({phase} round {r}) "
                                        f"from node {ring.prev} missed the link deadline")
@@ -279,6 +282,73 @@ class RingAllReduce:
             if not outcome.delivered:
                 raise CollectiveIncomplete(f"node {self.rank}: all-reduce message refused by node {ring.next}: "
                                            f"{outcome.reason}: {outcome.detail}")
+
+
+class MemberRing:
+    """Ring all-reduce over each step's members (Comm.members), re-formed when they change: how
+    AllReduce-SGD and Pipe-SGD keep training together while nodes join, leave or die, instead of
+    each training alone.
+
+    - A round that cannot complete keeps the local value for that step, and this node proposes the
+      members without the peers it declared dead (a view switch a margin ahead, see views.py); after
+      REALIGN_AFTER failed rounds in a row it proposes the same members again: members kept
+      different values, or fell out of step (each waits for a step the others are not at).
+    - Until the switch, a ring with a member that a pending view drops without its own say (it
+      died) is not tried: every member skips it at once instead of waiting out link deadlines.
+    - At the first step of a view (Algorithm.members_changed, before the step's round) the model is
+      averaged over the new ring, with a deadline long enough to wait for the slowest member: it
+      re-aligns the nodes' steps and brings back together models that trained apart while the ring
+      was broken (and a joiner's), so the members are bit-identical again."""
+
+    def __init__(self, comm: Comm, numel: int, dtype: torch.dtype | None = None, *, codec=None,
+                 resync_deadline: float = 30.0):
+        self.comm = comm
+        self.rank = comm.rank
+        self.ring = RingAllReduce(comm, numel, dtype, codec=codec, elastic=True)
+        self.sync = RingAllReduce(comm, numel, dtype, tag="sync.", elastic=True)
+        self.resync_deadline = resync_deadline
+        self.resyncs = 0  # model averages at view switches (stats, tests)
+        self._failures = 0  # rounds failed in a row
+
+    def reduce_or_keep(self, tensor: torch.Tensor, step: int, *, average: bool = True) -> torch.Tensor:
+        """The all-reduce over the step's members, or `tensor` unchanged when it cannot complete."""
+        members = self.comm.members(step)
+        if self.rank not in members or len(members) == 1:
+            return tensor
+        departing = self.comm.departing(step)
+        if departing:
+            log.info("node %d: step-%d all-reduce skipped: node(s) %s are being dropped from the ring", self.rank,
+                     step, sorted(departing))
+            return tensor
+        try:
+            reduced = self.ring(tensor, step, average=average, members=members)
+        except CollectiveIncomplete as exc:
+            log.warning("%s; keeping the local value for this step", exc)
+            self.comm.drop_dead_members()
+            self._failures += 1
+            if self._failures >= REALIGN_AFTER:  # not a dead member (that proposal comes first): re-form
+                self._failures = 0
+                self.comm.realign()  # (nothing new while a switch is pending)
+            return tensor
+        self._failures = 0
+        return reduced
+
+    def resync(self, params: torch.Tensor, step: int) -> torch.Tensor:
+        """At the first step of a view: the mean model over its members (`params` unchanged if it
+        cannot complete)."""
+        members = self.comm.members(step)
+        if self.rank not in members or len(members) == 1:
+            return params
+        try:
+            averaged = self.sync(params, step, average=True, members=members, deadline=self.resync_deadline)
+        except CollectiveIncomplete as exc:
+            log.warning("%s; the members' models were not averaged at their switch", exc)
+            self.comm.drop_dead_members()
+            return params
+        self.resyncs += 1
+        log.info("node %d: members %s from step %d: models averaged over the re-formed ring", self.rank,
+                 list(members), step)
+        return averaged
 
 
 def _own(encoded) -> torch.Tensor:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from p2ptrain.algorithms.base import Algorithm, Comm, Kind, send_failure
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, register
-from p2ptrain.topology import build_undirected
+from p2ptrain.topology import MemberGraph, build_undirected, member_graph
 from p2ptrain.topology.undirected import UndirectedGraph
 
 if TYPE_CHECKING:
@@ -42,20 +42,23 @@ class DPSGDOptions(AlgorithmOptions):
 
 class DPSGD(Algorithm):
     name = "dpsgd"
+    elastic = True  # joins, leaves (SIGTERM) and view switches: topology over each step's members
 
     @classmethod
     def from_options(cls, comm: Comm, options: DPSGDOptions, context: BuildContext) -> "DPSGD":
-        return cls(comm, build_undirected(context.topology, comm.world_size))
+        build_undirected(context.topology, comm.world_size)  # (a bad name fails here, before any view)
+        return cls(comm, member_graph(context.topology, comm.members))
 
-    def __init__(self, comm: Comm, graph: UndirectedGraph):
-        if not isinstance(graph, UndirectedGraph):
+    def __init__(self, comm: Comm, graph: UndirectedGraph | MemberGraph):
+        if isinstance(graph, UndirectedGraph):
+            if graph.world_size != comm.world_size:
+                raise ValueError(f"graph has {graph.world_size} nodes, cluster {comm.world_size}")
+            graph = MemberGraph.fixed(graph)
+        if not isinstance(graph, MemberGraph):
             raise ValueError(f"D-PSGD needs an undirected graph (symmetric W), got {graph!r}")
-        if graph.world_size != comm.world_size:
-            raise ValueError(f"graph has {graph.world_size} nodes, cluster {comm.world_size}")
         self.comm = comm
         self.rank = comm.rank
-        self.neighbors = graph.neighbors(self.rank)
-        self.weights = graph.metropolis_weights(self.rank)
+        self.graph = graph  # over each step's members (elastic runs), W symmetric in every view
         self.x: torch.Tensor | None = None  # x_i^t, the model the step's gradient was taken at
         self._acks: list[concurrent.futures.Future] = []
         self._next_step = 0
@@ -70,8 +73,9 @@ class DPSGD(Algorithm):
     def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:
         self.comm.set_step(step)
         mixed = params.clone()
-        for sender, message in self.comm.gather(KIND, step, self.neighbors).items():
-            mixed.add_(message.tensor - self.x, alpha=self.weights[sender])
+        weights = self.graph.metropolis_weights(self.rank, step)
+        for sender, message in self.comm.gather(KIND, step, self.graph.neighbors(self.rank, step)).items():
+            mixed.add_(message.tensor - self.x, alpha=weights[sender])
             message.release()
         for stale in self.comm.take(KIND, step):  # models that missed their step: out of date now
             stale.release()
@@ -90,7 +94,8 @@ class DPSGD(Algorithm):
 
     def finish(self) -> None:
         """Consume the neighbours' last (unused) models and wait for our own sends to land."""
-        for message in self.comm.gather(KIND, self._next_step, self.neighbors).values():
+        neighbors = self.graph.neighbors(self.rank, self._next_step)
+        for message in self.comm.gather(KIND, self._next_step, neighbors).values():
             message.release()
         for stale in self.comm.take(KIND, self._next_step):
             stale.release()
@@ -101,7 +106,7 @@ class DPSGD(Algorithm):
         self._check_acks(wait=False)
         self._next_step = step
         snapshot = self.x.clone()  # read-only from here on, shared by all sends
-        for peer in self.comm.live(self.neighbors):
+        for peer in self.comm.live(self.graph.neighbors(self.rank, step)):
             if self.comm.make_room(peer, SEND_WINDOW):  # a stalled neighbour must not pile up our models
                 self._acks.append(self.comm.send(peer, snapshot, kind=KIND, step=step))
 

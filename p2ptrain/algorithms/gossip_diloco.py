@@ -37,7 +37,7 @@ from p2ptrain.algorithms.outer import UNKNOWN, OuterNesterov, OuterOptions, Oute
 from p2ptrain.algorithms.pushsum import PushSum
 from p2ptrain.algorithms.registry import AlgorithmSpec, BuildContext, option, register
 from p2ptrain.compression import NEEDS_ERROR_FEEDBACK
-from p2ptrain.topology import Topology, build_topology
+from p2ptrain.topology import Topology, member_topology
 
 if TYPE_CHECKING:
     import torch
@@ -65,8 +65,8 @@ class GossipDiLoCo(Algorithm):
 
     @classmethod
     def from_options(cls, comm: Comm, options: GossipDiLoCoOptions, context: BuildContext) -> "GossipDiLoCo":
-        graph = build_topology(context.topology, comm.world_size, peers_per_step=options.peers_per_step,
-                               seed=context.seed)
+        graph = member_topology(context.topology, comm.world_size, comm.members,
+                                peers_per_step=options.peers_per_step, seed=context.seed)
         return cls(comm, graph, **options.outer_settings())
 
     def __init__(self, comm: Comm, topology: Topology, *, inner_steps: int, outer_lr: float = 0.7,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from p2ptrain.algorithms.base import Algorithm, Comm
-from p2ptrain.algorithms.collectives import RingAllReduce
+from p2ptrain.algorithms.collectives import MemberRing
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, option, register
 from p2ptrain.compression import CODEC_HELP, CODEC_NAMES, NEEDS_ERROR_FEEDBACK
 
@@ -44,6 +44,7 @@ class PipeSGDOptions(AlgorithmOptions):
 class PipeSGD(Algorithm):
     name = "pipesgd"
     uses_gradients = True
+    elastic = True  # the ring re-forms over each step's members (collectives.MemberRing)
 
     @classmethod
     def from_options(cls, comm: Comm, options: PipeSGDOptions, context: BuildContext) -> "PipeSGD":
@@ -60,7 +61,8 @@ class PipeSGD(Algorithm):
         self._in_flight: concurrent.futures.Future | None = None  # g_sum[t-1] being reduced
 
     def setup(self, params: torch.Tensor) -> torch.Tensor:
-        self.allreduce = RingAllReduce(self.comm, params.numel(), params.dtype, codec=self.codec)
+        self.allreduce = MemberRing(self.comm, params.numel(), params.dtype, codec=self.codec,
+                                    resync_deadline=self.comm.peer_timeout)
         self.comm.ready()
         return params
 
@@ -71,6 +73,16 @@ class PipeSGD(Algorithm):
         previous = self._in_flight
         self._in_flight = self._comm_thread.submit(self.allreduce.reduce_or_keep, grads, step)
         return previous.result() if previous is not None else None
+
+    def members_changed(self, step: int, params: torch.Tensor) -> torch.Tensor:
+        """A new view: the old ring's in-flight mean is dropped on every member (a joiner has
+        none, so all skip this step's update, as at the pipeline's start), then one model over the
+        re-formed ring before its first round."""
+        if self._in_flight is not None:
+            self._in_flight.result()
+            self._in_flight = None
+        self.comm.set_step(step)
+        return self.allreduce.resync(params, step)
 
     def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:
         return params

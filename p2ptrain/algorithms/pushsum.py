@@ -238,6 +238,54 @@ class PushSum:
         self.record("send", step, share_w, peer)
         return self.debias()
 
+    # Elastic membership: a node joins with a new unit of mass, a leaving node's unit is retired ---
+    def welcome(self, peer: int, step: int, model: torch.Tensor | None = None) -> None:
+        """Give a node that joins one new unit of mass at our z (or at `model`): it starts with
+        (z, 1) as its (x, w), so Σ w grows by one with the member count and our own mass stays.
+        If it never arrives the unit never existed: nothing to re-absorb."""
+        sent = (self.z if model is None else model).detach().clone()
+        self.comm.send(peer, sent, kind=Kind.STATE, step=step, ps_weight=1.0, reliable=True)
+        self.record("create", step, 1.0, peer)
+
+    def hand_over(self, members: list[int], step: int) -> bool:
+        """This node leaves: send its whole (x, w) to the first of `members` that takes it (a
+        LEAVE message of step `step`, the first the node does not run); True once one did. The
+        receiver retires one unit (take_over), so Σ w stays the member count."""
+        for peer in members:
+            future = self.comm.send(peer, self.x.detach().clone(), kind=Kind.LEAVE, step=step, ps_weight=self.w,
+                                    reliable=True)
+            try:
+                delivery = future.result(timeout=max(10.0, 2 * self.comm.link_deadline))
+            except Exception as exc:  # noqa: BLE001 - any failure: try the next member
+                self.log.warning("node %d: node %d did not take our mass (%s)", self.rank, peer, exc)
+                continue
+            if delivery.delivered:
+                self.record("send", step, self.w, peer)
+                self.x.zero_()
+                self.w = 0.0
+                self.record("w", step, 0.0)
+                return True
+            self.log.warning("node %d: node %d refused our mass: %s", self.rank, peer, delivery.reason)
+        self.log.error("node %d: no member took our push-sum mass (w %.4g): it leaves with us", self.rank, self.w)
+        return False
+
+    def take_over(self, now: int) -> None:
+        """Absorb the whole mass of nodes that left (LEAVE messages), then retire one unit of it at
+        our z (what the leaver counted as one member): Σ w stays the member count. A unit is retired
+        only as far as w stays at least a quarter of its value, so w never nears 0."""
+        for share in self.comm.take(Kind.LEAVE, 2 ** 62):
+            at, sender, before = max(now, share.step), share.sender, self.w
+            self.fold([share], at)
+            if self.w <= before:  # dropped as implausible: nothing absorbed, nothing to retire
+                continue
+            retired = min(1.0, 0.75 * self.w)
+            if retired < 1.0:
+                self.log.warning("node %d: retired %.4g instead of 1 unit of mass for node %d (w %.4g)", self.rank,
+                                 retired, sender, self.w)
+            self.x.mul_(1.0 - retired / self.w)
+            self.w -= retired
+            self.record("retire", at, retired, sender)
+
     def record(self, event: str, step: int, weight: float, peer: int = -1, sent: int = -1) -> None:
         if self.ledger is not None:
             self.ledger.append((event, step, weight, peer, sent))

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 from p2ptrain.algorithms.base import Algorithm, Comm, Kind
 from p2ptrain.algorithms.pushsum import FINISH_WAIT_SECONDS, PLAUSIBLE_SCALE, PushSum
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, option, register
-from p2ptrain.topology import Topology, build_topology
+from p2ptrain.topology import Topology, member_topology
 
 if TYPE_CHECKING:
     import torch
@@ -76,11 +76,12 @@ class SGPOptions(AlgorithmOptions):
 
 class SGP(Algorithm):
     name = "sgp"
+    elastic = True  # joins, leaves (SIGTERM) and view switches: topology over each step's members
 
     @classmethod
     def from_options(cls, comm: Comm, options: SGPOptions, context: BuildContext) -> "SGP":
-        graph = build_topology(context.topology, comm.world_size, peers_per_step=options.peers_per_step,
-                               seed=context.seed)
+        graph = member_topology(context.topology, comm.world_size, comm.members,
+                                peers_per_step=options.peers_per_step, seed=context.seed)
         return cls(comm, graph, overlap=options.overlap)
 
     def __init__(self, comm: Comm, topology: Topology, overlap: int = 0):
@@ -114,7 +115,11 @@ class SGP(Algorithm):
         joined = self.comm.joined
         # a rejoined node: its share of a donor's w (params are z; the donor sent its x / 2 = z w / 2)
         z = self.mass.start(params, joined.ps_weight if joined is not None else 1.0)
+        if joined is not None:
+            self.mass.record("mix", joined.step, joined.ps_weight, joined.sender, joined.step)
+            self.mass.record("w", joined.step, self.mass.w)
         self.mass.expect(params)
+        self.comm.expect(Kind.LEAVE, params.dtype, params.numel(), preallocate=0)  # mass of nodes that leave
         self.comm.ready()
         return z
 
@@ -126,6 +131,7 @@ class SGP(Algorithm):
         self.mass.reabsorb_refused(step)
         if step - self.tau > self._mixed_through:
             self._mix(step - self.tau, step)
+        self.mass.take_over(step)
         self.mass.record("w", step, self.mass.w)
         return self.mass.debias()
 
@@ -133,6 +139,7 @@ class SGP(Algorithm):
         """Receive the shares still in flight (the last τ steps, and earlier ones that missed their
         deadline) so no mass is left on the wire; wait for every ack (re-absorbing refusals)."""
         self._flush()
+        self.mass.take_over(self._last_step + 1)
         self.mass.record("w", self._last_step + 1, self.mass.w)
         return self.mass.debias()
 
@@ -167,6 +174,15 @@ class SGP(Algorithm):
     def donate_state(self, peer: int, step: int, params: torch.Tensor) -> torch.Tensor:
         """Give a (re)joining peer half of (x, w): Σ w is conserved and both have this node's z."""
         return self.mass.split(peer, step)
+
+    def welcome(self, peer: int, step: int, params: torch.Tensor) -> None:
+        """A node joins: it starts with a new unit of mass at our z (Σ w = the member count)."""
+        self.mass.welcome(peer, step)
+
+    def hand_over(self, members: list[int], step: int) -> None:
+        """This node leaves (after finish()): its whole (x, w) goes to a member that stays, which
+        retires one unit of it."""
+        self.mass.hand_over(members, step)
 
     def stats(self) -> dict[str, float]:
         return {"ps_weight": self.w, "min_ps_weight": self.min_w, "dropped_shares": float(self.dropped_shares)}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from p2ptrain.topology.base import Topology
 from p2ptrain.topology.exponential import ExponentialGraph, exponential_offsets
+from p2ptrain.topology.members import MemberGraph, MemberTopology
 from p2ptrain.topology.random_graph import RandomGraph
 from p2ptrain.topology.static import Complete, Ring
 from p2ptrain.topology.trees import BinaryTree, Chain, DoubleBinaryTrees
@@ -28,6 +29,21 @@ def build_topology(name: str, world_size: int, *, peers_per_step: int = 1, seed:
     raise ValueError(f"unknown topology {name!r}; choose from {', '.join(TOPOLOGY_NAMES)}")
 
 
+def member_topology(name: str, world_size: int, members_at, *, peers_per_step: int = 1, seed: int = 0) -> Topology:
+    """The topology `name` over each step's members (topology/members.py); with fewer members than
+    out-peers per step, as many as the smaller graph has."""
+    def build(k: int) -> Topology:
+        per_step = min(peers_per_step, len(exponential_offsets(k))) if name == "exponential" else peers_per_step
+        return build_topology(name, k, peers_per_step=max(1, per_step), seed=seed)
+
+    return MemberTopology(world_size, build, members_at)
+
+
+def member_graph(name: str, members_at) -> MemberGraph:
+    """The undirected graph `name` (build_undirected) over each step's members."""
+    return MemberGraph(lambda k: build_undirected(name, k), members_at)
+
+
 def build_undirected(name: str, world_size: int) -> UndirectedGraph:
     """Undirected graph by CLI name, for gossip with symmetric weights (D-PSGD); `ring` here is
     the two-way ring."""
@@ -39,4 +55,5 @@ def build_undirected(name: str, world_size: int) -> UndirectedGraph:
 
 __all__ = ["Topology", "ExponentialGraph", "RandomGraph", "Ring", "Complete", "build_topology",
            "build_undirected", "exponential_offsets", "TOPOLOGY_NAMES", "UndirectedGraph", "UndirectedRing",
-           "CompleteGraph", "Chain", "BinaryTree", "DoubleBinaryTrees"]
+           "CompleteGraph", "Chain", "BinaryTree", "DoubleBinaryTrees", "MemberGraph", "MemberTopology",
+           "member_graph", "member_topology"]

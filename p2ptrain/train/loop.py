@@ -17,7 +17,7 @@ from torch import nn
 
 from p2ptrain.train.device import pick_device  # noqa: F401 (re-exported: p2ptrain.train.pick_device)
 from p2ptrain.train.evaluate import evaluate
-from p2ptrain.train.optimizer import DecentralizedOptimizer, NonFiniteError  # noqa: F401 (re-exported)
+from p2ptrain.train.optimizer import DecentralizedOptimizer, LeftCluster, NonFiniteError  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -25,6 +25,7 @@ class TrainResult:
     steps: int
     losses: list[float] = field(default_factory=list)
     step_seconds: list[float] = field(default_factory=list)
+    left_at: int | None = None  # the node left the cluster (elastic run) before this step
 
     @property
     def final_loss(self) -> float:
@@ -127,11 +128,14 @@ class DecentralizedTrainer:
         then finish() it (in-flight communication flushed)."""
         result = TrainResult(steps=steps)
         iterator = iter(batches)
-        while self.optimizer.local_step < steps:
-            started = time.perf_counter()
-            inputs, targets = next(iterator)
-            result.losses.append(self.train_step(inputs, targets))
-            result.step_seconds.append(time.perf_counter() - started)
+        try:
+            while self.optimizer.local_step < steps:
+                started = time.perf_counter()
+                inputs, targets = next(iterator)
+                result.losses.append(self.train_step(inputs, targets))
+                result.step_seconds.append(time.perf_counter() - started)
+        except LeftCluster as left:  # SIGTERM in an elastic run: handed over, the others go on
+            result.left_at = left.step
         self.optimizer.finish()
         return result
 

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,6 +52,18 @@ class NonFiniteError(FloatingPointError):
     def __init__(self, rank: int, step: int, what: str):
         super().__init__(f"node {rank}: non-finite {what} at step {step}")
         self.rank, self.step, self.what = rank, step, what
+
+
+class LeftCluster(SystemExit):
+    """This node left the cluster gracefully (SIGTERM in an elastic run, or request_leave()): raised
+    by step() once it handed over what it held; exits with code 0 unless caught."""
+
+    def __init__(self, rank: int, step: int):
+        super().__init__(0)
+        self.rank, self.step = rank, step
+
+    def __str__(self) -> str:
+        return f"node {self.rank} left the cluster at step {self.step}"
 
 
 class DecentralizedOptimizer(torch.optim.Optimizer):
@@ -88,9 +102,14 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0        # local updates skipped on a GradScaler overflow
         self._catch_up_after = 0      # no new catch-up attempt before this step (after a failed one)
         self._finished = False
+        self._leave_requested = False
+        self._leave_proposed = False
+        self.leave_at: int | None = None  # the step the members switch to a view without this node
         self._setup()
         if node is not None:
             node.attach(self)
+            if node.config.elastic and getattr(self.algorithm, "elastic", False):
+                _leave_on_sigterm(self)
 
     # Start: a restarted node takes a live peer's state; then the algorithm sets up ----------------
     def _setup(self) -> None:
@@ -102,6 +121,9 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         state.load(self.algorithm.setup(state.vector()))  # (a rejoining node announces itself here)
         if comm is not None and comm.joining:
             self.local_step = self.start_step = max(self.local_step, comm.resume_step)
+            first = comm.first_step_as_member(self.local_step)  # a new member starts at its view's switch
+            if first is not None:
+                self.local_step = self.start_step = first
         self._adopt_late_states()
 
     # The step ----------------------------------------------------------------------------------
@@ -114,6 +136,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if self._finished:
             raise RuntimeError("step() after finish(): this optimizer's run is over")
         step, state, algorithm = self.local_step, self.state_vector, self.algorithm
+        if self.comm is not None and self.comm.view_switches_at(step):  # nodes joined or left: e.g. a ring re-forms
+            changed = algorithm.members_changed(step, state.vector())
+            if changed is not None:
+                state.load(changed)
         overflowed = self._unscale_for_grad_scaler()
         if algorithm.uses_gradients:
             vector = state.gradient_vector()
@@ -128,10 +154,18 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         state.load(algorithm.after_step(step, state.vector()))
         self._serve_joiners(step)
         self.check_finite(step, "model")
+        self._leave_if_due(step)
         self.local_step = self._catch_up(step)
         if self.node is not None:
             self.node.after_step(self)
         return None
+
+    def request_leave(self) -> None:
+        """Leave the cluster gracefully (what SIGTERM does in an elastic run): at the next step
+        boundary the node proposes the members without itself, trains up to the step they switch
+        at, hands over what it holds (push-sum mass) to a member that stays, and step() raises
+        LeftCluster (a SystemExit with code 0)."""
+        self._leave_requested = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -196,12 +230,40 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.skipped_steps += overflowed
         return overflowed
 
+    def _leave_if_due(self, step: int) -> None:
+        """A leave was asked for: propose it once (comm.reconcile_views proposes again if a
+        concurrent change won), and after the last step as a member finish the algorithm, hand
+        over to a member that stays, and raise LeftCluster."""
+        comm = self.comm
+        if not self._leave_requested or comm is None:
+            return
+        if not self._leave_proposed:
+            self._leave_proposed = True
+            comm.leave()
+        self.leave_at = comm.first_step_without_me(step + 1)
+        if self.leave_at is None or step + 1 < self.leave_at:
+            return
+        log.info("node %d: leaving the cluster after step %d; the others go on without it", self.rank, step)
+        self.finish()
+        stays = comm.live([m for m in comm.members(self.leave_at) if m != self.rank])
+        self.algorithm.hand_over(stays, self.leave_at)
+        self.local_step = step + 1
+        if self.node is not None:
+            self.node.after_step(self)
+        raise LeftCluster(self.rank, step + 1)
+
     def _serve_joiners(self, step: int) -> None:
-        """Give (re)joining peers this node's state, at a step boundary where it is consistent."""
+        """Give (re)joining peers this node's state, at a step boundary where it is consistent. A
+        node new to the members gets its start state (Algorithm.welcome); once set up to receive
+        everything, it proposes itself as a member (Communicator.ready)."""
         if self.comm is None:
             return
+        self.comm.reconcile_views()
         for peer in self.comm.state_requests():
-            changed = self.algorithm.donate_state(peer, step, self.state_vector.vector())
+            if self.comm.newcomer(peer):
+                changed = self.algorithm.welcome(peer, step, self.state_vector.vector())
+            else:
+                changed = self.algorithm.donate_state(peer, step, self.state_vector.vector())
             if changed is not None:
                 self.state_vector.load(changed)
             if self.metrics is not None:
@@ -228,7 +290,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self._adopt_late_states()
         self.catch_ups += 1
         self.check_finite(donated.step, "model after catching up")
-        return max(step + 1, donated.step + 1, comm.resume_step)
+        resume = max(step + 1, donated.step + 1, comm.resume_step)
+        return max(resume, comm.first_step_as_member(resume) or resume)  # re-admitted: from its view's switch
 
     def _adopt_late_states(self) -> None:
         """States that reached us while rejoining besides the one used (an earlier donor answered
@@ -236,6 +299,22 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         comm = self.comm
         while comm is not None and comm.late_states:
             self.state_vector.load(self.algorithm.adopt_state(comm.late_states.pop(0), self.state_vector.vector()))
+
+
+def _leave_on_sigterm(optimizer: DecentralizedOptimizer) -> None:
+    """SIGTERM (docker stop, kubectl delete, Slurm preemption, `launch --leave`) asks `optimizer`
+    to leave gracefully; a second SIGTERM terminates as before. Only the main thread installs
+    signal handlers; elsewhere call request_leave() yourself."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum, frame) -> None:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        log.warning("node %d: SIGTERM: leaving the cluster at the next step boundary", optimizer.rank)
+        optimizer.request_leave()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def _check_ownership(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
@@ -252,4 +331,4 @@ def _check_ownership(optimizer: torch.optim.Optimizer, model: nn.Module) -> None
                     "never trained here", ", ".join(left[:5]) + (" ..." if len(left) > 5 else ""))
 
 
-__all__ = ["DecentralizedOptimizer", "NonFiniteError", "CHECKPOINT_FORMAT"]
+__all__ = ["DecentralizedOptimizer", "LeftCluster", "NonFiniteError", "CHECKPOINT_FORMAT"]

@@ -15,13 +15,13 @@ def training_setup(config):
     every role, so peers, parameter-server workers and the proxy train on identical data/models."""
     splits = build_dataset(config.dataset, config.data_dir, seed=config.seed,
                            num_train=config.num_train, num_test=config.num_test)
-    if config.dirichlet_alpha is None:
-        shard = node_shard(splits.train, config.rank, config.world_size, seed=config.seed)
+    part = config.rank % config.world_size  # a node that joined an elastic run later: the shard of a starting
+    if config.dirichlet_alpha is None:      # rank, in its own order (the loader's seed is its own rank's)
+        shard = node_shard(splits.train, part, config.world_size, seed=config.seed)
     else:
         from p2ptrain.train.partition import dirichlet_shard
 
-        shard = dirichlet_shard(splits.train, config.rank, config.world_size, config.dirichlet_alpha,
-                                seed=config.seed)
+        shard = dirichlet_shard(splits.train, part, config.world_size, config.dirichlet_alpha, seed=config.seed)
     device = pick_device(config.device)
     generator = torch.Generator().manual_seed(config.seed * 1_000_003 + config.rank)
     loader = torch.utils.data.DataLoader(shard, batch_size=config.batch_size, shuffle=True,

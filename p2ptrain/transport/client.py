@@ -74,7 +74,17 @@ class ChannelPool:
             raise RuntimeError("peer addresses can only be set before the first call to a peer")
         self.addresses = list(addresses)
 
+    def learn_address(self, peer: int, address: str) -> bool:
+        """The address of a node that joined after the start (its Hello or a view names it); a
+        known address is never replaced (a restarted node keeps its own). True if it was new."""
+        if not address or self.addresses[peer]:
+            return False
+        self.addresses[peer] = address
+        return True
+
     def client(self, peer: int) -> PeerClient:
+        if not self.addresses[peer]:
+            raise ConnectionError(f"no address known for node {peer} (it has not joined)")
         client = self._clients.get(peer)
         if client is None:
             client = self._clients[peer] = PeerClient(self.addresses[peer], self.options, self.chunk_bytes,

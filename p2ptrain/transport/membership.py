@@ -57,6 +57,10 @@ class Membership:
         self._excluded_by: frozenset[int] = frozenset()  # peers that told us they consider us dead
         self._changed_at: dict[int, float] = {}
         self.on_change: Callable[[], None] = lambda: None  # e.g. wake receivers waiting on a dead peer
+        self.joins_later: Callable[[int], bool] = lambda peer: False  # a member since a view switch (views.py): it
+        # is awaited from the step it announces (>= the switch), and needs no first message to confirm it
+        self.is_member: Callable[[int], bool] = lambda peer: True  # in the latest view (views.py): a node that
+        # left, or has not joined yet, is not judged lagging and does not count towards `behind`
         if metrics is not None:
             for peer in self.peers:
                 metrics.set_peer_up(peer, True, len(self.peers))
@@ -75,7 +79,7 @@ class Membership:
     def lagging(self, peer: int) -> bool:
         """`peer` was last seen more than max_lag steps behind us."""
         seen = self._seen_at.get(peer)
-        return seen is not None and seen[1] - seen[0] > self.max_lag
+        return seen is not None and seen[1] - seen[0] > self.max_lag and self.is_member(peer)
 
     def live(self, peers: Iterable[int]) -> list[int]:
         """The peers to send to: not dead, not lagging."""
@@ -100,7 +104,7 @@ class Membership:
     def behind(self) -> int:
         """By how many steps the median live peer was ahead of this node when last seen (<= 0: not behind)."""
         dead = self._dead
-        gaps = [theirs - ours for p, (theirs, ours) in self._seen_at.items() if p not in dead]
+        gaps = [theirs - ours for p, (theirs, ours) in self._seen_at.items() if p not in dead and self.is_member(p)]
         return int(statistics.median(gaps)) if gaps else 0
 
     def must_catch_up(self) -> bool:
@@ -133,7 +137,8 @@ class Membership:
         moves on to the cluster's step): it is awaited from its first message of the training on."""
         if since_step is not None and since_step > self._alive_since.get(peer, 0):
             self._alive_since = {**self._alive_since, peer: since_step}
-            self._unconfirmed = self._unconfirmed | {peer}
+            if not self.joins_later(peer):
+                self._unconfirmed = self._unconfirmed | {peer}
             self.note_step(peer, max(since_step, self.step))  # it joins at our step: not lagging
         if peer in self._dead:
             self._dead = self._dead - {peer}

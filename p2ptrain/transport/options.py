@@ -11,6 +11,7 @@ from p2ptrain.transport.faults import LinkTable
 from p2ptrain.transport.framing import DEFAULT_CHUNK_BYTES
 from p2ptrain.transport.membership import DEFAULT_MAX_LAG
 from p2ptrain.transport.security import PLAINTEXT, Security
+from p2ptrain.transport.views import DEFAULT_VIEW_MARGIN
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class TransportOptions:
     max_lag: int = DEFAULT_MAX_LAG     # a peer this many steps behind is not sent to / waited for; a node
                                        # this far behind the cluster catches up by a state transfer
     settle_interval: float = 1.0       # how often the fate of unacknowledged messages is asked for
+    initial_members: int | None = None  # elastic runs: ranks below this start as members, the others join
+                                       # later (None: every rank of the world is a member from the start)
+    view_margin: int = DEFAULT_VIEW_MARGIN  # steps between a membership change's proposal and its switch
 
     def channel_options(self) -> list[tuple[str, object]]:
         limit = self.chunk_bytes + (1 << 20)  # a data chunk plus framing; headers are tiny

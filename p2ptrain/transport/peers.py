@@ -22,6 +22,7 @@ from p2ptrain.transport.loop import LoopThread
 from p2ptrain.transport.membership import Membership
 from p2ptrain.transport.routes import RouteTable
 from p2ptrain.transport.server import Identity
+from p2ptrain.transport.views import View, Views
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,8 @@ class Peers:
     for the training thread; coroutines and `on_hello` run on the loop thread."""
 
     def __init__(self, identity: Identity, addresses: list[str], loop: LoopThread, channels: ChannelPool,
-                 membership: Membership, routes: RouteTable, *, probe_timeout: float):
+                 membership: Membership, routes: RouteTable, *, probe_timeout: float,
+                 initial_members: int | None = None):
         self.identity = identity
         self.rank = identity.node_id
         self.world_size = identity.world_size
@@ -58,9 +60,45 @@ class Peers:
         self.reached: set[int] = set()        # peers we delivered to: later connect failures fail fast
         self._probing: set[int] = set()
         self._state_requests: list[int] = []  # peers that asked for our model state (Hello want_state)
+        initial = range(self.world_size if initial_members is None else initial_members)
+        self.views = Views(self.rank, tuple(initial), self.world_size)  # who trains together when (elastic)
 
     def others(self) -> list[int]:
-        return [peer for peer in range(self.world_size) if peer != self.rank]
+        """The peers to greet: the members of the latest view (every node, in a static run), and
+        every earlier member whose address is known (a node that left may still answer)."""
+        latest = set(self.views.latest.members)
+        return [peer for peer in range(self.world_size)
+                if peer != self.rank and (peer in latest or (peer in self.views.members_ever and self.addresses[peer]))]
+
+    def learn_address(self, peer: int, address: str) -> None:
+        if 0 <= peer < self.world_size and self.channels.learn_address(peer, address):
+            self.addresses[peer] = address
+            log.info("node %d: node %d is at %s", self.rank, peer, address)
+
+    def adopt_view(self, message: pb.View, sender: int) -> bool:
+        """A view a peer sent (Hello or reply); True if it is new here. An invalid one is ignored."""
+        try:
+            view = View.from_proto(message, self.world_size)
+        except ValueError as exc:
+            log.warning("node %d: ignored node %d's view: %s", self.rank, sender, exc)
+            return False
+        for member, address in zip(view.members, view.addresses):
+            if member != self.rank:
+                self.learn_address(member, address)
+        if not self.views.adopt(view):
+            return False
+        # Pass it on once: a proposer reaches the nodes it knows of, and a concurrent proposal's
+        # loser (or a joiner the proposer never heard of) may be known here only.
+        others = (self.views.members_ever | set(view.members)) - {self.rank, sender, view.proposer}
+        for peer in sorted(p for p in others if self.addresses[p]):
+            self.loop.spawn(self._pass_on(peer))
+        return True
+
+    async def _pass_on(self, peer: int) -> None:
+        try:
+            await self.greet(peer, self.hello_request(), 2.0, wait_for_ready=False)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError):
+            pass  # gone, or not up yet: it hears of the view in its next Hello
 
     # Loop thread --------------------------------------------------------------------------------
     def hello_request(self) -> pb.HelloRequest:
@@ -68,7 +106,8 @@ class Peers:
         return pb.HelloRequest(node_id=me.node_id, world_size=me.world_size, ready=self.ready,
                                protocol_version=me.protocol_version, config_fingerprint=me.config_fingerprint,
                                step=self.resume_step, current_step=self.membership.step,
-                               incarnation=self.incarnation)
+                               incarnation=self.incarnation, view=self.views.latest.to_proto(),
+                               address=self.addresses[self.rank])
 
     async def greet(self, peer: int, request: pb.HelloRequest, timeout: float,
                     wait_for_ready: bool = True) -> pb.HelloReply:
@@ -78,6 +117,8 @@ class Peers:
             self.membership.note_step(peer, reply.step)
             if reply.caller_excluded:
                 self.membership.excluded(by_peer=peer)
+            if reply.HasField("view"):
+                self.adopt_view(reply.view, peer)
         return reply
 
     async def hello(self, peer: int, timeout: float) -> pb.HelloReply:
@@ -101,6 +142,9 @@ class Peers:
     def on_hello(self, request: pb.HelloRequest) -> str:
         """Membership news from a Hello; returns why a want_state request is refused ("" = served)."""
         peer = request.node_id
+        self.learn_address(peer, request.address)
+        if request.HasField("view"):
+            self.adopt_view(request.view, peer)
         was_dead = not self.membership.alive(peer)
         self.membership.hello(peer, ready=request.ready, incarnation=request.incarnation,
                               current_step=request.current_step, resume_step=request.step)
@@ -108,7 +152,7 @@ class Peers:
             self.loop.spawn(self.channels.reset(peer))
         if not request.want_state:
             return ""
-        if not self.membership.may_donate_to(peer, request.incarnation):
+        if not (self.membership.may_donate_to(peer, request.incarnation) or self.joining(peer)):
             log.warning("node %d: peer %d asked for our state but never left (not dead, lagging or restarted "
                         "here); refused", self.rank, peer)
             return f"node {self.rank} will not hand its state to node {peer}: it never saw that node leave"
@@ -116,6 +160,10 @@ class Peers:
             log.info("node %d: peer %d asks for our state (to rejoin)", self.rank, peer)
             self._state_requests.append(peer)
         return ""
+
+    def joining(self, peer: int) -> bool:
+        """`peer` is not a member of the latest view: it joins (or comes back after leaving)."""
+        return peer not in self.views.latest.members
 
     def _pop_state_requests(self) -> list[int]:
         requests, self._state_requests = self._state_requests, []
@@ -193,9 +241,42 @@ class Peers:
     async def _announce(self, peer: int) -> pb.HelloReply:
         reply = await self.greet(peer, self.hello_request(), 2.0, wait_for_ready=False)
         if reply.compatible and reply.ready and reply.node_id == peer:
-            # It marked us alive before answering, so its pushes from its next step on reach us.
-            self.membership.confirmed(peer, since_step=reply.step + 1)
+            # It marked us alive before answering, so its pushes from its next step on reach us; and
+            # from the switch of the view that made us a member, if it knew that view before.
+            since, member_since = reply.step + 1, self.views.member_since(self.rank)
+            if member_since and self.rank in reply.view.members:
+                since = min(since, member_since)
+            self.membership.confirmed(peer, since_step=since)
         return reply
+
+    def propose_view(self, members, margin: int) -> int:
+        """Propose that `members` train together from `margin` steps past the furthest step this
+        node knows of any old or new member, and Hello the view to each of them (failures ignored:
+        a node that misses it hears of it in its next Hello). A reply from a node already at the
+        switch step means it may have gone past it with the old members: propose again further
+        on. Returns the switch step of the latest view (another proposer's, if its view won)."""
+        members = sorted(set(members))
+        for _ in range(3):
+            targets = [p for p in sorted((self.views.members_ever | set(members)) - {self.rank})
+                       if self.addresses[p]]
+            known = [self.membership.step] + [s for s in map(self.membership.peer_step, targets) if s is not None]
+            view = self.loop.call(self.views.propose, members, max(known) + margin,
+                                  {m: self.addresses[m] for m in members})
+            request = self.hello_request()  # (it carries the view)
+            futures = {peer: self._hello_once(peer, request, 2.0) for peer in targets}
+            past = []
+            for peer, future in futures.items():
+                try:
+                    reply = future.result(10)
+                except (grpc.aio.AioRpcError, concurrent.futures.TimeoutError, asyncio.TimeoutError):
+                    continue
+                if reply.compatible and reply.step >= view.switch_step:
+                    past.append(peer)
+            if not past or self.views.latest != view:
+                break
+            log.warning("node %d: node(s) %s already at step %d when view %d arrived; proposing again", self.rank,
+                        past, view.switch_step, view.epoch)
+        return self.views.latest.switch_step
 
     def wait_for_step(self, step: int, timeout: float) -> None:
         """Hello every live peer until it reports a current step >= `step` (the cluster resumed

@@ -9,6 +9,7 @@ assign (the first to bind the port wins, as torchrun's c10d backend does).
 Keys, under p2ptrain/<run id>/ (torchrun's agent keeps its own keys in the same store):
   world_size      the run's node count, set by the first node; a node that says otherwise fails
   next_rank       a counter (store.add): ranks for nodes given none, in arrival order
+  next_joiner     a counter: ranks world_size, world_size + 1, ... for nodes that join an elastic run later
   address/<rank>  HOST:PORT of node <rank>, set once (compare_set): a second claim of a rank fails
   joined          a counter of nodes that have read every address: nobody goes on before all have,
                   so the process hosting the store never takes it away from a node still reading
@@ -55,6 +56,8 @@ class RendezvousSettings(Protocol):
     run_id: str
     peer_timeout: float    # bounds every wait: connecting, and for the other nodes
     rejoin: bool
+    join: bool             # joins a running elastic run (a rank from world_size on)
+    slots: int             # ranks the run may have: max_nodes in an elastic run, else world_size
 
 
 class RendezvousError(PeerError):
@@ -74,6 +77,13 @@ def assign_rank(config: RendezvousSettings) -> RendezvousSettings:
         return config
     store = _run_store(config)
     _agree_on_world_size(store, config)
+    if config.join:
+        rank = config.world_size + store.add("next_joiner", 1) - 1
+        if rank >= config.slots:
+            raise RendezvousError(f"rendezvous {config.rendezvous} run {config.run_id!r}: no rank left to join: "
+                                  f"--max-nodes is {config.slots}")
+        log.info("rendezvous %s run %r: joining as rank %d", config.rendezvous, config.run_id, rank)
+        return dataclasses.replace(config, rank=rank, rank_given=True)  # type: ignore[type-var]
     rank = store.add("next_rank", 1) - 1
     if rank >= config.world_size:
         raise RendezvousError(f"rendezvous {config.rendezvous} run {config.run_id!r}: more than {config.world_size} "
@@ -85,13 +95,15 @@ def assign_rank(config: RendezvousSettings) -> RendezvousSettings:
 
 def exchange_addresses(config: RendezvousSettings, port: int) -> list[str]:
     """Publish this node's address (its gRPC server is bound to `port`) and return every node's, in
-    rank order, once all `world_size` nodes have published theirs (and read them all)."""
+    rank order, once all `world_size` nodes have published theirs (and read them all). In an elastic
+    run the list has a place per rank up to max_nodes: "" for a node that has not joined yet (its
+    Hello names its address when it does)."""
     deadline = time.monotonic() + config.peer_timeout
     store = _run_store(config)
     _agree_on_world_size(store, config)
     me = advertised_address(config, port)
     key = f"address/{config.rank}"
-    if config.rejoin:  # a restarted node takes its rank back, at its new address
+    if config.rejoin or config.join:  # a restarted node takes its rank back, at its new address
         store.set(key, me)
     else:
         holder = store.compare_set(key, "", me).decode()
@@ -104,7 +116,9 @@ def exchange_addresses(config: RendezvousSettings, port: int) -> list[str]:
         f"rendezvous {config.rendezvous} run {config.run_id!r}: after {config.peer_timeout:g}s no address from "
         f"rank(s) {[r for r, k in enumerate(keys) if not store.check([k])]} of {config.world_size}"))
     addresses = [store.get(k).decode() for k in keys]
-    if not config.rejoin:
+    addresses += [store.get(k).decode() if store.check([k]) else ""
+                  for k in (f"address/{rank}" for rank in range(config.world_size, config.slots))]
+    if not (config.rejoin or config.join):
         store.add("joined", 1)
         _wait(lambda: store.add("joined", 0) >= config.world_size, deadline, lambda: (
             f"rendezvous {config.rendezvous} run {config.run_id!r}: after {config.peer_timeout:g}s only "

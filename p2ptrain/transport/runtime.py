@@ -69,7 +69,11 @@ class Transport:
         self._channels = ChannelPool(self.peers, options.channel_options(), options.chunk_bytes, options.security)
         self._relay = Relay(rank, world_size, options, self._channels, self._emulation, metrics=metrics)
         self._peers = Peers(self.identity, self.peers, self._bridge, self._channels, self.membership,
-                            self._relay.table, probe_timeout=options.probe_timeout)
+                            self._relay.table, probe_timeout=options.probe_timeout,
+                            initial_members=options.initial_members)
+        self.views = self._peers.views  # who trains together from which step (views.py)
+        self.membership.is_member = lambda peer: peer in self.views.latest.members
+        self.membership.joins_later = lambda peer: self.views.member_since(peer) > 0
         self._sender = Sender(rank, world_size, options, self._bridge, self._channels, self._relay, self._peers,
                               self.membership, metrics)
 
@@ -84,7 +88,7 @@ class Transport:
         service = PeerService(self.inbox, self.identity, self.metrics, current_step=lambda: membership.step,
                               is_ready=lambda: peers.ready, on_peer_ready=peers.ready_peers.add,
                               on_hello=peers.on_hello, excludes=membership.excludes,
-                              incarnation=lambda: peers.incarnation)
+                              incarnation=lambda: peers.incarnation, view=lambda: peers.views.latest.to_proto())
         service.forwarder = self._relay  # streams addressed to another node are piped on (relay.py)
         self._server, self.health, port = await serve(
             service.handler(), SERVICE_NAME, listen=self.listen, options=self.options.server_options(),
@@ -255,6 +259,11 @@ class Transport:
     def cluster_running(self, timeout: float = 2.0) -> bool:
         return self.survey(timeout).running
 
+    @property
+    def ready(self) -> bool:
+        """mark_ready() was called: this node accepts tensors."""
+        return self._peers.ready
+
     def mark_ready(self) -> None:
         """Tell peers (through Hello) and health probes that this node now accepts tensors."""
         self._peers.ready = True
@@ -286,6 +295,17 @@ class Transport:
         self._peers.rejoined()
         self.resume_at(step)
         return self.announce_ready() if self._peers.ready else step
+
+    # Elastic membership (views.py) ---------------------------------------------------------------
+    def propose_view(self, members) -> int:
+        """Propose that `members` train together from a step `view_margin` past the furthest step
+        known of any member, and tell every old and new member; returns the switch step in force
+        (see Peers.propose_view)."""
+        return self._peers.propose_view(members, self.options.view_margin)
+
+    def joining(self, peer: int) -> bool:
+        """`peer` is not a member of the latest view: it joins (a state request from it is served)."""
+        return self._peers.joining(peer)
 
     def request_state(self, timeout: float) -> int:
         """Ask live peers for their model state until a ready one accepts; returns its rank (the

@@ -60,7 +60,7 @@ class PeerService:
                  on_peer_ready: Callable[[int], None] = lambda node_id: None,
                  on_hello: Callable[[pb.HelloRequest], str] = lambda request: "",
                  excludes: Callable[[int], bool] = lambda node_id: False,
-                 incarnation: Callable[[], int] = lambda: 0):
+                 incarnation: Callable[[], int] = lambda: 0, view: Callable[[], pb.View | None] = lambda: None):
         self.inbox = inbox
         self.identity = identity
         self.metrics = metrics
@@ -70,6 +70,7 @@ class PeerService:
         self.on_hello = on_hello      # membership news; returns why a want_state request is refused
         self.excludes = excludes      # we consider this peer dead: our replies tell it to rejoin
         self.incarnation = incarnation
+        self.view = view              # our latest membership view, in every reply (views.py)
         self.forwarder = None  # relay.Relay: streams addressed to another node are piped on by it
 
     async def push_tensor(self, requests, context) -> pb.Ack:
@@ -134,7 +135,8 @@ class PeerService:
                              protocol_version=me.protocol_version,
                              config_fingerprint=me.config_fingerprint, step=self.current_step(),
                              compatible=not reason or known, reason=reason, ready=ready,
-                             caller_excluded=known and self.excludes(peer), incarnation=self.incarnation())
+                             caller_excluded=known and self.excludes(peer), incarnation=self.incarnation(),
+                             view=self.view())
 
     async def settle(self, request: pb.SettleRequest, context) -> pb.SettleReply:
         """Which of these messages from `request.sender` did we deliver? The others are voided."""

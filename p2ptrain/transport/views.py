@@ -1,0 +1,133 @@
+"""Elastic membership views: which nodes train together from which step on.
+
+Nodes join a running cluster and leave it without anyone restarting, so the set of members (the
+ranks the topology or the ring is built over) changes while training runs. Every change is a
+*view* (epoch, proposer, switch_step, members), proposed by the node that causes or notices it (a
+donor admitting a joiner, a node leaving, a ring member that found a peer dead) and sent to every
+member in a Hello. `switch_step` lies a margin ahead of every step the proposer knows of, so each
+node learns of it before it gets there and all of them switch at the same step boundary.
+
+Views are ordered by (epoch, proposer): a node adopts any view greater than the greatest it holds,
+and a later epoch replaces every view of its epoch or after (two concurrent proposals: the greater
+wins everywhere; its loser proposes again on top of it if its change is still missing). So once
+the nodes have heard of the same views they answer `members_at(step)` the same way for every step.
+
+Plain data: nothing here sends or waits; peers.py carries views in Hellos, membership.py judges
+who is alive (a dead member stays a member until a view without it takes effect).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from p2ptrain._proto import p2ptrain_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+DEFAULT_VIEW_MARGIN = 8  # steps between the furthest step a proposer knows of and the switch
+
+
+@dataclass(frozen=True)
+class View:
+    epoch: int
+    proposer: int
+    switch_step: int
+    members: tuple[int, ...]
+    addresses: tuple[str, ...] = ()  # members[i]'s address, "" where the receiver already knows it
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return self.epoch, self.proposer
+
+    def to_proto(self) -> pb.View:
+        return pb.View(epoch=self.epoch, proposer=self.proposer, switch_step=self.switch_step,
+                       members=list(self.members), addresses=list(self.addresses))
+
+    @classmethod
+    def from_proto(cls, message: pb.View, capacity: int) -> "View":
+        """The view a peer sent; ValueError for one no honest node proposes."""
+        members = tuple(message.members)
+        if not members or list(members) != sorted(set(members)) or members[-1] >= capacity:
+            raise ValueError(f"view members {list(members)} must be distinct sorted ranks below {capacity}")
+        if message.addresses and len(message.addresses) != len(members):
+            raise ValueError(f"view names {len(message.addresses)} addresses for {len(members)} members")
+        return cls(message.epoch, message.proposer, message.switch_step, members, tuple(message.addresses))
+
+
+class Views:
+    """The views node `rank` holds, oldest first (epochs increase), starting with `initial`."""
+
+    def __init__(self, rank: int, initial: tuple[int, ...], capacity: int):
+        self.rank = rank
+        self.capacity = capacity
+        self._history: tuple[View, ...] = (View(0, 0, 0, tuple(sorted(initial))),)
+        self.members_ever: frozenset[int] = frozenset(initial)  # every rank that was a member once
+
+    @property
+    def latest(self) -> View:
+        return self._history[-1]
+
+    @property
+    def changed(self) -> bool:
+        """Some view after the initial one was adopted (an elastic run is under way)."""
+        return len(self._history) > 1
+
+    def members_at(self, step: int) -> tuple[int, ...]:
+        """The members at `step`: those of the latest view that took effect by then."""
+        return self.view_at(step).members
+
+    def view_at(self, step: int) -> View:
+        """The view in force at `step`."""
+        for view in reversed(self._history):
+            if view.switch_step <= step:
+                return view
+        return self._history[0]
+
+    def switches_at(self, step: int) -> bool:
+        """Another view takes effect at `step` (a ring re-forms here, even over the same members:
+        a view that repeats them is how a ring whose nodes fell out of step re-aligns)."""
+        return step > 0 and self.view_at(step) is not self.view_at(step - 1)
+
+    def member_since(self, rank: int) -> int:
+        """The step since which `rank` is a member without a break (0: from the start)."""
+        steps = sorted({v.switch_step for v in self._history if v.switch_step > 0}, reverse=True)
+        for step in steps:
+            if rank not in self.members_at(step - 1) and rank in self.members_at(step):
+                return step
+        return 0
+
+    def first_step_as_member(self, rank: int, from_step: int) -> int | None:
+        """The first step >= from_step at which `rank` is a member (None: it is not in any view
+        from then on)."""
+        if rank in self.members_at(from_step):
+            return from_step
+        later = [v.switch_step for v in self._history if v.switch_step > from_step and rank in v.members]
+        return min(later) if later else None
+
+    def first_step_without(self, rank: int, from_step: int) -> int | None:
+        """The first step >= from_step at which `rank` is no member (None: it stays one)."""
+        candidates = sorted({from_step} | {v.switch_step for v in self._history if v.switch_step > from_step})
+        return next((step for step in candidates if rank not in self.members_at(step)), None)
+
+    def propose(self, members, switch_step: int, addresses: dict[int, str] | None = None) -> View:
+        """A new view of this node's (adopted here first): `members` from `switch_step` on."""
+        members = tuple(sorted(set(members)))
+        addresses = addresses or {}
+        view = View(self.latest.epoch + 1, self.rank, switch_step, members,
+                    tuple(addresses.get(m, "") for m in members) if addresses else ())
+        self.adopt(view)
+        return view
+
+    def adopt(self, view: View) -> bool:
+        """Take `view` if it is greater than every view held; True if it was."""
+        if view.order <= self.latest.order:
+            return False
+        kept = tuple(v for v in self._history if v.epoch < view.epoch)
+        self._history = kept + (view,)
+        self.members_ever = self.members_ever | set(view.members)
+        log.info("node %d: view %d (from node %d): members %s from step %d", self.rank, view.epoch, view.proposer,
+                 list(view.members), view.switch_step)
+        return True
+
+
+__all__ = ["View", "Views", "DEFAULT_VIEW_MARGIN"]

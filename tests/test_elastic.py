@@ -1,0 +1,320 @@
+"""Elastic membership (issue 13 part 3): nodes join a running cluster and leave it, nobody restarts.
+
+In-process clusters (tests/cluster.py: real Transports on loopback, one thread per node) run the
+user-facing DecentralizedOptimizer; the ledgers of push-sum mass check Σ w exactly. Launch tests
+(real processes, SIGTERM) live in test_launch_e2e.py.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from p2ptrain.algorithms.allreduce import AllReduceSGD
+from p2ptrain.algorithms.dpsgd import DPSGD
+from p2ptrain.algorithms.pipesgd import PipeSGD
+from p2ptrain.algorithms.sgp import SGP
+from p2ptrain.topology import member_graph, member_topology
+from p2ptrain.train.optimizer import DecentralizedOptimizer, LeftCluster
+from p2ptrain.transport import TransportOptions
+from p2ptrain.transport.views import View, Views
+from tests.cluster import run_cluster
+
+DIM = 8
+
+
+# Views -------------------------------------------------------------------------------------------
+
+def test_views_switch_at_the_agreed_step_and_the_greater_view_wins():
+    views = Views(rank=0, initial=(0, 1, 2, 3), capacity=6)
+    assert views.members_at(0) == views.members_at(10 ** 6) == (0, 1, 2, 3)
+    views.adopt(View(1, 2, 108, (0, 1, 2, 3, 4)))
+    assert views.members_at(107) == (0, 1, 2, 3) and views.members_at(108) == (0, 1, 2, 3, 4)
+    assert views.switches_at(108) and not views.switches_at(109)
+    assert views.first_step_as_member(4, 50) == 108 and views.first_step_as_member(5, 50) is None
+    # a concurrent proposal of the same epoch from a greater proposer replaces it everywhere
+    assert views.adopt(View(1, 3, 110, (0, 1, 2, 3, 5)))
+    assert views.members_at(108) == (0, 1, 2, 3) and views.members_at(110) == (0, 1, 2, 3, 5)
+    assert not views.adopt(View(1, 1, 200, (0, 1)))  # a smaller one is ignored
+    proposed = views.propose({0, 1, 2, 3, 4, 5}, 130)
+    assert proposed.epoch == 2 and views.members_at(130) == (0, 1, 2, 3, 4, 5)
+    assert views.members_at(115) == (0, 1, 2, 3, 5)
+
+
+def test_a_malformed_view_is_refused_with_a_reason():
+    for members in ([], [3, 1], [1, 1], [0, 9]):
+        message = View(1, 0, 5, ()).to_proto()
+        message.members[:] = members
+        with pytest.raises(ValueError, match="members"):
+            View.from_proto(message, capacity=6)
+
+
+def test_member_topology_maps_the_schedule_onto_the_members():
+    members = {0: (0, 1, 2, 3), 1: (0, 2, 3, 5, 7)}
+    topology = member_topology("exponential", 8, lambda step: members[min(step, 1)])
+    assert topology.out_peers(1, 0) == [2]          # the 4-node graph, offset 1 at step 0
+    assert topology.out_peers(1, 1) == []           # node 1 left
+    assert topology.out_peers(3, 1) == [7]          # member 2 of 5 -> member 4 (offset 2 at step 1)
+    assert topology.in_peers(7, 1) == [3]
+    for step in (0, 1):
+        for rank in range(8):
+            for peer in topology.out_peers(rank, step):
+                assert rank in topology.in_peers(peer, step)
+    graph = member_graph("ring", lambda step: members[min(step, 1)])
+    assert graph.neighbors(0, 1) == [2, 7]
+    weights = graph.metropolis_weights(0, 1)
+    assert sorted(weights) == [0, 2, 7] and sum(weights.values()) == pytest.approx(1.0)
+
+
+# SGP: 4 nodes -> 2 join -> 2 leave ------------------------------------------------------------------
+
+def _targets(rank: int) -> torch.Tensor:
+    return torch.linspace(-1, 1, DIM, dtype=torch.float64) * (1 + 0.1 * rank)  # (a little heterogeneity)
+
+
+class _Cluster:
+    """Per-node step counters, so that joiners start and leavers go when the cluster is at a step."""
+
+    def __init__(self):
+        self.steps: dict[int, int] = {}
+        self.lock = threading.Lock()
+
+    def at(self, rank: int, step: int) -> None:
+        with self.lock:
+            self.steps[rank] = step
+
+    def wait_until(self, step: int, ranks) -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            with self.lock:
+                if all(self.steps.get(r, -1) >= step for r in ranks):
+                    return
+            time.sleep(0.01)
+        raise TimeoutError(f"cluster did not reach step {step}")
+
+
+def _train(comm, algorithm, rank, steps, cluster, *, joins_at=None, leaves_at=None, lr=0.1):
+    """A user's loop: model, optimizer, DecentralizedOptimizer; a joiner waits for the cluster to be
+    at `joins_at`, a leaver asks to leave at `leaves_at`. Returns what the test checks."""
+    torch.manual_seed(rank)
+    model = nn.Linear(DIM, 1, bias=False).double()
+    target = _targets(rank)
+    if joins_at is not None:
+        cluster.wait_until(joins_at, [0])
+        comm.joining = True
+    opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=lr), model=model, algorithm=algorithm,
+                                 comm=comm)
+    start, left = opt.local_step, None
+    try:
+        while opt.local_step < steps:
+            step = opt.local_step
+            cluster.at(rank, step)
+            if leaves_at is not None and step >= leaves_at:
+                opt.request_leave()
+            x = torch.randn(16, DIM, dtype=torch.float64)
+            loss = ((model(x).squeeze(1) - x @ target) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        opt.finish()
+    except LeftCluster as exc:
+        left = exc.step
+    cluster.at(rank, 10 ** 9)
+    return {"rank": rank, "start": start, "left": left, "weight": model.weight.detach().clone().view(-1),
+            "members": comm.transport.views.latest.members, "algorithm": algorithm}
+
+
+def elastic_mass(ledgers, at_steps) -> list[float]:
+    """For each step k: Σ_i w_i after step k (each node's last "w" entry by then; 0 before it joined
+    and after it handed its mass over) plus every share and new unit sent by step k that no node had
+    mixed in or re-absorbed by then. What it must equal: the number of members."""
+    totals = []
+    for k in at_steps:
+        total = 0.0
+        for ledger in ledgers:
+            weights = [w for event, step, w, *_ in ledger if event == "w" and step <= k]
+            total += weights[-1] if weights else 0.0
+            for event, step, w, *_ in ledger:
+                if step <= k and event in ("send", "create"):
+                    total += w
+                elif step <= k and event in ("mix", "reabsorb"):
+                    total -= w
+        totals.append(total)
+    return totals
+
+
+def test_sgp_four_nodes_two_join_two_leave_conserving_one_unit_of_mass_per_member():
+    """Nodes 4 and 5 join at step 60, nodes 1 and 4 leave at step 120 (of 200): every joiner brings
+    one new unit of mass, every leaver hands its whole mass over and one unit is retired, so Σ w
+    (with what is in flight) is the member count at every step; nobody restarts; the nodes that
+    stay agree on one model."""
+    steps, join, leave = 200, 60, 120
+    cluster = _Cluster()
+    options = TransportOptions(send_timeout=30.0, link_deadline=5.0, probe_timeout=2.0, initial_members=4,
+                               view_margin=6)
+
+    def body(rank, comm):
+        graph = member_topology("exponential", comm.world_size, comm.members)
+        sgp = SGP(comm, graph, overlap=1)
+        sgp.ledger = []
+        return _train(comm, sgp, rank, steps, cluster, joins_at=join if rank >= 4 else None,
+                      leaves_at=leave if rank in (1, 4) else None)
+
+    results = run_cluster(6, body, options=options, timeout=240)
+    ledgers = [r["algorithm"].ledger for r in results]
+    events = [e for ledger in ledgers for e in ledger]
+    creates = [e for e in events if e[0] == "create"]
+    retires = [e for e in events if e[0] == "retire"]
+    assert sorted(e[3] for e in creates) == [4, 5] and all(e[2] == 1.0 for e in creates)
+    assert sorted(e[3] for e in retires) == [1, 4] and all(e[2] == 1.0 for e in retires)
+    joined_at = min(r["start"] for r in results if r["rank"] >= 4)
+    left_at = min(r["left"] for r in results if r["left"] is not None)
+    assert join <= joined_at < left_at and leave <= left_at < steps
+    expected = [4 + sum(e[1] <= k for e in creates) - sum(e[1] <= k for e in retires) for k in range(steps)]
+    assert elastic_mass(ledgers, range(steps)) == pytest.approx(expected, abs=1e-9)
+    assert max(expected) == 6 and expected[-1] == 4
+    stay = [r for r in results if r["left"] is None]
+    assert sorted(r["rank"] for r in stay) == [0, 2, 3, 5]
+    assert sum(r["algorithm"].w for r in stay) == pytest.approx(4.0, abs=1e-9)
+    assert all(r["members"] == (0, 2, 3, 5) for r in stay), [(r["rank"], r["members"]) for r in results]
+    assert all(r["start"] == 0 for r in results if r["rank"] < 4), "an initial node restarted"
+    mean = torch.stack([r["weight"] for r in stay]).mean(0)  # (2.6-3.5% apart in a static 4-node run of
+    for r in stay:                                           # ranks 0-3; 4-6% here, with targets 1.0-1.5x)
+        assert float((r["weight"] - mean).abs().max()) < 0.1 * float(mean.abs().max())
+
+
+def test_dpsgd_takes_a_joiner_and_lets_a_node_leave():
+    """D-PSGD over the members' ring: node 3 joins at step 30, node 0 leaves at step 60; the nodes
+    that stay finish together, on the 3-node ring, close to one model."""
+    steps = 100
+    cluster = _Cluster()
+    options = TransportOptions(send_timeout=30.0, link_deadline=5.0, probe_timeout=2.0, initial_members=3,
+                               view_margin=4)
+
+    def body(rank, comm):
+        return _train(comm, DPSGD(comm, member_graph("ring", comm.members)), rank, steps, cluster,
+                      joins_at=30 if rank == 3 else None, leaves_at=60 if rank == 0 else None)
+
+    results = run_cluster(4, body, options=options, timeout=240)
+    stay = [r for r in results if r["left"] is None]
+    assert sorted(r["rank"] for r in stay) == [1, 2, 3] and results[0]["left"] is not None
+    assert all(r["members"] == (1, 2, 3) for r in stay)
+    assert results[3]["start"] >= 30
+    mean = torch.stack([r["weight"] for r in stay]).mean(0)
+    for r in stay:
+        assert float((r["weight"] - mean).abs().max()) < 0.1 * float(mean.abs().max())
+
+
+# Rings re-form ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [lambda comm: AllReduceSGD(comm), lambda comm: PipeSGD(comm)],
+                         ids=["allreduce", "pipesgd"])
+def test_a_ring_re_forms_when_a_node_leaves_and_when_one_joins(make):
+    """4 nodes; node 3 leaves at step 20; node 4 joins at step 40 (of 70). The ring re-forms at each
+    switch (the model is averaged once over the new ring), so the members end bit-identical: with
+    gradient averaging any round a node ran alone would leave its model apart for good."""
+    steps = 70
+    cluster = _Cluster()
+    options = TransportOptions(send_timeout=30.0, link_deadline=5.0, probe_timeout=2.0, initial_members=4,
+                               view_margin=4)
+
+    def body(rank, comm):
+        return _train(comm, make(comm), rank, steps, cluster, joins_at=40 if rank == 4 else None,
+                      leaves_at=20 if rank == 3 else None, lr=0.05)
+
+    results = run_cluster(5, body, options=options, timeout=240)
+    stay = [r for r in results if r["left"] is None]
+    assert sorted(r["rank"] for r in stay) == [0, 1, 2, 4] and results[3]["left"] is not None
+    assert all(r["members"] == (0, 1, 2, 4) for r in stay)
+    for r in stay:
+        assert torch.equal(r["weight"], stay[0]["weight"]), f"node {r['rank']} trained apart from the ring"
+    assert all(r["algorithm"].allreduce.resyncs >= 1 for r in stay)
+
+
+def test_a_ring_re_forms_without_a_dead_node_instead_of_training_alone():
+    """Node 2 of 4 crashes at step 10: the node that finds it dead proposes the members without
+    it, every node skips the broken ring until the switch, then the three train on one ring and end
+    bit-identical (before, each trained alone for the rest of the run)."""
+    steps = 60
+    cluster = _Cluster()
+    options = TransportOptions(send_timeout=20.0, link_deadline=1.0, probe_timeout=1.0, view_margin=4)
+
+    def body(rank, comm):
+        if rank == 2:
+            algorithm = AllReduceSGD(comm)
+            model = nn.Linear(DIM, 1, bias=False).double()
+            opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model,
+                                         algorithm=algorithm, comm=comm)
+            for _ in range(10):
+                x = torch.randn(16, DIM, dtype=torch.float64)
+                loss = ((model(x).squeeze(1) - x @ _targets(rank)) ** 2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            comm.transport.stop()  # a crash: no goodbye
+            return None
+        return _train(comm, AllReduceSGD(comm), rank, steps, cluster, lr=0.05)
+
+    results = run_cluster(4, body, options=options, timeout=240)
+    stay = [r for r in results if r is not None]
+    assert all(r["members"] == (0, 1, 3) for r in stay)
+    for r in stay:
+        assert torch.equal(r["weight"], stay[0]["weight"]), f"node {r['rank']} trained apart from the ring"
+
+
+# Real processes: `launch --join / --leave` (SIGTERM) -------------------------------------------------
+
+def _launch(tmp_path, name: str, *args: str) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, node_env
+
+    out = tmp_path / name
+    cmd = [sys.executable, "-m", "p2ptrain", "launch", "--out", str(out), "--no-live", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=node_env(), capture_output=True, text=True, timeout=800)
+    assert proc.returncode == 0, f"launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads((out / "report.json").read_text())
+
+
+ELASTIC_RUN = ("--nodes", "4", "--algorithm", "sgp", "--overlap", "1", "--steps", "500", "--seed", "1",
+               "--slowdown", "12", "--link-deadline", "5")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_launch_four_nodes_two_join_two_leave_trains_like_a_static_run(tmp_path):
+    """The issue's run: 4 SGP nodes, a 5th and 6th join at step 100, nodes 1 and 4 leave (SIGTERM)
+    at step 200: nobody restarts, every node exits 0, the four that stay hold Σ w = 4 at the end
+    and reach a test accuracy within 1 point of a static 4-node run."""
+    elastic = _launch(tmp_path, "elastic", *ELASTIC_RUN, "--join", "2@100", "--leave", "1@200",
+                      "--leave", "4@200")
+    static = _launch(tmp_path, "static", *ELASTIC_RUN)
+    nodes = {n["rank"]: n for n in elastic["nodes"]}
+    assert sorted(elastic["cluster"]["left_nodes"]) == [1, 4]
+    assert nodes[4]["start_step"] >= 100 and nodes[5]["start_step"] >= 100 and nodes[4]["joined"]
+    assert all(nodes[r]["start_step"] == 0 for r in range(4)), "a starting node restarted"
+    stay = [nodes[r] for r in (0, 2, 3, 5)]
+    assert all(n["members"] == [0, 2, 3, 5] for n in stay)
+    assert sum(n["ps_weight"] for n in stay) == pytest.approx(4.0, abs=1e-6)
+    assert nodes[1]["ps_weight"] == 0.0 and nodes[4]["ps_weight"] == 0.0  # handed over
+    assert elastic["cluster"]["mean_test_accuracy"] >= static["cluster"]["mean_test_accuracy"] - 0.01, (
+        elastic["cluster"], static["cluster"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_launch_allreduce_re_forms_its_ring_when_a_node_leaves(tmp_path):
+    """AllReduce-SGD, node 3 of 4 leaves (SIGTERM) at step 60: the other three re-form the ring and
+    finish with one model (the same test accuracy, bit for bit)."""
+    report = _launch(tmp_path, "ring", "--nodes", "4", "--algorithm", "allreduce", "--steps", "200", "--seed", "1",
+                     "--slowdown", "8", "--link-deadline", "5", "--max-nodes", "4", "--leave", "3@60")
+    nodes = {n["rank"]: n for n in report["nodes"]}
+    assert report["cluster"]["left_nodes"] == [3] and nodes[3]["left_at"] >= 60
+    assert all(nodes[r]["members"] == [0, 1, 2] for r in range(3))
+    accuracies = {nodes[r]["test_accuracy"] for r in range(3)}
+    assert len(accuracies) == 1 and accuracies.pop() > 0.5
