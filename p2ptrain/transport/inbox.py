@@ -2,7 +2,8 @@
 
 Everything here except `BufferPool.release` runs on the node's event-loop thread. A tensor message
 goes through `open()` (validate the header, count the reception), `Reception.write()` per chunk
-(straight into a pooled buffer, taken at the first data chunk), then `deliver()`; any failure
+(straight into a pooled buffer, taken at the first data chunk; the TCP lane reads into
+`Reception.space()` instead), then `deliver()`; any failure
 rejects the whole message and leaves mailbox state untouched, so a broken or hostile stream can
 never half-apply.
 
@@ -81,14 +82,27 @@ class Reception:
         self._view = memoryview(b"")
 
     def write(self, data: memoryview) -> None:
-        end = self.received + len(data)
-        if end > self.header.payload_bytes:
-            raise Rejection("payload_overflow", f"stream carries more than the announced "
-                                                f"{self.header.payload_bytes} bytes")
+        """Copy a received chunk in (gRPC: the chunk already sits in grpcio's memory)."""
+        self._check_room(len(data))
+        self.space()[:len(data)] = data
+        self.received += len(data)
+
+    def space(self) -> memoryview:
+        """The part of the buffer still to fill, for a socket to read straight into (the TCP lane,
+        lane.py); call filled() with what it read. Takes the buffer now if none was yet."""
         if self.buffer is None:
             self.payload()
-        self._view[self.received:end] = data
-        self.received = end
+        return self._view[self.received:]
+
+    def filled(self, nbytes: int) -> None:
+        """`nbytes` more bytes were read into space()."""
+        self._check_room(nbytes)
+        self.received += nbytes
+
+    def _check_room(self, nbytes: int) -> None:
+        if self.received + nbytes > self.header.payload_bytes:
+            raise Rejection("payload_overflow", f"stream carries more than the announced "
+                                                f"{self.header.payload_bytes} bytes")
 
     def complete(self) -> bool:
         return self.received == self.header.payload_bytes

@@ -6,11 +6,15 @@ Plain settings data: nothing here opens a socket or starts a thread.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from p2ptrain.transport.faults import LinkTable
 from p2ptrain.transport.framing import DEFAULT_CHUNK_BYTES
 from p2ptrain.transport.membership import DEFAULT_MAX_LAG
 from p2ptrain.transport.security import PLAINTEXT, Security
+
+# How tensor payloads travel (dataplane.py); config.DATA_PLANES spells the same values for the settings.
+DataPlane = Literal["auto", "grpc", "tcp"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,9 @@ class TransportOptions:
     max_lag: int = DEFAULT_MAX_LAG     # a peer this many steps behind is not sent to / waited for; a node
                                        # this far behind the cluster catches up by a state transfer
     settle_interval: float = 1.0       # how often the fate of unacknowledged messages is asked for
+    data_plane: DataPlane = "auto"     # tensor payloads over the peers' TCP lanes (auto: where offered),
+                                       # or gRPC streaming only (dataplane.py, lane.py)
+    lane_port: int = 0                 # the TCP lane's port, on the gRPC listen host (0: one the OS picks)
 
     def channel_options(self) -> list[tuple[str, object]]:
         limit = self.chunk_bytes + (1 << 20)  # a data chunk plus framing; headers are tiny
@@ -57,4 +64,4 @@ class TransportOptions:
         ]
 
 
-__all__ = ["TransportOptions"]
+__all__ = ["TransportOptions", "DataPlane"]
