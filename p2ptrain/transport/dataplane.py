@@ -26,6 +26,8 @@ from p2ptrain.transport.lane import LaneClient, LaneUnavailable, split_address
 
 log = logging.getLogger(__name__)
 
+# Direct pushes in flight to one peer, on either plane: the Inbox's default max_receptions_per_sender.
+IN_FLIGHT_PER_PEER = 8
 # Hello failures that mean nobody answered (yet): under auto the push goes by gRPC, which waits for the peer.
 _NO_ANSWER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
@@ -49,6 +51,7 @@ class DirectPath:
         self._ports: dict[int, int] = {}          # peer -> the lane port it advertised (0: none)
         self._unusable: dict[int, float] = {}     # peer -> monotonic time until which its lane is not tried
         self._asking: dict[int, asyncio.Future] = {}
+        self._slots: dict[int, asyncio.Semaphore] = {}  # per peer: pushes in flight
 
     def learn(self, peer: int, port: int) -> None:
         """`peer` advertised lane `port` in a Hello (0: it offers none)."""
@@ -67,9 +70,25 @@ class DirectPath:
 
     async def push(self, peer: int, header: pb.TensorHeader, payload: memoryview, timeout: float,
                    wait_for_ready: bool = True) -> pb.Ack:
-        """Push to `peer` by the lane or gRPC (see the module doc); failures as PushTensor's."""
+        """Push to `peer` by the lane or gRPC (see the module doc), at most IN_FLIGHT_PER_PEER at a
+        time (more would be refused as too_many_streams by a receiver's default limit); failures as
+        PushTensor's."""
         deadline = time.monotonic() + timeout
-        target = await self._lane_of(peer, timeout, wait_for_ready)
+        slots = self._slots.setdefault(peer, asyncio.Semaphore(IN_FLIGHT_PER_PEER))
+        try:
+            async with asyncio.timeout(timeout):
+                await slots.acquire()
+        except TimeoutError:
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"node {self.rank}: {IN_FLIGHT_PER_PEER} messages to "
+                                                               f"node {peer} in flight for {timeout:.3g} s") from None
+        try:
+            return await self._push(peer, header, payload, deadline, wait_for_ready)
+        finally:
+            slots.release()
+
+    async def _push(self, peer: int, header: pb.TensorHeader, payload: memoryview, deadline: float,
+                    wait_for_ready: bool) -> pb.Ack:
+        target = await self._lane_of(peer, max(0.05, deadline - time.monotonic()), wait_for_ready)
         if target is not None:
             try:
                 ack = await self.lanes.push(peer, *target, header, payload, max(0.05, deadline - time.monotonic()))

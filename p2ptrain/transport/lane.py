@@ -58,7 +58,6 @@ KEEPALIVE = 120.0            # seconds a connection may idle between messages be
 CLIENT_IDLE = KEEPALIVE / 2  # a client retires a pooled connection idle this long: before the server would
 CONNECT_TIMEOUT = 3.0        # connect + handshake; longer means the lane is unusable (auto falls back to gRPC)
 MAX_HANDSHAKES = 64          # unauthenticated connections at once; more are closed on arrival
-CONNECTIONS_PER_PEER = 8     # a client's messages in flight to one peer (one connection each)
 DISCARD_BYTES = 256 * 1024   # scratch into which a refused message's payload is read and dropped
 _WILDCARD_HOSTS = ("", "::", "[::]", "*")
 
@@ -129,9 +128,17 @@ class LaneServer:
         self.scratch = memoryview(bytearray(DISCARD_BYTES))  # shared: what lands here is dropped
         self._server: asyncio.AbstractServer | None = None
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on host:port (0: a port the OS picks); returns the port."""
+    async def start(self, host: str, port: int, avoid: frozenset[int] = frozenset()) -> int:
+        """Listen on host:port; returns the port. Port 0: one the OS picks, never one of `avoid`
+        (the peers' ports: a launcher or test reserves those before their nodes bind them, and the
+        OS picks from the same range, so a lane could otherwise take a peer's port from it)."""
         sock = listening_socket(host, port)
+        taken = []
+        while not port and sock.getsockname()[1] in avoid and len(taken) < len(avoid):
+            taken.append(sock)  # held until the search ends, so the OS offers another port
+            sock = listening_socket(host, port)
+        for held in taken:
+            held.close()
         self.port = sock.getsockname()[1]
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
@@ -448,16 +455,15 @@ def _refused_connect(exc: BaseException) -> bool:
 
 
 class LaneClient:
-    """Node `rank`'s outgoing lane connections, pooled per peer; one message per connection at a time."""
+    """Node `rank`'s outgoing lane connections, pooled per peer; one message per connection at a
+    time (dataplane.py bounds the messages in flight per peer, so the connections too)."""
 
-    def __init__(self, rank: int, security: Security, *, per_peer: int = CONNECTIONS_PER_PEER):
+    def __init__(self, rank: int, security: Security):
         self.rank = rank
         self.security = security
         self.token = security.token
         self.ssl = security.lane_client_context()
-        self.per_peer = per_peer
         self._idle: dict[int, list[LaneConnection]] = defaultdict(list)
-        self._slots: dict[int, asyncio.Semaphore] = {}
         self._all: set[LaneConnection] = set()
 
     async def push(self, peer: int, host: str, port: int, header: pb.TensorHeader, payload: memoryview,
@@ -473,20 +479,17 @@ class LaneClient:
 
     async def _push(self, peer: int, host: str, port: int, header: pb.TensorHeader,
                     payload: memoryview) -> pb.Ack:
-        slots = self._slots.setdefault(peer, asyncio.Semaphore(self.per_peer))
-        async with slots:
-            connection = self._pooled(peer) or await self._connect(peer, host, port)
-            try:
-                connection.send(encode(header), payload)
-                ack = decode(pb.Ack, await connection.frame())
-            except BaseException as exc:
-                connection.abort()  # whatever was half-sent is dropped by the receiver
-                self._all.discard(connection)
-                if isinstance(exc, (OSError, LaneFrameError)):  # ConnectionError included
-                    raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"lane to node {peer} broke off: {exc}") from None
-                raise
-            connection.idle_since = asyncio.get_running_loop().time()
-            self._idle[peer].append(connection)
+        connection = self._pooled(peer) or await self._connect(peer, host, port)
+        try:
+            connection.send(encode(header), payload)
+            ack = decode(pb.Ack, await connection.frame())
+        except BaseException as exc:
+            self._discard(connection)  # whatever was half-sent is dropped by the receiver
+            if isinstance(exc, (OSError, LaneFrameError)):  # ConnectionError included
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"lane to node {peer} broke off: {exc}") from None
+            raise
+        connection.idle_since = asyncio.get_running_loop().time()
+        self._idle[peer].append(connection)
         refusal = REFUSAL_STATUS.get(ack.reason) if ack.status == pb.Ack.STATUS_REJECTED else None
         if refusal is not None:  # PushTensor answers these with a gRPC status: the sender may retry
             raise rpc_error(refusal, f"{ack.reason}: {ack.detail}")
@@ -555,4 +558,4 @@ class LaneClient:
 
 
 __all__ = ["LaneServer", "LaneClient", "LaneUnavailable", "split_address", "listening_socket", "KEEPALIVE",
-           "CONNECTIONS_PER_PEER", "MAX_HANDSHAKES"]
+           "MAX_HANDSHAKES"]

@@ -98,11 +98,16 @@ class Transport:
         service.forwarder = self._relay  # streams addressed to another node are piped on (relay.py)
         if self._lanes is not None:  # listening before any Hello can advertise it
             self._direct.port = await self._start_lane(service)
-        self._server, self.health, port = await serve(
-            service.handler(), SERVICE_NAME, listen=self.listen, options=self.options.server_options(),
-            security=self.options.security, metrics=self.metrics, serving=self._peers.ready)
-        if port == 0:
-            raise PeerError(f"node {self.rank} could not listen on {self.listen}")
+        try:
+            self._server, self.health, port = await serve(
+                service.handler(), SERVICE_NAME, listen=self.listen, options=self.options.server_options(),
+                security=self.options.security, metrics=self.metrics, serving=self._peers.ready)
+            if port == 0:
+                raise PeerError(f"node {self.rank} could not listen on {self.listen}")
+        except BaseException:
+            if self._lane_server is not None:  # give its port back: this node does not start
+                await self._lane_server.stop()
+            raise
         self.port = port
 
     async def _start_lane(self, service: PeerService) -> int:
@@ -114,7 +119,8 @@ class Transport:
                                 f"{self.listen!r}")
             return 0
         self._lane_server = LaneServer(service, self.options.security)
-        return await self._lane_server.start(address[0], self.options.lane_port)
+        peer_ports = frozenset(a[1] for a in map(split_address, self.peers) if a is not None)
+        return await self._lane_server.start(address[0], self.options.lane_port, avoid=peer_ports)
 
     @property
     def lane_port(self) -> int:
