@@ -382,3 +382,24 @@ def test_transport_default_options_reach_every_data_plane():
             assert lane_messages(t[0], 1) == (0 if plane == "grpc" else 1)
             assert (t[1].lane_port == 0) == (plane == "grpc")
     assert FAST.data_plane == "auto"
+
+
+@pytest.mark.parametrize("where", ["first", "last", "nowhere"])
+def test_payload_larger_than_a_scan_is_checked_whole(where):
+    """The lane checks a big payload for NaN in pieces as it arrives (Inbox.scan); a NaN in the
+    first piece or after the last one is refused alike."""
+    from p2ptrain.transport.lane import SCAN_BYTES
+
+    numel = 3 * SCAN_BYTES // 4 + 5  # three scans and a tail
+    values = torch.ones(numel)
+    if where != "nowhere":
+        values[0 if where == "first" else -1] = math.nan
+    with nodes(3, [1]) as t, RawLane(t[1].lane_port) as lane:
+        t[1].expect(KIND, torch.float32, numel)
+        ack = lane.push(header(numel=numel, shape=[numel], payload_bytes=4 * numel), values.numpy().tobytes())
+        if where == "nowhere":
+            assert ack.status == pb.Ack.STATUS_ACCEPTED, ack
+            assert torch.equal(t[1].take(KIND, 0)[0].tensor, values)
+        else:
+            assert (ack.status, ack.reason) == (pb.Ack.STATUS_REJECTED, "non_finite"), ack
+            assert pending(t[1]) == 0 and buffered_bytes(t[1]) == 0

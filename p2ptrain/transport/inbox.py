@@ -30,7 +30,14 @@ import torch
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.framing import torch_dtype
 from p2ptrain.transport.message import Message
-from p2ptrain.transport.validation import ChannelSpec, CodecLayout, Rejection, check_finite, validate_header
+from p2ptrain.transport.validation import (
+    ChannelSpec,
+    CodecLayout,
+    Rejection,
+    all_finite,
+    check_finite,
+    validate_header,
+)
 
 # A channel declared without `codecs` accepts raw tensors and, for a floating dtype, the proto's
 # fixed-rate codecs: codec -> (bytes per element, codec params). compression.py implements them;
@@ -78,6 +85,8 @@ class Reception:
         self.header = header
         self.buffer: torch.Tensor | None = None
         self.received = 0
+        self.scanned = 0          # payload bytes already checked for NaN / Inf (Inbox.scan)
+        self.non_finite = False   # ... and whether they held one
         self._allocate = allocate
         self._view = memoryview(b"")
 
@@ -267,7 +276,9 @@ class Inbox:
             # Codec payloads stay raw bytes: the algorithm's codec decodes them (and checks them).
             tensor = buffer.view(torch_dtype(header.dtype)) if header.codec == pb.CODEC_NONE else buffer
             if header.codec == pb.CODEC_NONE:
-                check_finite(tensor, f"the payload from {header.sender}")
+                if reception.non_finite:
+                    raise Rejection("non_finite", f"the payload from {header.sender} holds NaN or Inf")
+                check_finite(tensor[reception.scanned // tensor.element_size():], f"the payload from {header.sender}")
         except Rejection:
             self.abort(reception)
             raise
@@ -286,6 +297,20 @@ class Inbox:
         self.on_deliver(header.sender, header.step, header.kind)
         self._wake_waiters()
         return message
+
+    def scan(self, reception: Reception) -> None:
+        """Check the whole elements that arrived so far for NaN / Inf now, so that deliver() checks
+        only the rest: the TCP lane calls this while the rest of a payload is still on its way, which
+        takes the check (a pass over the payload) off the time between the last byte and the Ack.
+        A NaN found here is refused by deliver(), when the message is complete, as ever."""
+        header = reception.header
+        if header.codec != pb.CODEC_NONE or reception.buffer is None or reception.non_finite:
+            return
+        dtype = torch_dtype(header.dtype)
+        end = reception.received - reception.received % dtype.itemsize
+        if dtype.is_floating_point and end > reception.scanned:
+            reception.non_finite = not all_finite(reception.buffer[reception.scanned:end].view(dtype))
+            reception.scanned = end
 
     def _validate(self, header: pb.TensorHeader) -> None:
         """The node's own checks (sender, receiver, route, kind, step window) around the shared

@@ -59,6 +59,7 @@ CLIENT_IDLE = KEEPALIVE / 2  # a client retires a pooled connection idle this lo
 CONNECT_TIMEOUT = 3.0        # connect + handshake; longer means the lane is unusable (auto falls back to gRPC)
 MAX_HANDSHAKES = 64          # unauthenticated connections at once; more are closed on arrival
 DISCARD_BYTES = 256 * 1024   # scratch into which a refused message's payload is read and dropped
+SCAN_BYTES = 4 << 20         # payload bytes checked for NaN / Inf at a time while more arrive (Inbox.scan)
 _WILDCARD_HOSTS = ("", "::", "[::]", "*")
 
 
@@ -219,9 +220,12 @@ class LaneReceiver(asyncio.BufferedProtocol):
         self._last = self._loop.time()
         try:
             if self._mode is _PAYLOAD:
-                self.reception.filled(nbytes)
-                if self.reception.complete():
+                reception = self.reception
+                reception.filled(nbytes)
+                if reception.complete():
                     self._deliver()
+                elif reception.received - reception.scanned >= SCAN_BYTES:  # while the rest is on its way
+                    self.server.inbox.scan(reception)
             elif self._mode is _DISCARD:
                 self._skip -= nbytes
                 if not self._skip:
