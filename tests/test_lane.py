@@ -87,15 +87,37 @@ def test_tcp_refuses_a_peer_without_a_lane_in_one_line():
             a[0].send(1, PAYLOAD, kind=KIND, step=0).result(20)
 
 
-def test_auto_falls_back_to_grpc_when_the_lane_cannot_be_reached():
-    """A lane port that refuses connections (nothing was sent): the message goes by gRPC at once."""
+def test_a_stale_lane_port_is_asked_again_and_the_new_one_used():
+    """A lane port that refuses connections (a restarted peer listens elsewhere now): nothing was
+    sent, so the sender asks the peer's Hello again and uses the lane it names."""
     dead_port = int(loopback_addresses(1)[0].rsplit(":", 1)[1])
     with nodes(2) as t:
         t[1].expect(KIND, torch.float32, NUMEL)
         on_loop(t[0], t[0]._direct.learn, 1, dead_port)  # as if node 1 had advertised it
         assert t[0].send(1, PAYLOAD, kind=KIND, step=0).result(20).status == pb.Ack.STATUS_ACCEPTED
-        assert lane_messages(t[0], 1) == 0
+        assert lane_messages(t[0], 1) == 1
         assert torch.equal(t[1].recv(KIND, 0, [0], timeout=5)[0].tensor, PAYLOAD)
+
+
+@pytest.mark.parametrize("plane", ["auto", "tcp"])
+def test_a_lane_that_cannot_be_reached_falls_back_to_grpc_or_fails_under_tcp(plane):
+    """The peer answers Hello but its lane refuses connections: auto sends by gRPC (nothing went
+    over the lane), tcp fails the push as UNAVAILABLE."""
+    import grpc
+
+    with nodes(2, options=options(plane)) as t:
+        t[1].expect(KIND, torch.float32, NUMEL)
+        t[1]._submit(t[1]._lane_server.stop()).result(10)  # its Hello still names the port
+        future = t[0].send(1, PAYLOAD, kind=KIND, step=0)
+        if plane == "tcp":
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                future.result(20)
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE and "connection refused" in failed.value.details()
+            return
+        assert future.result(20).status == pb.Ack.STATUS_ACCEPTED and lane_messages(t[0], 1) == 0
+        assert torch.equal(t[1].recv(KIND, 0, [0], timeout=5)[0].tensor, PAYLOAD)
+        assert t[0].send(1, PAYLOAD, kind=KIND, step=1).result(20).status == pb.Ack.STATUS_ACCEPTED
+        assert lane_messages(t[0], 1) == 0  # not tried again for relay_retry_after seconds
 
 
 def test_a_lane_with_a_wrong_token_is_refused_end_to_end():

@@ -88,22 +88,34 @@ class DirectPath:
 
     async def _push(self, peer: int, header: pb.TensorHeader, payload: memoryview, deadline: float,
                     wait_for_ready: bool) -> pb.Ack:
-        target = await self._lane_of(peer, max(0.05, deadline - time.monotonic()), wait_for_ready)
-        if target is not None:
+        failed, failure = None, None  # the lane that could not be connected to, and why
+        while True:
+            target = await self._lane_of(peer, max(0.05, deadline - time.monotonic()), wait_for_ready)
+            if target is None or target == failed:
+                break
             try:
                 ack = await self.lanes.push(peer, *target, header, payload, max(0.05, deadline - time.monotonic()))
             except LaneUnavailable as exc:
-                self._ports.pop(peer, None)  # ask its Hello again: it may have moved (restart)
-                if self.mode == "tcp":
-                    raise rpc_error(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
-                self._unusable[peer] = time.monotonic() + self.retry_after
-                log.warning("%s; gRPC streaming to node %d for %.0f s", exc, peer, self.retry_after)
-            else:
-                if self.metrics is not None:
-                    self.metrics.on_lane_message(peer)
-                return ack
+                self._ports.pop(peer, None)  # nothing was sent: ask its Hello where the lane is now (a
+                again = failed is None       # restarted peer listens elsewhere) and try there, once
+                failed, failure = target, exc
+                if again:
+                    continue
+                break
+            if self.metrics is not None:
+                self.metrics.on_lane_message(peer)
+            return ack
+        if failure is not None:
+            if self.mode == "tcp":
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE, str(failure))
+            self._unusable[peer] = time.monotonic() + self.retry_after
+            log.warning("%s; gRPC streaming to node %d for %.0f s", failure, peer, self.retry_after)
         elif self.mode == "tcp":
             raise PeerError(self._no_lane(peer))
+        return await self._grpc(peer, header, payload, deadline, wait_for_ready)
+
+    async def _grpc(self, peer: int, header: pb.TensorHeader, payload: memoryview, deadline: float,
+                    wait_for_ready: bool) -> pb.Ack:
         return await self.channels.client(peer).push(header, payload, max(0.05, deadline - time.monotonic()),
                                                      wait_for_ready=wait_for_ready)
 

@@ -125,7 +125,6 @@ class LaneServer:
         self.connections: set[LaneReceiver] = set()
         self.per_sender: Counter[int] = Counter()  # authenticated connections per sender
         self.handshaking = 0
-        self.received = 0  # messages delivered over the lane
         self.scratch = memoryview(bytearray(DISCARD_BYTES))  # shared: what lands here is dropped
         self._server: asyncio.AbstractServer | None = None
 
@@ -335,7 +334,6 @@ class LaneReceiver(asyncio.BufferedProtocol):
         reception, self.reception = self.reception, None
         try:
             ack = self.service.deliver(reception)
-            self.server.received += 1
         except Rejection as rejection:  # deliver() released the reception itself
             ack = self.service.refuse(rejection, sender=self.sender)
         self._answer(ack)
