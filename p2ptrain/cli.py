@@ -168,16 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     transport = bench_sub.add_parser(
-        "transport", help="p2ptrain gRPC push vs torch.distributed gloo vs raw TCP",
-        description="Move the same float32 payload between two processes with p2ptrain's gRPC push, "
-                    "gloo send/recv and a raw TCP socket; print MB/s and ratios.")
+        "transport", help="p2ptrain gRPC streaming and TCP lane vs torch.distributed gloo vs raw TCP",
+        description="Move the same float32 payload between two processes with p2ptrain's gRPC streaming "
+                    "(grpc), its TCP lane (lane), gloo send/recv and a raw TCP socket; print MB/s, CPU-s/GB "
+                    "and ratios.")
     transport.add_argument("--size-mb", type=float, default=64.0, help="payload size in MB (default 64)")
     transport.add_argument("--reps", type=int, default=10, help="timed transfers per method (default 10)")
     transport.add_argument("--rounds", type=int, default=3,
                            help="interleaved rounds per method, medians reported (default 3)")
-    transport.add_argument("--chunk-mb", type=float, default=None, help="p2ptrain chunk size in MiB")
-    transport.add_argument("--methods", default="p2ptrain,gloo,tcp",
-                           help="comma-separated subset of p2ptrain,gloo,tcp (default all)")
+    transport.add_argument("--chunk-mb", type=float, default=None, help="gRPC streaming's chunk size in MiB")
+    transport.add_argument("--methods", default="grpc,lane,gloo,tcp",
+                           help="comma-separated subset of grpc,lane,gloo,tcp (default all; p2ptrain = grpc)")
     transport.add_argument("--json", action="store_true", help="print JSON instead of a table")
     transport.set_defaults(func=cmd_bench_transport)
 

@@ -37,6 +37,7 @@ ROLES = ("peer", "ps", "worker")  # peer: decentralized node; ps / worker: param
 MODELS = ("mlp", "cnn")
 DATASETS = ("synthetic", "mnist")
 DEVICES = ("auto", "cpu", "cuda")
+DATA_PLANES = ("auto", "grpc", "tcp")  # how tensor payloads travel (transport/dataplane.py; options.DataPlane)
 OPTIMIZERS = ("sgd", "adamw")  # what `p2ptrain node` builds (a script of your own brings its own)
 # Learning rates measured to train each built-in model well with momentum 0.9 (the CNN diverges
 # towards ~60% accuracy at 0.05 on the synthetic task, reaches ~93% at 0.01).
@@ -121,6 +122,10 @@ class NodeConfig:
     relay_routes: list[str] = field(default_factory=list)  # "SRC->DST:VIA[,VIA2]" / "SRC<->DST:VIA"
     relays: str | None = None                        # relay candidates when a peer proves unreachable: "1,2" / "any"
     relay_retry_after: float = 30.0                  # seconds before a link found unreachable is tried directly again
+    # Data plane (transport/dataplane.py, lane.py); may differ per node (not in the fingerprint)
+    data_plane: str = "auto"                         # auto: tensors over the peers' TCP lanes where both offer one,
+                                                     # else gRPC streaming; grpc: gRPC only; tcp: lanes required
+    lane_port: int = 0                               # the TCP lane's port on the listen host (0: the OS picks one)
     # Observability and output
     metrics_port: int | None = None                  # serve Prometheus /metrics here (0 = any free port)
     metrics_host: str | None = None                  # bind /metrics here; None: the host of listen (see
@@ -232,6 +237,10 @@ class NodeConfig:
             except ValueError as exc:
                 raise ConfigError(f"link emulation: {exc}") from None
         self._validate_relays(need)
+        need(self.data_plane in DATA_PLANES, f"unknown data_plane {self.data_plane!r}; choose from {DATA_PLANES}")
+        need(0 <= self.lane_port < 65536, f"lane_port must be a port number (0: any free one), got {self.lane_port}")
+        need(self.data_plane != "grpc" or not self.lane_port,
+             f"lane_port {self.lane_port} is set but data_plane grpc offers no TCP lane")
         self._validate_security(need)
         return self
 

@@ -8,7 +8,17 @@ from dataclasses import fields
 from typing import Any
 
 from p2ptrain.algorithms import registry
-from p2ptrain.config import ALL_INTERFACES, DATASETS, DEFAULT_LR, DEVICES, MODELS, OPTIMIZERS, ROLES, NodeConfig
+from p2ptrain.config import (
+    ALL_INTERFACES,
+    DATA_PLANES,
+    DATASETS,
+    DEFAULT_LR,
+    DEVICES,
+    MODELS,
+    OPTIMIZERS,
+    ROLES,
+    NodeConfig,
+)
 from p2ptrain.topology import TOPOLOGY_NAMES
 
 
@@ -127,6 +137,15 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, cluster_flags: bool =
     g.add_argument("--relay-retry-after", type=float, metavar="SECONDS",
                    help=f"how long a link found unreachable is left to relays before a direct try (default "
                         f"{d.relay_retry_after:g})")
+    g.add_argument("--data-plane", choices=DATA_PLANES,
+                   help="how tensor payloads travel: auto = over a direct TCP lane per peer pair where both "
+                        "nodes offer one (negotiated in Hello; token and TLS apply), else gRPC streaming; grpc "
+                        "= gRPC streaming only; tcp = lanes required (a peer without one is an error) "
+                        f"(default {d.data_plane})")
+    if cluster_flags:  # per node: a launched cluster's nodes each pick a free port
+        g.add_argument("--lane-port", type=int, metavar="PORT",
+                       help="port of this node's TCP lane, on the host of --listen (default 0: a free port, "
+                            "advertised to peers in Hello)")
     g = parser.add_argument_group("security", "TLS and a shared-secret token for every RPC (default: plaintext, open)")
     g.add_argument("--tls-cert", metavar="PEM", help="certificate (chain) this node / server presents; enables TLS")
     g.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")

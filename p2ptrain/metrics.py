@@ -42,6 +42,9 @@ class NodeMetrics:
         self.dropped_messages = Counter("p2ptrain_dropped_messages",
                                         "Messages to a peer lost by link emulation (every lost "
                                         "attempt of a reliable send counts)", peer, registry=r)
+        self.lane_messages = Counter("p2ptrain_lane_messages",
+                                     "Tensor messages a peer answered over its TCP lane (the others went by gRPC "
+                                     "streaming)", peer, registry=r)
         self.rejected_messages = Counter("p2ptrain_rejected_messages",
                                          "Incoming messages rejected, by reason", ["node", "reason"],
                                          registry=r)
@@ -94,6 +97,9 @@ class NodeMetrics:
 
     def on_rejected(self, reason: str) -> None:
         self.rejected_messages.labels(self.node, reason).inc()
+
+    def on_lane_message(self, peer: int) -> None:
+        self.lane_messages.labels(self.node, str(peer)).inc()
 
     def on_send_error(self, peer: int) -> None:
         self.send_errors.labels(self.node, str(peer)).inc()

@@ -56,7 +56,8 @@ def transport_options(config: NodeConfig, device: torch.device) -> TransportOpti
                             pin_memory=device.type == "cuda", links=link_table(config),
                             security=security_from_settings(config), relay_routes=tuple(config.relay_routes),
                             relays=config.relays, relay_retry_after=config.relay_retry_after,
-                            max_lag=config.resolved_max_lag,
+                            max_lag=config.resolved_max_lag, data_plane=config.data_plane,
+                            lane_port=config.lane_port,
                             initial_members=config.world_size if config.elastic else None)
 
 

@@ -1,4 +1,4 @@
-"""`p2ptrain bench transport` runs all three methods between real processes and reports ratios;
+"""`p2ptrain bench transport` runs all four methods between real processes and reports ratios;
 its p2ptrain push measurement also runs as two prefixed commands (how launcher.netns places them)."""
 from __future__ import annotations
 
@@ -14,20 +14,34 @@ from tests.conftest import ROOT, node_env
 
 @pytest.mark.timeout(240)
 def test_bench_transport_json_reports_every_method_and_ratios():
-    proc = subprocess.run([sys.executable, "-m", "p2ptrain", "bench", "transport", "--size-mb", "4", "--reps", "3",
+    proc = subprocess.run([sys.executable, "-m", "p2ptrain", "bench", "transport", "--size-mb", "1", "--reps", "2",
                            "--rounds", "1", "--json"], cwd=ROOT, env=node_env(), capture_output=True, text=True,
                           timeout=230)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
-    assert set(report["methods"]) == {"p2ptrain", "gloo", "tcp"}
+    assert set(report["methods"]) == {"grpc", "lane", "gloo", "tcp"}
     for result in report["methods"].values():
         assert result["mb_per_s"] > 0 and result["min_mb_per_s"] <= result["mb_per_s"] <= result["max_mb_per_s"]
         # CPU is measured (os.times has 10 ms resolution, so tiny runs may read 0)
         assert result["sender_cpu_s_per_gb"] >= 0 and result["receiver_cpu_s_per_gb"] >= 0
+        assert result["cpu_s_per_gb"] == pytest.approx(result["sender_cpu_s_per_gb"] + result["receiver_cpu_s_per_gb"])
     methods = report["methods"]
-    expected = methods["p2ptrain"]["mb_per_s"] / methods["gloo"]["mb_per_s"]
-    assert report["ratios"]["p2ptrain/gloo"] == pytest.approx(expected)
-    assert report["size_bytes"] == 4_000_000
+    for plane in ("grpc", "lane"):
+        for base in ("gloo", "tcp"):
+            expected = methods[plane]["mb_per_s"] / methods[base]["mb_per_s"]
+            assert report["ratios"][f"{plane}/{base}"] == pytest.approx(expected)
+    assert report["size_bytes"] == 1_000_000
+
+
+def test_bench_transport_table_shows_both_planes():
+    proc = subprocess.run([sys.executable, "-m", "p2ptrain", "bench", "transport", "--size-mb", "1", "--reps", "2",
+                           "--rounds", "1", "--methods", "p2ptrain,lane"], cwd=ROOT, env=node_env(),
+                          capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "cpu-s/GB" in lines[1]
+    assert [line.split()[0] for line in lines[2:4]] == ["grpc", "lane"]  # p2ptrain: the gRPC plane's old name
+    assert not any(line.startswith("ratio") for line in lines)  # no baseline was run
 
 
 def test_bench_transport_rejects_unknown_method():
@@ -44,8 +58,9 @@ def test_push_pair_runs_behind_argv_prefixes():
     from p2ptrain.bench.push import bench_p2ptrain_between
 
     peers = [f"127.0.0.1:{port}" for port in free_ports(2)]
-    result = bench_p2ptrain_between(peers, 1_000_000, 2, timeout=60.0, argv_prefixes=(["env"], ["env", "A=1"]))
-    assert (result.name, result.size_bytes, result.reps) == ("p2ptrain", 1_000_000, 2)
+    result = bench_p2ptrain_between(peers, 1_000_000, 2, timeout=60.0, argv_prefixes=(["env"], ["env", "A=1"]),
+                                    data_plane="tcp")
+    assert (result.name, result.size_bytes, result.reps) == ("lane", 1_000_000, 2)
     assert result.seconds > 0 and result.mb_per_s > 0
     assert result.sender_cpu_s >= 0 and result.receiver_cpu_s >= 0
 

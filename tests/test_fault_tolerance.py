@@ -25,6 +25,7 @@ from p2ptrain.transport import TransportOptions
 from p2ptrain.transport.faults import LinkTable
 from tests.cluster import mass_in_flight_ledgers, run_cluster
 from tests.conftest import ROOT, node_env
+from tests.test_transport import PLANES
 
 DIM = 16
 
@@ -76,9 +77,11 @@ def test_sgp_conserves_push_sum_mass_under_20_percent_drops(overlap):
         assert float((z - mean).abs().max()) < 0.5  # from a spread of ~75: converging despite drops
 
 
-def test_sgp_reabsorbs_shares_for_a_dead_peer_and_trains_on():
+@pytest.mark.parametrize("plane", PLANES)
+def test_sgp_reabsorbs_shares_for_a_dead_peer_and_trains_on(plane):
     """Node 3 dies after 5 steps: the others detect it (refused connects + probes), stop sending
-    to and waiting for it, re-absorb what they could not deliver, and finish without stalling."""
+    to and waiting for it, re-absorb what they could not deliver, and finish without stalling
+    (on the TCP lane too: its refused connects count as the peer's process being gone)."""
     n, steps = 4, 30
     topology = build_topology("exponential", n, peers_per_step=1)
 
@@ -94,7 +97,7 @@ def test_sgp_reabsorbs_shares_for_a_dead_peer_and_trains_on():
         z = sgp.finish()
         return sorted(comm.transport.membership.dead()), sgp.w, sgp.refused_shares, z
 
-    options = TransportOptions(send_timeout=20.0, link_deadline=1.0, probe_timeout=1.0)
+    options = TransportOptions(send_timeout=20.0, link_deadline=1.0, probe_timeout=1.0, data_plane=plane)
     started = time.monotonic()
     results = run_cluster(n, body, options=options, metrics=True)
     assert time.monotonic() - started < 25, "the survivors stalled on the dead peer"
@@ -108,7 +111,7 @@ def test_sgp_reabsorbs_shares_for_a_dead_peer_and_trains_on():
 # Part 1: the other algorithms under dropped links --------------------------------------------------
 
 @pytest.mark.parametrize("algorithm", ["dpsgd", "relaysgd", "allreduce"])
-def test_gossip_relay_and_allreduce_degrade_but_never_hang_under_drops(algorithm):
+def test_gossip_relay_and_allreduce_degrade_but_never_hang_under_drops(algorithm):  # (on the default plane: auto)
     n, steps = 5, 30
 
     def build(comm):

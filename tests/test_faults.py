@@ -28,6 +28,7 @@ from p2ptrain.transport.faults import (
     parse_bandwidth,
     parse_duration,
 )
+from tests.test_transport import PLANES
 
 torch.set_num_threads(1)
 
@@ -125,13 +126,15 @@ def test_emulator_rng_is_seeded_per_link():
 
 # -- on real transports ------------------------------------------------------------------------------
 @contextmanager
-def pair(links: LinkTable | None, numel: int):
-    """Node 0 (sending through `links`) and node 1 (accepting `numel` float32 per message, any channel)."""
+def pair(links: LinkTable | None, numel: int, plane: str = "auto"):
+    """Node 0 (sending through `links`) and node 1 (accepting `numel` float32 per message, any channel),
+    on data plane `plane` (the emulated link applies to the TCP lane as to gRPC streaming)."""
     peers = [f"127.0.0.1:{port}" for port in free_ports(2)]
     with ExitStack() as stack:
         started = []
         for rank in range(2):
-            options = TransportOptions(shutdown_grace=0.2, send_timeout=20.0, links=links if rank == 0 else None)
+            options = TransportOptions(shutdown_grace=0.2, send_timeout=20.0, links=links if rank == 0 else None,
+                                       data_plane=plane)
             transport = Transport(rank, 2, peers, listen=peers[rank], options=options,
                                   metrics=NodeMetrics(rank, "test"))
             transport.start()
@@ -156,6 +159,11 @@ def send_all(sender: Transport, count: int, numel: int, **kwargs) -> tuple[list,
     return futures, done_at, time.monotonic() - start
 
 
+def lane_messages(transport: Transport) -> float:
+    return transport.metrics.registry.get_sample_value("p2ptrain_lane_messages_total",
+                                                       {"node": "0", "peer": "1"}) or 0.0
+
+
 def received(transport: Transport) -> float:
     return transport.metrics.registry.get_sample_value("p2ptrain_received_messages_total",
                                                        {"node": "1", "peer": "0"}) or 0.0
@@ -171,16 +179,18 @@ def test_noop_table_leaves_the_send_path_alone():
     assert transport._links is None
 
 
-def test_capped_link_moves_n_bytes_in_about_n_over_bandwidth():
+@pytest.mark.parametrize("plane", PLANES)
+def test_capped_link_moves_n_bytes_in_about_n_over_bandwidth(plane):
     numel, count, bandwidth = 31_250, 8, 1e6  # 8 x 125 kB = 1 MB at 1 MB/s: 1 s
     expected = count * numel * 4 / bandwidth
-    with pair(LinkTable.parse("bandwidth=1MB/s"), numel) as (t0, t1):
+    with pair(LinkTable.parse("bandwidth=1MB/s"), numel, plane) as (t0, t1):
         futures, done_at, elapsed = send_all(t0, count, numel)
         assert all(f.result().status == pb.Ack.STATUS_ACCEPTED for f in futures)
         assert 0.5 * expected <= elapsed <= 2 * expected, elapsed
         assert done_at == sorted(done_at)  # FIFO through the bucket
         assert received(t1) == count
-    with pair(None, numel) as (t0, _):
+        assert lane_messages(t0) == (count if plane == "tcp" else 0)
+    with pair(None, numel, plane) as (t0, _):
         _, _, uncapped = send_all(t0, count, numel)
     assert uncapped < expected / 3, uncapped  # loopback: tens of ms, more on a loaded machine
 
@@ -202,8 +212,9 @@ def test_token_bucket_lets_a_burst_through_then_paces():
     assert 0.09 <= big <= 0.3, big  # the bucket is short by the first 4000 bytes: 0.1 s
 
 
-def test_latency_delays_but_does_not_serialize_messages():
-    with pair(LinkTable.parse("latency=200ms"), 16) as (t0, _):
+@pytest.mark.parametrize("plane", PLANES)
+def test_latency_delays_but_does_not_serialize_messages(plane):
+    with pair(LinkTable.parse("latency=200ms"), 16, plane) as (t0, _):
         _, _, one = send_all(t0, 1, 16)
         assert one >= 0.19, one
         _, done_at, ten = send_all(t0, 10, 16)
@@ -235,9 +246,10 @@ def test_jitter_stays_within_latency_plus_minus_jitter():
     assert min(done_at) >= 0.029, done_at
 
 
-def test_drop_probability_is_respected_and_counted():
+@pytest.mark.parametrize("plane", PLANES)
+def test_drop_probability_is_respected_and_counted(plane):
     count, p = 400, 0.25
-    with pair(LinkTable.parse("drop=0.25"), 4) as (t0, t1):
+    with pair(LinkTable.parse("drop=0.25"), 4, plane) as (t0, t1):
         futures, _, _ = send_all(t0, count, 4)
         failures = sum(isinstance(f.exception(), MessageDropped) for f in futures)
         assert all(f.exception() is None or isinstance(f.exception(), MessageDropped) for f in futures)
@@ -248,12 +260,14 @@ def test_drop_probability_is_respected_and_counted():
         assert t1.inbox.pending() == count - failures
 
 
-def test_reliable_sends_arrive_exactly_once_despite_drops():
+@pytest.mark.parametrize("plane", PLANES)
+def test_reliable_sends_arrive_exactly_once_despite_drops(plane):
     count = 100
-    with pair(LinkTable.parse("drop=0.5"), 4) as (t0, t1):
+    with pair(LinkTable.parse("drop=0.5"), 4, plane) as (t0, t1):
         futures, _, _ = send_all(t0, count, 4, reliable=True)
         assert all(f.result().status == pb.Ack.STATUS_ACCEPTED for f in futures)
         assert received(t1) == count
+        assert lane_messages(t0) == (count if plane == "tcp" else 0)
         messages = t1.take(KIND, 0, "m7")
         assert len(messages) == 1 and messages[0].tensor.tolist() == [7.0] * 4
         assert dropped(t0) > 20  # about one lost attempt per message at drop=0.5

@@ -6,12 +6,14 @@ empty streams, huge announced sizes), sent with a raw gRPC client. Properties: a
 exactly when an independent oracle of the spec says it is valid; everything else gets a rejecting
 Ack (or, for a message over the size limit, a clear RESOURCE_EXHAUSTED status), never a hang; the
 inbox / θ are unchanged by rejected input, nothing is left half-received, and the node still answers
-Hello and accepts a valid message afterwards.
+Hello and accepts a valid message afterwards. The node's TCP lane gets the same headers and oracle,
+and arbitrary byte streams in place of its frames (lane.py, laneframes.py).
 """
 from __future__ import annotations
 
 import itertools
 import math
+import socket
 
 import grpc
 import pytest
@@ -26,8 +28,10 @@ from p2ptrain.ps import ParameterServer
 from p2ptrain.ps.server import COMMIT_METHOD, grpc_options
 from p2ptrain.transport import Transport, TransportOptions
 from p2ptrain.transport.framing import MIN_CHUNK_BYTES, encode_data, encode_header, serialize_identity
+from p2ptrain.transport.laneframes import MAX_FRAME_BYTES, PREFIX, encode
 from p2ptrain.transport.server import HELLO_METHOD, PROTOCOL_VERSION, PUSH_METHOD
-from tests.test_transport import in_progress, on_loop, pending
+from tests.rawlane import RawLane
+from tests.test_transport import in_progress, on_loop, pending, wait_until
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(120)
@@ -297,3 +301,124 @@ def test_parameter_server_still_commits_after_fuzzing(ps):
         reply = worker.commit(torch.ones(N), version)
         assert reply.ack.status == pb.Ack.STATUS_ACCEPTED and reply.version == version + 1
         assert torch.equal(ps.theta()[1], theta + 1)
+
+
+# The TCP lane (the same node's lane: its default data plane offers one) ----------------------------
+LANE_CAP = 4 * N + 8  # payload bytes a fuzzed lane message carries at most
+
+
+@FUZZ
+@given(h=headers())
+@example(h=pb.TensorHeader(sender=1, receiver=0, kind=KIND, dtype=pb.DTYPE_FLOAT32, numel=N, payload_bytes=2**62))
+def test_fuzzed_headers_over_the_lane_are_accepted_exactly_when_valid(node, h):
+    """The same headers and oracle as over gRPC: a lane connection (authenticated as the header's
+    sender when that is a peer) carries the header and exactly the bytes it announces."""
+    before = pending(node)
+    with RawLane(node.lane_port, sender=h.sender if h.sender in (1, 2) else 1, receiver=0) as lane:
+        assert lane.verdict.accepted
+        if h.payload_bytes <= LANE_CAP:
+            ack = lane.push(h, bytes(h.payload_bytes))
+        else:  # never valid: refused at the header, before any payload byte
+            lane.send(encode(h))
+            ack = lane.ack()
+    event(f"lane ack {pb.Ack.Status.Name(ack.status)} {ack.reason}")
+    if acceptable(h, h.payload_bytes):
+        assert ack.status == pb.Ack.STATUS_ACCEPTED, (ack, h)
+        _drain(node, h)
+    else:
+        assert ack.status == pb.Ack.STATUS_REJECTED and ack.reason, (ack, h)
+        assert pending(node) == before
+    wait_until(lambda: in_progress(node) == set(), what="nothing half-received")
+
+
+lane_bytes = st.one_of(
+    st.builds(lambda: encode(_good(message_id=next(_ids)))),  # a valid header frame
+    st.binary(max_size=LANE_CAP).map(lambda b: PREFIX.pack(len(b)) + b),  # a frame of anything
+    st.binary(max_size=LANE_CAP),  # bytes: payload, or the middle of something
+    st.sampled_from([PREFIX.pack(0), PREFIX.pack(MAX_FRAME_BYTES + 1), PREFIX.pack(2**32 - 1), b"\x00\x00",
+                     PREFIX.pack(3) + b"\x08\x01\x10", bytes(4 * N)]),
+)
+
+
+def _replies(lane: RawLane) -> list[bytes]:
+    """Every frame the node sends until it closes the connection (or goes quiet for 2 s)."""
+    lane.sock.settimeout(2)
+    data = b""
+    try:
+        while chunk := lane.sock.recv(65536):
+            data += chunk
+    except (TimeoutError, ConnectionError):
+        pass
+    frames = []
+    while len(data) >= PREFIX.size:
+        (length,) = PREFIX.unpack(data[:PREFIX.size])
+        assert length <= MAX_FRAME_BYTES and len(data) >= PREFIX.size + length, "a reply frame is cut or too long"
+        frames.append(data[PREFIX.size:PREFIX.size + length])
+        data = data[PREFIX.size + length:]
+    assert not data
+    return frames
+
+
+@FUZZ
+@given(stream=st.lists(lane_bytes, max_size=6), authenticate=st.booleans())
+@example(stream=[PREFIX.pack(MAX_FRAME_BYTES + 1)], authenticate=True)
+@example(stream=[encode(_good(message_id=next(_ids))), bytes(4 * N - 1)], authenticate=True)  # cut short
+@example(stream=[b"\xff" * 64], authenticate=False)
+def test_fuzzed_lane_byte_streams_never_hurt_the_node(node, stream, authenticate):
+    """Any bytes after (or instead of) the handshake, then the client closes: every reply is a
+    whole Ack (or LaneAuthReply), ACCEPTED only for a valid header whose payload came whole, each
+    refusal has a reason, and the node holds nothing afterwards."""
+    before = pending(node)
+    valid_ids = {h.message_id for h in (_parse_lane_header(part) for part in stream)
+                 if h is not None and acceptable(h, h.payload_bytes)}
+    lane = RawLane(node.lane_port, sender=1 if authenticate else None, receiver=0)
+    try:
+        try:
+            lane.send(b"".join(stream))
+            lane.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the node refused and closed first: its replies are still to be read
+        replies = _replies(lane)
+    finally:
+        lane.close()
+    accepted = 0
+    for body in replies:
+        if not authenticate:
+            verdict = pb.LaneAuthReply.FromString(body)
+            assert not verdict.accepted and verdict.reason, verdict
+            continue
+        ack = pb.Ack.FromString(body)
+        event(f"lane ack {pb.Ack.Status.Name(ack.status)} {ack.reason}")
+        if ack.status == pb.Ack.STATUS_ACCEPTED:
+            assert ack.message_id in valid_ids, ack
+            accepted += 1
+        else:
+            assert ack.status in (pb.Ack.STATUS_REJECTED, pb.Ack.STATUS_DUPLICATE) and ack.reason, ack
+    wait_until(lambda: in_progress(node) == set(), what="nothing half-received")
+    assert pending(node) == before + accepted
+    for message in node.take(KIND, 10**6):
+        message.release()
+
+
+def _parse_lane_header(part: bytes) -> pb.TensorHeader | None:
+    """The header of a part that is exactly one TensorHeader frame (as lane_bytes makes them)."""
+    if len(part) < PREFIX.size or PREFIX.unpack(part[:PREFIX.size])[0] != len(part) - PREFIX.size:
+        return None
+    try:
+        return pb.TensorHeader.FromString(part[PREFIX.size:])
+    except Exception:  # noqa: BLE001 - DecodeError: not a header
+        return None
+
+
+def test_node_and_its_lane_are_healthy_after_lane_fuzzing(node):
+    _assert_node_healthy(node)
+    assert on_loop(node, lambda: node.inbox.buffered_bytes) == 0
+    wait_until(lambda: on_loop(node, lambda: not node._lane_server.connections), what="every lane closed")
+    with RawLane(node.lane_port, sender=2, receiver=0) as lane:
+        x = torch.arange(N, dtype=torch.float32)
+        h = pb.TensorHeader(sender=2, receiver=0, step=2, kind=KIND, dtype=pb.DTYPE_FLOAT32, numel=N,
+                            payload_bytes=4 * N, message_id=next(_ids))
+        assert lane.push(h, x.numpy().tobytes()).status == pb.Ack.STATUS_ACCEPTED
+    (message,) = node.take(KIND, 2)
+    assert torch.equal(message.tensor, x)
+    message.release()

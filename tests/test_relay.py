@@ -26,7 +26,7 @@ from p2ptrain.transport.faults import LinkTable, LinkUnreachable
 from p2ptrain.transport.framing import encode_header, iter_data_chunks, tensor_bytes
 from p2ptrain.transport.relay import RELAY_UNREACHABLE, RouteTable, parse_relay_routes, parse_relays
 from p2ptrain.transport.server import PUSH_METHOD
-from tests.test_transport import nodes, on_loop, pending, rejections, sample, wait_until
+from tests.test_transport import PLANES, nodes, on_loop, pending, rejections, sample, wait_until
 
 torch.set_num_threads(1)
 
@@ -134,8 +134,9 @@ def test_route_table_marks_expire_and_candidates():
 
 
 # -- (a) a multi-chunk tensor through a declared relay ----------------------------------------------
-def test_relayed_tensor_arrives_bit_exact_and_is_counted_once():
-    options = opts(links=BLOCKED_0_2, relay_routes=("0<->2:1",))
+@pytest.mark.parametrize("plane", PLANES)  # relayed hops go by gRPC on either plane
+def test_relayed_tensor_arrives_bit_exact_and_is_counted_once(plane):
+    options = opts(links=BLOCKED_0_2, relay_routes=("0<->2:1",), data_plane=plane)
     tensor = payload()
     nbytes = NUMEL * 4
     with nodes(3, options=options) as t:
@@ -170,6 +171,7 @@ def test_relayed_tensor_arrives_bit_exact_and_is_counted_once():
         dup = raw_push(t[1].peers[1], [encode_header(again), *iter_data_chunks(tensor_bytes(tensor), 65536)])
         assert dup.status == pb.Ack.STATUS_DUPLICATE, dup
         assert forwarded(t[1]) == 2 and pending(t[2]) == 0
+        assert sample(t[0], "p2ptrain_lane_messages_total", node="0", peer="1") is None  # (relayed: gRPC)
 
 
 def _last_id(t: Transport) -> int:
@@ -178,10 +180,11 @@ def _last_id(t: Transport) -> int:
 
 
 # -- (c) detection: no declared route -----------------------------------------------------------------
-def test_blocked_link_is_found_out_and_relayed_around():
+@pytest.mark.parametrize("plane", PLANES)
+def test_blocked_link_is_found_out_and_relayed_around(plane):
     """No route declared: the direct send fails at once on the blocked link, and the same message
     goes through the peer node 0 reached at start-up; later sends skip the dead link."""
-    with nodes(3, options=opts(links=BLOCKED_0_2)) as t:
+    with nodes(3, options=opts(links=BLOCKED_0_2, data_plane=plane)) as t:
         for rank in (1, 2):
             t[rank].expect(KIND, torch.float32, 1000)
         t[0].wait_for_peers(timeout=10)  # greets 1 only: the link to 2 is declared blocked
@@ -195,7 +198,8 @@ def test_blocked_link_is_found_out_and_relayed_around():
         assert sample(t[0], "p2ptrain_send_errors_total", node="0", peer="2") is None
 
 
-def test_refused_connect_is_found_out_and_relayed_around():
+@pytest.mark.parametrize("plane", PLANES)
+def test_refused_connect_is_found_out_and_relayed_around(plane):
     """Node 0 cannot connect to node 2 (its address for 2 refuses connections, as behind NAT),
     node 1 can: with --relays the direct attempt fails fast and node 1 relays."""
     ports = free_ports(4)
@@ -205,7 +209,7 @@ def test_refused_connect_is_found_out_and_relayed_around():
         t = {}
         for rank in range(3):
             t[rank] = Transport(rank, 3, nat if rank == 0 else good, listen=good[rank],
-                                options=opts(relays="1"), metrics=NodeMetrics(rank, "test")).start()
+                                options=opts(relays="1", data_plane=plane), metrics=NodeMetrics(rank, "test")).start()
             stack.callback(t[rank].stop)
         t[2].expect(KIND, torch.float32, 1000)
         tensor = payload(1000)

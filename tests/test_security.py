@@ -21,6 +21,8 @@ from p2ptrain.ps.server import ParameterServer
 from p2ptrain.transport import Transport, TransportOptions
 from p2ptrain.transport.security import Security, SecurityError, security_from_settings
 from p2ptrain.transport.server import HELLO_METHOD, PROTOCOL_VERSION
+from tests.rawlane import RawLane
+from tests.test_transport import PLANES, header
 
 TOKEN = "s3cret-token-for-tests"
 KIND = pb.MESSAGE_KIND_GOSSIP
@@ -63,8 +65,9 @@ def _sec(pki: Path, token: str | None = TOKEN, *, leaf: str = "node", ca: str = 
                     tls_ca=str(pki / f"{ca}.pem"), token=token, **kw)
 
 
-def _transport(rank: int, peers: list[str], security: Security, metrics=None, listen: str | None = None):
-    options = TransportOptions(send_timeout=5.0, shutdown_grace=0.2, security=security)
+def _transport(rank: int, peers: list[str], security: Security, metrics=None, listen: str | None = None,
+               plane: str = "auto"):
+    options = TransportOptions(send_timeout=5.0, shutdown_grace=0.2, security=security, data_plane=plane)
     t = Transport(rank, len(peers), peers, listen=listen or peers[rank], options=options, metrics=metrics)
     t.expect(KIND, torch.float32, N)
     return t.start()
@@ -91,14 +94,15 @@ def _hello(address: str, credentials: grpc.ChannelCredentials | None, token: str
         channel.close()
 
 
-def test_tls_token_cluster_exchanges_tensor_and_strangers_are_refused(pki):
-    """A TLS + token pair of nodes exchanges a tensor; callers without the token, with a wrong one,
-    trusting another CA, or speaking plaintext are refused, deliver nothing, and the node keeps
-    serving its real peer."""
+@pytest.mark.parametrize("plane", PLANES)
+def test_tls_token_cluster_exchanges_tensor_and_strangers_are_refused(pki, plane):
+    """A TLS + token pair of nodes exchanges a tensor (over the TLS lane with plane tcp); callers
+    without the token, with a wrong one, trusting another CA, or speaking plaintext are refused,
+    deliver nothing, and the node keeps serving its real peer."""
     peers = [f"127.0.0.1:{p}" for p in free_ports(2)]
     metrics = NodeMetrics(0)
-    node0 = _transport(0, peers, _sec(pki), metrics)
-    node1 = _transport(1, peers, _sec(pki))
+    node0 = _transport(0, peers, _sec(pki), metrics, plane=plane)
+    node1 = _transport(1, peers, _sec(pki), NodeMetrics(1), plane=plane)
     intruders = []
     try:
         node1.wait_for_peers(10)
@@ -107,10 +111,12 @@ def test_tls_token_cluster_exchanges_tensor_and_strangers_are_refused(pki):
         got = node0.recv(KIND, 0, [1], timeout=10)[1]
         assert torch.equal(got.tensor, x)
         got.release()
+        lane = node1.metrics.registry.get_sample_value("p2ptrain_lane_messages_total", {"node": "1", "peer": "0"})
+        assert lane == (1 if plane == "tcp" else None)
 
         # Strangers that claim to be node 1: TLS that trusts the CA, but no token / a wrong token.
         for token in (None, "wrong-token"):
-            stranger = _transport(1, [peers[0], f"127.0.0.1:{free_ports(1)[0]}"], _sec(pki, token))
+            stranger = _transport(1, [peers[0], f"127.0.0.1:{free_ports(1)[0]}"], _sec(pki, token), plane=plane)
             intruders.append(stranger)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 stranger.send(0, torch.full((N,), 666.0), kind=KIND, step=0).result(10)
@@ -197,6 +203,75 @@ def test_mutual_tls_and_server_name_override(pki):
         node.stop()
         if other is not None:
             other.stop()
+
+
+# The TCP lane under TLS ------------------------------------------------------------------------
+def _client_tls(pki: Path, ca: str = "ca", leaf: str | None = None):
+    import ssl
+
+    context = ssl.create_default_context(cafile=str(pki / f"{ca}.pem"))
+    if leaf is not None:
+        context.load_cert_chain(str(pki / f"{leaf}.pem"), str(pki / f"{leaf}.key"))
+    return context
+
+
+def _lane_message() -> tuple[pb.TensorHeader, bytes]:
+    x = torch.arange(N, dtype=torch.float32)
+    return header(sender=1, receiver=0, kind=KIND, numel=N, shape=[N], payload_bytes=4 * N), x.numpy().tobytes()
+
+
+def test_tls_lane_takes_tls_clients_with_the_token_and_refuses_the_rest(pki):
+    import socket
+    import ssl
+
+    from p2ptrain.transport.laneframes import LANE_PROTOCOL, encode
+
+    peers = [f"127.0.0.1:{p}" for p in free_ports(3)]
+    metrics = NodeMetrics(0)
+    node = _transport(0, peers, _sec(pki), metrics)
+    try:
+        h, payload = _lane_message()
+        with RawLane(node.lane_port, sender=1, receiver=0, token=TOKEN, tls=_client_tls(pki)) as friend:
+            assert friend.verdict.accepted
+            assert friend.push(h, payload).status == pb.Ack.STATUS_ACCEPTED
+        # plaintext against the TLS lane: the TLS handshake fails, no challenge is ever sent, nothing lands
+        with socket.create_connection(("127.0.0.1", node.lane_port), timeout=10) as plain:
+            plain.sendall(encode(pb.LaneAuth(protocol_version=LANE_PROTOCOL, sender=1, receiver=0)) + bytes(300))
+            answered = b""
+            while chunk := plain.recv(4096):  # until the node closes the connection
+                answered += chunk
+            assert LANE_PROTOCOL.encode() not in answered
+        with pytest.raises(ssl.SSLError):  # a client that trusts another CA refuses the server
+            RawLane(node.lane_port, sender=1, receiver=0, token=TOKEN, tls=_client_tls(pki, "rogue-ca"))
+        with RawLane(node.lane_port, sender=1, receiver=0, token="wrong", tls=_client_tls(pki)) as stranger:
+            assert not stranger.verdict.accepted and stranger.verdict.reason == "unauthenticated"
+        assert node.inbox.pending() == 1 and _rejected(metrics, "unauthenticated") == 1
+    finally:
+        node.stop()
+
+
+def test_mutual_tls_lane_needs_a_client_certificate(pki):
+    import ssl
+
+    peers = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    node = _transport(0, peers, _sec(pki, None, require_client_cert=True), plane="tcp")
+    try:
+        with pytest.raises((ssl.SSLError, ConnectionError)):  # refused in the handshake, or right after it
+            RawLane(node.lane_port, sender=1, receiver=0, tls=_client_tls(pki))
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            RawLane(node.lane_port, sender=1, receiver=0, tls=_client_tls(pki, leaf="rogue"))
+        h, payload = _lane_message()
+        with RawLane(node.lane_port, sender=1, receiver=0, tls=_client_tls(pki, leaf="node")) as friend:
+            assert friend.push(h, payload).status == pb.Ack.STATUS_ACCEPTED
+        client = _transport(1, peers, _sec(pki, None, require_client_cert=True), plane="tcp")
+        try:  # and a node's own lane client offers its certificate
+            x = torch.linspace(0, 1, N)
+            assert client.send(0, x, kind=KIND, step=1).result(10).status == pb.Ack.STATUS_ACCEPTED
+            assert torch.equal(node.recv(KIND, 1, [1], timeout=5)[1].tensor, x)
+        finally:
+            client.stop()
+    finally:
+        node.stop()
 
 
 def test_parameter_server_refuses_commits_without_the_token(pki):

@@ -1,7 +1,10 @@
 """End-to-end tests of the transport: real gRPC servers on 127.0.0.1, one Transport (with its own
-event-loop thread) per node, and a raw synchronous gRPC client that crafts hostile streams."""
+event-loop thread) per node, and a raw synchronous gRPC client that crafts hostile streams. The
+Transport-level tests run on both data planes (PLANES: gRPC streaming and the TCP lane); the raw
+lane client's tests are in tests/test_lane.py."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import threading
@@ -26,6 +29,11 @@ pytestmark = pytest.mark.timeout(60)
 KIND = pb.MESSAGE_KIND_PUSH_SUM
 FAST = TransportOptions(shutdown_grace=0.2, send_timeout=20.0)
 MiB = 1 << 20
+PLANES = ("grpc", "tcp")  # data planes the Transport-level tests run on (tcp: the lane, required)
+
+
+def on_plane(options: TransportOptions, plane: str) -> TransportOptions:
+    return dataclasses.replace(options, data_plane=plane)
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -105,8 +113,10 @@ def _tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
     pytest.param(12_345, torch.bfloat16, 4096, None, id="bfloat16-odd"),
     pytest.param(777, torch.float16, 4096, (777,), id="float16"),
 ])
-def test_tensor_arrives_exactly(numel, dtype, chunk_bytes, shape):
+@pytest.mark.parametrize("plane", PLANES)
+def test_tensor_arrives_exactly(numel, dtype, chunk_bytes, shape, plane):
     options = FAST if chunk_bytes is None else TransportOptions(chunk_bytes=chunk_bytes, shutdown_grace=0.2)
+    options = on_plane(options, plane)
     tensor = _tensor(numel, dtype)
     if shape is not None:
         tensor = tensor.reshape(shape)
@@ -138,10 +148,13 @@ def test_tensor_arrives_exactly(numel, dtype, chunk_bytes, shape):
         assert sample(t[1], "p2ptrain_received_messages_total", node="1", peer="0") == 1
         assert sample(t[0], "p2ptrain_send_errors_total", node="0", peer="1") is None
         assert rejections(t[1]) == {} and rejections(t[0]) == {}
+        lane = sample(t[0], "p2ptrain_lane_messages_total", node="0", peer="1")
+        assert lane == (1 if plane == "tcp" else None)
 
 
-def test_several_senders_steps_and_channels():
-    with nodes(3) as t:
+@pytest.mark.parametrize("plane", PLANES)
+def test_several_senders_steps_and_channels(plane):
+    with nodes(3, options=on_plane(FAST, plane)) as t:
         t[1].expect(KIND, torch.float32, 10)
         sent = {}
         futures = []
@@ -165,8 +178,9 @@ def test_several_senders_steps_and_channels():
         assert sample(t[1], "p2ptrain_received_messages_total", node="1", peer="2") == 3
 
 
-def test_second_message_for_an_occupied_slot_is_rejected():
-    with nodes(2) as t:
+@pytest.mark.parametrize("plane", PLANES)
+def test_second_message_for_an_occupied_slot_is_rejected(plane):
+    with nodes(2, options=on_plane(FAST, plane)) as t:
         t[1].expect(KIND, torch.float32, 4)
         first = t[0].send(1, torch.ones(4), kind=KIND, step=3, ps_weight=0.5).result(30)
         second = t[0].send(1, torch.zeros(4), kind=KIND, step=3, ps_weight=0.5).result(30)
@@ -179,13 +193,14 @@ def test_second_message_for_an_occupied_slot_is_rejected():
         assert t[0].metrics.bytes_sent_total == 16  # only the accepted message counts
 
 
-def test_send_waits_for_a_peer_that_starts_later():
+@pytest.mark.parametrize("plane", PLANES)
+def test_send_waits_for_a_peer_that_starts_later(plane):
     peers = loopback_addresses(2)
-    with nodes(2, [0], peers=peers) as t:
+    with nodes(2, [0], peers=peers, options=on_plane(FAST, plane)) as t:
         future = t[0].send(1, torch.arange(5.0), kind=KIND, step=0)
         time.sleep(0.3)
         assert not future.done()
-        late = Transport(1, 2, peers, listen=peers[1], options=FAST)
+        late = Transport(1, 2, peers, listen=peers[1], options=on_plane(FAST, plane))
         late.expect(KIND, torch.float32, 5)  # before start: configures the inbox directly
         with late:
             assert future.result(20).status == pb.Ack.STATUS_ACCEPTED
@@ -193,11 +208,12 @@ def test_send_waits_for_a_peer_that_starts_later():
 
 
 def test_chunk_larger_than_receivers_message_limit_fails_the_send():
-    """A sender with 8 MiB chunks against a receiver limited to 4 MiB + 1 MiB per message."""
+    """A sender with 8 MiB chunks against a receiver limited to 4 MiB + 1 MiB per message (gRPC
+    streaming: the lane has no chunks)."""
     peers = loopback_addresses(2)
     with ExitStack() as stack:
-        big = stack.enter_context(nodes(2, [0], peers=peers,
-                                        options=TransportOptions(chunk_bytes=8 * MiB, shutdown_grace=0.2)))
+        big = stack.enter_context(nodes(2, [0], peers=peers, options=TransportOptions(
+            chunk_bytes=8 * MiB, shutdown_grace=0.2, data_plane="grpc")))
         small = stack.enter_context(nodes(2, [1], peers=peers))
         small[1].expect(KIND, torch.float32, 6 * MiB // 4)
         with pytest.raises(grpc.RpcError) as info:
@@ -543,10 +559,12 @@ def test_bind_failure_is_raised_by_start():
         clash.stop()
 
 
-def test_graceful_stop_is_prompt_and_idempotent():
+@pytest.mark.parametrize("plane", PLANES)
+def test_graceful_stop_is_prompt_and_idempotent(plane):
     peers = loopback_addresses(2)
-    a = Transport(0, 2, peers, listen=peers[0]).start()  # default options: 2 s shutdown grace
-    b = Transport(1, 2, peers, listen=peers[1]).start()
+    options = TransportOptions(data_plane=plane)  # default otherwise: 2 s shutdown grace
+    a = Transport(0, 2, peers, listen=peers[0], options=options).start()
+    b = Transport(1, 2, peers, listen=peers[1], options=options).start()
     try:
         b.expect(KIND, torch.float32, 3)
         assert a.send(1, torch.ones(3), kind=KIND, step=0).result(10).status == pb.Ack.STATUS_ACCEPTED
@@ -560,9 +578,10 @@ def test_graceful_stop_is_prompt_and_idempotent():
             started = time.monotonic()
             transport.stop()  # second stop: no-op
             assert time.monotonic() - started < 0.5
-    # the port is released: a new node can listen on it at once
-    with Transport(1, 2, peers, listen=peers[1], options=FAST) as again:
+    # the ports are released: a new node can listen on them at once
+    with Transport(1, 2, peers, listen=peers[1], options=dataclasses.replace(options, lane_port=b.lane_port)) as again:
         assert again.port == int(peers[1].rsplit(":", 1)[1])
+        assert again.lane_port == b.lane_port
 
 
 def test_readiness_barrier_waits_for_setup_and_survives_a_peer_that_already_left():

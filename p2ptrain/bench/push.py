@@ -1,7 +1,8 @@
 """The p2ptrain push measurement: how fast p2ptrain's own Transport moves a tensor from one process to another.
 
-One transfer = one PushTensor stream of a float32 tensor, acknowledged once the receiver has the
-whole tensor in its (preallocated, reused) receive buffer. One untimed warm-up transfer comes first
+One transfer = one tensor message (a PushTensor stream, or a message on the TCP lane, per the
+data plane) of a float32 tensor, acknowledged once the receiver has the whole tensor in its
+(preallocated, reused) receive buffer. One untimed warm-up transfer comes first
 (it also opens the TCP window and drains a shaped link's token bucket), then ``reps`` timed ones; the
 clock is the sender's and stops at the last acknowledgement, so the figure is payload goodput.
 
@@ -29,11 +30,12 @@ from typing import Sequence
 from p2ptrain.bench.baselines import TransferResult, check_transfer_args, cpu_seconds
 
 SENDER, RECEIVER = 0, 1
+RESULT_NAMES = {"grpc": "grpc", "tcp": "lane"}  # TransferResult.name per data plane ("p2ptrain" for auto)
 STARTUP_GRACE_S = 30.0  # per run, on top of `timeout`: two fresh interpreters importing torch and grpc
 
 
 def push_endpoint(rank: int, peers: Sequence[str], size_bytes: int, reps: int, timeout: float,
-                  chunk_bytes: int | None = None) -> dict:
+                  chunk_bytes: int | None = None, data_plane: str = "auto") -> dict:
     """Run one end of the measurement here, listening on ``peers[rank]``; ``peers`` = [sender, receiver].
 
     Returns ``{"seconds": ..., "cpu": ...}`` on the sender (wall time of the ``reps`` timed pushes and
@@ -50,7 +52,7 @@ def push_endpoint(rank: int, peers: Sequence[str], size_bytes: int, reps: int, t
 
     torch.set_num_threads(1)
     numel = size_bytes // 4
-    options = TransportOptions(step_window=reps + 2, send_timeout=timeout,
+    options = TransportOptions(step_window=reps + 2, send_timeout=timeout, data_plane=data_plane,
                                **({"chunk_bytes": chunk_bytes} if chunk_bytes else {}))
     with Transport(rank, 2, list(peers), listen=peers[rank], options=options) as transport:
         transport.expect(pb.MESSAGE_KIND_BENCH, torch.float32, numel, preallocate=2)
@@ -76,7 +78,8 @@ def push_endpoint(rank: int, peers: Sequence[str], size_bytes: int, reps: int, t
 
 def bench_p2ptrain_between(peers: Sequence[str], size_bytes: int, reps: int, timeout: float = 300.0,
                            chunk_bytes: int | None = None,
-                           argv_prefixes: Sequence[Sequence[str]] = ((), ())) -> TransferResult:
+                           argv_prefixes: Sequence[Sequence[str]] = ((), ()),
+                           data_plane: str = "auto") -> TransferResult:
     """Time ``reps`` pushes from ``peers[0]`` to ``peers[1]`` ("host:port" each, where that end listens).
 
     Each end runs as ``[*argv_prefixes[i], python, -m, p2ptrain.bench.push, ...]``; a prefix places
@@ -88,7 +91,7 @@ def bench_p2ptrain_between(peers: Sequence[str], size_bytes: int, reps: int, tim
     if len(peers) != 2 or len(argv_prefixes) != 2:
         raise ValueError(f"need a sender and a receiver: 2 peers and 2 argv prefixes, got {peers}, {argv_prefixes}")
     argv = [sys.executable, "-m", "p2ptrain.bench.push", "--peers", ",".join(peers), "--size-bytes",
-            str(size_bytes), "--reps", str(reps), "--timeout", str(timeout)]
+            str(size_bytes), "--reps", str(reps), "--timeout", str(timeout), "--data-plane", data_plane]
     if chunk_bytes:
         argv += ["--chunk-bytes", str(chunk_bytes)]
     package_root = str(Path(__file__).resolve().parents[2])  # finds p2ptrain even from a bare checkout
@@ -127,18 +130,18 @@ def bench_p2ptrain_between(peers: Sequence[str], size_bytes: int, reps: int, tim
                 out.close()
                 err.close()
     sender, receiver = results
-    return TransferResult("p2ptrain", size_bytes, reps, sender["seconds"], sender_cpu_s=sender["cpu"],
-                          receiver_cpu_s=receiver["cpu"])
+    return TransferResult(RESULT_NAMES.get(data_plane, "p2ptrain"), size_bytes, reps, sender["seconds"],
+                          sender_cpu_s=sender["cpu"], receiver_cpu_s=receiver["cpu"])
 
 
 def bench_p2ptrain(size_bytes: int, reps: int, timeout: float = 300.0,
-                   chunk_bytes: int | None = None) -> TransferResult:
+                   chunk_bytes: int | None = None, data_plane: str = "auto") -> TransferResult:
     """Time ``reps`` pushes between two fresh processes on 127.0.0.1 (as bench_gloo / bench_tcp do)."""
     from launcher.ports import free_ports
 
     check_transfer_args(size_bytes, reps, timeout)
     return bench_p2ptrain_between([f"127.0.0.1:{port}" for port in free_ports(2)], size_bytes, reps, timeout,
-                                  chunk_bytes)
+                                  chunk_bytes, data_plane=data_plane)
 
 
 def _tail(stream, chars: int = 2000) -> str:
@@ -157,9 +160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, required=True)
     parser.add_argument("--timeout", type=float, required=True)
     parser.add_argument("--chunk-bytes", type=int, default=None)
+    parser.add_argument("--data-plane", choices=("auto", "grpc", "tcp"), default="auto")
     args = parser.parse_args(argv)
     result = push_endpoint(args.rank, args.peers.split(","), args.size_bytes, args.reps, args.timeout,
-                           args.chunk_bytes)
+                           args.chunk_bytes, args.data_plane)
     print(json.dumps(result), flush=True)
     return 0
 

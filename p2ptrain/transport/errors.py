@@ -24,10 +24,16 @@ def rpc_reason(exc: BaseException | None) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """A failure of the TCP lane (lane.py) as the gRPC status PushTensor would have ended with, so
+    that one retry / probe / settle policy (sending.py, relay.py) covers both data planes."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
 def process_gone(exc: BaseException) -> bool:
     """The peer's host refused the connection (nothing listens on the port): its process is gone."""
     return (isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
             and "connection refused" in (exc.details() or "").lower())
 
 
-__all__ = ["PeerError", "PeerUnreachable", "rpc_reason", "process_gone"]
+__all__ = ["PeerError", "PeerUnreachable", "rpc_reason", "rpc_error", "process_gone"]

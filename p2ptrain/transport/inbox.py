@@ -2,7 +2,8 @@
 
 Everything here except `BufferPool.release` runs on the node's event-loop thread. A tensor message
 goes through `open()` (validate the header, count the reception), `Reception.write()` per chunk
-(straight into a pooled buffer, taken at the first data chunk), then `deliver()`; any failure
+(straight into a pooled buffer, taken at the first data chunk; the TCP lane reads into
+`Reception.space()` instead), then `deliver()`; any failure
 rejects the whole message and leaves mailbox state untouched, so a broken or hostile stream can
 never half-apply.
 
@@ -29,7 +30,14 @@ import torch
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.framing import torch_dtype
 from p2ptrain.transport.message import Message
-from p2ptrain.transport.validation import ChannelSpec, CodecLayout, Rejection, check_finite, validate_header
+from p2ptrain.transport.validation import (
+    ChannelSpec,
+    CodecLayout,
+    Rejection,
+    all_finite,
+    check_finite,
+    validate_header,
+)
 
 # A channel declared without `codecs` accepts raw tensors and, for a floating dtype, the proto's
 # fixed-rate codecs: codec -> (bytes per element, codec params). compression.py implements them;
@@ -77,18 +85,33 @@ class Reception:
         self.header = header
         self.buffer: torch.Tensor | None = None
         self.received = 0
+        self.scanned = 0          # payload bytes already checked for NaN / Inf (Inbox.scan)
+        self.non_finite = False   # ... and whether they held one
         self._allocate = allocate
         self._view = memoryview(b"")
 
     def write(self, data: memoryview) -> None:
-        end = self.received + len(data)
-        if end > self.header.payload_bytes:
-            raise Rejection("payload_overflow", f"stream carries more than the announced "
-                                                f"{self.header.payload_bytes} bytes")
+        """Copy a received chunk in (gRPC: the chunk already sits in grpcio's memory)."""
+        self._check_room(len(data))
+        self.space()[:len(data)] = data
+        self.received += len(data)
+
+    def space(self) -> memoryview:
+        """The part of the buffer still to fill, for a socket to read straight into (the TCP lane,
+        lane.py); call filled() with what it read. Takes the buffer now if none was yet."""
         if self.buffer is None:
             self.payload()
-        self._view[self.received:end] = data
-        self.received = end
+        return self._view[self.received:]
+
+    def filled(self, nbytes: int) -> None:
+        """`nbytes` more bytes were read into space()."""
+        self._check_room(nbytes)
+        self.received += nbytes
+
+    def _check_room(self, nbytes: int) -> None:
+        if self.received + nbytes > self.header.payload_bytes:
+            raise Rejection("payload_overflow", f"stream carries more than the announced "
+                                                f"{self.header.payload_bytes} bytes")
 
     def complete(self) -> bool:
         return self.received == self.header.payload_bytes
@@ -253,7 +276,9 @@ class Inbox:
             # Codec payloads stay raw bytes: the algorithm's codec decodes them (and checks them).
             tensor = buffer.view(torch_dtype(header.dtype)) if header.codec == pb.CODEC_NONE else buffer
             if header.codec == pb.CODEC_NONE:
-                check_finite(tensor, f"the payload from {header.sender}")
+                if reception.non_finite:
+                    raise Rejection("non_finite", f"the payload from {header.sender} holds NaN or Inf")
+                check_finite(tensor[reception.scanned // tensor.element_size():], f"the payload from {header.sender}")
         except Rejection:
             self.abort(reception)
             raise
@@ -272,6 +297,20 @@ class Inbox:
         self.on_deliver(header.sender, header.step, header.kind)
         self._wake_waiters()
         return message
+
+    def scan(self, reception: Reception) -> None:
+        """Check the whole elements that arrived so far for NaN / Inf now, so that deliver() checks
+        only the rest: the TCP lane calls this while the rest of a payload is still on its way, which
+        takes the check (a pass over the payload) off the time between the last byte and the Ack.
+        A NaN found here is refused by deliver(), when the message is complete, as ever."""
+        header = reception.header
+        if header.codec != pb.CODEC_NONE or reception.buffer is None or reception.non_finite:
+            return
+        dtype = torch_dtype(header.dtype)
+        end = reception.received - reception.received % dtype.itemsize
+        if dtype.is_floating_point and end > reception.scanned:
+            reception.non_finite = not all_finite(reception.buffer[reception.scanned:end].view(dtype))
+            reception.scanned = end
 
     def _validate(self, header: pb.TensorHeader) -> None:
         """The node's own checks (sender, receiver, route, kind, step window) around the shared

@@ -6,12 +6,16 @@ Plain settings data: nothing here opens a socket or starts a thread.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from p2ptrain.transport.faults import LinkTable
 from p2ptrain.transport.framing import DEFAULT_CHUNK_BYTES
 from p2ptrain.transport.membership import DEFAULT_MAX_LAG
 from p2ptrain.transport.security import PLAINTEXT, Security
 from p2ptrain.transport.views import DEFAULT_VIEW_MARGIN
+
+# How tensor payloads travel (dataplane.py); config.DATA_PLANES spells the same values for the settings.
+DataPlane = Literal["auto", "grpc", "tcp"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,9 @@ class TransportOptions:
     max_lag: int = DEFAULT_MAX_LAG     # a peer this many steps behind is not sent to / waited for; a node
                                        # this far behind the cluster catches up by a state transfer
     settle_interval: float = 1.0       # how often the fate of unacknowledged messages is asked for
+    data_plane: DataPlane = "auto"     # tensor payloads over the peers' TCP lanes (auto: where offered),
+                                       # or gRPC streaming only (dataplane.py, lane.py)
+    lane_port: int = 0                 # the TCP lane's port, on the gRPC listen host (0: one the OS picks)
     initial_members: int | None = None  # elastic runs: ranks below this start as members, the others join
                                        # later (None: every rank of the world is a member from the start)
     view_margin: int = DEFAULT_VIEW_MARGIN  # steps between a membership change's proposal and its switch
@@ -61,4 +68,4 @@ class TransportOptions:
         ]
 
 
-__all__ = ["TransportOptions"]
+__all__ = ["TransportOptions", "DataPlane"]

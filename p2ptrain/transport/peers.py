@@ -2,7 +2,8 @@
 silent peers, surveys of a running cluster, readiness, rejoining and state-transfer requests.
 
 Who is alive, lagging or must rejoin is membership.py's judgement; this module feeds it what Hellos
-say and answers the Hellos of others (`on_hello`). It never sends a tensor.
+say and answers the Hellos of others (`on_hello`); where a peer's TCP lane listens goes to
+dataplane.py. It never sends a tensor.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import grpc
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.client import ChannelPool
+from p2ptrain.transport.dataplane import DirectPath
 from p2ptrain.transport.errors import PeerError, rpc_reason
 from p2ptrain.transport.loop import LoopThread
 from p2ptrain.transport.membership import Membership
@@ -43,8 +45,9 @@ class Peers:
 
     def __init__(self, identity: Identity, addresses: list[str], loop: LoopThread, channels: ChannelPool,
                  membership: Membership, routes: RouteTable, *, probe_timeout: float,
-                 initial_members: int | None = None):
+                 direct: DirectPath | None = None, initial_members: int | None = None):
         self.identity = identity
+        self.direct = direct  # learns the peers' TCP lanes from Hellos (dataplane.py); None: gRPC only
         self.rank = identity.node_id
         self.world_size = identity.world_size
         self.addresses = addresses
@@ -106,14 +109,16 @@ class Peers:
         return pb.HelloRequest(node_id=me.node_id, world_size=me.world_size, ready=self.ready,
                                protocol_version=me.protocol_version, config_fingerprint=me.config_fingerprint,
                                step=self.resume_step, current_step=self.membership.step,
-                               incarnation=self.incarnation, view=self.views.latest.to_proto(),
-                               address=self.addresses[self.rank])
+                               incarnation=self.incarnation, lane_port=self.direct.port if self.direct else 0,
+                               view=self.views.latest.to_proto(), address=self.addresses[self.rank])
 
     async def greet(self, peer: int, request: pb.HelloRequest, timeout: float,
                     wait_for_ready: bool = True) -> pb.HelloReply:
         """Hello `peer` and note what its reply says about it and us."""
         reply = await self.channels.client(peer).hello(request, timeout, wait_for_ready=wait_for_ready)
         if reply.compatible and reply.node_id == peer:
+            if self.direct is not None:
+                self.direct.learn(peer, reply.lane_port)
             self.membership.note_step(peer, reply.step)
             if reply.caller_excluded:
                 self.membership.excluded(by_peer=peer)
@@ -121,9 +126,9 @@ class Peers:
                 self.adopt_view(reply.view, peer)
         return reply
 
-    async def hello(self, peer: int, timeout: float) -> pb.HelloReply:
-        """Hello `peer`, waiting up to `timeout` for it to come up."""
-        return await self.greet(peer, self.hello_request(), timeout)
+    async def hello(self, peer: int, timeout: float, wait_for_ready: bool = True) -> pb.HelloReply:
+        """Hello `peer`, waiting up to `timeout` for it to come up (with wait_for_ready)."""
+        return await self.greet(peer, self.hello_request(), timeout, wait_for_ready)
 
     async def probe(self, peer: int) -> bool:
         """Hello `peer` without waiting for a connection; declare it dead if it does not answer."""
@@ -145,6 +150,8 @@ class Peers:
         self.learn_address(peer, request.address)
         if request.HasField("view"):
             self.adopt_view(request.view, peer)
+        if self.direct is not None:
+            self.direct.learn(peer, request.lane_port)
         was_dead = not self.membership.alive(peer)
         self.membership.hello(peer, ready=request.ready, incarnation=request.incarnation,
                               current_step=request.current_step, resume_step=request.step)
@@ -328,6 +335,8 @@ class Peers:
                 if reply.node_id != peer:
                     raise PeerError(f"node {self.rank}: address {self.addresses[peer]} answers as node "
                                     f"{reply.node_id}, expected {peer}")
+                if self.direct is not None and self.direct.refusal(peer):
+                    raise PeerError(self.direct.refusal(peer))
                 if require_ready and not reply.ready:
                     last_problem[peer] = "not ready (still setting up)"
                     continue

@@ -12,8 +12,9 @@ Used on the node's event-loop thread, with the RouteTable of routes.py (which wa
   Relay.push  the sending side: direct, or relayed, with fallback to a relay on an unreachable peer
   Relay.forward  the relaying side, called by PeerService for streams addressed to another node
 
-A relay never holds a whole tensor, and knows the node only through the ChannelPool and
-EmulatedLinks it is given (never the Transport).
+A relay never holds a whole tensor, and knows the node only through the ChannelPool, DirectPath and
+EmulatedLinks it is given (never the Transport). Direct hops take the peer's TCP lane where the data
+plane says so (dataplane.py); relayed hops and forwarding always use PushTensor streams.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import grpc
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.client import ChannelPool
+from p2ptrain.transport.dataplane import DirectPath
 from p2ptrain.transport.errors import rpc_reason
 from p2ptrain.transport.faults import EmulatedLinks, LinkUnreachable
 from p2ptrain.transport.framing import FramingError, encode_data, encode_header
@@ -48,10 +50,11 @@ class Relay:
 
     def __init__(self, rank: int, world_size: int, options: TransportOptions, channels: ChannelPool,
                  links: EmulatedLinks | None = None, *, metrics=None,
-                 max_payload_bytes: int = MAX_FORWARD_PAYLOAD_BYTES):
+                 max_payload_bytes: int = MAX_FORWARD_PAYLOAD_BYTES, direct: DirectPath | None = None):
         self.rank = rank
         self.world_size = world_size
         self.channels = channels
+        self.direct = direct  # direct hops: the peer's TCP lane or gRPC (dataplane.py); None: gRPC
         self.links = links
         self.send_timeout = options.send_timeout
         self.metrics = metrics
@@ -123,8 +126,10 @@ class Relay:
         del header.route[:]
         header.route.extend(route)
         hop = route[0] if route else peer
-        if self.links is not None:
+        if self.links is not None:  # before either data plane: the emulated link applies to both
             await self.links.emulate(hop, len(payload), reliable)
+        if not route and self.direct is not None:
+            return await self.direct.push(hop, header, payload, timeout, wait_for_ready)
         return await self.channels.client(hop).push(header, payload, timeout, wait_for_ready=wait_for_ready)
 
     # Relaying side --------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The Transport of one node: the facade the rest of p2ptrain uses to move tensors between peers.
 
 It composes the parts and bridges threads, nothing more: the loop thread (loop.py) owns every grpc.aio
-object; the server (server.py) receives into the Inbox (inbox.py); sending.py pushes, retries and
-settles; relay.py picks direct or relayed routes; peers.py does the Hello protocol; membership.py
+object and the TCP lane; the server (server.py) and the lane (lane.py) receive into the Inbox
+(inbox.py); sending.py pushes, retries and settles; relay.py picks direct or relayed routes and
+dataplane.py the lane or gRPC for a direct one; peers.py does the Hello protocol; membership.py
 judges who is alive. The training thread talks to the Transport only through the blocking /
 future-returning methods below. It never knows what an algorithm means by a tensor.
 """
@@ -18,11 +19,13 @@ import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.client import ChannelPool
+from p2ptrain.transport.dataplane import DirectPath
 from p2ptrain.transport.errors import PeerError, PeerUnreachable
 from p2ptrain.transport.faults import EmulatedLinks
 from p2ptrain.transport.framing import check_chunk_bytes
 from p2ptrain.transport.health import ServingStatus
 from p2ptrain.transport.inbox import Inbox
+from p2ptrain.transport.lane import LaneClient, LaneServer, split_address
 from p2ptrain.transport.loop import LoopThread
 from p2ptrain.transport.membership import Membership
 from p2ptrain.transport.message import Message
@@ -67,10 +70,17 @@ class Transport:
         self._links = links if links is not None and not links.is_noop else None  # None: no emulation cost
         self._emulation = EmulatedLinks(self._links, rank, metrics) if self._links is not None else None
         self._channels = ChannelPool(self.peers, options.channel_options(), options.chunk_bytes, options.security)
-        self._relay = Relay(rank, world_size, options, self._channels, self._emulation, metrics=metrics)
+        self._lanes = LaneClient(rank, options.security) if options.data_plane != "grpc" else None
+        self._lane_server: LaneServer | None = None
+        self._direct = DirectPath(rank, options.data_plane, self._channels, self._lanes,
+                                  discovery_timeout=options.probe_timeout, retry_after=options.relay_retry_after,
+                                  metrics=metrics)
+        self._relay = Relay(rank, world_size, options, self._channels, self._emulation, metrics=metrics,
+                            direct=self._direct)
         self._peers = Peers(self.identity, self.peers, self._bridge, self._channels, self.membership,
-                            self._relay.table, probe_timeout=options.probe_timeout,
+                            self._relay.table, probe_timeout=options.probe_timeout, direct=self._direct,
                             initial_members=options.initial_members)
+        self._direct.hello = self._peers.hello
         self.views = self._peers.views  # who trains together from which step (views.py)
         self.membership.is_member = lambda peer: peer in self.views.latest.members
         self.membership.joins_later = lambda peer: self.views.member_since(peer) > 0
@@ -88,14 +98,39 @@ class Transport:
         service = PeerService(self.inbox, self.identity, self.metrics, current_step=lambda: membership.step,
                               is_ready=lambda: peers.ready, on_peer_ready=peers.ready_peers.add,
                               on_hello=peers.on_hello, excludes=membership.excludes,
-                              incarnation=lambda: peers.incarnation, view=lambda: peers.views.latest.to_proto())
+                              incarnation=lambda: peers.incarnation, lane_port=lambda: self._direct.port,
+                              view=lambda: peers.views.latest.to_proto())
         service.forwarder = self._relay  # streams addressed to another node are piped on (relay.py)
-        self._server, self.health, port = await serve(
-            service.handler(), SERVICE_NAME, listen=self.listen, options=self.options.server_options(),
-            security=self.options.security, metrics=self.metrics, serving=self._peers.ready)
-        if port == 0:
-            raise PeerError(f"node {self.rank} could not listen on {self.listen}")
+        if self._lanes is not None:  # listening before any Hello can advertise it
+            self._direct.port = await self._start_lane(service)
+        try:
+            self._server, self.health, port = await serve(
+                service.handler(), SERVICE_NAME, listen=self.listen, options=self.options.server_options(),
+                security=self.options.security, metrics=self.metrics, serving=self._peers.ready)
+            if port == 0:
+                raise PeerError(f"node {self.rank} could not listen on {self.listen}")
+        except BaseException:
+            if self._lane_server is not None:  # give its port back: this node does not start
+                await self._lane_server.stop()
+            raise
         self.port = port
+
+    async def _start_lane(self, service: PeerService) -> int:
+        """Listen for lane connections on the gRPC listen host; the port (0: no lane here)."""
+        address = split_address(self.listen)
+        if address is None:
+            if self.options.data_plane == "tcp":
+                raise PeerError(f"node {self.rank}: data_plane=tcp needs a host:port listen address, not "
+                                f"{self.listen!r}")
+            return 0
+        self._lane_server = LaneServer(service, self.options.security)
+        peer_ports = frozenset(a[1] for a in map(split_address, self.peers) if a is not None)
+        return await self._lane_server.start(address[0], self.options.lane_port, avoid=peer_ports)
+
+    @property
+    def lane_port(self) -> int:
+        """The port of this node's TCP lane (advertised in Hello); 0 when it offers none."""
+        return self._direct.port
 
     def set_peer_addresses(self, addresses: list[str]) -> None:
         """Every node's address, in rank order, learned once this server is bound (a rendezvous
@@ -113,6 +148,10 @@ class Transport:
                 await self.health.drain()  # NOT_SERVING before the grace period: probes stop routing here
             if self._server is not None:
                 await self._server.stop(self.options.shutdown_grace)
+            if self._lane_server is not None:  # (its messages in flight had the grace period too)
+                await self._lane_server.stop()
+            if self._lanes is not None:
+                await self._lanes.close()
             await self._channels.close()
             if self._emulation is not None:
                 self._emulation.cancel()

@@ -13,12 +13,15 @@ reveals nothing but SERVING / NOT_SERVING (up and set up, or not): no tensor, se
 and mutual TLS still apply to it.
 
 One `Security` value describes a process: its server side (cert, key, client-cert policy) and its
-client side (trusted CA, optional client cert, target-name override, token to send).
+client side (trusted CA, optional client cert, target-name override, token to send). The TCP lane
+(lane.py) uses the same files through `lane_server_context` / `lane_client_context` (ssl module), and
+the token through a challenge-response (laneframes.auth_proof): it never sends the token itself.
 """
 from __future__ import annotations
 
 import hmac
 import logging
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,6 +135,39 @@ class Security:
         if self.tls:
             return grpc.secure_channel(address, self.channel_credentials(), options=self.channel_options(options))
         return grpc.insecure_channel(address, options=options)
+
+    # TCP lane (lane.py) ------------------------------------------------------------------------
+    def lane_server_context(self) -> ssl.SSLContext | None:
+        """TLS of the lane's listening side (the gRPC server's certificate; client certificates
+        checked against tls_ca under require_client_cert); None: this process serves plaintext."""
+        if not self.tls_cert:
+            return None
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(self.tls_cert, self.tls_key)
+            if self.require_client_cert:
+                context.verify_mode = ssl.CERT_REQUIRED
+                context.load_verify_locations(cafile=self.tls_ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise SecurityError(f"TLS of the TCP lane: {exc}") from None
+        return context
+
+    def lane_client_context(self) -> ssl.SSLContext | None:
+        """TLS of lane connections (server checked against tls_ca, or the system roots; our
+        certificate offered for mutual TLS); None: plaintext, as the gRPC channels."""
+        if not self.tls:
+            return None
+        try:
+            context = ssl.create_default_context(cafile=self.tls_ca)
+            if self.tls_cert:
+                context.load_cert_chain(self.tls_cert, self.tls_key)
+        except (OSError, ssl.SSLError) as exc:
+            raise SecurityError(f"TLS of the TCP lane: {exc}") from None
+        return context
+
+    def lane_server_name(self, host: str) -> str:
+        """The name a lane server's certificate must hold: tls_server_name, else the address host."""
+        return self.tls_server_name or host
 
     def call_metadata(self) -> tuple[tuple[str, str], ...] | None:
         """Metadata every call carries: the token, when one is set."""

@@ -1,5 +1,7 @@
 """gRPC server side of a node: the Peer service (PushTensor, Hello, Settle), and `serve`, which
 starts a grpc.aio server with health and reflection (health.py) for the node and the parameter server.
+The service's deliver / refuse / abort are also how the TCP lane (lane.py) answers what it receives,
+so both receive paths count, log and acknowledge alike.
 
 A PushTensor stream ends in an Ack (accepted / duplicate / rejected with a reason), except when it
 is refused for want of resources (RESOURCE_EXHAUSTED: `too_many_streams`, `buffer_limit`) or cut
@@ -19,7 +21,7 @@ import grpc
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.framing import deserialize_chunk
 from p2ptrain.transport.health import ServingStatus, add_standard_services
-from p2ptrain.transport.inbox import Inbox
+from p2ptrain.transport.inbox import Inbox, Reception
 from p2ptrain.transport.security import Security
 from p2ptrain.transport.streams import REFUSAL_STATUS, MessageStream, wait_for_cancel
 from p2ptrain.transport.validation import Rejection
@@ -60,7 +62,8 @@ class PeerService:
                  on_peer_ready: Callable[[int], None] = lambda node_id: None,
                  on_hello: Callable[[pb.HelloRequest], str] = lambda request: "",
                  excludes: Callable[[int], bool] = lambda node_id: False,
-                 incarnation: Callable[[], int] = lambda: 0, view: Callable[[], pb.View | None] = lambda: None):
+                 incarnation: Callable[[], int] = lambda: 0, lane_port: Callable[[], int] = lambda: 0,
+                 view: Callable[[], pb.View | None] = lambda: None):
         self.inbox = inbox
         self.identity = identity
         self.metrics = metrics
@@ -70,6 +73,7 @@ class PeerService:
         self.on_hello = on_hello      # membership news; returns why a want_state request is refused
         self.excludes = excludes      # we consider this peer dead: our replies tell it to rejoin
         self.incarnation = incarnation
+        self.lane_port = lane_port    # our TCP lane's port, advertised in Hello replies (0: none)
         self.view = view              # our latest membership view, in every reply (views.py)
         self.forwarder = None  # relay.Relay: streams addressed to another node are piped on by it
 
@@ -87,33 +91,50 @@ class PeerService:
             if reception is None:
                 raise Rejection("empty_stream", "stream closed before any header")
             pending, reception = reception, None  # deliver() cleans up itself on failure
-            message = self.inbox.deliver(pending)
-            if self.metrics is not None:
-                self.metrics.on_received(message.sender, pending.received)
-            return self._ack(message.sender, status=pb.Ack.STATUS_ACCEPTED, bytes_received=pending.received,
-                             message_id=message.message_id)
+            return self.deliver(pending)
         except Rejection as rejection:
-            received, sender = 0, -1
-            if reception is not None:
-                sender = reception.header.sender
-                self.inbox.abort(reception)
-                received, reception = reception.received, None  # (the frame may outlive the call)
-            if self.metrics is not None:
-                self.metrics.on_rejected(rejection.reason)
-            duplicate = rejection.reason == "duplicate"
-            if not duplicate:
-                log.warning("node %d rejected a message: %s", self.identity.node_id, rejection)
+            ack = self.refuse(rejection, reception)
+            reception = None  # (the frame may outlive the call)
             status = REFUSAL_STATUS.get(rejection.reason)
             if status is not None:
                 await context.abort(status, f"{rejection.reason}: {rejection.detail}")
-            return self._ack(sender, status=pb.Ack.STATUS_DUPLICATE if duplicate else pb.Ack.STATUS_REJECTED,
-                             reason=rejection.reason, detail=rejection.detail, bytes_received=received)
+            return ack
         except BaseException:  # cancelled / connection lost mid-stream: nothing half-applied
             if reception is not None:
-                self.inbox.abort(reception)
-                if self.metrics is not None:
-                    self.metrics.on_rejected("aborted_stream")
+                self.abort(reception, "aborted_stream")
             raise
+
+    # The answers of every receive path (PushTensor here, the TCP lane in lane.py) ----------------
+    def deliver(self, reception: Reception) -> pb.Ack:
+        """Deliver a complete reception (Inbox.deliver, which raises Rejection) and acknowledge it."""
+        message = self.inbox.deliver(reception)
+        if self.metrics is not None:
+            self.metrics.on_received(message.sender, reception.received)
+        return self._ack(message.sender, status=pb.Ack.STATUS_ACCEPTED, bytes_received=reception.received,
+                         message_id=message.message_id)
+
+    def refuse(self, rejection: Rejection, reception: Reception | None = None, sender: int = -1) -> pb.Ack:
+        """The Ack that answers `rejection` (DUPLICATE for a delivered id); drops `reception` if one
+        was open, counts and logs the refusal. A REFUSAL_STATUS reason is not the message's fault:
+        PushTensor answers it with that gRPC status, the lane with this Ack (its client maps it)."""
+        received = 0
+        if reception is not None:
+            sender = reception.header.sender
+            self.inbox.abort(reception)
+            received = reception.received
+        if self.metrics is not None:
+            self.metrics.on_rejected(rejection.reason)
+        duplicate = rejection.reason == "duplicate"
+        if not duplicate:
+            log.warning("node %d rejected a message: %s", self.identity.node_id, rejection)
+        return self._ack(sender, status=pb.Ack.STATUS_DUPLICATE if duplicate else pb.Ack.STATUS_REJECTED,
+                         reason=rejection.reason, detail=rejection.detail, bytes_received=received)
+
+    def abort(self, reception: Reception, reason: str) -> None:
+        """Drop a reception whose stream or connection broke off (nobody is left to answer)."""
+        self.inbox.abort(reception)
+        if self.metrics is not None:
+            self.metrics.on_rejected(reason)
 
     def _ack(self, sender: int, **fields) -> pb.Ack:
         """Every Ack tells the sender our step, and whether we consider it dead (it must rejoin)."""
@@ -136,7 +157,7 @@ class PeerService:
                              config_fingerprint=me.config_fingerprint, step=self.current_step(),
                              compatible=not reason or known, reason=reason, ready=ready,
                              caller_excluded=known and self.excludes(peer), incarnation=self.incarnation(),
-                             view=self.view())
+                             lane_port=self.lane_port(), view=self.view())
 
     async def settle(self, request: pb.SettleRequest, context) -> pb.SettleReply:
         """Which of these messages from `request.sender` did we deliver? The others are voided."""

@@ -1,0 +1,563 @@
+"""The TCP lane: tensor payloads over a direct TCP connection per peer pair, beside gRPC streaming.
+
+grpcio copies every payload byte several times and hands it between threads; here the sender's
+uvloop transport writes straight from the tensor's memory (a memoryview, queued without a copy),
+and the receiver's socket reads straight into the pooled buffer the Inbox hands out
+(asyncio.BufferedProtocol: get_buffer returns Reception.space()). Everything else is PushTensor's:
+the same TensorHeader, checked by the same Inbox (open / deliver), answered with the same Ack by
+the same PeerService (deliver / refuse), under the same message ids, so retries, DUPLICATE answers
+and settling (sending.py) work unchanged. Frames: laneframes.py.
+
+A connection opens with a challenge (a fresh nonce), the client's LaneAuth (its rank and, with a
+token, an HMAC proof: the token never travels) and the server's verdict; under TLS when the node
+uses TLS (security.py). Then it carries one message at a time: header + payload -> Ack.
+
+Bounds against broken or hostile clients: a connection silent for the Inbox's stream_idle_timeout
+inside a message or its handshake is cut and its reception dropped (`idle_stream`), like an idle
+gRPC stream; one silent between messages for KEEPALIVE seconds is closed; at most MAX_HANDSHAKES
+connections may be unauthenticated at once, and each sender gets at most twice the Inbox's
+max_receptions_per_sender connections. A malformed frame is refused and its connection closed.
+
+Runs on the node's loop thread. It moves bytes only: which path a message takes is dataplane.py's
+choice, retries and settling are sending.py's.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import secrets
+import socket
+from collections import Counter, defaultdict, deque
+
+import grpc
+
+from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.transport.errors import rpc_error
+from p2ptrain.transport.inbox import Reception
+from p2ptrain.transport.laneframes import (
+    LANE_PROTOCOL,
+    NONCE_BYTES,
+    PREFIX,
+    FrameReader,
+    LaneFrameError,
+    auth_proof,
+    decode,
+    encode,
+    frame_length,
+    proof_matches,
+)
+from p2ptrain.transport.security import Security
+from p2ptrain.transport.server import PeerService
+from p2ptrain.transport.streams import REFUSAL_STATUS
+from p2ptrain.transport.validation import Rejection
+
+log = logging.getLogger(__name__)
+
+KEEPALIVE = 120.0            # seconds a connection may idle between messages before the server closes it
+CLIENT_IDLE = KEEPALIVE / 2  # a client retires a pooled connection idle this long: before the server would
+CONNECT_TIMEOUT = 3.0        # connect + handshake; longer means the lane is unusable (auto falls back to gRPC)
+MAX_HANDSHAKES = 64          # unauthenticated connections at once; more are closed on arrival
+DISCARD_BYTES = 256 * 1024   # scratch into which a refused message's payload is read and dropped
+SCAN_BYTES = 4 << 20         # payload bytes checked for NaN / Inf at a time while more arrive (Inbox.scan)
+_WILDCARD_HOSTS = ("", "::", "[::]", "*")
+
+
+class LaneUnavailable(ConnectionError):
+    """No lane connection could be made or authenticated: nothing of the message was sent."""
+
+
+def split_address(address: str) -> tuple[str, int] | None:
+    """("host", port) of a "host:port" / "[v6]:port" address; None for anything else (unix:...)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host or "/" in host or host.startswith("unix"):
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        return None
+    return host, int(port)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A bound, listening TCP socket; a wildcard host listens on IPv6 and IPv4 alike (one port for
+    both, as the gRPC server does), or on IPv4 where IPv6 is off."""
+    if host in _WILDCARD_HOSTS:
+        try:
+            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            candidates = [(sock, ("::", port))]
+        except OSError:
+            candidates = []
+        candidates.append((None, ("0.0.0.0", port)))
+    else:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+        candidates = [(socket.socket(family, socket.SOCK_STREAM), address)]
+    error: OSError | None = None
+    for sock, address in candidates:
+        sock = sock or socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            sock.listen(128)
+            sock.setblocking(False)
+            return sock
+        except OSError as exc:
+            sock.close()
+            error = exc
+    raise OSError(f"the TCP lane cannot listen on {host}:{port}: {error}")
+
+
+# -- receiving side -----------------------------------------------------------------------------------
+class LaneServer:
+    """Node `service.identity.node_id`'s lane: accepts connections and feeds what they carry into
+    the Inbox through `service` (PeerService)."""
+
+    def __init__(self, service: PeerService, security: Security):
+        self.service = service
+        self.inbox = service.inbox
+        self.rank = service.identity.node_id
+        self.world_size = service.identity.world_size
+        self.token = security.token
+        self.ssl = security.lane_server_context()
+        self.port = 0
+        self.connections: set[LaneReceiver] = set()
+        self.per_sender: Counter[int] = Counter()  # authenticated connections per sender
+        self.handshaking = 0
+        self.scratch = memoryview(bytearray(DISCARD_BYTES))  # shared: what lands here is dropped
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self, host: str, port: int, avoid: frozenset[int] = frozenset()) -> int:
+        """Listen on host:port; returns the port. Port 0: one the OS picks, never one of `avoid`
+        (the peers' ports: a launcher or test reserves those before their nodes bind them, and the
+        OS picks from the same range, so a lane could otherwise take a peer's port from it)."""
+        sock = listening_socket(host, port)
+        taken = []
+        while not port and sock.getsockname()[1] in avoid and len(taken) < len(avoid):
+            taken.append(sock)  # held until the search ends, so the OS offers another port
+            sock = listening_socket(host, port)
+        for held in taken:
+            held.close()
+        self.port = sock.getsockname()[1]
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: LaneReceiver(self), sock=sock, ssl=self.ssl,
+            ssl_handshake_timeout=self.inbox.stream_idle_timeout if self.ssl else None)
+        return self.port
+
+    @property
+    def max_connections_per_sender(self) -> int:
+        return 2 * self.inbox.max_receptions_per_sender
+
+    async def stop(self) -> None:
+        """Stop listening and cut every connection (an open reception is dropped)."""
+        if self._server is not None:
+            self._server.close()
+        for connection in list(self.connections):
+            connection.transport.abort()
+        if self._server is not None:
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+
+
+_FRAME, _PAYLOAD, _DISCARD = "frame", "payload", "discard"
+
+
+class LaneReceiver(asyncio.BufferedProtocol):
+    """One incoming lane connection. Reads exactly what the current part needs (frame prefix, frame
+    body, payload, skipped payload), so payload bytes land in the reception's buffer and nowhere else."""
+
+    def __init__(self, server: LaneServer):
+        self.server = server
+        self.service = server.service
+        self.transport: asyncio.BaseTransport | None = None
+        self.sender: int | None = None  # authenticated peer: every header must name it
+        self.reception: Reception | None = None
+        self.closed = False
+        self._nonce = secrets.token_bytes(NONCE_BYTES)
+        self._handshaking = False
+        self._mode = _FRAME
+        self._frame = bytearray(PREFIX.size)
+        self._filled = 0           # bytes of self._frame read so far
+        self._in_prefix = True     # reading a frame's 4-byte prefix (else its body)
+        self._handler = self._on_auth
+        self._skip = 0             # payload bytes of a refused message still to drop
+        self._loop = asyncio.get_running_loop()
+        self._last = self._loop.time()
+        self._timer: asyncio.TimerHandle | None = None
+
+    # asyncio callbacks --------------------------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        server = self.server
+        server.connections.add(self)
+        if server.handshaking >= MAX_HANDSHAKES:
+            log.warning("node %d: %d lane connections await their handshake; refusing another", server.rank,
+                        server.handshaking)
+            transport.abort()
+            return
+        server.handshaking += 1
+        self._handshaking = True
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        transport.write(encode(pb.LaneChallenge(protocol_version=LANE_PROTOCOL, nonce=self._nonce,
+                                                token_required=bool(server.token))))
+        self._rearm()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._mode is _PAYLOAD:
+            return self.reception.space()
+        if self._mode is _DISCARD:
+            return self.server.scratch[:min(self._skip, DISCARD_BYTES)]
+        return memoryview(self._frame)[self._filled:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._last = self._loop.time()
+        try:
+            if self._mode is _PAYLOAD:
+                reception = self.reception
+                reception.filled(nbytes)
+                if reception.complete():
+                    self._deliver()
+                elif reception.received - reception.scanned >= SCAN_BYTES:  # while the rest is on its way
+                    self.server.inbox.scan(reception)
+            elif self._mode is _DISCARD:
+                self._skip -= nbytes
+                if not self._skip:
+                    self._next_message()
+            else:
+                beginning = not self._busy()
+                self._filled += nbytes
+                if beginning:  # a message begins: from now on it may idle only stream_idle_timeout
+                    self._rearm()
+                if self._filled == len(self._frame):
+                    self._frame_read()
+        except LaneFrameError as exc:
+            self._malformed(str(exc))
+        except Exception:  # noqa: BLE001 - a bug here must cost one connection, never the node
+            log.exception("node %d: lane connection from node %s failed", self.server.rank, self.sender)
+            self._drop_reception("aborted_stream")
+            self.transport.abort()
+
+    def eof_received(self) -> bool:
+        return False  # the peer is done sending: close (connection_lost drops a half-read message)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.closed = True
+        server = self.server
+        server.connections.discard(self)
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._handshaking:
+            self._handshaking = False
+            server.handshaking -= 1
+        if self.sender is not None:
+            server.per_sender[self.sender] -= 1
+            if not server.per_sender[self.sender]:
+                del server.per_sender[self.sender]
+        self._drop_reception("aborted_stream")
+
+    # the parts of a connection ------------------------------------------------------------------
+    def _read_frame(self, handler) -> None:
+        self._mode, self._handler = _FRAME, handler
+        self._frame, self._filled, self._in_prefix = bytearray(PREFIX.size), 0, True
+
+    def _frame_read(self) -> None:
+        if self._in_prefix:
+            length = frame_length(self._frame)
+            self._frame, self._filled, self._in_prefix = bytearray(length), 0, False
+            if length:
+                return
+        self._handler(self._frame)
+
+    def _on_auth(self, body: bytearray) -> None:
+        server = self.server
+        self._handshaking = False
+        server.handshaking -= 1
+        auth = decode(pb.LaneAuth, body)
+        refusal = self._check_auth(auth)
+        if refusal is not None:
+            reason, detail = refusal
+            if self.service.metrics is not None:
+                self.service.metrics.on_rejected(reason)
+            log.warning("node %d refused a lane connection: %s: %s", server.rank, reason, detail)
+            self.transport.write(encode(pb.LaneAuthReply(accepted=False, reason=reason, detail=detail)))
+            self.transport.close()
+            return
+        self.sender = auth.sender
+        server.per_sender[auth.sender] += 1
+        self.transport.write(encode(pb.LaneAuthReply(accepted=True)))
+        self._next_message()
+
+    def _check_auth(self, auth: pb.LaneAuth) -> tuple[str, str] | None:
+        server = self.server
+        if auth.protocol_version != LANE_PROTOCOL:
+            return "bad_protocol", f"lane protocol {auth.protocol_version!r} != {LANE_PROTOCOL!r}"
+        if server.token and not proof_matches(server.token, self._nonce, auth):
+            return "unauthenticated", "missing or wrong proof of the auth token"
+        if auth.receiver != server.rank:
+            return "wrong_receiver", f"connection for node {auth.receiver} reached node {server.rank}"
+        if not 0 <= auth.sender < server.world_size or auth.sender == server.rank:
+            return "unknown_sender", f"node {auth.sender} is not a peer of node {server.rank}"
+        if server.per_sender[auth.sender] >= server.max_connections_per_sender:
+            return "too_many_connections", (f"node {auth.sender} holds {server.per_sender[auth.sender]} lane "
+                                            f"connections already (at most {server.max_connections_per_sender})")
+        return None
+
+    def _next_message(self) -> None:
+        self._read_frame(self._on_header)
+
+    def _on_header(self, body: bytearray) -> None:
+        header = decode(pb.TensorHeader, body)
+        try:
+            if header.sender != self.sender:
+                raise Rejection("wrong_sender", f"the lane connection of node {self.sender} carries a message "
+                                                f"from node {header.sender}")
+            self.reception = self.server.inbox.open(header)
+            if header.payload_bytes:
+                self.reception.space()  # take the buffer now: `buffer_limit` refuses before any byte is read
+        except Rejection as rejection:
+            self._answer(self.service.refuse(rejection, self.reception, sender=self.sender))
+            self.reception = None
+            self._skip_payload(header.payload_bytes)
+            return
+        if self.reception.complete():
+            self._deliver()
+        else:
+            self._mode = _PAYLOAD
+
+    def _deliver(self) -> None:
+        reception, self.reception = self.reception, None
+        try:
+            ack = self.service.deliver(reception)
+        except Rejection as rejection:  # deliver() released the reception itself
+            ack = self.service.refuse(rejection, sender=self.sender)
+        self._answer(ack)
+        self._next_message()
+
+    def _skip_payload(self, nbytes: int) -> None:
+        """Read and drop a refused message's payload, so the connection stays in step."""
+        if nbytes:
+            self._mode, self._skip = _DISCARD, nbytes
+        else:
+            self._next_message()
+
+    def _answer(self, ack: pb.Ack) -> None:
+        self.transport.write(encode(ack))
+
+    def _malformed(self, detail: str) -> None:
+        """A frame that cannot be parsed: nothing after it can be trusted to be where it should."""
+        rejection = Rejection("malformed_frame", detail)
+        if self._handshaking or self.sender is None:
+            if self.service.metrics is not None:
+                self.service.metrics.on_rejected(rejection.reason)
+            log.warning("node %d refused a lane connection: %s", self.server.rank, rejection)
+            self.transport.write(encode(pb.LaneAuthReply(accepted=False, reason=rejection.reason, detail=detail)))
+        else:
+            self._answer(self.service.refuse(rejection, self.reception, sender=self.sender))
+            self.reception = None
+        self.transport.close()
+
+    def _drop_reception(self, reason: str) -> None:
+        if self.reception is not None:
+            self.service.abort(self.reception, reason)
+            self.reception = None
+
+    # idle connections ---------------------------------------------------------------------------
+    def _busy(self) -> bool:
+        """Inside a handshake or a message (not waiting for the next one)."""
+        return self._handshaking or self._mode is not _FRAME or not self._in_prefix or self._filled > 0
+
+    def _limit(self) -> float:
+        idle = self.server.inbox.stream_idle_timeout
+        return idle if self._busy() else max(idle, KEEPALIVE)
+
+    def _rearm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_at(self._last + self._limit(), self._check_idle)
+
+    def _check_idle(self) -> None:
+        if self.closed:
+            return
+        due = self._last + self._limit()
+        if self._loop.time() < due:
+            self._timer = self._loop.call_at(due, self._check_idle)
+            return
+        if self._busy() and self.sender is not None:  # a half-sent message: refused, like an idle stream
+            idle = self.server.inbox.stream_idle_timeout
+            self._answer(self.service.refuse(Rejection("idle_stream", f"no bytes for {idle:g} s"), self.reception,
+                                             sender=self.sender))
+            self.reception = None
+        self.transport.close()
+
+
+# -- sending side -------------------------------------------------------------------------------------
+class LaneConnection(asyncio.Protocol):
+    """One outgoing lane connection: writes frames and payloads, hands back the frames it receives."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.error: BaseException | None = None
+        self.idle_since = 0.0
+        self._reader = FrameReader()
+        self._frames: deque[bytes] = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._frames.extend(self._reader.feed(data))
+        except LaneFrameError as exc:
+            self.error = exc
+            self.transport.abort()
+        self._wake()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.closed = True
+        self.error = self.error or exc or ConnectionResetError("the peer closed the lane connection")
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def frame(self) -> bytes:
+        """The next frame body the peer sent; ConnectionError once the connection is gone."""
+        while not self._frames:
+            if self.closed:
+                raise ConnectionError(f"lane connection lost: {self.error}")
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self._frames.popleft()
+
+    def send(self, *parts: bytes | memoryview) -> None:
+        """Queue `parts` (uvloop writes what it can at once and keeps a reference to the rest: no copy)."""
+        for part in parts:
+            if len(part):
+                self.transport.write(part)
+
+    def abort(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.abort()
+
+
+def _refused_connect(exc: BaseException) -> bool:
+    return isinstance(exc, ConnectionRefusedError) or getattr(exc, "errno", None) == errno.ECONNREFUSED
+
+
+class LaneClient:
+    """Node `rank`'s outgoing lane connections, pooled per peer; one message per connection at a
+    time (dataplane.py bounds the messages in flight per peer, so the connections too)."""
+
+    def __init__(self, rank: int, security: Security):
+        self.rank = rank
+        self.security = security
+        self.token = security.token
+        self.ssl = security.lane_client_context()
+        self._idle: dict[int, list[LaneConnection]] = defaultdict(list)
+        self._all: set[LaneConnection] = set()
+
+    async def push(self, peer: int, host: str, port: int, header: pb.TensorHeader, payload: memoryview,
+                   timeout: float) -> pb.Ack:
+        """Send header + payload to `peer`'s lane at host:port and return its Ack. Raises
+        LaneUnavailable when no connection could be made (nothing was sent), else failures as the
+        grpc.aio.AioRpcError a PushTensor would have ended with (refusals, lost connections, timeout)."""
+        try:
+            return await asyncio.wait_for(self._push(peer, host, port, header, payload), timeout)
+        except asyncio.TimeoutError:
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"lane to node {peer}: no Ack within {timeout:.3g} s") from None
+
+    async def _push(self, peer: int, host: str, port: int, header: pb.TensorHeader,
+                    payload: memoryview) -> pb.Ack:
+        connection = self._pooled(peer) or await self._connect(peer, host, port)
+        try:
+            connection.send(encode(header), payload)
+            ack = decode(pb.Ack, await connection.frame())
+        except BaseException as exc:
+            self._discard(connection)  # whatever was half-sent is dropped by the receiver
+            if isinstance(exc, (OSError, LaneFrameError)):  # ConnectionError included
+                raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"lane to node {peer} broke off: {exc}") from None
+            raise
+        connection.idle_since = asyncio.get_running_loop().time()
+        self._idle[peer].append(connection)
+        refusal = REFUSAL_STATUS.get(ack.reason) if ack.status == pb.Ack.STATUS_REJECTED else None
+        if refusal is not None:  # PushTensor answers these with a gRPC status: the sender may retry
+            raise rpc_error(refusal, f"{ack.reason}: {ack.detail}")
+        return ack
+
+    def _pooled(self, peer: int) -> LaneConnection | None:
+        """The most recently used idle connection to `peer` still worth using (closes stale ones)."""
+        idle, now = self._idle[peer], asyncio.get_running_loop().time()
+        while idle:
+            connection = idle.pop()
+            if not connection.closed and now - connection.idle_since < CLIENT_IDLE:
+                return connection
+            connection.abort()
+            self._all.discard(connection)
+        return None
+
+    async def _connect(self, peer: int, host: str, port: int) -> LaneConnection:
+        loop = asyncio.get_running_loop()
+        where = f"node {self.rank}: lane of node {peer} at {host}:{port}"
+        try:
+            _, connection = await asyncio.wait_for(loop.create_connection(
+                LaneConnection, host, port, ssl=self.ssl,
+                server_hostname=self.security.lane_server_name(host) if self.ssl else None), CONNECT_TIMEOUT)
+        except (OSError, asyncio.TimeoutError) as exc:
+            refused = "connection refused" if _refused_connect(exc) else type(exc).__name__
+            raise LaneUnavailable(f"{where}: {refused}: {exc}") from None
+        self._all.add(connection)
+        try:
+            challenge = decode(pb.LaneChallenge, await asyncio.wait_for(connection.frame(), CONNECT_TIMEOUT))
+            if challenge.protocol_version != LANE_PROTOCOL:
+                raise LaneFrameError(f"lane protocol {challenge.protocol_version!r} != {LANE_PROTOCOL!r}")
+            proof = auth_proof(self.token, challenge.nonce, self.rank, peer) if self.token else b""
+            connection.send(encode(pb.LaneAuth(protocol_version=LANE_PROTOCOL, sender=self.rank, receiver=peer,
+                                               proof=proof)))
+            verdict = decode(pb.LaneAuthReply, await asyncio.wait_for(connection.frame(), CONNECT_TIMEOUT))
+        except (OSError, asyncio.TimeoutError, LaneFrameError) as exc:
+            self._discard(connection)
+            raise LaneUnavailable(f"{where}: handshake failed: {type(exc).__name__}: {exc}") from None
+        except BaseException:
+            self._discard(connection)
+            raise
+        if not verdict.accepted:
+            self._discard(connection)
+            detail = f"{where} refused the connection: {verdict.reason}: {verdict.detail}"
+            if verdict.reason == "unauthenticated":
+                raise rpc_error(grpc.StatusCode.UNAUTHENTICATED, detail)
+            if verdict.reason == "too_many_connections":
+                raise rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, detail)
+            raise LaneUnavailable(detail)  # e.g. another node now listens on that port: ask again
+        return connection
+
+    def _discard(self, connection: LaneConnection) -> None:
+        connection.abort()
+        self._all.discard(connection)
+
+    def drop(self, peer: int) -> None:
+        """Close `peer`'s idle connections (it restarted, or its lane moved)."""
+        for connection in self._idle.pop(peer, []):
+            self._discard(connection)
+
+    async def close(self) -> None:
+        for connection in list(self._all):
+            connection.abort()
+        self._all.clear()
+        self._idle.clear()
+
+
+__all__ = ["LaneServer", "LaneClient", "LaneUnavailable", "split_address", "listening_socket", "KEEPALIVE",
+           "MAX_HANDSHAKES"]
