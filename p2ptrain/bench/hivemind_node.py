@@ -135,7 +135,11 @@ def train(config) -> dict:
             recorder.report(step, loss=float(loss.detach()))
             with torch.no_grad(), averager.get_tensors() as tensors:
                 tensors[0].copy_(torch.nn.utils.parameters_to_vector(params))
-            group = averager.step(timeout=config.link_deadline)
+            try:
+                group = averager.step(timeout=config.link_deadline)
+            except Exception as exc:  # "could not find a group" (a slow peer): this step keeps the local model
+                print(f"node {config.rank}: step {step}: averaging failed: {exc}", file=sys.stderr, flush=True)
+                group = None
             if group:
                 rounds += 1
                 sent += 2 * (len(group) - 1) / len(group) * model_bytes

@@ -64,6 +64,7 @@ class PeersResult:
     accuracy_curve: list[list[float]] = field(default_factory=list)  # [step, training seconds, mean accuracy]
     wall_seconds: float = math.nan
     error: str | None = None
+    note: str | None = None                # e.g. hivemind rounds that found no group (those steps kept the local model)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -237,10 +238,12 @@ def summarize(name: str, nodes: int, steps: int, run_dir: Path, report: dict) ->
 
     curve = accuracy_curve([load_progress(run_dir, rank) for rank in range(nodes)],
                            [s.get("training_started") for s in report["nodes"]])
+    failed = sum(s.get("failed_rounds") or 0 for s in summaries)
+    note = f"{failed} of {nodes * steps} averaging rounds failed" if failed else None
     return PeersResult(name=name, nodes=nodes, steps=steps, step_seconds=mean("median_step_seconds"),
                        cpu_seconds_per_step=mean("cpu_seconds_per_step"), bytes_per_step=mean("bytes_sent") / steps,
                        test_accuracy=mean("test_accuracy"), accuracy_curve=curve,
-                       wall_seconds=report["cluster"].get("wall_seconds", math.nan))
+                       wall_seconds=report["cluster"].get("wall_seconds", math.nan), note=note)
 
 
 def accuracy_curve(progress: list[list[dict]], started: list[float | None]) -> list[list[float]]:
@@ -309,14 +312,14 @@ def report(results: list[PeersResult], target: float | None, source: str, networ
         rows.append([r.name, fmt(r.step_seconds * 1000, "{:.1f}"), fmt(ratio.get("step"), "{:.2f}"),
                      fmt(r.time_to_target, "{:.1f}"), fmt(ratio.get("time_to_target"), "{:.2f}"),
                      fmt(r.cpu_seconds_per_step * 1000, "{:.1f}"), fmt(ratio.get("cpu"), "{:.2f}"),
-                     fmt(r.bytes_per_step / 1e6, "{:.2f}"), fmt(r.test_accuracy, "{:.3f}"), r.error or ""])
+                     fmt(r.bytes_per_step / 1e6, "{:.2f}"), fmt(r.test_accuracy, "{:.3f}"), r.error or r.note or ""])
     if target is None:
         print("target accuracy: none (DDP did not finish)", file=stream)
     else:
         print(f"target accuracy {target:.3f} ({source}); 's to' = training seconds until the nodes' mean test "
               "accuracy reached it (evaluations excluded)", file=stream)
     print_table(rows, ["variant", "step ms", "x DDP", f"s to {fmt(target, '{:.3f}')}", "x DDP", "CPU ms/step",
-                       "x DDP", "MB/step/node", "test acc", "error"], stream)
+                       "x DDP", "MB/step/node", "test acc", "error / note"], stream)
     checks = check_targets(results, network)
     if checks:
         print(file=stream)
