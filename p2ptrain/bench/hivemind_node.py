@@ -111,7 +111,8 @@ def train(config) -> dict:
         flat = torch.nn.utils.parameters_to_vector(params).detach().clone()
         averager = hivemind.DecentralizedAverager(
             [flat], dht, start=True, prefix=PREFIX, target_group_size=config.world_size,
-            min_matchmaking_time=MIN_MATCHMAKING_SECONDS, request_timeout=REQUEST_TIMEOUT_SECONDS)
+            min_matchmaking_time=MIN_MATCHMAKING_SECONDS, request_timeout=REQUEST_TIMEOUT_SECONDS,
+            allreduce_timeout=config.link_deadline)  # without it, a round whose peer stalls hangs for good
         _wait_for_everyone(dht, config.rank, config.world_size, config.peer_timeout)
         model_bytes = flat.numel() * flat.element_size()
         clock = StepClock(cpu=tree_cpu_seconds)
