@@ -8,7 +8,7 @@ PIP_FLAGS ?= -q
 DEMO_ARGS ?= --nodes 4 --algorithm sgp --topology exponential --peers-per-step 1 --overlap 1 \
              --steps 300 --model mlp --dataset synthetic --out runs/demo
 
-.PHONY: install demo test lint test-all bench bench-algorithms reproduce proto clean
+.PHONY: install demo test lint test-all bench bench-algorithms bench-peers reproduce proto clean
 
 install: $(VENV)/.installed
 
@@ -35,6 +35,9 @@ bench: install
 
 bench-algorithms: install
 	$(VENV)/bin/p2ptrain bench algorithms --nodes 8 --bandwidth 200mbit --latency 5ms
+
+bench-peers: install
+	$(VENV)/bin/p2ptrain bench peers --nodes 4 --steps 200
 
 reproduce: install
 	$(VENV)/bin/p2ptrain reproduce relaysgd

@@ -8,7 +8,7 @@
   p2ptrain kubernetes  write Kubernetes manifests: StatefulSet (or parameter server + workers), Services, ...
   p2ptrain report  (re)build a run's report.json and plot.png from its folder, or merge one folder per host
   p2ptrain health  ask a node or parameter server whether it is serving (grpc.health.v1); exit 0 if so
-  p2ptrain bench   benchmarks (transport, algorithms)
+  p2ptrain bench   benchmarks (transport, algorithms, peers)
   p2ptrain reproduce  re-run a figure of the source documents (relaysgd, gem, diloco)
 """
 from __future__ import annotations
@@ -189,6 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
         description=bench_algorithms.__doc__.split("\n\n")[1].replace("\n", " "))
     bench_algorithms.add_arguments(algorithms)
     algorithms.set_defaults(func=cmd_bench_algorithms)
+
+    from p2ptrain.bench import peers as bench_peers
+
+    peers = bench_sub.add_parser(
+        "peers", help="p2ptrain's algorithms vs torch DDP (gloo) and hivemind: same model, data, batch, nodes",
+        description=bench_peers.__doc__.split("\n\n")[1].replace("\n", " "))
+    bench_peers.add_arguments(peers)
+    peers.set_defaults(func=cmd_bench_peers)
 
     from p2ptrain.bench import reproduce
 
@@ -577,6 +585,12 @@ def cmd_bench_transport(args: argparse.Namespace) -> int:
 
 def cmd_bench_algorithms(args: argparse.Namespace) -> int:
     from p2ptrain.bench.algorithms import main as bench_main
+
+    return bench_main(args)
+
+
+def cmd_bench_peers(args: argparse.Namespace) -> int:
+    from p2ptrain.bench.peers import main as bench_main
 
     return bench_main(args)
 

@@ -131,6 +131,8 @@ class NodeConfig:
     metrics_host: str | None = None                  # bind /metrics here; None: the host of listen (see
                                                      # metrics_bind_host); not in the fingerprint
     log_every: int = 10
+    eval_every: int = 0                              # built-in runs: test accuracy every this many steps
+                                                     # too (off the step clock); 0: only at the end
     out: str | None = None
     # Security (transport/security.py): all off by default. The token never goes into the
     # fingerprint, repr, to_dict() or any report; prefer auth_token_file / env P2PTRAIN_AUTH_TOKEN
@@ -226,6 +228,7 @@ class NodeConfig:
         except ValueError as exc:
             raise ConfigError(f"inject_nan {self.inject_nan!r}: {exc}") from None
         need(self.log_every >= 1, "log_every must be >= 1")
+        need(self.eval_every >= 0, "eval_every must be >= 0 (0: evaluate at the end only)")
         need(self.metrics_port is None or 0 <= self.metrics_port < 65536, "metrics_port must be a port number")
         need(self.metrics_host is None or _is_host(self.metrics_host),
              f"metrics_host {self.metrics_host!r} is not a host name or IP address (the port is metrics_port)")

@@ -170,6 +170,9 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, cluster_flags: bool =
                             "--listen is a wildcard or not given, and for workers)")
         g.add_argument("--out", help="folder for progress, summary and snapshot files")
     g.add_argument("--log-every", type=int, help=f"progress/snapshot interval in steps (default {d.log_every})")
+    g.add_argument("--eval-every", type=int, metavar="STEPS",
+                   help="built-in training: also evaluate the test accuracy every STEPS steps (off the step clock: "
+                        "step times and CPU per step leave it out) (default 0: at the end only)")
     g.add_argument("--config", dest="config_file", help="TOML file with settings (flags and env override it)")
 
 

@@ -8,7 +8,6 @@ objects.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,7 +22,7 @@ from p2ptrain.config import NodeConfig
 from p2ptrain.metrics import NodeMetrics, counter_total
 from p2ptrain.train import DecentralizedTrainer, cycle, pick_device
 from p2ptrain.train.optimizer import LeftCluster, NonFiniteError
-from p2ptrain.train.progress import RunRecorder
+from p2ptrain.train.progress import RunRecorder, StepClock
 from p2ptrain.train.setup import build_optimizer, training_setup
 from p2ptrain.transport import Transport, TransportOptions, rendezvous
 from p2ptrain.transport.errors import PeerError
@@ -85,7 +84,7 @@ class Node:
             out.mkdir(parents=True, exist_ok=True)
         self.recorder = RunRecorder(out, f"node{config.rank}", rank=config.rank, log_every=config.log_every)
         self.optimizer: DecentralizedOptimizer | None = None  # the one attached by DecentralizedOptimizer
-        self._last_step_time = time.perf_counter()
+        self.clock = StepClock()  # wall and CPU seconds per step; evaluations go off the clock
         self._directions: torch.Tensor | None = None
         self._started = self._closed = False
         if config.ignored_options:
@@ -204,7 +203,7 @@ class Node:
             raise RuntimeError("this node already has a DecentralizedOptimizer: one model replica per node")
         self.optimizer = optimizer
         self.recorder.snapshot(optimizer.local_step, optimizer.state_vector.parameter_vector())  # the start
-        self._last_step_time = time.perf_counter()
+        self.clock.restart()
 
     def report(self, step: int, **scalars: float) -> None:
         """Scalars of `step` (loss=..., accuracy=..., perplexity=...): they reach the live table,
@@ -213,10 +212,15 @@ class Node:
         if "loss" in scalars:
             self.metrics.set_loss(float(scalars["loss"]))
 
+    def evaluated(self, step: int, spent: dict[str, float], **scalars: float) -> None:
+        """Scalars of an evaluation at `step` (test_accuracy=...) that ran off the step clock
+        (`with node.clock.off_the_clock() as spent:`): reported like report(), and the scalar line
+        says how long the evaluation took, so the training time up to it can be told apart."""
+        self.recorder.report(step, line={"eval_seconds": spent.get("seconds", 0.0)}, **scalars)
+
     def after_step(self, optimizer: DecentralizedOptimizer) -> None:
         """Called by the optimizer after every step: metrics, progress line, snapshot."""
-        now = time.perf_counter()
-        seconds, self._last_step_time = now - self._last_step_time, now
+        seconds, cpu_seconds = self.clock.lap()
         step = optimizer.local_step
         stats = optimizer.algorithm.stats()
         self.metrics.on_step(step, seconds, None)
@@ -226,7 +230,7 @@ class Node:
         if step % self.config.log_every == 0:
             self.metrics.set_model_projection(self.model_projection(model))
         extra = {"ps_weight": stats["ps_weight"]} if "ps_weight" in stats else {}
-        self.recorder.step_done(step, seconds, model, bytes_sent=self.metrics.bytes_sent_total,
+        self.recorder.step_done(step, seconds, model, cpu_seconds=cpu_seconds, bytes_sent=self.metrics.bytes_sent_total,
                                 bytes_received=self.metrics.bytes_received_total, **extra)
 
     def model_projection(self, model: torch.Tensor) -> list[float]:
@@ -274,9 +278,15 @@ def run_node(config: NodeConfig) -> dict:
         node.start()
         trainer = DecentralizedTrainer(model, build_optimizer(config, model), node=node, loss_fn=F.nll_loss,
                                        slowdown=config.compute_slowdown, inject_nan_at=config.nan_injection_step)
-        result = trainer.fit(cycle(loader), config.steps)
-        test_loss, test_accuracy = trainer.evaluate(test_loader)
-        node.report(result.left_at or config.steps, test_loss=test_loss, test_accuracy=test_accuracy)
+
+        def evaluate(step: int, final: bool = False) -> None:  # every eval_every steps (if set), and at the end
+            if final or (config.eval_every and step % config.eval_every == 0 and step < config.steps):
+                with node.clock.off_the_clock() as spent:
+                    test_loss, test_accuracy = trainer.evaluate(test_loader)
+                node.evaluated(step, spent, test_loss=test_loss, test_accuracy=test_accuracy)
+
+        result = trainer.fit(cycle(loader), config.steps, after_step=evaluate)
+        evaluate(result.left_at or config.steps, final=True)
         return node.close(**({"left_at": result.left_at} if result.left_at is not None else {}))
     except BaseException as exc:
         if node is not None:

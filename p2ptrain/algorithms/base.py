@@ -183,6 +183,14 @@ class Algorithm(ABC):
         return {}
 
 
+def buffer_like(tensor: "torch.Tensor") -> "torch.Tensor":
+    """An uninitialized tensor shaped like `tensor`, for buffers an algorithm reuses from step to
+    step (torch is imported here, not at module level: the registry loads without it)."""
+    import torch
+
+    return torch.empty_like(tensor)
+
+
 def send_failure(future: concurrent.futures.Future) -> BaseException | None:
     """Why a finished send failed (None if it completed): its exception, or CancelledError for a
     send the transport cancelled (future.exception() would raise that instead of returning it)."""
@@ -191,4 +199,4 @@ def send_failure(future: concurrent.futures.Future) -> BaseException | None:
     return future.exception()
 
 
-__all__ = ["Algorithm", "Comm", "Delivery", "Kind", "Received", "send_failure"]
+__all__ = ["Algorithm", "Comm", "Delivery", "Kind", "Received", "buffer_like", "send_failure"]

@@ -32,7 +32,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from p2ptrain import compression
-from p2ptrain.algorithms.base import Comm, Kind, send_failure
+from p2ptrain.algorithms.base import Comm, Kind, buffer_like, send_failure
 
 if TYPE_CHECKING:
     import torch
@@ -101,6 +101,8 @@ class RingAllReduce:
             dtype = torch.float32
         self.dtype = dtype
         self._failed_at: int | None = None  # step of the last incomplete round
+        self._backup: torch.Tensor | None = None  # the input, to restore on failure (one buffer, reused)
+        self._outgoing: dict[tuple, torch.Tensor] = {}  # (members, phase, round) -> reused send buffer
         self.tag, self.kind = tag, kind
         self.elastic = elastic
         self._full = _Ring(tuple(range(self.n)), self.rank, numel)
@@ -166,11 +168,15 @@ class RingAllReduce:
             self._failed_at = step
             raise CollectiveIncomplete(f"node {self.rank}: all-reduce of step {step} skipped: node {ring.next} "
                                        "acknowledges nothing")
-        original = tensor.clone()
+        if self._backup is None:
+            self._backup = buffer_like(tensor)
+        original = self._backup
+        original.copy_(tensor)
         kept = residual.clone() if residual is not None else None
         try:
             return self._ring(tensor, step, average, ring, residual, deadline)
         except CollectiveIncomplete:
+            self._outgoing = {}  # sends of this call may still read their buffers: the next call takes new ones
             tensor.copy_(original)
             if residual is not None:
                 residual.copy_(kept)
@@ -226,7 +232,8 @@ class RingAllReduce:
         for r in range(ring.m - 1):  # reduce-scatter: decompress, sum, recompress at every hop
             sent = ring.rs_send(r)
             encoded, _ = self._encode(segment(sent), lost(sent))
-            acks.append(self._send(ring, _own(encoded), encoded.codec, encoded.params, step, "rs", r, sent))
+            payload = self._outgoing_copy(encoded, ring, "rs", r)
+            acks.append(self._send(ring, payload, encoded.codec, encoded.params, step, "rs", r, sent))
             received = self._recv(ring, step, "rs", r, ring.rs_recv(r), deadline)
             segment(ring.rs_recv(r)).add_(self._decode(received, ring.size(ring.rs_recv(r))))
             received.release()
@@ -239,17 +246,38 @@ class RingAllReduce:
             if decoded is None:
                 decoded = self.codec.decode(encoded.payload, encoded.params, owned.shape, owned.dtype)
             owned.copy_(decoded)
-        payload, codec_id, params = _own(encoded), encoded.codec, encoded.params
+        payload, codec_id, params = self._outgoing_copy(encoded, ring, "ag", 0), encoded.codec, encoded.params
         for r in range(ring.m - 1):  # all-gather: finished segments travel on, bytes untouched
             acks.append(self._send(ring, payload, codec_id, params, step, "ag", r, ring.ag_send(r)))
             received = self._recv(ring, step, "ag", r, ring.ag_recv(r), deadline)
             target = segment(ring.ag_recv(r))
             target.copy_(self._decode(received, target.numel()))
-            if r < ring.m - 2:
-                payload, codec_id, params = received.tensor.clone(), received.codec, received.codec_params
+            if r < ring.m - 2:  # out of the pooled receive buffer before it goes back
+                payload = self._buffer(ring, "ag", r + 1, received.tensor)
+                payload.copy_(received.tensor)
+                codec_id, params = received.codec, received.codec_params
             received.release()
         self._check(acks, ring)
         return tensor
+
+    def _outgoing_copy(self, encoded, ring: _Ring, phase: str, r: int) -> torch.Tensor:
+        """A payload the transport may keep until it is acknowledged: lossy encoders return fresh
+        tensors; the identity codec a view of the caller's tensor, which later rounds modify, so
+        that is copied into this round's send buffer."""
+        if encoded.codec != compression.UNCOMPRESSED:
+            return encoded.payload
+        buffer = self._buffer(ring, phase, r, encoded.payload)
+        return buffer.copy_(encoded.payload.view(-1))
+
+    def _buffer(self, ring: _Ring, phase: str, r: int, like: torch.Tensor) -> torch.Tensor:
+        """The send buffer of (ring, phase, round), reused from call to call: every send of a call
+        that completes is acknowledged before it returns, so the transport no longer reads it
+        (after a failed call they are all dropped). The ring allocates nothing per step."""
+        key = (ring.members, phase, r)
+        buffer = self._outgoing.get(key)
+        if buffer is None or buffer.numel() != like.numel() or buffer.dtype != like.dtype:
+            buffer = self._outgoing[key] = buffer_like(like.view(-1))
+        return buffer
 
     def _send(self, ring: _Ring, payload: torch.Tensor, codec_id: int, params: tuple[float, ...], step: int,
               phase: str, r: int, segment: int) -> concurrent.futures.Future:
@@ -349,9 +377,3 @@ class MemberRing:
         log.info("node %d: members %s from step %d: models averaged over the re-formed ring", self.rank,
                  list(members), step)
         return averaged
-
-
-def _own(encoded) -> torch.Tensor:
-    """A payload the transport may keep: lossy encoders return fresh tensors, the identity codec a
-    view of the caller's tensor, which later rounds modify."""
-    return encoded.payload.clone() if encoded.codec == compression.UNCOMPRESSED else encoded.payload

@@ -33,13 +33,14 @@ from collections import deque
 from typing import TYPE_CHECKING, Iterable
 
 from p2ptrain import compression
-from p2ptrain.algorithms.base import Comm, Kind
+from p2ptrain.algorithms.base import Comm, Kind, buffer_like
 
 if TYPE_CHECKING:
     import torch
 
 FINISH_WAIT_SECONDS = 10.0  # finish(): how long to wait in all for shares that missed their deadline
 PLAUSIBLE_SCALE = 1e4  # a share's de-biased values may exceed ours (or 1) by at most this factor
+SPARE_SHARES = 8  # share buffers kept for reuse once acknowledged (τ + 1 steps of k peers in flight fit)
 
 
 class PushSum:
@@ -63,6 +64,7 @@ class PushSum:
         self.min_w = 1.0          # the smallest w this node ever had (a drained node would show here)
         self.missing: set[tuple[int, int]] = set()  # (sender, step) shares awaited in vain so far
         self.ledger: list[tuple] | None = None  # set to [] to record every mass movement (tests)
+        self._spare: list[torch.Tensor] = []  # x-sized buffers of acknowledged shares, for the next push
 
     def expect(self, like: torch.Tensor) -> None:
         """Declare the shares' size (and codec layout); call before comm.ready()."""
@@ -91,8 +93,9 @@ class PushSum:
             decoded = self.codec.decode(encoded.payload, encoded.params, share.shape, share.dtype)
             self.residual.add_(share.sub_(decoded), alpha=len(peers))  # lost on the wire, kept here
         for peer in peers:
-            if encoded is None:
-                share_x = self.x * p  # a fresh tensor per peer: ownership passes to the transport
+            if encoded is None:  # a buffer per peer, the transport's until its Ack is in (see reabsorb_refused)
+                share_x = self._share_buffer()
+                _scaled(self.x, p, out=share_x)
                 future = self.comm.send(peer, share_x, kind=self.kind, step=step, ps_weight=share_w,
                                         reliable=True, settle=True, **self._on_channel())
             else:
@@ -138,7 +141,7 @@ class PushSum:
             return f"weight {share.ps_weight!r} outside (0, {n}]"
         if self.w + share.ps_weight > n * (1 + 1e-9):
             return f"w would become {self.w + share.ps_weight:.6g} > n = {n} (push-sum mass never exceeds n)"
-        scale = float(values.abs().max()) / share.ps_weight if values.numel() else 0.0
+        scale = peak_magnitude(values) / share.ps_weight
         if not math.isfinite(scale) or scale > PLAUSIBLE_SCALE * max(1.0, self._z_scale):
             return f"de-biased values up to {scale:.3g}, ours up to {self._z_scale:.3g}"
         return ""
@@ -170,6 +173,7 @@ class PushSum:
                 continue
             exc = future.exception()
             if exc is None and future.result().delivered:
+                self._reuse(share_x)
                 continue  # accepted, or a duplicate of a retransmission that was accepted
             why = f"{type(exc).__name__}: {exc}" if exc is not None else \
                 f"{future.result().reason}: {future.result().detail}"
@@ -179,7 +183,19 @@ class PushSum:
             self.w += share_w
             self.refused_shares += 1
             self.record("reabsorb", now, share_w, peer, sent)
+            self._reuse(share_x)
         self.outbox = pending
+
+    def _share_buffer(self) -> torch.Tensor:
+        """An x-sized buffer for an outgoing share: a spare one if there is, else a new one, so a
+        node in its steady state allocates nothing to push."""
+        return self._spare.pop() if self._spare else buffer_like(self.x)
+
+    def _reuse(self, share_x: torch.Tensor) -> None:
+        """Keep the buffer of a share whose send has finished (the transport reads it no longer)."""
+        if len(self._spare) < SPARE_SHARES and share_x.shape == self.x.shape and share_x.dtype == self.x.dtype \
+                and share_x.data_ptr() != self.x.data_ptr():
+            self._spare.append(share_x)
 
     def finish(self, unmixed: Iterable[tuple[list[int], int]], last: int) -> torch.Tensor:
         """flush(), then the de-biased model: the end of the run."""
@@ -293,7 +309,7 @@ class PushSum:
     def debias(self) -> torch.Tensor:
         self.min_w = min(self.min_w, self.w)
         self.z = self.x / self.w
-        self._z_scale = float(self.z.abs().max()) if self.z.numel() else 0.0
+        self._z_scale = peak_magnitude(self.z)
         return self.z
 
     def _values(self, share) -> torch.Tensor:
@@ -305,6 +321,22 @@ class PushSum:
 
     def _on_channel(self) -> dict:
         return {"channel": self.channel} if self.channel else {}
+
+
+def peak_magnitude(values: torch.Tensor) -> float:
+    """max |v| over `values` (0 when empty, inf when any is NaN or Inf), without allocating |values|
+    (a model-sized tensor per share)."""
+    if not values.numel():
+        return 0.0
+    low, high = (float(v) for v in values.aminmax())
+    return max(-low, high) if math.isfinite(low) and math.isfinite(high) else math.inf
+
+
+def _scaled(tensor: torch.Tensor, factor: float, *, out: torch.Tensor) -> torch.Tensor:
+    """factor * tensor, written into `out` (torch imported here: the registry loads without it)."""
+    import torch
+
+    return torch.mul(tensor, factor, out=out)
 
 
 __all__ = ["FINISH_WAIT_SECONDS", "PLAUSIBLE_SCALE", "PushSum"]

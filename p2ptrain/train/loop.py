@@ -123,9 +123,10 @@ class DecentralizedTrainer:
         not compute, and stretching it would make a 4 s stall last 12 s), wall time on CUDA."""
         return time.perf_counter() if self.device.type == "cuda" else time.thread_time()
 
-    def fit(self, batches: Iterable, steps: int) -> TrainResult:
+    def fit(self, batches: Iterable, steps: int, *, after_step: Callable[[int], object] | None = None) -> TrainResult:
         """Train until the optimizer has done `steps` steps (a catch-up after a stall may skip some),
-        then finish() it (in-flight communication flushed)."""
+        then finish() it (in-flight communication flushed). `after_step(n)` runs after each step
+        with the number of steps done (e.g. an evaluation every k steps)."""
         result = TrainResult(steps=steps)
         iterator = iter(batches)
         try:
@@ -134,6 +135,8 @@ class DecentralizedTrainer:
                 inputs, targets = next(iterator)
                 result.losses.append(self.train_step(inputs, targets))
                 result.step_seconds.append(time.perf_counter() - started)
+                if after_step is not None:
+                    after_step(self.optimizer.local_step)
         except LeftCluster as left:  # SIGTERM in an elastic run: handed over, the others go on
             result.left_at = left.step
         self.optimizer.finish()

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import statistics
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -130,6 +133,46 @@ def write_summary(out: Path | None, name: str, summary: Mapping, snapshots: Snap
     (out / f"{name}.json").write_text(json.dumps(finite_or_none(summary), indent=2))
 
 
+def process_cpu_seconds() -> float:
+    """CPU seconds (user + system, all threads) this process has used so far."""
+    t = os.times()
+    return t.user + t.system
+
+
+class StepClock:
+    """Wall and CPU time per training step: `lap()` returns what passed since the last lap (or the
+    start). Work done inside `off_the_clock()` (an evaluation between steps) is charged to no step,
+    so step times and CPU per step say what training costs. `cpu`: the CPU-seconds reading (default
+    this process's; a trainer with helper processes passes one that adds theirs)."""
+
+    def __init__(self, cpu: Callable[[], float] = process_cpu_seconds):
+        self._read_cpu = cpu
+        self.restart()
+
+    def restart(self) -> None:
+        self._wall, self._cpu = time.perf_counter(), self._read_cpu()
+
+    def lap(self) -> tuple[float, float]:
+        """(wall seconds, CPU seconds) since the last lap."""
+        wall, cpu = time.perf_counter(), self._read_cpu()
+        lap = (wall - self._wall, cpu - self._cpu)
+        self._wall, self._cpu = wall, cpu
+        return lap
+
+    @contextmanager
+    def off_the_clock(self):
+        """Yields a dict that receives the block's `seconds` and `cpu_seconds` when it ends."""
+        wall, cpu = time.perf_counter(), self._read_cpu()
+        spent: dict[str, float] = {}
+        try:
+            yield spent
+        finally:
+            spent["seconds"] = time.perf_counter() - wall
+            spent["cpu_seconds"] = self._read_cpu() - cpu
+            self._wall += spent["seconds"]
+            self._cpu += spent["cpu_seconds"]
+
+
 class RunRecorder:
     """What one node writes while it trains: every `log_every` steps a progress line (step, time,
     the mean loss since the last line, traffic, push-sum weight); a line of their own, at their step,
@@ -146,25 +189,34 @@ class RunRecorder:
         self.scalars: dict[str, float] = {}       # the latest value of every reported scalar
         self.losses: list[float] = []             # every reported loss, for the summary
         self.step_seconds: list[float] = []
+        self.step_cpu_seconds: list[float] = []
+        self.training_started: float | None = None  # unix time the first recorded step began
         self.snapshots = SnapshotSeries(log_every, max_snapshots)
         self.started = time.time()
         self.last_step = 0
         self.last_stats: dict = {}
 
-    def report(self, step: int, **scalars: float) -> None:
+    def report(self, step: int, *, line: Mapping | None = None, **scalars: float) -> None:
         """Scalars of `step` (loss, accuracy, perplexity, ...): shown in the next progress line and
-        the summary; losses are also averaged over the last ones."""
+        the summary; losses are also averaged over the last ones. `line`: more fields for this
+        scalar line only (e.g. how long an evaluation took), not scalars of the run."""
         values = {k: float(v) for k, v in scalars.items()}
         self.scalars.update(values)
         if "loss" in values:
             self.losses.append(values.pop("loss"))
         if values:
-            self.progress.write(step=step, time=time.time(), **values)
+            self.progress.write(step=step, time=time.time(), **values, **(line or {}))
 
-    def step_done(self, step: int, seconds: float, model: torch.Tensor | None, **stats) -> None:
-        """Step `step` (1-based count of steps done) took `seconds`; `stats` go into the line."""
+    def step_done(self, step: int, seconds: float, model: torch.Tensor | None, *, cpu_seconds: float | None = None,
+                  **stats) -> None:
+        """Step `step` (1-based count of steps done) took `seconds` (and `cpu_seconds` of this
+        process's CPU); `stats` go into the line."""
+        if self.training_started is None:
+            self.training_started = time.time() - seconds
         self.last_step, self.last_stats = step, stats
         self.step_seconds.append(seconds)
+        if cpu_seconds is not None:
+            self.step_cpu_seconds.append(cpu_seconds)
         if model is not None and self.snapshots.due(step):
             self.snapshots.add(step, model)
         if step % self.log_every == 0:
@@ -182,15 +234,20 @@ class RunRecorder:
 
     def summary(self) -> dict:
         """What the run measured: the last value of every scalar, the mean of the last 10 losses,
-        step times (all, and without the first 10%: connection set-up and warm-up land there)."""
+        step times (all, and without the first 10%: connection set-up and warm-up land there; mean
+        and median), CPU seconds per step (without the first 10%), when training began."""
         tail = self.losses[-10:]
         seconds = self.step_seconds
         skip = min(10, max(1, len(seconds) // 10)) if len(seconds) > 1 else 0
         steady = seconds[skip:]
+        steady_cpu = self.step_cpu_seconds[skip:] if len(self.step_cpu_seconds) > 1 else self.step_cpu_seconds
         return {**self.scalars, "reported": sorted(self.scalars), "steps": self.last_step,
                 "final_loss": sum(tail) / len(tail) if tail else math.nan,
                 "mean_step_seconds": sum(seconds) / len(seconds) if seconds else math.nan,
                 "steady_step_seconds": sum(steady) / len(steady) if steady else math.nan,
+                "median_step_seconds": statistics.median(steady) if steady else math.nan,
+                "cpu_seconds_per_step": sum(steady_cpu) / len(steady_cpu) if steady_cpu else math.nan,
+                "training_started": self.training_started,
                 "wall_seconds": time.time() - self.started}
 
     def finish(self, summary: Mapping, model: torch.Tensor | None = None, **final_stats) -> dict:

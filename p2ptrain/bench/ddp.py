@@ -1,0 +1,131 @@
+"""One rank of the torch DDP (gloo) baseline of `p2ptrain bench peers`.
+
+Run as `python -m p2ptrain.bench.ddp` with a node's flags (the launcher starts it where it would
+start `p2ptrain node`, in a network namespace too): the same settings, data shard, initial model,
+optimizer, batches and evaluation as a p2ptrain node (p2ptrain.train.setup), but trained by
+torch.nn.parallel.DistributedDataParallel over a gloo process group whose store is hosted by rank 0
+at rank 0's node address. It writes the run folder's files as a node does (RunRecorder), so the
+launcher and the benchmark read both the same way. Benchmark code: never used to train.
+
+Bytes per step are not counted by gloo: the figure written is what its ring all-reduce sends per
+node for the gradient buckets, 2 (n - 1) / n of the gradient bytes (the bandwidth-optimal amount,
+which p2ptrain's ring sends too).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import fcntl
+import ipaddress
+import os
+import socket
+import struct
+import sys
+from pathlib import Path
+
+SIOCGIFADDR = 0x8915
+
+
+def interface_of(host: str) -> str:
+    """The name of the local network interface holding IPv4 address `host` (gloo must use the
+    interface the node's address is on: `lo` on loopback, the veth inside a namespace)."""
+    if ipaddress.ip_address(host).is_loopback:
+        return "lo"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address
+                continue
+            if socket.inet_ntoa(packed[20:24]) == host:
+                return name
+    raise ValueError(f"no local interface holds {host}")
+
+
+def ring_bytes_per_step(model, world_size: int) -> float:
+    """Payload one node sends per step in a ring all-reduce of `model`'s gradients."""
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return 2 * (world_size - 1) / world_size * grad_bytes
+
+
+def train(config) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    from p2ptrain.train import cycle
+    from p2ptrain.train.evaluate import evaluate
+    from p2ptrain.train.progress import RunRecorder, StepClock
+    from p2ptrain.train.setup import build_optimizer, training_setup
+
+    torch.set_num_threads(config.threads)
+    own_host = (config.listen or config.peers[config.rank]).rsplit(":", 1)[0].strip("[]")
+    os.environ["GLOO_SOCKET_IFNAME"] = interface_of(own_host)
+    master_host, master_port = config.peers[0].rsplit(":", 1)
+    loader, test_loader, model, device = training_setup(config)
+    out = Path(config.out) if config.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    recorder = RunRecorder(out, f"node{config.rank}", rank=config.rank, log_every=config.log_every)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://{master_host.strip('[]')}:{master_port}",
+                                rank=config.rank, world_size=config.world_size,
+                                timeout=datetime.timedelta(seconds=config.peer_timeout))
+        ddp = DistributedDataParallel(model)
+        optimizer = build_optimizer(config, model)
+        per_step = ring_bytes_per_step(model, config.world_size)
+        clock = StepClock()
+
+        def evaluated(step: int) -> None:
+            with clock.off_the_clock() as spent:
+                test_loss, test_accuracy = evaluate(model, test_loader, device, loss_fn=F.nll_loss)
+            recorder.report(step, line={"eval_seconds": spent["seconds"]}, test_loss=test_loss,
+                            test_accuracy=test_accuracy)
+
+        batches = cycle(loader)
+        dist.barrier()
+        clock.restart()
+        sent = 0.0
+        for step in range(1, config.steps + 1):
+            inputs, targets = next(batches)
+            model.train()
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.nll_loss(ddp(inputs.to(device)), targets.to(device))
+            loss.backward()  # DDP all-reduces the gradient buckets while backward runs
+            optimizer.step()
+            recorder.report(step, loss=float(loss.detach()))
+            sent += per_step
+            seconds, cpu = clock.lap()
+            recorder.step_done(step, seconds, None, cpu_seconds=cpu, bytes_sent=int(sent), bytes_received=int(sent))
+            if config.eval_every and step % config.eval_every == 0 and step < config.steps:
+                evaluated(step)
+        evaluated(config.steps)
+        flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+        summary = {"rank": config.rank, **recorder.summary(), "algorithm": "ddp", "topology": "ring",
+                   "bytes_sent": int(sent), "bytes_received": int(sent), "device": device.type}
+        result = recorder.finish(summary, flat)
+        dist.destroy_process_group()
+        return result
+    except BaseException as exc:
+        recorder.event("error", message=f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        recorder.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from p2ptrain.config import NodeConfig
+    from p2ptrain.flags import add_node_arguments, flags_from_args
+
+    parser = argparse.ArgumentParser(prog="python -m p2ptrain.bench.ddp",
+                                     description="one rank of the torch DDP (gloo) baseline of bench peers")
+    add_node_arguments(parser)
+    args = parser.parse_args(argv)
+    config = NodeConfig.from_sources(toml_path=args.config_file, flags=flags_from_args(args)).validate()
+    train(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""`p2ptrain bench peers`: torch DDP (gloo), p2ptrain's algorithms and hivemind trained as real
+clusters on the same model, data and batch, with ratios to DDP from the same run (tiny sizes here;
+the real figures come from the full command, see README)."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+
+from p2ptrain.bench import peers
+from p2ptrain.bench.ddp import interface_of
+from p2ptrain.bench.hivemind_node import tree_cpu_seconds
+from p2ptrain.bench.peers import BASELINE, PeersResult, accuracy_curve, check_targets, time_to_accuracy
+from p2ptrain.train.progress import StepClock
+from tests.conftest import ROOT, node_env
+
+
+def run(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "p2ptrain", *args], cwd=ROOT, env=node_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def numeric(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+@pytest.mark.timeout(300)
+def test_bench_peers_runs_ddp_and_every_variant_with_ratios(tmp_path):
+    proc = run("bench", "peers", "--nodes", "2", "--steps", "20", "--width", "32", "--no-hivemind", "--json",
+               "--algorithms", "allreduce,allreduce-models,sgp-tau1", "--eval-every", "5", "--out", str(tmp_path),
+               "--extra", "--num-train 1200 --num-test 300")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    names = [v["name"] for v in result["variants"]]
+    assert names == [BASELINE, "allreduce", "allreduce-models", "sgp-tau1"]
+    for variant in result["variants"]:
+        assert variant["error"] is None, variant
+        for key in ("step_seconds", "cpu_seconds_per_step", "bytes_per_step", "test_accuracy", "wall_seconds"):
+            assert numeric(variant[key]) and variant[key] > 0, (variant["name"], key, variant[key])
+        assert [point[0] for point in variant["accuracy_curve"]] == [5, 10, 15, 20]  # every --eval-every steps
+        assert all(0 <= seconds and 0 <= accuracy <= 1 for _, seconds, accuracy in variant["accuracy_curve"])
+        for ratio in ("step", "cpu", "bytes"):
+            assert numeric(result["ratios"][variant["name"]][ratio])
+    by_name = {v["name"]: v for v in result["variants"]}
+    # the target defaults to DDP's final accuracy (less a rounding slack): DDP reaches it by its last evaluation
+    assert result["target_accuracy"] == pytest.approx(by_name[BASELINE]["test_accuracy"] - peers.TARGET_SLACK)
+    assert by_name[BASELINE]["time_to_target"] is not None
+    assert result["ratios"][BASELINE] == {"step": 1.0, "time_to_target": 1.0, "cpu": 1.0, "bytes": 1.0}
+    # the same ring payload: DDP's gloo ring and p2ptrain's send 2 (n - 1) / n of the gradient bytes
+    assert by_name["allreduce"]["bytes_per_step"] == pytest.approx(by_name[BASELINE]["bytes_per_step"], rel=0.02)
+    assert by_name["sgp-tau1"]["bytes_per_step"] == pytest.approx(by_name[BASELINE]["bytes_per_step"], rel=0.02)
+    # AllReduce of gradients is DDP's math on the same shards, batches and initial model
+    assert by_name["allreduce"]["test_accuracy"] == pytest.approx(by_name[BASELINE]["test_accuracy"], abs=0.02)
+    checks = {t["check"] for t in result["targets"]}
+    assert "SGP tau=1 step vs DDP" in checks and "AllReduce-SGD (gradients) step vs DDP" in checks
+    assert "x DDP" in proc.stderr and ("PASS" in proc.stderr or "MISS" in proc.stderr)
+
+
+def test_bench_peers_rejects_unknown_variant_and_bandwidth_without_netns(tmp_path):
+    proc = run("bench", "peers", "--algorithms", "allreduce,warp", "--out", str(tmp_path))
+    assert proc.returncode == 2 and "warp" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run("bench", "peers", "--bandwidth", "200mbit", "--out", str(tmp_path))
+    assert proc.returncode == 2 and "--netns" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_accuracy_curve_takes_the_slowest_node_and_leaves_evaluations_out():
+    progress = [
+        [{"step": 10, "time": 100.0, "loss": 1.0},
+         {"step": 10, "time": 102.0, "test_accuracy": 0.5, "eval_seconds": 1.0},
+         {"step": 20, "time": 105.0, "test_accuracy": 0.7, "eval_seconds": 1.0}],
+        [{"step": 10, "time": 103.0, "test_accuracy": 0.7, "eval_seconds": 0.5},
+         {"step": 20, "time": 104.0, "test_accuracy": 0.9, "eval_seconds": 0.5}],
+    ]
+    curve = accuracy_curve(progress, [100.0, 100.0])
+    assert curve == [[10, pytest.approx(2.5), pytest.approx(0.6)], [20, pytest.approx(3.0), pytest.approx(0.8)]]
+    assert time_to_accuracy(curve, 0.8) == pytest.approx(3.0)
+    assert time_to_accuracy(curve, 0.81) is None and time_to_accuracy(curve, None) is None
+
+
+def test_targets_are_ratios_to_ddp_of_the_same_run():
+    def result(name, seconds, time_to_target):
+        return PeersResult(name, 4, 200, step_seconds=seconds, time_to_target=time_to_target)
+
+    results = [result("ddp", 0.040, 8.0), result("allreduce", 0.036, 7.0), result("sgp-tau1", 0.030, None)]
+    checks = {c[0]: c for c in check_targets(results, "loopback")}
+    assert checks["AllReduce-SGD (gradients) step vs DDP"][1:] == (pytest.approx(0.9), 1.0, True)
+    assert checks["SGP tau=1 step vs DDP"][1:] == (pytest.approx(0.75), 0.7, False)
+    assert checks["SGP tau=1 time to target accuracy vs DDP"][1] == math.inf  # never reached it
+    assert [c[0] for c in check_targets(results, "netns, cap 200mbit")] == ["SGP tau=1 step vs DDP"]
+
+
+def test_step_clock_leaves_work_off_the_clock_out():
+    clock = StepClock()
+    time.sleep(0.05)
+    with clock.off_the_clock() as spent:
+        end = time.process_time() + 0.05
+        while time.process_time() < end:  # burn CPU off the clock
+            pass
+    seconds, cpu = clock.lap()
+    assert spent["seconds"] >= 0.05 and spent["cpu_seconds"] >= 0.04
+    assert 0.045 <= seconds < 0.09 and cpu < 0.03
+
+
+def test_gloo_interface_and_process_tree_cpu():
+    assert interface_of("127.0.0.1") == "lo"
+    with pytest.raises(ValueError):
+        interface_of("192.0.2.77")  # TEST-NET-1: on no interface here
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.3\n"
+                                                    "while time.process_time() < end: pass\ntime.sleep(5)"])
+    try:
+        before = tree_cpu_seconds()
+        time.sleep(1.0)
+        assert tree_cpu_seconds() - before >= 0.2  # the child's CPU counts while it runs
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not peers.hivemind_available(), reason="hivemind (the optional `hivemind` extra) is not installed")
+@pytest.mark.timeout(300)
+def test_bench_peers_adds_a_hivemind_row_when_installed(tmp_path):
+    proc = run("bench", "peers", "--nodes", "2", "--steps", "6", "--width", "32", "--json", "--algorithms",
+               "sgp-tau1", "--eval-every", "3", "--out", str(tmp_path), "--extra", "--num-train 600 --num-test 200")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    by_name = {v["name"]: v for v in json.loads(proc.stdout)["variants"]}
+    assert list(by_name) == [BASELINE, "sgp-tau1", "hivemind"]
+    hivemind = by_name["hivemind"]
+    assert hivemind["error"] is None and hivemind["step_seconds"] > 0 and hivemind["bytes_per_step"] > 0
