@@ -491,16 +491,18 @@ class _NodeProcesses:
 
     def start(self, count: int | None = None) -> None:
         """Start the first `count` nodes (all by default; the others join later: join())."""
-        for spec in self.specs[:count]:
-            self._spawn(spec, spec.env, "wb")
+        for index, spec in enumerate(self.specs[:count]):
+            self._spawn(index, spec.env, "wb")
 
-    def _spawn(self, spec: NodeProcessSpec, env: dict[str, str], mode: str) -> None:
+    def _spawn(self, index: int, env: dict[str, str], mode: str) -> None:
+        """Start specs[index] (ranks index the specs; a service's rank is -1, its index is its place)."""
+        spec = self.specs[index]
         log = open(self.log_dir / spec.log_name, mode)
         self._logs.append(log)
         proc = subprocess.Popen(spec.argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        if spec.rank < len(self.procs):
-            self.procs[spec.rank] = proc
+        if index < len(self.procs):
+            self.procs[index] = proc
         else:
             self.procs.append(proc)
 
@@ -516,7 +518,7 @@ class _NodeProcesses:
     def join(self, rank: int) -> None:
         """Start node `rank`, outside the first ones, as a new member of the running cluster
         (P2PTRAIN_JOIN=1: it takes a live peer's state and starts at the agreed step)."""
-        self._spawn(self.specs[rank], {**self.specs[rank].env, "P2PTRAIN_JOIN": "1"}, "wb")
+        self._spawn(rank, {**self.specs[rank].env, "P2PTRAIN_JOIN": "1"}, "wb")
 
     def leave(self, rank: int) -> None:
         """Ask node `rank` to leave gracefully: SIGTERM to it alone (not its group), as docker stop,
@@ -551,7 +553,7 @@ class _NodeProcesses:
         spec = self.specs[rank]
         with open(self.log_dir / spec.log_name, "ab") as log:
             log.write(b"\n--- restarted by the launcher ---\n")
-        self._spawn(spec, {**spec.env, "P2PTRAIN_REJOIN": "1"}, "ab")
+        self._spawn(rank, {**spec.env, "P2PTRAIN_REJOIN": "1"}, "ab")
 
     def wait(self, rank: int, seconds: float) -> None:
         try:

@@ -191,6 +191,17 @@ def flags_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k in names}
 
 
+def node_config_from_argv(prog: str, description: str, argv: list[str] | None = None):
+    """A validated NodeConfig from node flags (and --config): for programs that run one rank of a
+    cluster the launcher starts with node flags, such as the baselines of `bench peers`."""
+    from p2ptrain.config import NodeConfig
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_node_arguments(parser)
+    args = parser.parse_args(argv)
+    return NodeConfig.from_sources(toml_path=args.config_file, flags=flags_from_args(args)).validate()
+
+
 def settings_to_env(settings: dict[str, Any]) -> dict[str, str]:
     """P2PTRAIN_<SETTING> variables for settings given as flags (None: not given), the way
     NodeConfig reads them back (lists comma- or semicolon-joined): how `p2ptrain launch` hands its

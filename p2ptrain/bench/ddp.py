@@ -13,7 +13,6 @@ which p2ptrain's ring sends too).
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import fcntl
 import ipaddress
@@ -115,17 +114,11 @@ def train(config) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from p2ptrain.config import NodeConfig
-    from p2ptrain.flags import add_node_arguments, flags_from_args
+    from p2ptrain.flags import node_config_from_argv
 
-    parser = argparse.ArgumentParser(prog="python -m p2ptrain.bench.ddp",
-                                     description="one rank of the torch DDP (gloo) baseline of bench peers")
-    add_node_arguments(parser)
-    args = parser.parse_args(argv)
-    config = NodeConfig.from_sources(toml_path=args.config_file, flags=flags_from_args(args)).validate()
-    train(config)
+    train(node_config_from_argv("python -m p2ptrain.bench.ddp",
+                                "one rank of the torch DDP (gloo) baseline of bench peers", argv))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

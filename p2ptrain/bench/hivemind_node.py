@@ -13,7 +13,6 @@ of g peers, 2 (g - 1) / g of the model (hivemind does not count its traffic), fo
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -169,17 +168,11 @@ def train(config) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from p2ptrain.config import NodeConfig
-    from p2ptrain.flags import add_node_arguments, flags_from_args
+    from p2ptrain.flags import node_config_from_argv
 
-    parser = argparse.ArgumentParser(prog="python -m p2ptrain.bench.hivemind_node",
-                                     description="one rank of the hivemind baseline of bench peers")
-    add_node_arguments(parser)
-    args = parser.parse_args(argv)
-    config = NodeConfig.from_sources(toml_path=args.config_file, flags=flags_from_args(args)).validate()
-    train(config)
+    train(node_config_from_argv("python -m p2ptrain.bench.hivemind_node",
+                                "one rank of the hivemind baseline of bench peers", argv))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
