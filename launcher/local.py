@@ -152,7 +152,8 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
     `services` (e.g. a parameter server) start first and may finish on their own once the nodes
     are done (they get `service_grace` seconds); one exiting non-zero fails the run.
     `hosts` / `argv_prefixes`: one address / command prefix per rank (see plan_cluster).
-    `first`: an elastic run starts only ranks below it; the others join when a `join` fault fires.
+    `first`: an elastic run starts ranks below it; the others start at once too, and join by
+    themselves when the cluster reaches their `join` event's step.
     Raises ClusterError on the first node failure or on timeout, after stopping every process.
     """
     out_dir = Path(out_dir)
@@ -179,6 +180,9 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
     try:
         service_processes.start()
         processes.start(first)
+        for event in faults:  # joiners start now (imports, data, server) and join at their step
+            if event.action == "join":
+                processes.join(event.rank, event.at_step)
         _supervise(processes, watcher, view, start, timeout, log_dir, service_processes, faults=faults,
                    stream=stream)
         _wait_services(service_processes, service_grace, log_dir)
@@ -371,8 +375,7 @@ def _apply_faults(events: list[FaultEvent], processes: "_NodeProcesses", watcher
         if event.action == "kill":
             processes.kill(event.rank)
             state.down = True
-        elif event.action == "join":
-            processes.join(event.rank)
+        elif event.action == "join":  # (started at launch with --join-at: it joins by itself now)
             state.down = state.joins = False
         elif event.action == "leave":
             processes.leave(event.rank)
@@ -515,10 +518,12 @@ class _NodeProcesses:
                 self._sweep(proc)
         return codes + [None] * (len(self.specs) - len(codes))
 
-    def join(self, rank: int) -> None:
+    def join(self, rank: int, at_step: int) -> None:
         """Start node `rank`, outside the first ones, as a new member of the running cluster
-        (P2PTRAIN_JOIN=1: it takes a live peer's state and starts at the agreed step)."""
-        self._spawn(rank, {**self.specs[rank].env, "P2PTRAIN_JOIN": "1"}, "wb")
+        (P2PTRAIN_JOIN=1: it takes a live peer's state and starts at the agreed step) once the
+        cluster reaches `at_step` (P2PTRAIN_JOIN_AT: it starts up now, so it joins at that step and
+        not the seconds of its start-up later)."""
+        self._spawn(rank, {**self.specs[rank].env, "P2PTRAIN_JOIN": "1", "P2PTRAIN_JOIN_AT": str(at_step)}, "wb")
 
     def leave(self, rank: int) -> None:
         """Ask node `rank` to leave gracefully: SIGTERM to it alone (not its group), as docker stop,

@@ -169,7 +169,7 @@ def build_report(out_dir: Path | RunFiles, nodes: int, config: dict | None, wall
     }
     history = {"steps": steps, "consensus_distance": distances, "loss": loss_history}
     for name in sorted({n for s in summaries for n in s.get("reported", ()) if n not in ("loss", "test_loss")}):
-        cluster[f"mean_{name}"] = _mean(_numbers(summaries, name))  # what scripts report: accuracy, perplexity
+        cluster[f"mean_{name}"] = _mean(_numbers(stayed, name))  # what scripts report: accuracy, perplexity
         series = {str(rank): [[r["step"], r[name]] for r in records if "step" in r and isinstance(r.get(name), float)]
                   for rank, records in progress.items()}
         if any(series.values()):

@@ -68,10 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--restart", action="append", default=[], metavar="RANK@STEP",
                         help="start a killed node again at STEP: it fetches the model from a live peer and "
                              "rejoins (repeatable)")
-    launch.add_argument("--join", dest="join_at", action="append", default=[], metavar="COUNT@STEP",
+    launch.add_argument("--join", dest="join_events", action="append", default=[], metavar="COUNT@STEP",
                         help="elastic run: start COUNT more nodes once the cluster reaches STEP; they join as new "
                              "members, nobody restarts (repeatable; ranks --nodes, --nodes+1, ...)")
-    launch.add_argument("--leave", dest="leave_at", action="append", default=[], metavar="RANK@STEP",
+    launch.add_argument("--leave", dest="leave_events", action="append", default=[], metavar="RANK@STEP",
                         help="elastic run: SIGTERM node RANK once the cluster reaches STEP; it hands over its "
                              "push-sum mass and leaves, the others go on (repeatable)")
     launch.add_argument("--netns", action="store_true",
@@ -267,9 +267,15 @@ def cmd_node(args: argparse.Namespace) -> int:
     except NonFiniteError as exc:
         print(f"p2ptrain node: run failed: {exc}", file=sys.stderr)
         return EXIT_NON_FINITE
-    print(f"node {config.rank}: test accuracy {summary['test_accuracy']:.4f}, final loss "
-          f"{summary['final_loss']:.4f}, {summary['mean_step_seconds'] * 1000:.1f} ms/step")
+    print(f"node {config.rank}: test accuracy {_fmt(summary.get('test_accuracy'), '.4f')}, final loss "
+          f"{_fmt(summary.get('final_loss'), '.4f')}, {_fmt(summary.get('mean_step_seconds'), '.1f', 1000)} ms/step"
+          + (f", left the cluster at step {summary['left_at']}" if summary.get("left_at") is not None else ""))
     return 0
+
+
+def _fmt(value, spec: str, scale: float = 1.0) -> str:
+    """`value` formatted, or "-" when the run has none (a node that joined after the last step)."""
+    return format(value * scale, spec) if isinstance(value, (int, float)) else "-"
 
 
 def _check_ports(config: NodeConfig) -> None:
@@ -369,7 +375,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from launcher.local import fault_plan
 
     try:
-        faults = fault_plan(args.kill, args.restart, args.nodes, args.stall, args.join_at, args.leave_at)
+        faults = fault_plan(args.kill, args.restart, args.nodes, args.stall, args.join_events, args.leave_events)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if faults and gem:
@@ -415,8 +421,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
 def _elastic_launch(args: argparse.Namespace) -> None:
     """--join / --leave make the run elastic: --max-nodes covers the nodes that join (set here when
     not given; too small a value is an error); the node flags passed on carry it."""
-    joins = sum(int(spec.partition("@")[0]) for spec in args.join_at if spec.partition("@")[0].strip().isdigit())
-    if not (args.join_at or args.leave_at):
+    joins = sum(int(spec.partition("@")[0]) for spec in args.join_events if spec.partition("@")[0].strip().isdigit())
+    if not (args.join_events or args.leave_events):
         return
     needed = args.nodes + joins
     if args.max_nodes is None:

@@ -112,6 +112,7 @@ class NodeConfig:
     max_nodes: int | None = None                     # elastic run: up to this many nodes; ranks world_size..
                                                      # max_nodes-1 join later (--join); SIGTERM = leave
     join: bool = False                               # this node joins a running elastic cluster as a new member
+    join_at: int | None = None                       # with join: start now, join once the cluster reaches this step
     rejoin: bool = False                             # this process restarts into a running cluster: take a
                                                      # live peer's state, or exit at once if none answers
     inject_nan: str | None = None                    # fault injection "RANK@STEP": that node's loss is NaN
@@ -184,6 +185,7 @@ class NodeConfig:
         need(self.rank < self.world_size or self.join,
              f"rank {self.rank} is beyond the {self.world_size} starting nodes: a node that joins later needs --join")
         need(not self.join or self.elastic, "--join needs an elastic run: give --max-nodes (every node the same)")
+        need(self.join_at is None or (self.join and self.join_at >= 0), "--join-at STEP needs --join and STEP >= 0")
         need(self.role in ROLES, f"unknown role {self.role!r}; choose from {ROLES}")
         self._validate_rendezvous(need)
         if self.role == "peer" and not self.uses_rendezvous and (self.world_size > 1 or self.peers):

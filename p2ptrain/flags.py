@@ -110,6 +110,9 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, cluster_flags: bool =
                        help="this node joins a running elastic cluster as a new member: it takes a live peer's "
                             "state and starts training at the step all members switch to the larger view "
                             "(`launch --join` sets it)")
+        g.add_argument("--join-at", type=int, metavar="STEP",
+                       help="with --join: start (imports, data, server) now, and join once the cluster reaches "
+                            "STEP, so the join happens at that step and not seconds later (`launch --join` sets it)")
         g.add_argument("--rejoin", action="store_true", default=None,
                        help="this process restarts into a running cluster: take a live peer's state, or exit at "
                             "once (code 3) when no peer answers (`launch --restart` sets it)")

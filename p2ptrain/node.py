@@ -8,6 +8,7 @@ objects.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,7 +58,11 @@ def transport_options(config: NodeConfig, device: torch.device) -> TransportOpti
                             relays=config.relays, relay_retry_after=config.relay_retry_after,
                             max_lag=config.resolved_max_lag, data_plane=config.data_plane,
                             lane_port=config.lane_port,
-                            initial_members=config.world_size if config.elastic else None)
+                            initial_members=config.world_size if config.elastic else None,
+                            view_notice=VIEW_NOTICE_SECONDS)
+
+
+VIEW_NOTICE_SECONDS = 1.0  # a membership view switches at least ~1 s of steps ahead: every member hears of it first
 
 
 class Node:
@@ -114,9 +119,7 @@ class Node:
             self._metrics_server = server
             self.metrics_port = server.server_port
         if self.config.join:  # a new member of a running elastic cluster: take a live peer's state first
-            if not self.transport.survey().reachable:
-                raise NoClusterToRejoin(f"node {self.config.rank}: no live peer to join: the cluster has finished "
-                                        "(or is unreachable)")
+            self._wait_to_join()
             self.comm.joining = True
             log.info("node %d: joining the running cluster", self.config.rank)
             return self
@@ -132,6 +135,20 @@ class Node:
         if wait_for_peers and self.config.world_size > 1:
             self.transport.wait_for_peers(timeout=self.config.peer_timeout)
         return self
+
+    def _wait_to_join(self) -> None:
+        """A joiner: wait (up to the peer timeout) for the cluster to answer, and with join_at for it
+        to reach that step; NoClusterToRejoin if it has finished (or never answers)."""
+        deadline, seen = time.monotonic() + self.config.peer_timeout, False
+        while True:
+            survey = self.transport.survey()
+            seen |= bool(survey.reachable)
+            if survey.reachable and (self.config.join_at is None or survey.furthest >= self.config.join_at):
+                return
+            if (seen and not survey.reachable) or time.monotonic() >= deadline:
+                raise NoClusterToRejoin(f"node {self.config.rank}: no live peer to join: the cluster has finished "
+                                        "(or is unreachable)")
+            time.sleep(0.2)
 
     @property
     def closed(self) -> bool:

@@ -44,6 +44,7 @@ class TransportOptions:
     initial_members: int | None = None  # elastic runs: ranks below this start as members, the others join
                                        # later (None: every rank of the world is a member from the start)
     view_margin: int = DEFAULT_VIEW_MARGIN  # steps between a membership change's proposal and its switch
+    view_notice: float = 0.0           # ... and at least this many seconds at the proposer's pace (node.py: 1 s)
 
     def channel_options(self) -> list[tuple[str, object]]:
         limit = self.chunk_bytes + (1 << 20)  # a data chunk plus framing; headers are tiny

@@ -12,6 +12,7 @@ import concurrent.futures
 import logging
 import secrets
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import grpc
@@ -29,10 +30,34 @@ from p2ptrain.transport.views import View, Views
 log = logging.getLogger(__name__)
 
 
+class StepPace:
+    """How fast this node's steps go (the last ~32 set_step calls): a view's switch must lie far
+    enough ahead that every member hears of it first, in steps as in seconds."""
+
+    def __init__(self, window: int = 32):
+        self._times: deque = deque(maxlen=window)
+
+    def note(self, step: int) -> None:
+        """Step `step` starts now; a jump (a rejoin resuming further on) starts the pace afresh."""
+        if self._times and step != self._times[-1][1] + 1:
+            if step <= self._times[-1][1]:
+                return
+            self._times.clear()
+        self._times.append((time.monotonic(), step))
+
+    def steps_in(self, seconds: float) -> int:
+        """About how many steps this node runs in `seconds` (0 before it has a pace)."""
+        if len(self._times) < 2:
+            return 0
+        (t0, s0), (t1, s1) = self._times[0], self._times[-1]
+        return int(seconds * (s1 - s0) / (t1 - t0)) + 1 if t1 > t0 else 0
+
+
 @dataclass(frozen=True)
 class ClusterSurvey:
     reachable: int  # peers that answered a Hello
     running: bool   # one of them is ready and past step 0
+    furthest: int = 0  # the furthest step a compatible peer is at
 
 
 def new_incarnation() -> int:
@@ -65,6 +90,7 @@ class Peers:
         self._state_requests: list[int] = []  # peers that asked for our model state (Hello want_state)
         initial = range(self.world_size if initial_members is None else initial_members)
         self.views = Views(self.rank, tuple(initial), self.world_size)  # who trains together when (elastic)
+        self.pace = StepPace()
 
     def others(self) -> list[int]:
         """The peers to greet: the members of the latest view (every node, in a static run), and
@@ -221,7 +247,7 @@ class Peers:
         compatible, ready one is past step 0, i.e. this node was restarted into a running cluster
         (at a fresh start no node passes step 0 before every node is ready)."""
         futures = [self._hello_once(peer, self.hello_request(), timeout) for peer in self.others()]
-        reachable, running = 0, False
+        reachable, running, furthest = 0, False, 0
         for future in futures:
             try:
                 reply = future.result(timeout + 5)
@@ -229,7 +255,8 @@ class Peers:
                 continue
             reachable += 1
             running |= bool(reply.compatible and reply.ready and reply.step > 0)
-        return ClusterSurvey(reachable=reachable, running=running)
+            furthest = max(furthest, reply.step if reply.compatible else 0)
+        return ClusterSurvey(reachable=reachable, running=running, furthest=furthest)
 
     def announce_ready(self) -> list[int]:
         """Tell every peer (one Hello each, failures ignored) that this node is ready again and
@@ -256,19 +283,22 @@ class Peers:
             self.membership.confirmed(peer, since_step=since)
         return reply
 
-    def propose_view(self, members, margin: int) -> int:
+    def propose_view(self, members, margin: int, notice: float = 0.0) -> int:
         """Propose that `members` train together from `margin` steps past the furthest step this
-        node knows of any old or new member, and Hello the view to each of them (failures ignored:
+        node knows of any old or new member (and `notice` seconds at this node's pace), and Hello the
+        view to each of them (failures ignored:
         a node that misses it hears of it in its next Hello). A reply from a node already at the
         switch step means it may have gone past it with the old members: propose again further
         on. Returns the switch step of the latest view (another proposer's, if its view won)."""
         members = sorted(set(members))
+        margin = max(margin, self.pace.steps_in(notice))  # fast steps: `notice` seconds ahead too
         for _ in range(3):
             targets = [p for p in sorted((self.views.members_ever | set(members)) - {self.rank})
                        if self.addresses[p]]
             known = [self.membership.step] + [s for s in map(self.membership.peer_step, targets) if s is not None]
             view = self.loop.call(self.views.propose, members, max(known) + margin,
                                   {m: self.addresses[m] for m in members})
+            margin *= 2  # (if a node was past it, the next try goes further)
             request = self.hello_request()  # (it carries the view)
             futures = {peer: self._hello_once(peer, request, 2.0) for peer in targets}
             past = []

@@ -217,6 +217,7 @@ class Transport:
     def set_step(self, step: int) -> None:
         """The node's current step: the centre of the accepted step window."""
         self.membership.step = step
+        self._peers.pace.note(step)
         if self._bridge.started:
             self._bridge.call_soon(self.inbox.set_step, step)
 
@@ -340,7 +341,7 @@ class Transport:
         """Propose that `members` train together from a step `view_margin` past the furthest step
         known of any member, and tell every old and new member; returns the switch step in force
         (see Peers.propose_view)."""
-        return self._peers.propose_view(members, self.options.view_margin)
+        return self._peers.propose_view(members, self.options.view_margin, self.options.view_notice)
 
     def joining(self, peer: int) -> bool:
         """`peer` is not a member of the latest view: it joins (a state request from it is served)."""
