@@ -340,26 +340,43 @@ class MemberRing:
 
     def reduce_or_keep(self, tensor: torch.Tensor, step: int, *, average: bool = True) -> torch.Tensor:
         """The all-reduce over the step's members, or `tensor` unchanged when it cannot complete."""
-        members = self.comm.members(step)
-        if self.rank not in members or len(members) == 1:
-            return tensor
-        departing = self.comm.departing(step)
-        if departing:
-            log.info("node %d: step-%d all-reduce skipped: node(s) %s are being dropped from the ring", self.rank,
-                     step, sorted(departing))
+        members = self.members_for(step)
+        if members is None:
             return tensor
         try:
             reduced = self.ring(tensor, step, average=average, members=members)
         except CollectiveIncomplete as exc:
-            log.warning("%s; keeping the local value for this step", exc)
-            self.comm.drop_dead_members()
-            self._failures += 1
-            if self._failures >= REALIGN_AFTER:  # not a dead member (that proposal comes first): re-form
-                self._failures = 0
-                self.comm.realign()  # (nothing new while a switch is pending)
+            self.round_failed(exc)
             return tensor
-        self._failures = 0
+        self.round_completed()
         return reduced
+
+    def members_for(self, step: int) -> tuple[int, ...] | None:
+        """The ranks to reduce over at `step`, or None when this step's round is skipped (this node
+        alone, not a member, or a member a pending view drops is still in the ring). Rings of
+        other tensors that follow the same members (gradient buckets) ask here too."""
+        members = self.comm.members(step)
+        if self.rank not in members or len(members) == 1:
+            return None
+        departing = self.comm.departing(step)
+        if departing:
+            log.info("node %d: step-%d all-reduce skipped: node(s) %s are being dropped from the ring", self.rank,
+                     step, sorted(departing))
+            return None
+        return tuple(members)
+
+    def round_failed(self, exc: CollectiveIncomplete) -> None:
+        """A round over members_for(step) could not complete (the caller keeps its local value):
+        propose the members without dead peers, and re-form after REALIGN_AFTER failures in a row."""
+        log.warning("%s; keeping the local value for this step", exc)
+        self.comm.drop_dead_members()
+        self._failures += 1
+        if self._failures >= REALIGN_AFTER:  # not a dead member (that proposal comes first): re-form
+            self._failures = 0
+            self.comm.realign()  # (nothing new while a switch is pending)
+
+    def round_completed(self) -> None:
+        self._failures = 0
 
     def resync(self, params: torch.Tensor, step: int) -> torch.Tensor:
         """At the first step of a view: the mean model over its members (`params` unchanged if it

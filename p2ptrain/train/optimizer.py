@@ -119,6 +119,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             joined = comm.fetch_state(state.numel, state.dtype)
             state.load(joined.tensor)
             self.local_step = self.start_step = joined.step + 1
+        self.algorithm.watch_gradients(state.params, lambda: self.local_step)
         state.load(self.algorithm.setup(state.vector()))  # (a rejoining node announces itself here)
         if comm is not None and comm.joining:
             self.local_step = self.start_step = max(self.local_step, comm.resume_step)
