@@ -134,7 +134,7 @@ class BucketedGradients:
 
     def _reduce(self, bucket: _Bucket, step: int, members: tuple[int, ...]) -> CollectiveIncomplete | None:
         try:
-            bucket.ring(self.flat[bucket.start:bucket.end], step, average=True, members=members)
+            bucket.ring(self.flat[bucket.start:bucket.end], step, average=True, members=members, restore=False)
         except CollectiveIncomplete as exc:
             return exc
         return None

@@ -137,13 +137,17 @@ class RingAllReduce:
 
     # The collective -------------------------------------------------------------------------------
     def __call__(self, tensor: torch.Tensor, step: int, *, average: bool = True, members=None,
-                 residual: torch.Tensor | None = None, deadline: float | None = None) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, deadline: float | None = None,
+                 restore: bool = True) -> torch.Tensor:
         """Sum (or mean) of `tensor` over the ring's members, written into `tensor` and returned.
 
         `members` (elastic rings only): the ranks to reduce over, this node among them (default:
         all). `deadline`: how long each segment is waited for (default: the link deadline).
         `residual` (sums only): tensor of the same size that receives what this node's
         compressions lost (error feedback; zeros without a lossy codec).
+
+        `restore=False`: the caller keeps its own copy of the input (gradient buckets reduce a
+        scratch copy), so `tensor` is not backed up and holds partial sums after a failure.
 
         Raises CollectiveIncomplete, with `tensor` and `residual` restored, when a ring neighbour's
         segment misses the link deadline or a node is dead (callers fall back to their local value
@@ -168,16 +172,18 @@ class RingAllReduce:
             self._failed_at = step
             raise CollectiveIncomplete(f"node {self.rank}: all-reduce of step {step} skipped: node {ring.next} "
                                        "acknowledges nothing")
-        if self._backup is None:
-            self._backup = buffer_like(tensor)
-        original = self._backup
-        original.copy_(tensor)
+        original = None
+        if restore:
+            if self._backup is None:
+                self._backup = buffer_like(tensor)
+            original = self._backup.copy_(tensor)
         kept = residual.clone() if residual is not None else None
         try:
             return self._ring(tensor, step, average, ring, residual, deadline)
         except CollectiveIncomplete:
             self._outgoing = {}  # sends of this call may still read their buffers: the next call takes new ones
-            tensor.copy_(original)
+            if original is not None:
+                tensor.copy_(original)
             if residual is not None:
                 residual.copy_(kept)
             self._failed_at = step
