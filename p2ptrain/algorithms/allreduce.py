@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from p2ptrain.algorithms.base import Algorithm, Comm
+from p2ptrain.algorithms.buckets import BucketedGradients
 from p2ptrain.algorithms.collectives import MemberRing
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, option, register
 from p2ptrain.compression import CODEC_HELP, CODEC_NAMES, NEEDS_ERROR_FEEDBACK
@@ -33,9 +34,14 @@ class AllReduceOptions(AlgorithmOptions):
     average: str = option("gradients", "average the gradients before the step (data-parallel SGD, as DDP), or "
                                        "the models after it (seed 003 Alg. 3)", choices=AVERAGE_WHAT)
     compression: str = option("none", CODEC_HELP, choices=CODEC_NAMES)
+    buckets_mb: float = option(0.0, "with --average gradients: all-reduce the gradients in buckets of this many MB, "
+                                    "launched from backward hooks while backward runs (as DDP); 0 = one flat "
+                                    "all-reduce at step()")
 
     def validate(self, settings) -> None:
         super().validate(settings)
+        if self.buckets_mb < 0:
+            raise ValueError(f"buckets_mb must be >= 0, got {self.buckets_mb}")
         if self.compression in NEEDS_ERROR_FEEDBACK:
             raise ValueError(f"compression {self.compression} drops most of the tensor and needs error feedback, "
                              "which allreduce does not keep: use it with diloco or gossip-diloco")
@@ -47,25 +53,38 @@ class AllReduceSGD(Algorithm):
 
     @classmethod
     def from_options(cls, comm: Comm, options: AllReduceOptions, context: BuildContext) -> "AllReduceSGD":
-        return cls(comm, average=options.average, codec=options.compression)
+        return cls(comm, average=options.average, codec=options.compression, buckets_mb=options.buckets_mb)
 
-    def __init__(self, comm: Comm, *, average: str = "gradients", codec: str = "none"):
+    def __init__(self, comm: Comm, *, average: str = "gradients", codec: str = "none", buckets_mb: float = 0.0):
         if average not in AVERAGE_WHAT:
             raise ValueError(f"average must be one of {AVERAGE_WHAT}, got {average!r}")
         self.comm = comm
         self.average = average
         self.codec = codec
         self.uses_gradients = average == "gradients"
+        self.buckets_mb = buckets_mb
         self.allreduce = None
+        self.buckets: BucketedGradients | None = None
+        self._watched = None  # (parameters, next_step) from the engine, for the buckets
+
+    def watch_gradients(self, params: list, next_step) -> None:
+        self._watched = (params, next_step)
 
     def setup(self, params: torch.Tensor) -> torch.Tensor:
         self.allreduce = MemberRing(self.comm, params.numel(), params.dtype, codec=self.codec,
                                     resync_deadline=self.comm.peer_timeout)
+        if self.uses_gradients and self.buckets_mb > 0 and self._watched is not None:
+            self.buckets = BucketedGradients(self.comm, self.allreduce, *self._watched,
+                                             bucket_bytes=int(self.buckets_mb * 2**20), codec=self.codec)
         self.comm.ready()
         return params
 
     def reduce_gradients(self, step: int, grads: torch.Tensor) -> torch.Tensor:
         self.comm.set_step(step)
+        if self.buckets is not None:
+            reduced = self.buckets.reduce(step, grads)
+            if reduced is not None:
+                return reduced
         return self.allreduce.reduce_or_keep(grads, step)
 
     def members_changed(self, step: int, params: torch.Tensor) -> torch.Tensor:
@@ -79,8 +98,16 @@ class AllReduceSGD(Algorithm):
         self.comm.set_step(step)
         return self.allreduce.reduce_or_keep(params, step)
 
+    def finish(self) -> None:
+        if self.buckets is not None:
+            self.buckets.close()
+        return None
+
     def stats(self) -> dict[str, float]:
-        return {"ring_resyncs": float(self.allreduce.resyncs)} if self.allreduce is not None else {}
+        stats = {"ring_resyncs": float(self.allreduce.resyncs)} if self.allreduce is not None else {}
+        if self.buckets is not None:
+            stats["bucketed_steps"] = float(self.buckets.bucketed_steps)
+        return stats
 
 
 register(AlgorithmSpec(

@@ -126,6 +126,11 @@ class Algorithm(ABC):
     def after_step(self, step: int, params: "torch.Tensor") -> "torch.Tensor":
         """`params` = model after the local optimizer step of `step`; returns the model for step+1."""
 
+    def watch_gradients(self, params: list, next_step) -> None:
+        """The model's parameters (in the flat vector's order) and `next_step()`, the step the next
+        backward belongs to, for algorithms that start communicating from backward hooks while
+        backward still runs (bucketed all-reduce). Called once, before setup. Default: nothing."""
+
     def members_changed(self, step: int, params: "torch.Tensor") -> "torch.Tensor | None":
         """A new view takes effect at `step` (nodes joined or left; the engine calls this before
         the step's hooks); returns new parameters if the algorithm changed them. Default: nothing

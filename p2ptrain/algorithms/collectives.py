@@ -137,13 +137,17 @@ class RingAllReduce:
 
     # The collective -------------------------------------------------------------------------------
     def __call__(self, tensor: torch.Tensor, step: int, *, average: bool = True, members=None,
-                 residual: torch.Tensor | None = None, deadline: float | None = None) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, deadline: float | None = None,
+                 restore: bool = True) -> torch.Tensor:
         """Sum (or mean) of `tensor` over the ring's members, written into `tensor` and returned.
 
         `members` (elastic rings only): the ranks to reduce over, this node among them (default:
         all). `deadline`: how long each segment is waited for (default: the link deadline).
         `residual` (sums only): tensor of the same size that receives what this node's
         compressions lost (error feedback; zeros without a lossy codec).
+
+        `restore=False`: the caller keeps its own copy of the input (gradient buckets reduce a
+        scratch copy), so `tensor` is not backed up and holds partial sums after a failure.
 
         Raises CollectiveIncomplete, with `tensor` and `residual` restored, when a ring neighbour's
         segment misses the link deadline or a node is dead (callers fall back to their local value
@@ -168,16 +172,18 @@ class RingAllReduce:
             self._failed_at = step
             raise CollectiveIncomplete(f"node {self.rank}: all-reduce of step {step} skipped: node {ring.next} "
                                        "acknowledges nothing")
-        if self._backup is None:
-            self._backup = buffer_like(tensor)
-        original = self._backup
-        original.copy_(tensor)
+        original = None
+        if restore:
+            if self._backup is None:
+                self._backup = buffer_like(tensor)
+            original = self._backup.copy_(tensor)
         kept = residual.clone() if residual is not None else None
         try:
             return self._ring(tensor, step, average, ring, residual, deadline)
         except CollectiveIncomplete:
             self._outgoing = {}  # sends of this call may still read their buffers: the next call takes new ones
-            tensor.copy_(original)
+            if original is not None:
+                tensor.copy_(original)
             if residual is not None:
                 residual.copy_(kept)
             self._failed_at = step
@@ -340,26 +346,43 @@ class MemberRing:
 
     def reduce_or_keep(self, tensor: torch.Tensor, step: int, *, average: bool = True) -> torch.Tensor:
         """The all-reduce over the step's members, or `tensor` unchanged when it cannot complete."""
-        members = self.comm.members(step)
-        if self.rank not in members or len(members) == 1:
-            return tensor
-        departing = self.comm.departing(step)
-        if departing:
-            log.info("node %d: step-%d all-reduce skipped: node(s) %s are being dropped from the ring", self.rank,
-                     step, sorted(departing))
+        members = self.members_for(step)
+        if members is None:
             return tensor
         try:
             reduced = self.ring(tensor, step, average=average, members=members)
         except CollectiveIncomplete as exc:
-            log.warning("%s; keeping the local value for this step", exc)
-            self.comm.drop_dead_members()
-            self._failures += 1
-            if self._failures >= REALIGN_AFTER:  # not a dead member (that proposal comes first): re-form
-                self._failures = 0
-                self.comm.realign()  # (nothing new while a switch is pending)
+            self.round_failed(exc)
             return tensor
-        self._failures = 0
+        self.round_completed()
         return reduced
+
+    def members_for(self, step: int) -> tuple[int, ...] | None:
+        """The ranks to reduce over at `step`, or None when this step's round is skipped (this node
+        alone, not a member, or a member a pending view drops is still in the ring). Rings of
+        other tensors that follow the same members (gradient buckets) ask here too."""
+        members = self.comm.members(step)
+        if self.rank not in members or len(members) == 1:
+            return None
+        departing = self.comm.departing(step)
+        if departing:
+            log.info("node %d: step-%d all-reduce skipped: node(s) %s are being dropped from the ring", self.rank,
+                     step, sorted(departing))
+            return None
+        return tuple(members)
+
+    def round_failed(self, exc: CollectiveIncomplete) -> None:
+        """A round over members_for(step) could not complete (the caller keeps its local value):
+        propose the members without dead peers, and re-form after REALIGN_AFTER failures in a row."""
+        log.warning("%s; keeping the local value for this step", exc)
+        self.comm.drop_dead_members()
+        self._failures += 1
+        if self._failures >= REALIGN_AFTER:  # not a dead member (that proposal comes first): re-form
+            self._failures = 0
+            self.comm.realign()  # (nothing new while a switch is pending)
+
+    def round_completed(self) -> None:
+        self._failures = 0
 
     def resync(self, params: torch.Tensor, step: int) -> torch.Tensor:
         """At the first step of a view: the mean model over its members (`params` unchanged if it

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from p2ptrain.train.state import ModelState
+from p2ptrain.transport.validation import all_finite
 
 if TYPE_CHECKING:
     from p2ptrain.algorithms.base import Algorithm
@@ -118,6 +119,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             joined = comm.fetch_state(state.numel, state.dtype)
             state.load(joined.tensor)
             self.local_step = self.start_step = joined.step + 1
+        self.algorithm.watch_gradients(state.params, lambda: self.local_step)
         state.load(self.algorithm.setup(state.vector()))  # (a rejoining node announces itself here)
         if comm is not None and comm.joining:
             self.local_step = self.start_step = max(self.local_step, comm.resume_step)
@@ -211,7 +213,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         """Raise NonFiniteError (the run has failed) for a NaN/Inf loss or model."""
         if loss is not None and not math.isfinite(loss):
             raise NonFiniteError(self.rank, step, "loss")
-        if not bool(torch.isfinite(self.state_vector.vector()).all()):
+        if not all_finite(self.state_vector.vector()):  # one sum, not a boolean tensor of the model
             raise NonFiniteError(self.rank, step, what)
 
     def _unscale_for_grad_scaler(self) -> bool:
