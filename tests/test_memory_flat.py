@@ -138,4 +138,6 @@ def test_no_model_sized_allocation_per_step_after_warm_up(path):
             barrier.wait()
 
     (ring_steps if path == "ring" else pushsum_steps)(warm + measured + 1, on_step=on_step)
-    assert found == [], f"{len(found)} allocations of >= {MODEL_BYTES // 8} bytes in {measured} steps"
+    # Not one per step: at most the share pool growing once or twice, when an Ack comes a step later
+    # than during warm-up (seen once in two runs with the TCP lane); 30 before the pool existed.
+    assert len(found) <= 2, f"{len(found)} allocations of >= {MODEL_BYTES // 8} bytes in {measured} steps: {found}"
