@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from p2ptrain.algorithms.allreduce import AllReduceSGD
-from p2ptrain.algorithms.collectives import RingAllReduce, segment_bounds
+from p2ptrain.algorithms.collectives import RingAllReduce, chunk_bounds, segment_bounds
 from p2ptrain.algorithms.dpsgd import DPSGD
 from p2ptrain.algorithms.pipesgd import PipeSGD
 from p2ptrain.topology.undirected import CompleteGraph, UndirectedRing
@@ -70,6 +70,61 @@ def test_ring_allreduce_compressed_hops_stay_within_error_bound_and_agree(codec,
     error = (results[0] - exact).abs().max()
     assert error <= n * bound * scale
     assert error > 0  # it really was compressed
+
+
+def test_chunk_bounds_cut_a_segment_into_chunks_of_at_most_the_size():
+    assert chunk_bounds(10, 20, 0) == [(10, 20)]
+    assert chunk_bounds(10, 20, 4) == [(10, 13), (13, 16), (16, 20)]
+    assert chunk_bounds(5, 5, 4) == [(5, 5)]  # an empty segment is still one (empty) message
+    for start, end, size in [(0, 1001, 7), (3, 250, 64), (0, 9, 9)]:
+        chunks = chunk_bounds(start, end, size)
+        assert chunks[0][0] == start and chunks[-1][1] == end
+        assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+        assert all(0 < b - a <= size for a, b in chunks)
+
+
+@pytest.mark.parametrize("n,numel,chunk_bytes", [(2, 10, 8), (3, 1001, 400), (4, 4096, 1024), (5, 3, 4)])
+@pytest.mark.parametrize("elastic", [False, True])
+def test_pipelined_ring_is_bit_identical_to_the_unpipelined_ring(n, numel, chunk_bytes, elastic):
+    """Chunks change when bytes move, never the order each element is summed in."""
+    def body(rank, comm):
+        plain = RingAllReduce(comm, numel, tag="p.", elastic=elastic)
+        piped = RingAllReduce(comm, numel, tag="c.", elastic=elastic, chunk_bytes=chunk_bytes)
+        comm.ready()
+        out = []
+        for step in range(2):  # twice: the reused send buffers and channels carry consecutive calls
+            a = plain(vector(rank, numel, salt=step), step=step, average=step == 1)
+            b = piped(vector(rank, numel, salt=step), step=step, average=step == 1)
+            out.append((a, b))
+        return out, piped._full.messages
+
+    results = run_cluster(n, body)
+    for out, messages in results:
+        for a, b in out:
+            assert torch.equal(a, b)
+        chunks_per_segment = -(-(numel // n) // (chunk_bytes // 4)) if numel >= n else 1
+        assert messages >= 2 * (n - 1) * max(1, chunks_per_segment)  # really cut into chunks
+    expected = sum(vector(r, numel) for r in range(n))
+    torch.testing.assert_close(results[0][0][0][1], expected, atol=1e-5, rtol=0)
+
+
+def test_pipelined_ring_with_int8_keeps_error_feedback_exact():
+    """Per-chunk codec scales: the sum out plus every node's residual is the sum in."""
+    n, numel = 4, 3000
+
+    def body(rank, comm):
+        reduce = RingAllReduce(comm, numel, codec="int8", chunk_bytes=1000)
+        comm.ready()
+        residual = torch.zeros(numel)
+        return reduce(vector(rank, numel), step=0, average=False, residual=residual), residual
+
+    results = run_cluster(n, body)
+    exact = sum(vector(r, numel) for r in range(n))
+    for out, _ in results:
+        assert torch.equal(out, results[0][0])
+    total = results[0][0] + sum(residual for _, residual in results)
+    torch.testing.assert_close(total, exact, atol=1e-4, rtol=0)
+    assert (results[0][0] - exact).abs().max() > 0
 
 
 def test_ring_allreduce_rejects_wrong_size():

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from p2ptrain.algorithms.base import Algorithm, Comm
 from p2ptrain.algorithms.buckets import BucketedGradients
-from p2ptrain.algorithms.collectives import MemberRing
+from p2ptrain.algorithms.collectives import CHUNK_KB_HELP, DEFAULT_CHUNK_KB, MemberRing
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, option, register
 from p2ptrain.compression import CODEC_HELP, CODEC_NAMES, NEEDS_ERROR_FEEDBACK
 
@@ -34,12 +34,15 @@ class AllReduceOptions(AlgorithmOptions):
     average: str = option("gradients", "average the gradients before the step (data-parallel SGD, as DDP), or "
                                        "the models after it (seed 003 Alg. 3)", choices=AVERAGE_WHAT)
     compression: str = option("none", CODEC_HELP, choices=CODEC_NAMES)
+    ring_chunk_kb: int = option(DEFAULT_CHUNK_KB, CHUNK_KB_HELP)
     buckets_mb: float = option(0.0, "with --average gradients: all-reduce the gradients in buckets of this many MB, "
                                     "launched from backward hooks while backward runs (as DDP); 0 = one flat "
                                     "all-reduce at step()")
 
     def validate(self, settings) -> None:
         super().validate(settings)
+        if self.ring_chunk_kb < 0:
+            raise ValueError(f"ring_chunk_kb must be >= 0, got {self.ring_chunk_kb}")
         if self.buckets_mb < 0:
             raise ValueError(f"buckets_mb must be >= 0, got {self.buckets_mb}")
         if self.compression in NEEDS_ERROR_FEEDBACK:
@@ -53,14 +56,17 @@ class AllReduceSGD(Algorithm):
 
     @classmethod
     def from_options(cls, comm: Comm, options: AllReduceOptions, context: BuildContext) -> "AllReduceSGD":
-        return cls(comm, average=options.average, codec=options.compression, buckets_mb=options.buckets_mb)
+        return cls(comm, average=options.average, codec=options.compression, buckets_mb=options.buckets_mb,
+                   chunk_kb=options.ring_chunk_kb)
 
-    def __init__(self, comm: Comm, *, average: str = "gradients", codec: str = "none", buckets_mb: float = 0.0):
+    def __init__(self, comm: Comm, *, average: str = "gradients", codec: str = "none", buckets_mb: float = 0.0,
+                 chunk_kb: int = DEFAULT_CHUNK_KB):
         if average not in AVERAGE_WHAT:
             raise ValueError(f"average must be one of {AVERAGE_WHAT}, got {average!r}")
         self.comm = comm
         self.average = average
         self.codec = codec
+        self.chunk_kb = chunk_kb
         self.uses_gradients = average == "gradients"
         self.buckets_mb = buckets_mb
         self.allreduce = None
@@ -72,7 +78,7 @@ class AllReduceSGD(Algorithm):
 
     def setup(self, params: torch.Tensor) -> torch.Tensor:
         self.allreduce = MemberRing(self.comm, params.numel(), params.dtype, codec=self.codec,
-                                    resync_deadline=self.comm.peer_timeout)
+                                    resync_deadline=self.comm.peer_timeout, chunk_bytes=self.chunk_kb * 1024)
         if self.uses_gradients and self.buckets_mb > 0 and self._watched is not None:
             self.buckets = BucketedGradients(self.comm, self.allreduce, *self._watched,
                                              bucket_bytes=int(self.buckets_mb * 2**20), codec=self.codec)

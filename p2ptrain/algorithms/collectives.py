@@ -17,6 +17,13 @@ Every round has its own channel, so the receiver knows the exact size of each se
 only this ring's codec, in the layout compression.py gives it) and the mailbox never mixes rounds;
 the step number keeps consecutive all-reduces apart.
 
+Pipelining (`chunk_bytes`): each segment is cut into chunks of about that many bytes, each its own
+message on its own channel. The segment a node receives in round r is the one it sends in round
+r+1, so it forwards chunk c as soon as chunk c has arrived and been summed, while chunk c+1 is still
+on the wire: hops overlap, and a ring of m nodes takes about (m-1 + chunks-1) chunk times per phase
+instead of (m-1) segment times. Each element is summed in the same order either way, so without a
+lossy codec the result is bit-identical to the unpipelined ring's.
+
 Re-forming the ring (`elastic=True`): a call may name its `members` (the caller passes itself and
 `comm.live(...)` peers): the ring is those ranks in rank order, cut into len(members) segments.
 Channels are then named by ring size and segment, declared for every size up front, so a segment
@@ -41,6 +48,9 @@ log = logging.getLogger(__name__)
 
 KIND = Kind.ALLREDUCE
 REALIGN_AFTER = 3  # rounds failed in a row before a ring re-forms over the same members (MemberRing)
+DEFAULT_CHUNK_KB = 0  # measured in bench peers: see the README's pipelined-ring paragraph
+CHUNK_KB_HELP = ("pipeline the ring all-reduce: cut each segment into chunks of this many KiB, forwarded hop to "
+                 "hop as each arrives; 0 = one message per segment")
 
 
 def segment_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -49,17 +59,26 @@ def segment_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
+def chunk_bounds(start: int, end: int, chunk_numel: int) -> list[tuple[int, int]]:
+    """[start, end) cut into nearly equal chunks of at most `chunk_numel` elements (one if 0)."""
+    parts = max(1, -(-(end - start) // chunk_numel)) if chunk_numel > 0 else 1
+    return [(start + a, start + b) for a, b in segment_bounds(end - start, parts)]
+
+
 class CollectiveIncomplete(TimeoutError):
     """A collective could not complete (a peer missed the link deadline, refused, or is dead)."""
 
 
 class _Ring:
-    """Who is where on one ring: `members` in rank order, this node at `position`."""
+    """Who is where on one ring: `members` in rank order, this node at `position`; segment k is
+    flat[bounds[k]], sent as the chunks chunks[k] (absolute [start, end) ranges)."""
 
-    def __init__(self, members: tuple[int, ...], rank: int, numel: int):
+    def __init__(self, members: tuple[int, ...], rank: int, numel: int, chunk_numel: int = 0):
         self.members, self.m = members, len(members)
         self.position = members.index(rank)
         self.bounds = segment_bounds(numel, self.m)
+        self.chunks = [chunk_bounds(start, end, chunk_numel) for start, end in self.bounds]
+        self.messages = 2 * sum(len(self.chunks[self.rs_send(r)]) for r in range(self.m - 1))  # sent per call
         self.next = members[(self.position + 1) % self.m]
         self.prev = members[(self.position - 1) % self.m]
 
@@ -80,17 +99,13 @@ class _Ring:
         """The segment this node finishes in reduce-scatter: (position + 1) mod m."""
         return (self.position + 1) % self.m
 
-    def size(self, segment: int) -> int:
-        start, end = self.bounds[segment]
-        return end - start
-
 
 class RingAllReduce:
     """All-reduce of one fixed-size flat tensor on the ring i -> i+1; declare before comm.ready()."""
 
     def __init__(self, comm: Comm, numel: int, dtype: torch.dtype | None = None, *,
                  codec: compression.Codec | str | None = None, tag: str = "", kind: int = KIND,
-                 elastic: bool = False):
+                 elastic: bool = False, chunk_bytes: int = 0):
         self.comm = comm
         self.rank, self.n = comm.rank, comm.world_size
         self.numel = numel
@@ -100,27 +115,29 @@ class RingAllReduce:
 
             dtype = torch.float32
         self.dtype = dtype
+        self.chunk_numel = chunk_bytes // dtype.itemsize if chunk_bytes > 0 else 0
         self._failed_at: int | None = None  # step of the last incomplete round
         self._backup: torch.Tensor | None = None  # the input, to restore on failure (one buffer, reused)
         self._outgoing: dict[tuple, torch.Tensor] = {}  # (members, phase, round) -> reused send buffer
         self.tag, self.kind = tag, kind
         self.elastic = elastic
-        self._full = _Ring(tuple(range(self.n)), self.rank, numel)
+        self._full = _Ring(tuple(range(self.n)), self.rank, numel, self.chunk_numel)
         self._last_members: tuple[int, ...] = self._full.members
         self.bounds = self._full.bounds
         self.next, self.prev = self._full.next, self._full.prev
-        if elastic:  # every ring size, every segment: ring re-formation needs no new declaration
+        if elastic:  # every ring size, segment and chunk: ring re-formation needs no new declaration
             for m in range(2, self.n + 1):
                 for segment, (start, end) in enumerate(segment_bounds(numel, m)):
-                    for phase in ("rs", "ag"):
-                        comm.expect(kind, dtype, end - start, channel=self._channel(m, phase, 0, segment),
-                                    codecs=self._layout(end - start), preallocate=2 if m == self.n else 0)
+                    for c, (a, b) in enumerate(chunk_bounds(start, end, self.chunk_numel)):
+                        for phase in ("rs", "ag"):
+                            comm.expect(kind, dtype, b - a, channel=self._channel(m, phase, 0, segment, c),
+                                        codecs=self._layout(b - a), preallocate=2 if m == self.n else 0)
         else:
             for r in range(self.n - 1):  # the segment node `rank` receives in each round
                 for phase, segment in (("rs", self._full.rs_recv(r)), ("ag", self._full.ag_recv(r))):
-                    size = self._full.size(segment)
-                    comm.expect(kind, dtype, size, channel=self._channel(self.n, phase, r, segment),
-                                codecs=self._layout(size))
+                    for c, (a, b) in enumerate(self._full.chunks[segment]):
+                        comm.expect(kind, dtype, b - a, channel=self._channel(self.n, phase, r, segment, c),
+                                    codecs=self._layout(b - a))
 
     def _layout(self, numel: int) -> dict[int, tuple[int, int]]:
         """What a segment of `numel` elements arrives as: this ring's codec, with its exact payload
@@ -128,8 +145,8 @@ class RingAllReduce:
         codec = self.codec
         return {codec.wire_id: (codec.payload_bytes(numel, self.dtype), codec.param_count)}
 
-    def _channel(self, m: int, phase: str, r: int, segment: int) -> str:
-        return f"{self.tag}{m}.{phase}{segment}" if self.elastic else f"{self.tag}{phase}{r}"
+    def _channel(self, m: int, phase: str, r: int, segment: int, chunk: int) -> str:
+        return f"{self.tag}{m}.{phase}{segment}.{chunk}" if self.elastic else f"{self.tag}{phase}{r}.{chunk}"
 
     def owned_segment(self) -> int:
         """The segment this node finishes in reduce-scatter on the full ring: (rank + 1) mod n."""
@@ -168,7 +185,7 @@ class RingAllReduce:
         if not self.elastic and not self.comm.all_alive():
             self._failed_at = step
             raise CollectiveIncomplete(f"node {self.rank}: all-reduce of step {step} skipped: a node is dead")
-        if not self.comm.make_room(ring.next, 2 * (ring.m - 1)):  # a stalled neighbour holds our last round
+        if not self.comm.make_room(ring.next, ring.messages):  # a stalled neighbour holds our last round
             self._failed_at = step
             raise CollectiveIncomplete(f"node {self.rank}: all-reduce of step {step} skipped: node {ring.next} "
                                        "acknowledges nothing")
@@ -208,14 +225,17 @@ class RingAllReduce:
             raise ValueError("only an elastic ring (elastic=True) is re-formed over other members")
         if self.rank not in members or not all(0 <= m < self.n for m in members):
             raise ValueError(f"members {list(members)} must be ranks of this cluster, node {self.rank} among them")
-        return _Ring(members, self.rank, self.numel)
+        return _Ring(members, self.rank, self.numel, self.chunk_numel)
 
     def _discard_through(self, step: int) -> None:
         if self.elastic:
-            channels = [self._channel(m, phase, 0, segment) for m in range(2, self.n + 1)
-                        for segment in range(m) for phase in ("rs", "ag")]
+            channels = [self._channel(m, phase, 0, segment, c) for m in range(2, self.n + 1)
+                        for segment, (start, end) in enumerate(segment_bounds(self.numel, m))
+                        for c in range(len(chunk_bounds(start, end, self.chunk_numel))) for phase in ("rs", "ag")]
         else:
-            channels = [self._channel(self.n, phase, r, 0) for r in range(self.n - 1) for phase in ("rs", "ag")]
+            channels = [self._channel(self.n, phase, r, segment, c) for r in range(self.n - 1)
+                        for phase, segment in (("rs", self._full.rs_recv(r)), ("ag", self._full.ag_recv(r)))
+                        for c in range(len(self._full.chunks[segment]))]
         for channel in channels:
             for stale in self.comm.take(self.kind, step, channel=channel):
                 stale.release()
@@ -230,70 +250,87 @@ class RingAllReduce:
     def _ring(self, tensor: torch.Tensor, step: int, average: bool, ring: _Ring,
               residual: torch.Tensor | None, deadline: float | None = None) -> torch.Tensor:
         flat = tensor.view(-1)
-        segment = lambda k: flat[ring.bounds[k][0]:ring.bounds[k][1]]  # noqa: E731
-        lost = (lambda k: residual.view(-1)[ring.bounds[k][0]:ring.bounds[k][1]]) if residual is not None \
-            else (lambda k: None)  # noqa: E731
+        lost = (lambda a, b: residual.view(-1)[a:b]) if residual is not None else (lambda a, b: None)  # noqa: E731
         acks: list[concurrent.futures.Future] = []
 
-        for r in range(ring.m - 1):  # reduce-scatter: decompress, sum, recompress at every hop
-            sent = ring.rs_send(r)
-            encoded, _ = self._encode(segment(sent), lost(sent))
-            payload = self._outgoing_copy(encoded, ring, "rs", r)
-            acks.append(self._send(ring, payload, encoded.codec, encoded.params, step, "rs", r, sent))
-            received = self._recv(ring, step, "rs", r, ring.rs_recv(r), deadline)
-            segment(ring.rs_recv(r)).add_(self._decode(received, ring.size(ring.rs_recv(r))))
-            received.release()
+        def push(phase: str, r: int, segment: int, c: int, a: int, b: int) -> None:
+            """Encode flat[a:b] (with error feedback) and send it as chunk c of (phase, round r)."""
+            encoded, _ = self._encode(flat[a:b], lost(a, b))
+            payload = self._outgoing_copy(encoded, ring, phase, r, c)
+            acks.append(self._send(ring, payload, encoded.codec, encoded.params, step, phase, r, segment, c))
 
-        owned = segment(ring.owned())
-        if average:
-            owned.div_(ring.m)
-        encoded, decoded = self._encode(owned, lost(ring.owned()))
-        if encoded.codec != compression.UNCOMPRESSED:  # adopt the lossy value everybody else will get
-            if decoded is None:
-                decoded = self.codec.decode(encoded.payload, encoded.params, owned.shape, owned.dtype)
-            owned.copy_(decoded)
-        payload, codec_id, params = self._outgoing_copy(encoded, ring, "ag", 0), encoded.codec, encoded.params
-        for r in range(ring.m - 1):  # all-gather: finished segments travel on, bytes untouched
-            acks.append(self._send(ring, payload, codec_id, params, step, "ag", r, ring.ag_send(r)))
-            received = self._recv(ring, step, "ag", r, ring.ag_recv(r), deadline)
-            target = segment(ring.ag_recv(r))
-            target.copy_(self._decode(received, target.numel()))
-            if r < ring.m - 2:  # out of the pooled receive buffer before it goes back
-                payload = self._buffer(ring, "ag", r + 1, received.tensor)
-                payload.copy_(received.tensor)
-                codec_id, params = received.codec, received.codec_params
-            received.release()
+        first = ring.rs_send(0)
+        for c, (a, b) in enumerate(ring.chunks[first]):
+            push("rs", 0, first, c, a, b)
+        for r in range(ring.m - 1):  # reduce-scatter: decompress, sum, recompress at every hop
+            segment = ring.rs_recv(r)  # = rs_send(r + 1): each summed chunk goes on at once
+            for c, (a, b) in enumerate(ring.chunks[segment]):
+                received = self._recv(ring, step, "rs", r, segment, c, deadline)
+                flat[a:b].add_(self._decode(received, b - a))
+                received.release()
+                if r < ring.m - 2:
+                    push("rs", r + 1, segment, c, a, b)
+                else:  # a chunk of the owned segment is final: it starts the all-gather
+                    self._finish_owned(flat, a, b, ring, average, lost(a, b), acks, step, c)
+
+        for r in range(ring.m - 1):  # all-gather: finished chunks travel on, bytes untouched
+            segment = ring.ag_recv(r)  # = ag_send(r + 1)
+            for c, (a, b) in enumerate(ring.chunks[segment]):
+                received = self._recv(ring, step, "ag", r, segment, c, deadline)
+                flat[a:b].copy_(self._decode(received, b - a))
+                if r < ring.m - 2:  # out of the pooled receive buffer before it goes back
+                    payload = self._buffer(ring, "ag", r + 1, c, received.tensor).copy_(received.tensor)
+                    acks.append(self._send(ring, payload, received.codec, received.codec_params, step, "ag",
+                                           r + 1, segment, c))
+                received.release()
         self._check(acks, ring)
         return tensor
 
-    def _outgoing_copy(self, encoded, ring: _Ring, phase: str, r: int) -> torch.Tensor:
+    def _finish_owned(self, flat: torch.Tensor, a: int, b: int, ring: _Ring, average: bool,
+                      lost: torch.Tensor | None, acks: list, step: int, c: int) -> None:
+        """Chunk c of the owned segment holds the full sum: average it, compress it once, adopt the
+        value everybody else will decode, and send it as the all-gather's first round."""
+        owned = flat[a:b]
+        if average:
+            owned.div_(ring.m)
+        encoded, decoded = self._encode(owned, lost)
+        if encoded.codec != compression.UNCOMPRESSED:
+            if decoded is None:
+                decoded = self.codec.decode(encoded.payload, encoded.params, owned.shape, owned.dtype)
+            owned.copy_(decoded)
+        payload = self._outgoing_copy(encoded, ring, "ag", 0, c)
+        acks.append(self._send(ring, payload, encoded.codec, encoded.params, step, "ag", 0, ring.owned(), c))
+
+    def _outgoing_copy(self, encoded, ring: _Ring, phase: str, r: int, c: int) -> torch.Tensor:
         """A payload the transport may keep until it is acknowledged: lossy encoders return fresh
         tensors; the identity codec a view of the caller's tensor, which later rounds modify, so
         that is copied into this round's send buffer."""
         if encoded.codec != compression.UNCOMPRESSED:
             return encoded.payload
-        buffer = self._buffer(ring, phase, r, encoded.payload)
+        buffer = self._buffer(ring, phase, r, c, encoded.payload)
         return buffer.copy_(encoded.payload.view(-1))
 
-    def _buffer(self, ring: _Ring, phase: str, r: int, like: torch.Tensor) -> torch.Tensor:
-        """The send buffer of (ring, phase, round), reused from call to call: every send of a call
+    def _buffer(self, ring: _Ring, phase: str, r: int, c: int, like: torch.Tensor) -> torch.Tensor:
+        """The send buffer of (ring, phase, round, chunk), reused from call to call: every send of a call
         that completes is acknowledged before it returns, so the transport no longer reads it
         (after a failed call they are all dropped). The ring allocates nothing per step."""
-        key = (ring.members, phase, r)
+        key = (ring.members, phase, r, c)
         buffer = self._outgoing.get(key)
         if buffer is None or buffer.numel() != like.numel() or buffer.dtype != like.dtype:
             buffer = self._outgoing[key] = buffer_like(like.view(-1))
         return buffer
 
     def _send(self, ring: _Ring, payload: torch.Tensor, codec_id: int, params: tuple[float, ...], step: int,
-              phase: str, r: int, segment: int) -> concurrent.futures.Future:
-        numel = ring.size(segment)
+              phase: str, r: int, segment: int, c: int) -> concurrent.futures.Future:
+        a, b = ring.chunks[segment][c]
+        numel = b - a
         return self.comm.send(ring.next, payload, kind=self.kind, step=step,
-                              channel=self._channel(ring.m, phase, r, segment), codec=codec_id, codec_params=params,
+                              channel=self._channel(ring.m, phase, r, segment, c), codec=codec_id, codec_params=params,
                               dtype=self.dtype, numel=numel, shape=(numel,), reliable=True)
 
-    def _recv(self, ring: _Ring, step: int, phase: str, r: int, segment: int, deadline: float | None = None):
-        got = self.comm.gather(self.kind, step, [ring.prev], channel=self._channel(ring.m, phase, r, segment),
+    def _recv(self, ring: _Ring, step: int, phase: str, r: int, segment: int, c: int,
+              deadline: float | None = None):
+        got = self.comm.gather(self.kind, step, [ring.prev], channel=self._channel(ring.m, phase, r, segment, c),
                                deadline=deadline)
         if ring.prev not in got:
             raise CollectiveIncomplete(f"node {self.rank}: step-{step} all-reduce segment ({phase} round {r}) "
@@ -335,10 +372,10 @@ class MemberRing:
       was broken (and a joiner's), so the members are bit-identical again."""
 
     def __init__(self, comm: Comm, numel: int, dtype: torch.dtype | None = None, *, codec=None,
-                 resync_deadline: float = 30.0):
+                 resync_deadline: float = 30.0, chunk_bytes: int = 0):
         self.comm = comm
         self.rank = comm.rank
-        self.ring = RingAllReduce(comm, numel, dtype, codec=codec, elastic=True)
+        self.ring = RingAllReduce(comm, numel, dtype, codec=codec, elastic=True, chunk_bytes=chunk_bytes)
         self.sync = RingAllReduce(comm, numel, dtype, tag="sync.", elastic=True)
         self.resync_deadline = resync_deadline
         self.resyncs = 0  # model averages at view switches (stats, tests)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from p2ptrain.algorithms.base import Algorithm, Comm
-from p2ptrain.algorithms.collectives import MemberRing
+from p2ptrain.algorithms.collectives import CHUNK_KB_HELP, DEFAULT_CHUNK_KB, MemberRing
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, option, register
 from p2ptrain.compression import CODEC_HELP, CODEC_NAMES, NEEDS_ERROR_FEEDBACK
 
@@ -30,10 +30,13 @@ WIDTH = 2  # K: the seed shows K = 2 is optimal under limited resources
 @dataclass(frozen=True)
 class PipeSGDOptions(AlgorithmOptions):
     compression: str = option("none", CODEC_HELP, choices=CODEC_NAMES)
+    ring_chunk_kb: int = option(DEFAULT_CHUNK_KB, CHUNK_KB_HELP)
     warmup_steps: int = option(0, "synchronous all-reduce steps before pipelining")
 
     def validate(self, settings) -> None:
         super().validate(settings)
+        if self.ring_chunk_kb < 0:
+            raise ValueError(f"ring_chunk_kb must be >= 0, got {self.ring_chunk_kb}")
         if self.compression in NEEDS_ERROR_FEEDBACK:
             raise ValueError(f"compression {self.compression} drops most of the tensor and needs error feedback, "
                              "which pipesgd does not keep: use it with diloco or gossip-diloco")
@@ -48,21 +51,22 @@ class PipeSGD(Algorithm):
 
     @classmethod
     def from_options(cls, comm: Comm, options: PipeSGDOptions, context: BuildContext) -> "PipeSGD":
-        return cls(comm, warmup=options.warmup_steps, codec=options.compression)
+        return cls(comm, warmup=options.warmup_steps, codec=options.compression, chunk_kb=options.ring_chunk_kb)
 
-    def __init__(self, comm: Comm, *, warmup: int = 0, codec: str = "none"):
+    def __init__(self, comm: Comm, *, warmup: int = 0, codec: str = "none", chunk_kb: int = DEFAULT_CHUNK_KB):
         if warmup < 0:
             raise ValueError(f"warmup must be >= 0 steps, got {warmup}")
         self.comm = comm
         self.warmup = warmup
         self.codec = codec
+        self.chunk_kb = chunk_kb
         self.allreduce = None
         self._comm_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pipesgd-comm")
         self._in_flight: concurrent.futures.Future | None = None  # g_sum[t-1] being reduced
 
     def setup(self, params: torch.Tensor) -> torch.Tensor:
         self.allreduce = MemberRing(self.comm, params.numel(), params.dtype, codec=self.codec,
-                                    resync_deadline=self.comm.peer_timeout)
+                                    resync_deadline=self.comm.peer_timeout, chunk_bytes=self.chunk_kb * 1024)
         self.comm.ready()
         return params
 
