@@ -160,10 +160,7 @@ class GossipDiLoCo(Algorithm):
         n = self.anchor.numel()
         mass.x[:n].copy_(self.anchor)
         mass.x[n:].copy_(self.anchor).sub_(params)
-        mass.x.mul_(mass.w)  # x = w [θ^anchor ; Δ]: Σ w unchanged
-        if mass.residual is not None:  # what the codec lost of our earlier shares goes out now
-            mass.x.add_(mass.residual)
-            mass.residual.zero_()
+        mass.x.mul_(mass.w)  # x = w [θ^anchor ; Δ]: Σ w unchanged (push adds what the codec lost earlier)
         peers = [peer for peer in self.comm.live(self.topology.out_peers(self.rank, s))
                  if self.comm.make_room(peer, 1)]
         mass.push(peers, step)

@@ -17,8 +17,9 @@ mix; the mass bookkeeping is here, once (it is what tests/test_fault_tolerance.p
 - a (re)joining peer gets half of a donor's (x, w), which keeps Σ w and the donor's z unchanged,
   and a node that catches up merges the donor's half into its own mass.
 With a lossy codec a share travels encoded; the sender keeps what the encoding lost in `residual`
-(x units: the caller folds it back into x) and re-absorbs the decoded share, so Σ x + Σ residual
-is conserved as well.
+(x units) and re-absorbs the decoded share, so Σ x + Σ residual is conserved as well; the residual
+goes back into x before the next push (error feedback), and whenever x is saved or handed over
+(fold_residual).
 
 It never picks peers (the caller's graph does), never decides what x means and never touches the
 model the engine trains.
@@ -82,8 +83,15 @@ class PushSum:
         return self.debias()
 
     # The steps ---------------------------------------------------------------------------------
+    def fold_residual(self) -> None:
+        """x += what the codec lost of our earlier shares (error feedback; Σ x + Σ residual unchanged)."""
+        if self.residual is not None:
+            self.x.add_(self.residual)
+            self.residual.zero_()
+
     def push(self, peers: list[int], step: int) -> None:
         """Keep p = 1 / (len(peers) + 1) of (x, w) and send a share p (x, w) to each of `peers`."""
+        self.fold_residual()  # what earlier encodings lost goes out now
         p = 1.0 / (len(peers) + 1)  # uniform weights: column i of P^(k), over the peers that take a share
         share_w = p * self.w
         encoded = None
@@ -267,6 +275,7 @@ class PushSum:
         """This node leaves: send its whole (x, w) to the first of `members` that takes it (a
         LEAVE message of step `step`, the first the node does not run); True once one did. The
         receiver retires one unit (take_over), so Σ w stays the member count."""
+        self.fold_residual()
         for peer in members:
             future = self.comm.send(peer, self.x.detach().clone(), kind=Kind.LEAVE, step=step, ps_weight=self.w,
                                     reliable=True)

@@ -44,6 +44,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from p2ptrain import compression
 from p2ptrain.algorithms.base import Algorithm, Comm, Kind
 from p2ptrain.algorithms.pushsum import FINISH_WAIT_SECONDS, PLAUSIBLE_SCALE, PushSum
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, option, register
@@ -61,11 +62,17 @@ class SGPOptions(AlgorithmOptions):
     overlap: int = option(0, "bounded delay τ: shares sent at step k are mixed in by step k+τ; 0 = synchronous",
                           metavar="TAU")
     peers_per_step: int = option(1, "out-peers per step (exponential graph), max out-degree (random graph)")
+    share_compression: str = option("none", "codec of the pushed x-shares (w travels exact): fp16/bf16 halve the "
+                                    "bytes, int8 / int4 cut them to 1/4 / 1/8; what a share loses stays with the "
+                                    "sender and goes out with its next share (error feedback)",
+                                    choices=tuple(c for c in compression.CODEC_NAMES
+                                                  if c not in compression.NEEDS_ERROR_FEEDBACK))
 
     def bounded_delay(self) -> int:
         return self.overlap
 
     def validate(self, settings) -> None:
+        super().validate(settings)
         if self.overlap < 0:
             raise ValueError(f"overlap τ must be >= 0, got {self.overlap}")
         if self.peers_per_step < 1:
@@ -82,16 +89,16 @@ class SGP(Algorithm):
     def from_options(cls, comm: Comm, options: SGPOptions, context: BuildContext) -> "SGP":
         graph = member_topology(context.topology, comm.world_size, comm.members,
                                 peers_per_step=options.peers_per_step, seed=context.seed)
-        return cls(comm, graph, overlap=options.overlap)
+        return cls(comm, graph, overlap=options.overlap, codec=options.share_compression)
 
-    def __init__(self, comm: Comm, topology: Topology, overlap: int = 0):
+    def __init__(self, comm: Comm, topology: Topology, overlap: int = 0, codec: str = "none"):
         if overlap < 0:
             raise ValueError(f"overlap τ must be >= 0, got {overlap}")
         self.comm = comm
         self.topology = topology
         self.tau = overlap
         self.rank = comm.rank
-        self.mass = PushSum(comm, kind=KIND, log=log)
+        self.mass = PushSum(comm, kind=KIND, codec=compression.get_codec(codec), log=log)
         self._last_step = -1
         self._mixed_through = -1  # shares of steps up to this one were all folded in (a checkpoint's flush)
 
@@ -139,6 +146,7 @@ class SGP(Algorithm):
         """Receive the shares still in flight (the last τ steps, and earlier ones that missed their
         deadline) so no mass is left on the wire; wait for every ack (re-absorbing refusals)."""
         self._flush()
+        self.mass.fold_residual()
         self.mass.take_over(self._last_step + 1)
         self.mass.record("w", self._last_step + 1, self.mass.w)
         return self.mass.debias()
@@ -147,6 +155,7 @@ class SGP(Algorithm):
         """(x, w) after folding in everything in flight up to the last step (every node checkpoints
         at the same step, so Σ w = n holds in the checkpoints themselves)."""
         self._flush()
+        self.mass.fold_residual()
         self.mass.debias()
         return {"x": self.mass.x.detach().clone(), "w": self.mass.w, "step": self._last_step}
 

@@ -21,11 +21,17 @@ VARIANTS: dict[str, list[str]] = {
     "dpsgd": ["--algorithm", "dpsgd"],
     "sgp-tau0": ["--algorithm", "sgp", "--overlap", "0", "--peers-per-step", "1"],
     "sgp-tau1": ["--algorithm", "sgp", "--overlap", "1", "--peers-per-step", "1"],
+    "sgp-tau1-fp16": ["--algorithm", "sgp", "--overlap", "1", "--peers-per-step", "1", "--share-compression", "fp16"],
     "relaysgd": ["--algorithm", "relaysgd"],
     "pipesgd": ["--algorithm", "pipesgd"],
     "pipesgd-fp16": ["--algorithm", "pipesgd", "--compression", "fp16"],
     "pipesgd-int8": ["--algorithm", "pipesgd", "--compression", "int8"],
+    # the ring pipelined in 256 KiB chunks (collectives.py): pays where hops have latency
+    "allreduce-chunked": ["--algorithm", "allreduce", "--ring-chunk-kb", "256"],
+    "pipesgd-int8-chunked": ["--algorithm", "pipesgd", "--compression", "int8", "--ring-chunk-kb", "256"],
 }
+
+DEFAULT_VARIANTS = ("allreduce", "dpsgd", "sgp-tau0", "sgp-tau1", "relaysgd", "pipesgd", "pipesgd-fp16", "pipesgd-int8")
 
 # (description, numerator, denominator, maximum ratio)
 TARGETS = [
@@ -49,8 +55,8 @@ def add_arguments(parser) -> None:
                              "200mbit "
                              "takes about as long as a step's compute on 8 nodes sharing 2 cores")
     parser.add_argument("--batch-size", type=int, default=32, help="per-node batch size (default 32)")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated subset of {','.join(VARIANTS)} (default all)")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help=f"comma-separated subset of {','.join(VARIANTS)} (default {','.join(DEFAULT_VARIANTS)})")
     parser.add_argument("--extra", default="", help="more node flags for every variant, one string")
     parser.add_argument("--out", default="runs/bench-algorithms", help="run folders (default runs/bench-algorithms)")
     parser.add_argument("--timeout", type=float, default=900, help="per-variant timeout in seconds (default 900)")
