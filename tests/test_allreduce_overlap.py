@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -116,6 +117,33 @@ def test_a_node_alone_keeps_its_local_model():
         expected = local_step(0, step, expected)
     torch.testing.assert_close(x, expected, atol=1e-6, rtol=0)
     torch.testing.assert_close(final, expected, atol=1e-6, rtol=0)
+
+
+def test_a_node_stopping_with_a_mean_in_flight_does_not_wait_forever():
+    """A node fails mid-run (the engine stops its transport without finish()) while its ring waits
+    for a peer's segment: the wait ends with an error instead of outliving the process (the comm
+    thread is not a daemon: the interpreter joins it at exit)."""
+    peer_may_go = threading.Event()
+
+    def body(rank, comm):
+        algo = AllReduceSGD(comm, average="models", overlap=1)
+        x = algo.setup(torch.zeros(16))
+        if rank == 1:  # never takes step 0: node 0's ring waits for it
+            peer_may_go.wait(60)
+            return None
+        algo.after_step(0, x + 1)
+        time.sleep(0.2)  # the ring waits in the transport's gather (link deadline 60 s)
+        comm.transport.stop()
+        began = time.monotonic()
+        try:
+            with pytest.raises(RuntimeError, match="transport stopped"):
+                algo.finish()
+        finally:
+            peer_may_go.set()
+        return time.monotonic() - began
+
+    waited, _ = run_cluster(2, body, options=TransportOptions(send_timeout=30.0, link_deadline=60.0))
+    assert waited < 5
 
 
 # Options ---------------------------------------------------------------------------------------------
