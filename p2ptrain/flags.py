@@ -225,10 +225,15 @@ def settings_to_env(settings: dict[str, Any]) -> dict[str, str]:
 
 def add_algorithm_options(group) -> None:
     """One flag per algorithm option (shared by several algorithms: one flag); its help names the
-    algorithms that take it. Defaults stay None, so only given flags reach NodeConfig."""
+    algorithms that take it, each with its own text where they mean different things (SGP's and
+    allreduce's --overlap). Defaults stay None, so only given flags reach NodeConfig."""
     for name, (f, users) in registry.all_options().items():
         info = f.metadata["option"]
         kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
         default = f.default if f.default is not None else "none"
+        helps: dict[str, list[str]] = {}
+        for user in users:
+            helps.setdefault(registry.get(user).option_fields()[name].metadata["option"].help, []).append(user)
+        text = "; ".join(f"{'/'.join(names)}: {help}" for help, names in helps.items())
         group.add_argument(f"--{name.replace('_', '-')}", type=kind, choices=info.choices, metavar=info.metavar,
-                           help=f"{'/'.join(users)}: {info.help} (default {default})")
+                           help=f"{text} (default {default})")

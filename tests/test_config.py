@@ -119,7 +119,11 @@ def test_invalid_toml_and_missing_file(tmp_path):
     ({"flags": {"algorithm": "allreduce", "compression": "zip"}}, "unknown compression 'zip'"),
     ({"flags": {"algorithm": "allreduce", "average": "both"}}, "unknown average 'both'"),
     ({"flags": {"algorithm": "pipesgd", "warmup_steps": -1}}, "warmup_steps must be >= 0"),
-    ({"flags": {"overlap": 1, "algorithm": "allreduce"}}, "--overlap does not apply to allreduce"),
+    ({"flags": {"overlap": 1, "algorithm": "pipesgd"}}, "--overlap does not apply to pipesgd"),
+    ({"flags": {"overlap": 1, "algorithm": "allreduce"}}, "overlap=1 overlaps the model average .* use --algorithm "
+                                                          "pipesgd"),
+    ({"flags": {"overlap": 2, "algorithm": "allreduce", "average": "models"}},
+     r"allreduce overlap must be 0 \(synchronous\) or 1 .*, got 2"),
     ({"flags": {"topology": "torus"}}, "unknown topology 'torus'"),
     ({"flags": {"overlap": -1}}, "overlap τ must be >= 0, got -1"),
     ({"flags": {"overlap": 64}}, "overlap τ must be smaller than step_window"),

@@ -212,8 +212,9 @@ def test_dpsgd_takes_a_joiner_and_lets_a_node_leave():
 # Rings re-form ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("make", [lambda comm: AllReduceSGD(comm), lambda comm: AllReduceSGD(comm, buckets_mb=1e-6),
+                                  lambda comm: AllReduceSGD(comm, average="models", overlap=1),
                                   lambda comm: PipeSGD(comm)],
-                         ids=["allreduce", "allreduce-buckets", "pipesgd"])
+                         ids=["allreduce", "allreduce-buckets", "allreduce-overlap", "pipesgd"])
 def test_a_ring_re_forms_when_a_node_leaves_and_when_one_joins(make):
     """4 nodes; node 3 leaves at step 20; node 4 joins at step 40 (of 70). The ring re-forms at each
     switch (the model is averaged once over the new ring), so the members end bit-identical: with
@@ -236,8 +237,9 @@ def test_a_ring_re_forms_when_a_node_leaves_and_when_one_joins(make):
     assert all(r["algorithm"].allreduce.resyncs >= 1 for r in stay)
 
 
-@pytest.mark.parametrize("buckets_mb", [0, 1e-6], ids=["flat", "buckets"])
-def test_a_ring_re_forms_without_a_dead_node_instead_of_training_alone(buckets_mb):
+@pytest.mark.parametrize("settings", [{}, {"buckets_mb": 1e-6}, {"average": "models", "overlap": 1}],
+                         ids=["flat", "buckets", "overlap"])
+def test_a_ring_re_forms_without_a_dead_node_instead_of_training_alone(settings):
     """Node 2 of 4 crashes at step 10: the node that finds it dead proposes the members without
     it, every node skips the broken ring until the switch, then the three train on one ring and end
     bit-identical (before, each trained alone for the rest of the run)."""
@@ -247,7 +249,7 @@ def test_a_ring_re_forms_without_a_dead_node_instead_of_training_alone(buckets_m
 
     def body(rank, comm):
         if rank == 2:
-            algorithm = AllReduceSGD(comm, buckets_mb=buckets_mb)
+            algorithm = AllReduceSGD(comm, **settings)
             model = nn.Linear(DIM, 1, bias=False).double()
             opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model,
                                          algorithm=algorithm, comm=comm)
@@ -259,7 +261,7 @@ def test_a_ring_re_forms_without_a_dead_node_instead_of_training_alone(buckets_m
                 opt.step()
             comm.transport.stop()  # a crash: no goodbye
             return None
-        return _train(comm, AllReduceSGD(comm, buckets_mb=buckets_mb), rank, steps, cluster, lr=0.05)
+        return _train(comm, AllReduceSGD(comm, **settings), rank, steps, cluster, lr=0.05)
 
     results = run_cluster(4, body, options=options, timeout=240)
     stay = [r for r in results if r is not None]

@@ -282,13 +282,15 @@ def _resumable(algorithm_of):
     return run
 
 
-@pytest.mark.parametrize("algorithm", ["allreduce", "sgp"])
+@pytest.mark.parametrize("algorithm", ["allreduce", "allreduce-overlap", "sgp"])
 def test_stop_and_resume_from_checkpoints_continues_the_run(algorithm):
     """A cluster stopped at step 5 and restarted from its checkpoints: all-reduce ends identical to
-    the uninterrupted run; SGP keeps Σ w = n; no resumed step stalls or sees a refused message."""
+    the uninterrupted run (with overlap=1 the checkpoint carries the correction of the mean still
+    in flight); SGP keeps Σ w = n; no resumed step stalls or sees a refused message."""
     steps, stop = 10, 5
-    algorithm_of = (lambda comm: AllReduceSGD(comm)) if algorithm == "allreduce" else \
-        (lambda comm: SGP(comm, build_topology("exponential", N), overlap=1))
+    algorithm_of = {"allreduce": lambda comm: AllReduceSGD(comm),
+                    "allreduce-overlap": lambda comm: AllReduceSGD(comm, average="models", overlap=1),
+                    "sgp": lambda comm: SGP(comm, build_topology("exponential", N), overlap=1)}[algorithm]
     body = _resumable(algorithm_of)
     whole = run_cluster(N, lambda r, c: body(r, c, start=0, stop=steps, checkpoints={}, save=False),
                         options=OPTIONS, metrics=True)
@@ -300,7 +302,7 @@ def test_stop_and_resume_from_checkpoints_continues_the_run(algorithm):
     assert all(r[3] == 0 for r in first + resumed), "a message was refused around the resume"
     slowest_before = max(max(r[1]) for r in first)
     assert max(max(r[1]) for r in resumed) < max(2.0, 3 * slowest_before), "a resumed step stalled"
-    if algorithm == "allreduce":
+    if algorithm.startswith("allreduce"):
         for (state, *_), (expected, *_) in zip(resumed, whole):
             for key, value in expected.items():
                 torch.testing.assert_close(state[key].float(), value.float(), rtol=1e-6, atol=1e-6, msg=key)

@@ -39,6 +39,8 @@ class LoopThread:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread: threading.Thread | None = None
         self._tasks: set[asyncio.Task] = set()  # spawned background work, cancelled by stop()
+        self._waited: set[concurrent.futures.Future] = set()  # submitted from other threads, not yet settled
+        self._waited_lock = threading.Lock()
 
     @property
     def started(self) -> bool:
@@ -88,6 +90,19 @@ class LoopThread:
         loop.call_soon_threadsafe(loop.stop)
         if self.thread is not None:
             self.thread.join(10)
+        if not loop.is_running():
+            self._settle_stranded()
+
+    def _settle_stranded(self) -> None:
+        """Fail what other threads still wait on: the stopped loop will never settle it (a ring
+        all-reduce on a communication thread would otherwise wait past the process's end)."""
+        with self._waited_lock:
+            stranded, self._waited = self._waited, set()
+        for future in stranded:
+            try:
+                future.set_exception(RuntimeError(f"{self.what} stopped"))
+            except concurrent.futures.InvalidStateError:  # settled meanwhile
+                pass
 
     # From any thread ----------------------------------------------------------------------------
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
@@ -95,7 +110,15 @@ class LoopThread:
         if self.loop is None:
             coro.close()
             raise RuntimeError(f"{self.what} not started")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        with self._waited_lock:
+            self._waited.add(future)
+        future.add_done_callback(self._settled)
+        return future
+
+    def _settled(self, future: concurrent.futures.Future) -> None:
+        with self._waited_lock:
+            self._waited.discard(future)
 
     def call(self, fn: Callable[..., T], *args, timeout: float | None = None) -> T:
         """fn(*args) run on the loop, where the state it touches lives; its result or exception.
