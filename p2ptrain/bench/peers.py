@@ -30,6 +30,7 @@ HIVEMIND = "hivemind"
 VARIANTS: dict[str, list[str]] = {
     "allreduce": ["--algorithm", "allreduce"],  # gradients averaged before the step, as DDP
     "allreduce-models": ["--algorithm", "allreduce", "--average", "models"],
+    "allreduce-models-overlap": ["--algorithm", "allreduce", "--average", "models", "--overlap", "1"],
     "allreduce-buckets": ["--algorithm", "allreduce", "--buckets-mb", "1"],  # from backward hooks, 1 MB each
     "allreduce-bucket25": ["--algorithm", "allreduce", "--buckets-mb", "25"],  # DDP's default: one bucket here
     **{name: flags for name, flags in ALGORITHM_VARIANTS.items() if name != "allreduce"},
