@@ -31,6 +31,12 @@ always arrives with its exact size whoever forwards it. Members must agree on th
 node with another view waits on channels nobody sends on and the call fails on every node (it
 never completes on a wrong ring: each segment of an m-ring is one channel). A failed call throws
 away, at the next call, the segments of earlier steps that arrive late.
+
+Falling back into step: when a round fails, each node gives up a link deadline after the one before
+it stopped sending, so the last to give up is up to (m-1) deadlines behind the first. If the next
+call waited only one deadline for its first segment, the node ahead would give up on its laggard
+predecessor, start the same cascade, and every round would fail from then on. So the first segment
+after a failed call is awaited m deadlines; later ones one.
 """
 from __future__ import annotations
 
@@ -179,7 +185,8 @@ class RingAllReduce:
             if residual is not None:
                 residual.zero_()
             return tensor
-        if self._failed_at is not None or ring.members != self._last_members:
+        catching_up = self._failed_at is not None
+        if catching_up or ring.members != self._last_members:
             self._discard_through(step - 1)  # segments of a failed or re-formed ring may still come
         self._last_members = ring.members
         if not self.elastic and not self.comm.all_alive():
@@ -196,7 +203,7 @@ class RingAllReduce:
             original = self._backup.copy_(tensor)
         kept = residual.clone() if residual is not None else None
         try:
-            return self._ring(tensor, step, average, ring, residual, deadline)
+            return self._ring(tensor, step, average, ring, residual, deadline, catching_up)
         except CollectiveIncomplete:
             self._outgoing = {}  # sends of this call may still read their buffers: the next call takes new ones
             if original is not None:
@@ -248,8 +255,10 @@ class RingAllReduce:
         return compression.encode_with_feedback(self.codec, segment, residual)
 
     def _ring(self, tensor: torch.Tensor, step: int, average: bool, ring: _Ring,
-              residual: torch.Tensor | None, deadline: float | None = None) -> torch.Tensor:
+              residual: torch.Tensor | None, deadline: float | None = None,
+              catching_up: bool = False) -> torch.Tensor:
         flat = tensor.view(-1)
+        first_deadline = ring.m * (deadline or self.comm.link_deadline) if catching_up else deadline
         lost = (lambda a, b: residual.view(-1)[a:b]) if residual is not None else (lambda a, b: None)  # noqa: E731
         acks: list[concurrent.futures.Future] = []
 
@@ -265,7 +274,7 @@ class RingAllReduce:
         for r in range(ring.m - 1):  # reduce-scatter: decompress, sum, recompress at every hop
             segment = ring.rs_recv(r)  # = rs_send(r + 1): each summed chunk goes on at once
             for c, (a, b) in enumerate(ring.chunks[segment]):
-                received = self._recv(ring, step, "rs", r, segment, c, deadline)
+                received = self._recv(ring, step, "rs", r, segment, c, first_deadline if r == c == 0 else deadline)
                 flat[a:b].add_(self._decode(received, b - a))
                 received.release()
                 if r < ring.m - 2:
