@@ -82,7 +82,11 @@ def test_sgp_survives_a_stalled_peer_with_its_mass_and_rejoins(overlap, seconds)
     results = run_cluster(n, body, options=OPTIONS, timeout=120)
     ws = [r[0] for r in results]
     assert sum(ws) == pytest.approx(n, abs=1e-9), ws
-    assert min(r[1] for r in results) > 0.05, "a node's push-sum weight drained"
+    # A drain is geometric (w halves at every push that nothing refills). Events in this run each
+    # halve w once or twice at most (a catch-up donates half of a donor's w, shares wait for a dead
+    # peer): quiet runs bottom out near 0.11, a loaded CI machine saw 0.048. 2^-7 means a drain.
+    assert min(r[1] for r in results) > 2 ** -7, "a node's push-sum weight drained"
+    assert all(abs(w - 1.0) < 1e-2 for w in ws), f"the weights did not recover after the stall: {ws}"
     zs = torch.stack([r[2] for r in results])
     assert torch.isfinite(zs).all()
     x0 = torch.stack([initial(r) for r in range(n)])
