@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import inspect
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
@@ -39,7 +41,8 @@ class LoopThread:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread: threading.Thread | None = None
         self._tasks: set[asyncio.Task] = set()  # spawned background work, cancelled by stop()
-        self._waited: set[concurrent.futures.Future] = set()  # submitted from other threads, not yet settled
+        # submitted from other threads, not yet settled: future -> its coroutine
+        self._waited: dict[concurrent.futures.Future, Coroutine] = {}
         self._waited_lock = threading.Lock()
 
     @property
@@ -68,12 +71,14 @@ class LoopThread:
             loop.run_forever()
         finally:
             loop.close()
+            self._settle_stranded(loop)  # however it stopped: from now on submit() refuses
 
     def stop(self, shutdown: Callable[[], Awaitable[None]], grace: float) -> None:
         """Run `shutdown()` on the loop (given `grace` + 10 s), cancel spawned tasks, stop the loop
-        and join the thread. A no-op when the loop is not running (never started, or stopped)."""
+        and join the thread. What other threads still wait on then fails (see _settle_stranded). A
+        no-op when never started."""
         loop = self.loop
-        if loop is None or not loop.is_running():
+        if loop is None:
             return
 
         async def close() -> None:
@@ -83,21 +88,27 @@ class LoopThread:
                 for task in list(self._tasks):
                     task.cancel()
 
-        try:
-            asyncio.run_coroutine_threadsafe(close(), loop).result(grace + 10)
-        except Exception as exc:  # noqa: BLE001 - shutting down anyway
-            log.warning("unclean %s shutdown: %s", self.what, exc)
-        loop.call_soon_threadsafe(loop.stop)
+        if loop.is_running():
+            try:
+                self.submit(close()).result(grace + 10)
+            except Exception as exc:  # noqa: BLE001 - shutting down anyway (or it stopped meanwhile)
+                log.warning("unclean %s shutdown: %s", self.what, exc)
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                loop.call_soon_threadsafe(loop.stop)
         if self.thread is not None:
             self.thread.join(10)
-        if not loop.is_running():
-            self._settle_stranded()
 
-    def _settle_stranded(self) -> None:
+    def _settle_stranded(self, loop: asyncio.AbstractEventLoop) -> None:
         """Fail what other threads still wait on: the stopped loop will never settle it (a ring
-        all-reduce on a communication thread would otherwise wait past the process's end)."""
+        all-reduce on a communication thread would otherwise wait past the process's end). Close the
+        coroutines it never started (submitted, or cancelled, just before it stopped), which Python
+        would otherwise report as never awaited."""
         with self._waited_lock:
-            stranded, self._waited = self._waited, set()
+            stranded, self._waited = self._waited, {}
+        never_run = list(stranded.values()) + [task.get_coro() for task in asyncio.all_tasks(loop)]
+        for coro in never_run:
+            if inspect.iscoroutine(coro) and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+                coro.close()
         for future in stranded:
             try:
                 future.set_exception(RuntimeError(f"{self.what} stopped"))
@@ -110,15 +121,19 @@ class LoopThread:
         if self.loop is None:
             coro.close()
             raise RuntimeError(f"{self.what} not started")
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        except RuntimeError:  # the loop is closed: the coroutine will never run
+            coro.close()
+            raise
         with self._waited_lock:
-            self._waited.add(future)
+            self._waited[future] = coro
         future.add_done_callback(self._settled)
         return future
 
     def _settled(self, future: concurrent.futures.Future) -> None:
         with self._waited_lock:
-            self._waited.discard(future)
+            self._waited.pop(future, None)
 
     def call(self, fn: Callable[..., T], *args, timeout: float | None = None) -> T:
         """fn(*args) run on the loop, where the state it touches lives; its result or exception.
