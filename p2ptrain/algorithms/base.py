@@ -124,7 +124,8 @@ class Algorithm(ABC):
 
     @abstractmethod
     def after_step(self, step: int, params: "torch.Tensor") -> "torch.Tensor":
-        """`params` = model after the local optimizer step of `step`; returns the model for step+1."""
+        """`params` = model after the local optimizer step of `step`; returns the model for step+1
+        (which may be `params` itself, written in place: the engine then copies nothing)."""
 
     def watch_gradients(self, params: list, next_step) -> None:
         """The model's parameters (in the flat vector's order) and `next_step()`, the step the next

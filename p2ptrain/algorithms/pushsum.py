@@ -56,7 +56,6 @@ class PushSum:
         self.log = log or logging.getLogger(__name__)
         self.x: torch.Tensor | None = None
         self.w = 1.0
-        self.z: torch.Tensor | None = None
         self.residual: torch.Tensor | None = None  # what the codec lost of our shares (x units)
         self.outbox: deque = deque()  # (future of Delivery, x-share, w-share, receiver, step) until acknowledged
         self.refused_shares = 0
@@ -89,21 +88,33 @@ class PushSum:
             self.x.add_(self.residual)
             self.residual.zero_()
 
-    def push(self, peers: list[int], step: int) -> None:
-        """Keep p = 1 / (len(peers) + 1) of (x, w) and send a share p (x, w) to each of `peers`."""
-        self.fold_residual()  # what earlier encodings lost goes out now
+    def push(self, peers: list[int], step: int, update: tuple[torch.Tensor, float] | None = None) -> None:
+        """Keep p = 1 / (len(peers) + 1) of (x, w) and send a share p (x, w) to each of `peers`.
+        `update` = (model, scale): first x += scale (model - z), z = x / w (the caller's optimizer
+        moved its model from z to `model`), fused with the scaling by p. x then holds p x, which is
+        both what we keep and every peer's share: x = p (x (1 - scale / w) + scale model) is two
+        passes over the model and no temporary, where x += scale (model - z); share = p x;
+        x *= p takes seven and a model-sized temporary (on a loaded machine these passes, not the
+        arithmetic, are what a push-sum step costs)."""
         p = 1.0 / (len(peers) + 1)  # uniform weights: column i of P^(k), over the peers that take a share
+        if update is None:
+            self.x.mul_(p)
+        else:
+            model, scale = update
+            self.x.mul_(p * (1.0 - scale / self.w)).add_(model, alpha=p * scale)
+        if self.residual is not None:  # what earlier encodings lost goes out now (error feedback)
+            self.x.add_(self.residual, alpha=p)
+            self.residual.zero_()
         share_w = p * self.w
         encoded = None
         if self.codec is not None and peers:
-            share = self.x * p
-            encoded = self.codec.encode(share)
-            decoded = self.codec.decode(encoded.payload, encoded.params, share.shape, share.dtype)
-            self.residual.add_(share.sub_(decoded), alpha=len(peers))  # lost on the wire, kept here
+            encoded = self.codec.encode(self.x)
+            decoded = self.codec.decode(encoded.payload, encoded.params, self.x.shape, self.x.dtype)
+            self.residual.add_(self.x - decoded, alpha=len(peers))  # lost on the wire, kept here
         for peer in peers:
             if encoded is None:  # a buffer per peer, the transport's until its Ack is in (see reabsorb_refused)
                 share_x = self._share_buffer()
-                _scaled(self.x, p, out=share_x)
+                share_x.copy_(self.x)
                 future = self.comm.send(peer, share_x, kind=self.kind, step=step, ps_weight=share_w,
                                         reliable=True, settle=True, **self._on_channel())
             else:
@@ -114,7 +125,6 @@ class PushSum:
                                         shape=tuple(share_x.shape), **self._on_channel())
             self.outbox.append((future, share_x, share_w, peer, step))
             self.record("send", step, share_w, peer)
-        self.x.mul_(p)
         self.w *= p
 
     def mix(self, senders: list[int], step: int, now: int) -> None:
@@ -315,11 +325,18 @@ class PushSum:
         if self.ledger is not None:
             self.ledger.append((event, step, weight, peer, sent))
 
-    def debias(self) -> torch.Tensor:
+    @property
+    def z(self) -> torch.Tensor | None:
+        """x / w, computed afresh (debias() hands the step's z to the caller's model instead)."""
+        return None if self.x is None else self.x / self.w
+
+    def debias(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """z = x / w, written into `out` (the caller's model: no copy afterwards) or a new tensor."""
+        import torch
         self.min_w = min(self.min_w, self.w)
-        self.z = self.x / self.w
-        self._z_scale = peak_magnitude(self.z)
-        return self.z
+        z = self.x / self.w if out is None else torch.div(self.x, self.w, out=out)
+        self._z_scale = peak_magnitude(z)
+        return z
 
     def _values(self, share) -> torch.Tensor:
         """A share's x-values, decoded when it travelled encoded."""
@@ -339,13 +356,6 @@ def peak_magnitude(values: torch.Tensor) -> float:
         return 0.0
     low, high = (float(v) for v in values.aminmax())
     return max(-low, high) if math.isfinite(low) and math.isfinite(high) else math.inf
-
-
-def _scaled(tensor: torch.Tensor, factor: float, *, out: torch.Tensor) -> torch.Tensor:
-    """factor * tensor, written into `out` (torch imported here: the registry loads without it)."""
-    import torch
-
-    return torch.mul(tensor, factor, out=out)
 
 
 __all__ = ["FINISH_WAIT_SECONDS", "PLAUSIBLE_SCALE", "PushSum"]

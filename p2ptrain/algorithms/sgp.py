@@ -132,15 +132,14 @@ class SGP(Algorithm):
 
     def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:
         self.comm.set_step(step)
-        # x^{k+1/2} = x^k + (z' - z), scaled down only while w is below its steady state
-        self.mass.x.add_(params - self.mass.z, alpha=self.mass.step_scale(self._steady_w(step)))
-        self._push(step)
+        # x^{k+1/2} = x^k + (z' - z), scaled down only while w is below its steady state, then pushed
+        self._push(step, update=(params, self.mass.step_scale(self._steady_w(step))))
         self.mass.reabsorb_refused(step)
         if step - self.tau > self._mixed_through:
             self._mix(step - self.tau, step)
         self.mass.take_over(step)
         self.mass.record("w", step, self.mass.w)
-        return self.mass.debias()
+        return self.mass.debias(out=params)  # z straight into the model the engine loads
 
     def finish(self) -> torch.Tensor:
         """Receive the shares still in flight (the last τ steps, and earlier ones that missed their
@@ -197,12 +196,12 @@ class SGP(Algorithm):
         return {"ps_weight": self.w, "min_ps_weight": self.min_w, "dropped_shares": float(self.dropped_shares)}
 
     # The seed's steps --------------------------------------------------------------------------
-    def _push(self, step: int) -> None:
+    def _push(self, step: int, update: tuple[torch.Tensor, float]) -> None:
         self._last_step = step
         window = self.tau + 1  # a share per step of the bounded delay may be on its way
         peers = [peer for peer in self.comm.live(self.topology.out_peers(self.rank, step))
                  if self.comm.make_room(peer, window)]
-        self.mass.push(peers, step)
+        self.mass.push(peers, step, update=update)
 
     def _steady_w(self, step: int) -> float:
         """w at the update when no mass is missing: with k out-peers (p = 1 / (k + 1)) and τ steps
