@@ -159,7 +159,9 @@ class PushSum:
             return f"weight {share.ps_weight!r} outside (0, {n}]"
         if self.w + share.ps_weight > n * (1 + 1e-9):
             return f"w would become {self.w + share.ps_weight:.6g} > n = {n} (push-sum mass never exceeds n)"
-        scale = peak_magnitude(values) / share.ps_weight
+        # the receiver's NaN / Inf check measured the peak of an uncompressed share (Message.peak)
+        peak = share.peak if share.peak is not None and values is share.tensor else _peak_magnitude(values)
+        scale = peak / share.ps_weight
         if not math.isfinite(scale) or scale > PLAUSIBLE_SCALE * max(1.0, self._z_scale):
             return f"de-biased values up to {scale:.3g}, ours up to {self._z_scale:.3g}"
         return ""
@@ -335,7 +337,7 @@ class PushSum:
         import torch
         self.min_w = min(self.min_w, self.w)
         z = self.x / self.w if out is None else torch.div(self.x, self.w, out=out)
-        self._z_scale = peak_magnitude(z)
+        self._z_scale = _peak_magnitude(z)
         return z
 
     def _values(self, share) -> torch.Tensor:
@@ -349,13 +351,10 @@ class PushSum:
         return {"channel": self.channel} if self.channel else {}
 
 
-def peak_magnitude(values: torch.Tensor) -> float:
-    """max |v| over `values` (0 when empty, inf when any is NaN or Inf), without allocating |values|
-    (a model-sized tensor per share)."""
-    if not values.numel():
-        return 0.0
-    low, high = (float(v) for v in values.aminmax())
-    return max(-low, high) if math.isfinite(low) and math.isfinite(high) else math.inf
+def _peak_magnitude(values: torch.Tensor) -> float:
+    from p2ptrain.transport.validation import peak_magnitude  # (imports torch: not at module level)
+
+    return peak_magnitude(values)
 
 
 __all__ = ["FINISH_WAIT_SECONDS", "PLAUSIBLE_SCALE", "PushSum"]

@@ -20,6 +20,7 @@ server (streams.py) cuts a stream that sends nothing for `stream_idle_timeout` s
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Mapping
@@ -34,8 +35,7 @@ from p2ptrain.transport.validation import (
     ChannelSpec,
     CodecLayout,
     Rejection,
-    all_finite,
-    check_finite,
+    peak_magnitude,
     validate_header,
 )
 
@@ -86,7 +86,7 @@ class Reception:
         self.buffer: torch.Tensor | None = None
         self.received = 0
         self.scanned = 0          # payload bytes already checked for NaN / Inf (Inbox.scan)
-        self.non_finite = False   # ... and whether they held one
+        self.peak = 0.0           # ... their max |value| (inf: they held a NaN or Inf)
         self._allocate = allocate
         self._view = memoryview(b"")
 
@@ -275,10 +275,11 @@ class Inbox:
             buffer = reception.payload()
             # Codec payloads stay raw bytes: the algorithm's codec decodes them (and checks them).
             tensor = buffer.view(torch_dtype(header.dtype)) if header.codec == pb.CODEC_NONE else buffer
-            if header.codec == pb.CODEC_NONE:
-                if reception.non_finite:
+            peak = None
+            if header.codec == pb.CODEC_NONE and tensor.is_floating_point():
+                peak = max(reception.peak, peak_magnitude(tensor[reception.scanned // tensor.element_size():]))
+                if not math.isfinite(peak):
                     raise Rejection("non_finite", f"the payload from {header.sender} holds NaN or Inf")
-                check_finite(tensor[reception.scanned // tensor.element_size():], f"the payload from {header.sender}")
         except Rejection:
             self.abort(reception)
             raise
@@ -291,7 +292,7 @@ class Inbox:
             sender=header.sender, step=header.step, kind=header.kind, channel=header.channel,
             tensor=tensor, ps_weight=header.ps_weight, relay_count=header.relay_count,
             codec=header.codec, codec_params=tuple(header.codec_params),
-            shape=tuple(header.shape) or (header.numel,), message_id=header.message_id,
+            shape=tuple(header.shape) or (header.numel,), message_id=header.message_id, peak=peak,
             _release=lambda: self.pool.release(buffer))
         box[header.sender] = message
         self.on_deliver(header.sender, header.step, header.kind)
@@ -304,12 +305,12 @@ class Inbox:
         takes the check (a pass over the payload) off the time between the last byte and the Ack.
         A NaN found here is refused by deliver(), when the message is complete, as ever."""
         header = reception.header
-        if header.codec != pb.CODEC_NONE or reception.buffer is None or reception.non_finite:
+        if header.codec != pb.CODEC_NONE or reception.buffer is None or not math.isfinite(reception.peak):
             return
         dtype = torch_dtype(header.dtype)
         end = reception.received - reception.received % dtype.itemsize
         if dtype.is_floating_point and end > reception.scanned:
-            reception.non_finite = not all_finite(reception.buffer[reception.scanned:end].view(dtype))
+            reception.peak = max(reception.peak, peak_magnitude(reception.buffer[reception.scanned:end].view(dtype)))
             reception.scanned = end
 
     def _validate(self, header: pb.TensorHeader) -> None:

@@ -26,6 +26,10 @@ class Message:
     codec_params: tuple[float, ...]
     shape: tuple[int, ...]
     message_id: int
+    # max |value| of an uncompressed float payload, found by the receive-side NaN / Inf check (the
+    # same pass), so consumers that bound values (push-sum's plausibility check) need not re-read
+    # the tensor; None for codec and integer payloads
+    peak: float | None = None
     _release: object = field(default=None, repr=False)
 
     def release(self) -> None:

@@ -112,6 +112,15 @@ def all_finite(values: torch.Tensor) -> bool:
                for start in range(0, flat.numel(), _FINITE_BLOCK))
 
 
+def peak_magnitude(values: torch.Tensor) -> float:
+    """max |v| over `values` (0 when empty, inf when any is NaN or Inf): one pass (aminmax), no
+    |values| temporary, and unlike a sum it cannot overflow on finite values."""
+    if not values.numel():
+        return 0.0
+    low, high = (float(v) for v in values.reshape(-1).aminmax())
+    return max(-low, high) if math.isfinite(low) and math.isfinite(high) else math.inf
+
+
 def check_finite(values: torch.Tensor, what: str) -> None:
     """Refuse (`non_finite`) a floating-point payload holding NaN or Inf."""
     if not all_finite(values):
@@ -119,4 +128,4 @@ def check_finite(values: torch.Tensor, what: str) -> None:
 
 
 __all__ = ["Rejection", "ChannelSpec", "CodecLayout", "validate_header", "check_weights", "check_finite",
-           "all_finite"]
+           "all_finite", "peak_magnitude"]
