@@ -166,17 +166,6 @@ class PushSum:
             return f"de-biased values up to {scale:.3g}, ours up to {self._z_scale:.3g}"
         return ""
 
-    def step_scale(self, steady_w: float = 1.0) -> float:
-        """min(1, w / steady_w): what the caller scales its local update x += (z' - z) by, where
-        steady_w is the w a node has at that point when no mass is missing (1 when every share is
-        mixed in before the update; less with shares in flight, see SGP). The seed's update
-        moves z = x / w by the optimizer's step divided by w: once mass is gone with a crashed
-        node (1.9 of 3 once) or held by a frozen peer until it answers (up to 75% of each
-        in-neighbour's w), every node's learning rate grows by the mass missing (3.4x, and the
-        models diverged). Scaled, z never moves further than in the steady state; in it, it is
-        the seed's update."""
-        return min(1.0, self.w / steady_w)
-
     def reabsorb_refused(self, now: int) -> None:
         """Re-absorb the shares that did not get through: the receiver refused them, voided them when
         settling, or was dead before they left. Acks may complete in any order (a stalled peer's

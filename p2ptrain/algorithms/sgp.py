@@ -23,11 +23,12 @@ the shares in flight, is what makes the de-biased z_i converge to the average):
 - a share whose send failed after bytes left is *settled* with the receiver before it is
   re-absorbed (the transport asks which it delivered; the rest it voids), so a stalled peer that
   wakes up with our shares in its socket never lets the same mass count twice;
-- the local update is scaled by min(1, w / w_steady) (PushSum.step_scale; w_steady = 1 / (1 +
-  τ k / (k + 1)), the w of a node at update time when no mass is missing): with the seed's
-  unscaled update z steps γ / w, so once mass is gone with a crashed node, or held by a frozen
-  one until it answers, every node's learning rate grows with the mass missing (3.4x seen, and
-  the models diverged); in the steady state it is the seed's update;
+- the local update is scaled by min(1, w / ψ_i), where ψ_i is the w node i has at that point in a
+  run where no mass is missing: the push-sum recursion of the weights alone over the known
+  schedule, with the same τ (fault_free_weights.py). With the seed's unscaled update z steps
+  γ / w, so once mass is gone with a crashed node, or held by a frozen one until it answers, every
+  node's learning rate grows with the mass missing (3.4x seen, and the models diverged). Without
+  a fault w = ψ_i and the factor is exactly 1 on every graph: the seed's update;
 - a node that stalled and was excluded catches up by merging half of a donor's (x, w) into its own
   (adopt_state): its own mass is not thrown away;
 - a share that would make w exceed n (mass never does) or whose de-biased values are absurd is
@@ -46,6 +47,7 @@ from typing import TYPE_CHECKING
 
 from p2ptrain import compression
 from p2ptrain.algorithms.base import Algorithm, Comm, Kind
+from p2ptrain.algorithms.fault_free_weights import FaultFreeWeights
 from p2ptrain.algorithms.pushsum import FINISH_WAIT_SECONDS, PLAUSIBLE_SCALE, PushSum
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, option, register
 from p2ptrain.topology import Topology, member_topology
@@ -99,6 +101,7 @@ class SGP(Algorithm):
         self.tau = overlap
         self.rank = comm.rank
         self.mass = PushSum(comm, kind=KIND, codec=compression.get_codec(codec), log=log)
+        self.fault_free = FaultFreeWeights(topology, overlap)  # ψ: the w of each node when nothing is missing
         self._last_step = -1
         self._mixed_through = -1  # shares of steps up to this one were all folded in (a checkpoint's flush)
 
@@ -132,8 +135,8 @@ class SGP(Algorithm):
 
     def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:
         self.comm.set_step(step)
-        # x^{k+1/2} = x^k + (z' - z), scaled down only while w is below its steady state, then pushed
-        self._push(step, update=(params, self.mass.step_scale(self._steady_w(step))))
+        # x^{k+1/2} = x^k + (z' - z), scaled by min(1, w / ψ) (1 unless mass is missing), then pushed
+        self._push(step, update=(params, self.fault_free.scale(self.mass.w, self.rank, step)))
         self.mass.reabsorb_refused(step)
         if step - self.tau > self._mixed_through:
             self._mix(step - self.tau, step)
@@ -163,6 +166,7 @@ class SGP(Algorithm):
         self.mass.x.copy_(state["x"].to(self.mass.x.device, self.mass.x.dtype))
         self.mass.w = float(state["w"])
         self._last_step = self._mixed_through = step - 1  # everything before was folded in when saved
+        self.fault_free.resume(step)
         self.mass.missing.clear()
         return self.mass.debias()
 
@@ -172,6 +176,7 @@ class SGP(Algorithm):
         unmixed = [(self.topology.in_peers(self.rank, step), step)
                    for step in range(max(0, last - self.tau + 1, self._mixed_through + 1), last + 1)]
         self.mass.flush(unmixed, last)
+        self.fault_free.flush(last)
         self._mixed_through = last
 
     def adopt_state(self, state, params: torch.Tensor) -> torch.Tensor:
@@ -202,12 +207,6 @@ class SGP(Algorithm):
         peers = [peer for peer in self.comm.live(self.topology.out_peers(self.rank, step))
                  if self.comm.make_room(peer, window)]
         self.mass.push(peers, step, update=update)
-
-    def _steady_w(self, step: int) -> float:
-        """w at the update when no mass is missing: with k out-peers (p = 1 / (k + 1)) and τ steps
-        of shares in flight, w + τ k p w = 1, i.e. 1 / (1 + τ k / (k + 1)): 2/3 for τ = 1, k = 1."""
-        k = len(self.topology.out_peers(self.rank, step))
-        return 1.0 / (1.0 + self.tau * k / (k + 1))
 
     def _mix(self, step: int, now: int) -> None:
         """Add the step-`step` shares of the in-neighbours that arrive within the link deadline, and

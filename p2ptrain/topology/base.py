@@ -18,8 +18,9 @@ class Topology(ABC):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
-        # Per-instance cache of the in-neighbour table; steps repeat for periodic schedules.
+        # Per-instance caches of the in-neighbour table and the arcs; steps repeat for periodic schedules.
         self._in_table = lru_cache(maxsize=256)(self._compute_in_table)
+        self._arcs = lru_cache(maxsize=256)(self._compute_arcs)
 
     @abstractmethod
     def out_peers(self, rank: int, step: int) -> list[int]:
@@ -29,6 +30,15 @@ class Topology(ABC):
         """Ranks that send to `rank` at `step` (sorted)."""
         self._check_rank(rank)
         return list(self._in_table(self._cache_key(step))[rank])
+
+    def members(self, step: int) -> tuple[int, ...]:
+        """The ranks that take part at `step` (all of them; an elastic schedule says fewer)."""
+        return tuple(range(self.world_size))
+
+    def arcs(self, step: int) -> tuple[tuple[int, int], ...]:
+        """Every (sender, receiver) pair of `step`, senders in rank order: the whole graph at once, for
+        what simulates every node (push-sum's fault-free weights) rather than asks for one."""
+        return self._arcs(self._cache_key(step))
 
     def mixing_weight(self, rank: int, step: int) -> float:
         """Uniform push weight: `rank` keeps and sends p = 1 / (out-degree + 1) of its mass."""
@@ -59,6 +69,10 @@ class Topology(ABC):
             for receiver in self.out_peers(sender, step):
                 incoming[receiver].append(sender)
         return tuple(tuple(sorted(peers)) for peers in incoming)
+
+    def _compute_arcs(self, step: int) -> tuple[tuple[int, int], ...]:
+        return tuple((sender, receiver) for sender in range(self.world_size)
+                     for receiver in self.out_peers(sender, step))
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:

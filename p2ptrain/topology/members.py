@@ -42,6 +42,13 @@ class MemberTopology(Topology):
             return []
         return sorted(members[j] for j in graph.in_peers(members.index(rank), step))
 
+    def members(self, step: int) -> tuple[int, ...]:
+        return tuple(self.members_at(step))
+
+    def arcs(self, step: int) -> tuple[tuple[int, int], ...]:
+        members, graph = self._graph(step)  # the k-node graph's arcs are cached by its own period
+        return tuple((members[i], members[j]) for i, j in graph.arcs(step))
+
     def period(self) -> int | None:
         return None  # members change: no in-table is reused across steps
 
