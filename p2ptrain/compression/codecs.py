@@ -204,11 +204,11 @@ class Fp16(Codec):
     even, of x / scale with one power-of-two scale per tensor.
 
     Half precision alone overflows above 65504 and goes subnormal below 2^-14 (6.1e-5), where
-    gradients and SGP's shares live; so the scale 2^e puts max|x| / scale in [2^14, 2^15) (the top
-    of half's range with headroom for rounding up), and since it is a power of two, dividing and
-    multiplying by it are exact: decode(encode(x)) is x rounded to 11 significant bits. Relative
-    error <= 2^-11 (trunc16 and bf16 keep 8 bits: 2^-7, 2^-8) for every |x| >= max|x| * 2^-28;
-    below that half's subnormals take over, so |error| <= max(2^-11 |x|, 2^-39 max|x|) everywhere.
+    gradients often live; so the scale 2^e puts max|x| / scale in [2^14, 2^15) (the top of half's
+    range with headroom for rounding up), and since it is a power of two, dividing and multiplying
+    by it are exact: decode(encode(x)) is x rounded to 11 significant bits wherever |x| >= max|x|
+    2^-28, a relative error <= 2^-11 (trunc16 and bf16 keep 8 bits: 2^-7, 2^-8); below that half's
+    subnormals take over, so |error| <= max(2^-11 |x|, 2^-39 max|x|) everywhere.
     The scale travels as the single codec param. Magnitudes above FP16_CLAMP (within 2^-11 of the
     largest float32) are clamped to it first; an all-zero tensor gets scale 1.
     """
