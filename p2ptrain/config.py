@@ -31,7 +31,7 @@ import tomllib
 
 from p2ptrain.algorithms import registry
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec
-from p2ptrain.topology import TOPOLOGY_NAMES
+from p2ptrain.topology import TOPOLOGY_NAMES, max_peers_per_step
 
 ROLES = ("peer", "ps", "worker")  # peer: decentralized node; ps / worker: parameter server (GEM, seed 001)
 MODELS = ("mlp", "cnn")
@@ -264,7 +264,12 @@ class NodeConfig:
                                       f"not {spec.name}")
             need(self.resolved_topology in spec.topologies,
                  f"{spec.name} cannot run on topology {self.topology!r}; choose from {spec.topologies}")
-        self.algorithm_options  # raises ConfigError with the algorithm's own reason
+        options = self.algorithm_options  # raises ConfigError with the algorithm's own reason
+        peers_per_step = getattr(options, "peers_per_step", None)
+        if self.resolved_topology == "exponential" and peers_per_step is not None:  # fewer members clamp it
+            need(peers_per_step <= max_peers_per_step(self.slots),
+                 f"--peers-per-step {peers_per_step} exceeds the {self.slots - 1} other nodes of a "
+                 f"{self.slots}-node exponential graph")
 
     def _validate_rendezvous(self, need) -> None:
         if self.rendezvous is not None:

@@ -51,7 +51,7 @@ def test_ring_allreduce_sum_and_mean_exact(n, numel):
         torch.testing.assert_close(b, expected_mean, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("codec,bound", [("fp16", 2 ** -7), ("int8", 1 / 127)])
+@pytest.mark.parametrize("codec,bound", [("trunc16", 2 ** -7), ("fp16", 2 ** -10), ("int8", 1 / 127)])
 def test_ring_allreduce_compressed_hops_stay_within_error_bound_and_agree(codec, bound):
     n, numel = 4, 5000
 

@@ -25,6 +25,23 @@ def test_targets_are_ratios_of_steady_step_times():
     assert not checks["Pipe-SGD int8 vs synchronous all-reduce"][3]
 
 
+def test_every_variant_and_target_names_flags_a_node_accepts():
+    """The variants are flag lists checked only when a bench starts its nodes: parse each one here
+    (a renamed codec, such as fp16 -> trunc16, must not leave a variant or a target behind)."""
+    from p2ptrain.bench import peers
+    from p2ptrain.bench.algorithms import DEFAULT_VARIANTS, TARGETS
+    from p2ptrain.cli import _config_from_args, build_parser
+
+    parser = build_parser()
+    for name, flags in peers.VARIANTS.items():
+        args = parser.parse_args(["node", "--rank", "0", "--world-size", "4", "--peers", "a:1,a:2,a:3,a:4", *flags])
+        assert _config_from_args(args).algorithm == flags[flags.index("--algorithm") + 1], name
+    assert set(DEFAULT_VARIANTS) <= set(VARIANTS) and set(VARIANTS) <= set(peers.VARIANTS)
+    assert {t[1] for t in TARGETS} | {t[2] for t in TARGETS} <= set(VARIANTS)
+    assert {t[1] for t in peers.TARGETS} <= set(peers.VARIANTS)
+    assert "trunc16" in VARIANTS["pipesgd-trunc16"] and "trunc16" in VARIANTS["sgp-tau1-trunc16"]
+
+
 def run(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "p2ptrain", *args], cwd=ROOT, env=node_env(),
                           capture_output=True, text=True, timeout=timeout)

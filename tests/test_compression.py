@@ -1,5 +1,6 @@
-"""Wire codecs of seed 004 (Pipe-SGD): fp16 truncation and int8 max-|x| quantization; and those of
-DiLoCo's pseudo-gradients: bf16 rounding, int4 max-|x| quantization, top-k with error feedback."""
+"""Wire codecs of seed 004 (Pipe-SGD): 16-bit truncation (trunc16) and int8 max-|x| quantization; those
+of DiLoCo's pseudo-gradients: bf16 rounding, int4 max-|x| quantization, top-k with error feedback; and
+IEEE half precision with a power-of-two scale (fp16)."""
 import math
 
 import numpy as np
@@ -12,10 +13,11 @@ from p2ptrain.compression import (
     CODECS,
     CompressionError,
     Encoded,
-    Fp16Truncate,
+    Fp16,
     Int8Quantize,
     NoCompression,
     TopK,
+    Trunc16,
     encode_with_feedback,
     get_codec,
     make_codec,
@@ -23,6 +25,7 @@ from p2ptrain.compression import (
 
 torch.set_num_threads(1)
 
+TRUNC16 = get_codec("trunc16")
 FP16 = get_codec("fp16")
 INT8 = get_codec("int8")
 NONE = get_codec("none")
@@ -44,31 +47,136 @@ def _roundtrip(codec, x: torch.Tensor) -> tuple[Encoded, torch.Tensor]:
     return enc, codec.decode(enc.payload, enc.params, enc.shape, enc.dtype)
 
 
-# -- fp16 truncation -------------------------------------------------------------------------------
-def test_fp16_relative_error_bound_over_magnitudes():
+# -- 16-bit truncation -----------------------------------------------------------------------------
+def test_trunc16_relative_error_bound_over_magnitudes():
     x = _wide_range()
     assert x.abs().min() > 1e-37 and torch.isfinite(x).all()  # finite normals only
-    _, y = _roundtrip(FP16, x)
+    _, y = _roundtrip(TRUNC16, x)
     rel = ((y - x).abs() / x.abs()).max().item()
     assert rel <= 2.0 ** -7
 
 
-def test_fp16_truncates_toward_zero_and_matches_numpy_bits():
+def test_trunc16_truncates_toward_zero_and_matches_numpy_bits():
     x = torch.cat([_wide_range(seed=1), torch.tensor([0.0, -0.0, 1.0, -1.0, 3.0e38, -3.0e38, 1e-40])])
-    _, y = _roundtrip(FP16, x)
+    _, y = _roundtrip(TRUNC16, x)
     assert (y.abs() <= x.abs()).all()
     assert (torch.sign(y) * torch.sign(x) >= 0).all()
     ref = (x.numpy().view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
     assert np.array_equal(y.numpy().view(np.uint32), ref.view(np.uint32))
 
 
-def test_fp16_payload_is_int16_upper_halves():
+def test_trunc16_payload_is_int16_upper_halves():
     x = torch.tensor([1.0, -2.5, 1.0 + 2.0 ** -10])
-    enc = FP16.encode(x)
+    enc = TRUNC16.encode(x)
     assert enc.payload.dtype == torch.int16 and enc.payload.is_contiguous()
     expected = (x.numpy().view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
     assert np.array_equal(enc.payload.numpy(), expected)
-    assert enc.codec == pb.CODEC_FP16_TRUNCATE and enc.params == ()
+    assert enc.codec == pb.CODEC_TRUNC16 == 1 and enc.params == ()  # wire id 1 kept its encoding
+
+
+# -- fp16: IEEE half precision of x / 2^e ----------------------------------------------------------
+def _fp16_reference(x: torch.Tensor) -> tuple[float, np.ndarray]:
+    """(scale, decoded) in numpy float64: scale = 2^(floor(log2 max|x|) - 14), so max|x| / scale is
+    in [2^14, 2^15); decoded = numpy's half rounding of x / scale, times scale."""
+    values = x.double().numpy().reshape(-1)
+    amax = float(np.abs(values).max())
+    scale = 2.0 ** (int(np.floor(np.log2(amax))) - 14)
+    return scale, (values / scale).astype(np.float16).astype(np.float64) * scale
+
+
+@pytest.mark.parametrize("mag", [1e-30, 1e-6, 1e-3, 1.0, 1e4, 1e30])
+def test_fp16_is_numpys_half_of_the_scaled_tensor_bit_for_bit(mag):
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(5000, generator=g) * mag
+    enc, y = _roundtrip(FP16, x)
+    scale, ref = _fp16_reference(x)
+    assert enc.codec == pb.CODEC_FP16 == 6 and enc.payload.dtype == torch.int16 and enc.params == (scale,)
+    assert 2.0 ** 14 <= x.abs().max().item() / scale < 2.0 ** 15
+    assert np.array_equal(y.double().numpy(), ref)
+
+
+def test_fp16_error_bounds_and_three_more_bits_than_trunc16():
+    """<= 2^-11 relative for every |x| >= max|x| 2^-28; at most 2^-39 max|x| below (half's subnormals)."""
+    for x in (_wide_range(seed=2), torch.randn(20000, generator=torch.Generator().manual_seed(4)) * 1e-4):
+        _, y = _roundtrip(FP16, x)
+        amax, err = x.abs().max().item(), (y - x).abs()
+        upper = x.abs() >= amax * 2.0 ** -28
+        assert (err[upper] / x.abs()[upper]).max().item() <= 2.0 ** -11
+        assert (err <= torch.maximum(x.abs() * 2.0 ** -11, torch.tensor(amax * 2.0 ** -39))).all()
+    x = torch.randn(20000, generator=torch.Generator().manual_seed(4))
+    _, half = _roundtrip(FP16, x)
+    _, trunc = _roundtrip(TRUNC16, x)
+    assert ((half - x).abs() / x.abs()).max().item() <= 2.0 ** -11
+    assert ((trunc - x).abs() / x.abs()).max().item() > 2.0 ** -8  # truncation keeps 8 significant bits
+
+
+def test_fp16_scale_keeps_large_and_small_tensors_in_half_range():
+    """Plain half precision overflows above 65504 and goes subnormal below 2^-14; the scale avoids both,
+    and magnitudes within 2^-11 of the largest float32 are clamped instead of rounding up to 2^128."""
+    flt_max = torch.finfo(torch.float32).max
+    for big in (torch.tensor([1e5, -7e4, 65520.0, 3.0]), torch.tensor([3.0e38, flt_max, -flt_max, 1e36])):
+        assert torch.isinf(big[:3].half()).all()
+        _, y = _roundtrip(FP16, big)
+        assert torch.isfinite(y).all() and ((y - big).abs() / big.abs()).max().item() <= 2.0 ** -11
+    assert y[1].item() == -y[2].item() == float.fromhex("0x1.ffcp+127")  # (1 - 2^-11) 2^128
+    small = torch.randn(1000, generator=torch.Generator().manual_seed(6)) * 1e-6
+    plain = small.half().float()
+    assert ((plain - small).abs() / small.abs()).max().item() > 1e-2  # subnormal halves
+    _, y = _roundtrip(FP16, small)
+    assert ((y - small).abs() / small.abs()).max().item() <= 2.0 ** -11
+    tiny = torch.tensor([1e-45, -1e-40, 3e-39])  # float32 subnormals: the scale stops at 2^-126
+    enc, y = _roundtrip(FP16, tiny)
+    assert enc.params == (2.0 ** -126,)
+    assert ((y - tiny).abs() / tiny.abs()).max().item() <= 2.0 ** -11
+
+
+def test_fp16_all_zeros_and_empty():
+    for x in (torch.zeros(3, 2), torch.zeros(0), torch.tensor(-0.0)):
+        enc, y = _roundtrip(FP16, x)
+        assert enc.params == (1.0,) and torch.equal(y, x) and y.shape == x.shape
+
+
+@pytest.mark.parametrize("params", [(), (1.0, 2.0), (-0.5,), (0.0,), (3.0,), (float("nan"),), (float("inf"),),
+                                    (2.0 ** -127,), (2.0 ** 114,)])
+def test_fp16_decode_refuses_scales_the_encoder_never_sends(params):
+    enc = FP16.encode(torch.randn(10))
+    with pytest.raises(CompressionError, match="param|power of two"):
+        FP16.decode(enc.payload, params, enc.shape)
+    for end in (2.0 ** -126, 2.0 ** 113):  # the range's ends decode
+        unscaled = FP16.decode(enc.payload, (1.0,), enc.shape)
+        assert torch.equal(FP16.decode(enc.payload, (end,), enc.shape), unscaled * end)
+
+
+def test_fp16_and_trunc16_have_their_own_wire_ids_so_mixed_versions_refuse():
+    """"fp16" used to name truncation (wire id 1, now trunc16). Real half precision got a new id, so a
+    receiver still declaring id 1 for "fp16" refuses the new encoding, and one declaring fp16 refuses
+    truncated payloads: a version mix is refused, never misdecoded."""
+    from p2ptrain.transport.validation import ChannelSpec, CodecLayout, Rejection, validate_header
+
+    n = 100
+    old_fp16 = ChannelSpec(torch.float32, n, {pb.CODEC_TRUNC16: CodecLayout(2 * n, 0)})
+    new_fp16 = ChannelSpec(torch.float32, n, {FP16.wire_id: CodecLayout(FP16.payload_bytes(n), FP16.param_count)})
+    for codec, spec in ((FP16, old_fp16), (TRUNC16, new_fp16)):
+        enc = codec.encode(torch.randn(n))
+        header = pb.TensorHeader(dtype=pb.DTYPE_FLOAT32, numel=n, codec=enc.codec, codec_params=enc.params,
+                                 payload_bytes=enc.nbytes)
+        with pytest.raises(Rejection, match="is not accepted here") as exc:
+            validate_header(header, spec, world_size=4)
+        assert exc.value.reason == "bad_codec"
+        validate_header(header, ChannelSpec(torch.float32, n, {enc.codec: CodecLayout(enc.nbytes, codec.param_count)}),
+                        world_size=4)  # accepted where declared
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["trunc16", "fp16", "bf16", "int8", "int4"])
+def test_codecs_send_the_same_bytes_from_cuda_as_from_cpu(name):
+    codec = CODECS[name]
+    x = torch.randn(100003, generator=torch.Generator().manual_seed(9)) * 1e-3
+    on_cpu, on_gpu = codec.encode(x), codec.encode(x.cuda())
+    assert on_gpu.payload.is_cuda and on_gpu.params == on_cpu.params
+    assert torch.equal(on_gpu.payload.cpu(), on_cpu.payload)
+    back = codec.decode(on_gpu.payload, on_gpu.params, on_gpu.shape)
+    assert back.is_cuda and torch.equal(back.cpu(), codec.decode(on_cpu.payload, on_cpu.params, on_cpu.shape))
 
 
 # -- int8 quantization -----------------------------------------------------------------------------
@@ -97,7 +205,7 @@ def test_int8_extremes_are_exact_and_all_zeros_decode_to_zeros():
 
 
 # -- shapes, dtypes, sizes -------------------------------------------------------------------------
-@pytest.mark.parametrize("name,per_elem", [("none", 4), ("fp16", 2), ("int8", 1)])
+@pytest.mark.parametrize("name,per_elem", [("none", 4), ("trunc16", 2), ("fp16", 2), ("int8", 1)])
 @pytest.mark.parametrize("shape", [(10,), (3, 4, 5), (0,), (2, 0, 3), ()])
 def test_shapes_dtypes_and_payload_bytes(name, per_elem, shape):
     codec = CODECS[name]
@@ -114,6 +222,7 @@ def test_shapes_dtypes_and_payload_bytes(name, per_elem, shape):
 def test_compression_ratio():
     x = torch.randn(4096)
     raw = x.numel() * x.element_size()
+    assert TRUNC16.encode(x).nbytes * 2 == raw
     assert FP16.encode(x).nbytes * 2 == raw
     assert INT8.encode(x).nbytes * 4 == raw
     assert NONE.encode(x).nbytes == raw
@@ -123,7 +232,7 @@ def test_non_contiguous_input_and_uint8_wire_buffer():
     base = torch.randn(6, 8)
     x = base.t()  # non-contiguous
     assert not x.is_contiguous()
-    for codec in (FP16, INT8, NONE):
+    for codec in (TRUNC16, FP16, INT8, NONE):
         enc = codec.encode(x)
         assert enc.payload.is_contiguous()
         direct = codec.decode(enc.payload, enc.params, enc.shape)
@@ -140,7 +249,7 @@ def test_none_passes_non_finite_values_untouched():
 
 
 # -- errors ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("codec", [FP16, INT8], ids=["fp16", "int8"])
+@pytest.mark.parametrize("codec", [TRUNC16, FP16, INT8], ids=["trunc16", "fp16", "int8"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite_input_rejected(codec, bad):
     x = torch.randn(1000)
@@ -150,7 +259,7 @@ def test_non_finite_input_rejected(codec, bad):
     assert "3 non-finite of 1000" in str(exc.value)
 
 
-@pytest.mark.parametrize("codec", [FP16, INT8], ids=["fp16", "int8"])
+@pytest.mark.parametrize("codec", [TRUNC16, FP16, INT8], ids=["trunc16", "fp16", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16, torch.int32])
 def test_non_float32_input_rejected(codec, dtype):
     with pytest.raises(CompressionError, match=str(dtype)):
@@ -158,7 +267,7 @@ def test_non_float32_input_rejected(codec, dtype):
 
 
 def test_decode_wrong_payload_size():
-    for codec in (FP16, INT8, NONE):
+    for codec in (TRUNC16, FP16, INT8, NONE):
         enc = codec.encode(torch.randn(10))
         with pytest.raises(CompressionError, match="bytes"):
             codec.decode(enc.payload, enc.params, (11,))
@@ -173,18 +282,20 @@ def test_int8_decode_bad_scale(params):
         INT8.decode(enc.payload, params, enc.shape)
 
 
-def test_fp16_decode_rejects_params():
-    enc = FP16.encode(torch.randn(4))
+def test_trunc16_decode_rejects_params():
+    enc = TRUNC16.encode(torch.randn(4))
     with pytest.raises(CompressionError, match="param"):
-        FP16.decode(enc.payload, (1.0,), enc.shape)
+        TRUNC16.decode(enc.payload, (1.0,), enc.shape)
 
 
 def test_get_codec_by_name_and_wire_id():
     assert isinstance(get_codec("none"), NoCompression)
-    assert isinstance(get_codec("fp16"), Fp16Truncate)
+    assert isinstance(get_codec("trunc16"), Trunc16)
+    assert isinstance(get_codec("fp16"), Fp16)
     assert isinstance(get_codec("INT8"), Int8Quantize)
     assert get_codec(pb.CODEC_NONE) is CODECS["none"]
-    assert get_codec(pb.CODEC_FP16_TRUNCATE) is CODECS["fp16"]
+    assert get_codec(pb.CODEC_TRUNC16) is CODECS["trunc16"]
+    assert get_codec(pb.CODEC_FP16) is CODECS["fp16"]
     assert get_codec(pb.CODEC_INT8_QUANTIZE) is CODECS["int8"]
     for codec in CODECS.values():
         assert get_codec(codec.wire_id) is codec and get_codec(codec.name) is codec
@@ -207,13 +318,14 @@ def test_large_scale_no_overflow():
 def test_default_channel_layouts_match_the_codecs():
     """A channel declared without codecs accepts the fixed-rate codecs of seed 004 by their numbers
     alone (inbox.FIXED_RATE_CODECS: the transport never imports this module): pin those numbers
-    here. The DiLoCo codecs (bf16, int4, top-k) are accepted only where a channel declares them
+    here. fp16 and the DiLoCo codecs (bf16, int4, top-k) are accepted only where a channel declares them
     (codecs=, with their exact layout), so a default channel refuses them."""
     from p2ptrain.transport.inbox import FIXED_RATE_CODECS
 
     wire_ids = {codec.wire_id for codec in CODECS.values()}
     assert set(FIXED_RATE_CODECS) | {pb.CODEC_NONE} <= wire_ids
-    assert wire_ids - set(FIXED_RATE_CODECS) - {pb.CODEC_NONE} == {pb.CODEC_BF16, pb.CODEC_INT4_QUANTIZE, pb.CODEC_TOPK}
+    assert wire_ids - set(FIXED_RATE_CODECS) - {pb.CODEC_NONE} == {pb.CODEC_FP16, pb.CODEC_BF16, pb.CODEC_INT4_QUANTIZE,
+                                                                    pb.CODEC_TOPK}
     x = torch.randn(1000)
     for wire_id, (per_element, params) in FIXED_RATE_CODECS.items():
         codec, encoded = get_codec(wire_id), get_codec(wire_id).encode(x)
@@ -236,7 +348,7 @@ def test_bf16_rounds_to_nearest_within_half_an_ulp():
     assert enc.codec == pb.CODEC_BF16 and enc.payload.dtype == torch.int16 and enc.params == ()
     assert ((y - x).abs() / x.abs()).max().item() <= 2.0 ** -8
     assert torch.equal(y, x.to(torch.bfloat16).float())  # torch's round-to-nearest-even, bit for bit
-    _, t = _roundtrip(FP16, x)  # nearest is never further than truncation
+    _, t = _roundtrip(TRUNC16, x)  # nearest is never further than truncation
     assert ((y - x).abs() <= (t - x).abs()).all()
 
 
@@ -360,7 +472,7 @@ def test_error_feedback_residual_plus_transmitted_is_the_input_exactly_for_topk(
     assert int((residual == 0).sum()) == codec.kept(1000)
 
 
-@pytest.mark.parametrize("name", ["none", "fp16", "bf16", "int8", "int4", "topk"])
+@pytest.mark.parametrize("name", ["none", "trunc16", "fp16", "bf16", "int8", "int4", "topk"])
 def test_error_feedback_loses_nothing_over_rounds(name):
     """The DiLoCo loop: each round sends encode(g_t + e_t) and keeps e_{t+1} = the rest on the node.
     Σ transmitted + the last residual = Σ g_t: what a round drops is sent later, never lost."""

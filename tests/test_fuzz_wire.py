@@ -61,8 +61,8 @@ def headers(draw) -> pb.TensorHeader:
     def pick(name, valid, others, anything):
         return draw(st.one_of(st.sampled_from(others), anything)) if name in broken else valid
 
-    codec = pick("codec", pb.CODEC_NONE, [pb.CODEC_FP16_TRUNCATE, pb.CODEC_INT8_QUANTIZE, 3, -1], I32)
-    element_bytes = {pb.CODEC_FP16_TRUNCATE: 2, pb.CODEC_INT8_QUANTIZE: 1}.get(codec, 4)
+    codec = pick("codec", pb.CODEC_NONE, [pb.CODEC_TRUNC16, pb.CODEC_INT8_QUANTIZE, pb.CODEC_FP16, 3, -1], I32)
+    element_bytes = {pb.CODEC_TRUNC16: 2, pb.CODEC_INT8_QUANTIZE: 1}.get(codec, 4)
     params = [1.0] if codec == pb.CODEC_INT8_QUANTIZE else []
     return pb.TensorHeader(
         sender=pick("sender", draw(st.sampled_from([1, 2])), [0, 3], U32),
@@ -99,8 +99,8 @@ def acceptable(h: pb.TensorHeader, sent: int) -> bool:
     """The spec (proto + Inbox docs), written independently of inbox.py: would a node expecting
     N float32 of KIND at step 0 (window WINDOW) from peers 1, 2 accept this message? (The payload
     sent is zeros: always finite.)"""
-    codec_bytes = {pb.CODEC_NONE: 4, pb.CODEC_FP16_TRUNCATE: 2, pb.CODEC_INT8_QUANTIZE: 1}
-    codec_params = {pb.CODEC_NONE: 0, pb.CODEC_FP16_TRUNCATE: 0, pb.CODEC_INT8_QUANTIZE: 1}
+    codec_bytes = {pb.CODEC_NONE: 4, pb.CODEC_TRUNC16: 2, pb.CODEC_INT8_QUANTIZE: 1}
+    codec_params = {pb.CODEC_NONE: 0, pb.CODEC_TRUNC16: 0, pb.CODEC_INT8_QUANTIZE: 1}
     return (h.sender in (1, 2) and h.receiver == 0 and h.kind == KIND and h.dtype == pb.DTYPE_FLOAT32
             and h.numel == N and (not h.shape or (all(d >= 0 for d in h.shape) and math.prod(h.shape) == N))
             and h.codec in codec_bytes and h.payload_bytes == codec_bytes[h.codec] * N
@@ -165,7 +165,7 @@ def _drain(node: Transport, h: pb.TensorHeader) -> None:
 @example(h=pb.TensorHeader(sender=1, receiver=0, kind=KIND, dtype=pb.DTYPE_FLOAT32, numel=N, payload_bytes=N,
                            codec=pb.CODEC_INT8_QUANTIZE, codec_params=[math.nan]), extra=0, cuts=[])
 @example(h=pb.TensorHeader(sender=1, receiver=0, kind=KIND, dtype=pb.DTYPE_FLOAT32, numel=N, payload_bytes=N,
-                           codec=pb.CODEC_FP16_TRUNCATE), extra=0, cuts=[])  # fp16 needs 2N bytes
+                           codec=pb.CODEC_TRUNC16), extra=0, cuts=[])  # trunc16 needs 2N bytes
 def test_fuzzed_headers_are_accepted_exactly_when_valid(node, h, extra, cuts):
     before = pending(node)
     sent = max(0, min(h.payload_bytes, 4 * N + 8) + extra)  # about what was announced, capped

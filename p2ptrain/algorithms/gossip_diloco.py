@@ -57,7 +57,8 @@ class GossipDiLoCoOptions(OuterOptions):
             raise ValueError("peers_per_step must be >= 1")
         if self.compression in NEEDS_ERROR_FEEDBACK + ("int4",):
             raise ValueError(f"gossip-diloco pushes anchors with its pseudo-gradients, and compression "
-                             f"{self.compression} scaled by the anchors would drown them: use none, fp16, bf16 or int8")
+                             f"{self.compression} scaled by the anchors would drown them: use none, trunc16, fp16, "
+                             f"bf16 or int8")
 
 
 class GossipDiLoCo(Algorithm):

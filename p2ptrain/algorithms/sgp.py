@@ -64,8 +64,8 @@ class SGPOptions(AlgorithmOptions):
     overlap: int = option(0, "bounded delay τ: shares sent at step k are mixed in by step k+τ; 0 = synchronous",
                           metavar="TAU")
     peers_per_step: int = option(1, "out-peers per step (exponential graph), max out-degree (random graph)")
-    share_compression: str = option("none", "codec of the pushed x-shares (w travels exact): fp16/bf16 halve the "
-                                    "bytes, int8 / int4 cut them to 1/4 / 1/8; what a share loses stays with the "
+    share_compression: str = option("none", "codec of the pushed x-shares (w travels exact): trunc16/fp16/bf16 halve "
+                                    "the bytes, int8 / int4 cut them to 1/4 / 1/8; what a share loses stays with the "
                                     "sender and goes out with its next share (error feedback)",
                                     choices=tuple(c for c in compression.CODEC_NAMES
                                                   if c not in compression.NEEDS_ERROR_FEEDBACK))

@@ -50,8 +50,8 @@ TARGETS = [
     ("AllReduce-SGD (gradients) time to target accuracy vs DDP", "allreduce", "time", 1.0, "loopback"),
     ("SGP tau=1 time to target accuracy vs DDP", "sgp-tau1", "time", 1.0, "loopback"),
     ("SGP tau=1 step vs DDP", "sgp-tau1", "step", 0.5, "netns"),
-    ("SGP tau=1, fp16 shares, step vs DDP", "sgp-tau1-fp16", "step", 0.5, "netns"),
-    ("SGP tau=1, fp16 shares, time to target accuracy vs DDP", "sgp-tau1-fp16", "time", 1.0, "netns"),
+    ("SGP tau=1, trunc16 shares, step vs DDP", "sgp-tau1-trunc16", "step", 0.5, "netns"),
+    ("SGP tau=1, trunc16 shares, time to target accuracy vs DDP", "sgp-tau1-trunc16", "time", 1.0, "netns"),
 ]
 
 

@@ -1,5 +1,6 @@
 """Lossy tensor codecs for the wire (seed 004: 16-bit truncation, 8-bit scalar quantization; the
-DiLoCo family's pseudo-gradients: bfloat16, 4-bit quantization, top-k with error feedback).
+DiLoCo family's pseudo-gradients: bfloat16, 4-bit quantization, top-k with error feedback; and
+IEEE half precision with a per-tensor power-of-two scale).
 
 The codec names here import nothing heavy, so settings and `p2ptrain --help` can list them; the
 codecs themselves (p2ptrain.compression.codecs) are plain vectorized torch and load on first use.
@@ -10,16 +11,17 @@ import importlib
 from typing import Any
 
 # --compression values; codecs.CODECS holds one codec per name (a test keeps the two in step)
-CODEC_NAMES = ("none", "fp16", "bf16", "int8", "int4", "topk")
+CODEC_NAMES = ("none", "trunc16", "fp16", "bf16", "int8", "int4", "topk")
 UNCOMPRESSED = 0  # wire id of the identity codec (the wire's CODEC_NONE)
-CODEC_HELP = ("codec of every ring hop (each decompresses, sums, recompresses): fp16 = 16-bit truncation, bf16 = "
+CODEC_HELP = ("codec of every ring hop (each decompresses, sums, recompresses): trunc16 = 16-bit truncation "
+              "(bfloat16 rounded toward zero), fp16 = IEEE half precision of x / a power-of-two scale, bf16 = "
               "bfloat16 rounded to nearest, int8 / int4 = 8- / 4-bit scalar quantization (scale max|x|/127, /7), "
               "topk = the --topk-fraction largest entries (diloco and gossip-diloco only: they keep what a codec "
               "drops on the node as error feedback)")
 NEEDS_ERROR_FEEDBACK = ("topk",)  # codecs that drop most of a tensor: only for algorithms with error feedback
 
-_FROM_CODECS = ("CODECS", "Bf16Round", "Codec", "CompressionError", "Encoded", "Fp16Truncate", "Int4Quantize",
-                "Int8Quantize", "NoCompression", "TopK", "encode_with_feedback", "get_codec", "make_codec")
+_FROM_CODECS = ("CODECS", "Bf16Round", "Codec", "CompressionError", "Encoded", "Fp16", "Int4Quantize",
+                "Int8Quantize", "NoCompression", "TopK", "Trunc16", "encode_with_feedback", "get_codec", "make_codec")
 
 
 def __getattr__(name: str) -> Any:  # PEP 562: the codecs are imported (with torch) when first asked for

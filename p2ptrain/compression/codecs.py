@@ -155,16 +155,17 @@ class NoCompression(Codec):
         return dtype.itemsize * int(numel)
 
 
-class Fp16Truncate(Codec):
+class Trunc16(Codec):
     """Seed 004 "16-bit truncation": keep the upper 16 bits of each float32 bit pattern.
 
     That is sign, the full 8-bit exponent and 7 mantissa bits, i.e. bfloat16 rounded toward
     zero (not to nearest): no overflow for any finite float32, |decoded| <= |x|, and relative
-    error < 2^-7 for normal values. Done with int32 bit ops so it runs on any device.
+    error < 2^-7 for normal values. Done with int32 bit ops so it runs on any device. It was
+    called "fp16" until that name went to real half precision (Fp16); its wire id never changed.
     """
 
-    wire_id = pb.CODEC_FP16_TRUNCATE
-    name = "fp16"
+    wire_id = pb.CODEC_TRUNC16
+    name = "trunc16"
     param_count = 0
 
     def encode(self, tensor: torch.Tensor) -> Encoded:
@@ -183,6 +184,68 @@ class Fp16Truncate(Codec):
         # w in [-2^15, 2^15) stays inside int32, and the low 16 bits come back as zeros.
         bits = words.to(torch.int32) * 65536
         out = bits.view(torch.float32).reshape(tuple(int(d) for d in shape))
+        return out if dtype == torch.float32 else out.to(dtype)
+
+    def payload_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        return 2 * int(numel)
+
+
+# Fp16's scale 2^e: e in [FP16_MIN_EXPONENT, FP16_MAX_EXPONENT], so that 2^e and 2^-e are both
+# normal float32 numbers and scaling by either is exact (the largest float32, just under 2^128,
+# gets e = 113).
+FP16_MIN_EXPONENT, FP16_MAX_EXPONENT = -126, 113
+# The largest float32 that half precision's 11 significant bits hold below 2^128: rounding anything
+# above it to 11 bits gives 2^128, which float32 cannot hold, so larger magnitudes are clamped to it.
+FP16_CLAMP = float.fromhex("0x1.ffcp+127")
+
+
+class Fp16(Codec):
+    """IEEE 754 half precision (binary16: 5-bit exponent, 10 mantissa bits), rounded to nearest
+    even, of x / scale with one power-of-two scale per tensor.
+
+    Half precision alone overflows above 65504 and goes subnormal below 2^-14 (6.1e-5), where
+    gradients often live; so the scale 2^e puts max|x| / scale in [2^14, 2^15) (the top of half's
+    range with headroom for rounding up), and since it is a power of two, dividing and multiplying
+    by it are exact: decode(encode(x)) is x rounded to 11 significant bits wherever |x| >= max|x|
+    2^-28, a relative error <= 2^-11 (trunc16 and bf16 keep 8 bits: 2^-7, 2^-8); below that half's
+    subnormals take over, so |error| <= max(2^-11 |x|, 2^-39 max|x|) everywhere.
+    The scale travels as the single codec param. Magnitudes above FP16_CLAMP (within 2^-11 of the
+    largest float32) are clamped to it first; an all-zero tensor gets scale 1.
+    """
+
+    wire_id = pb.CODEC_FP16
+    name = "fp16"
+    param_count = 1
+
+    @staticmethod
+    def scale_exponent(amax: float) -> int:
+        """e of the scale 2^e for a tensor whose max |x| is `amax`: amax / 2^e in [2^14, 2^15)."""
+        if amax == 0:
+            return 0
+        _, exponent = math.frexp(amax)  # amax in [2^(exponent-1), 2^exponent)
+        return min(max(exponent - 15, FP16_MIN_EXPONENT), FP16_MAX_EXPONENT)
+
+    def encode(self, tensor: torch.Tensor) -> Encoded:
+        tensor, amax = self._check_input(tensor)
+        flat = tensor.reshape(-1)
+        peak = float(amax)  # the host sync int8 has too: the scale goes into the header
+        if peak > FP16_CLAMP:
+            flat = flat.clamp(-FP16_CLAMP, FP16_CLAMP)
+        exponent = self.scale_exponent(peak)
+        # x * 2^-e is exact (both normal float32), so the one rounding is float32 -> float16
+        words = flat.mul(2.0 ** -exponent).to(torch.float16).view(torch.int16)
+        return Encoded(self.wire_id, words, (2.0 ** exponent,), torch.float32, tuple(tensor.shape))
+
+    def decode(self, payload, params, shape, dtype=torch.float32):
+        (scale,) = self._check_params(params, self.param_count)
+        mantissa, exponent = math.frexp(scale) if math.isfinite(scale) else (0.0, 0)
+        if mantissa != 0.5 or not FP16_MIN_EXPONENT <= exponent - 1 <= FP16_MAX_EXPONENT:
+            raise CompressionError(f"fp16: scale must be a power of two in [2^{FP16_MIN_EXPONENT}, "
+                                   f"2^{FP16_MAX_EXPONENT}], got {scale!r}")
+        self._check_dtype(dtype)
+        numel = _numel(shape)
+        words = _reinterpret(payload, torch.int16, 2 * numel, self.name)
+        out = words.view(torch.float16).to(torch.float32).mul_(scale).reshape(tuple(int(d) for d in shape))
         return out if dtype == torch.float32 else out.to(dtype)
 
     def payload_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
@@ -232,7 +295,7 @@ BF16_MAX = 3.3895313892515355e38  # the largest finite bfloat16
 class Bf16Round(Codec):
     """bfloat16 rounded to nearest even (the 16-bit format OpenDiLoCo's pseudo-gradients use).
 
-    Sign, 8-bit exponent and 7 mantissa bits, as Fp16Truncate, but rounded to nearest instead of
+    Sign, 8-bit exponent and 7 mantissa bits, as Trunc16, but rounded to nearest instead of
     toward zero: relative error <= 2^-8 for normal values. Values beyond the largest bfloat16
     (which nearest rounding would turn into infinity) are clamped to it first.
     """
@@ -369,7 +432,7 @@ class TopK(Codec):
         return f"TopK(fraction={self.fraction:g}, wire_id={self.wire_id})"
 
 
-CODECS: dict[str, Codec] = {"none": NoCompression(), "fp16": Fp16Truncate(), "bf16": Bf16Round(),
+CODECS: dict[str, Codec] = {"none": NoCompression(), "trunc16": Trunc16(), "fp16": Fp16(), "bf16": Bf16Round(),
                             "int8": Int8Quantize(), "int4": Int4Quantize(), "topk": TopK()}
 _BY_WIRE_ID: dict[int, Codec] = {c.wire_id: c for c in CODECS.values()}
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from p2ptrain.topology.base import Topology
-from p2ptrain.topology.exponential import ExponentialGraph, exponential_offsets
+from p2ptrain.topology.exponential import ExponentialGraph, exponential_offsets, max_peers_per_step
 from p2ptrain.topology.members import MemberGraph, MemberTopology
 from p2ptrain.topology.random_graph import RandomGraph
 from p2ptrain.topology.static import Complete, Ring
@@ -33,8 +33,8 @@ def member_topology(name: str, world_size: int, members_at, *, peers_per_step: i
     """The topology `name` over each step's members (topology/members.py); with fewer members than
     out-peers per step, as many as the smaller graph has."""
     def build(k: int) -> Topology:
-        per_step = min(peers_per_step, len(exponential_offsets(k))) if name == "exponential" else peers_per_step
-        return build_topology(name, k, peers_per_step=max(1, per_step), seed=seed)
+        per_step = min(peers_per_step, max_peers_per_step(k)) if name == "exponential" else peers_per_step
+        return build_topology(name, k, peers_per_step=per_step, seed=seed)
 
     return MemberTopology(world_size, build, members_at)
 
@@ -54,6 +54,6 @@ def build_undirected(name: str, world_size: int) -> UndirectedGraph:
 
 
 __all__ = ["Topology", "ExponentialGraph", "RandomGraph", "Ring", "Complete", "build_topology",
-           "build_undirected", "exponential_offsets", "TOPOLOGY_NAMES", "UndirectedGraph", "UndirectedRing",
-           "CompleteGraph", "Chain", "BinaryTree", "DoubleBinaryTrees", "MemberGraph", "MemberTopology",
-           "member_graph", "member_topology"]
+           "build_undirected", "exponential_offsets", "max_peers_per_step", "TOPOLOGY_NAMES", "UndirectedGraph",
+           "UndirectedRing", "CompleteGraph", "Chain", "BinaryTree", "DoubleBinaryTrees", "MemberGraph",
+           "MemberTopology", "member_graph", "member_topology"]

@@ -40,9 +40,10 @@ from p2ptrain.transport.validation import (
 )
 
 # A channel declared without `codecs` accepts raw tensors and, for a floating dtype, the proto's
-# fixed-rate codecs: codec -> (bytes per element, codec params). compression.py implements them;
+# fixed-rate codecs of seed 004: codec -> (bytes per element, codec params); the others (fp16, bf16, int4,
+# top-k) only where a channel declares them. compression.py implements them;
 # tests/test_compression.py pins these numbers to it.
-FIXED_RATE_CODECS = {pb.CODEC_FP16_TRUNCATE: (2, 0), pb.CODEC_INT8_QUANTIZE: (1, 1)}
+FIXED_RATE_CODECS = {pb.CODEC_TRUNC16: (2, 0), pb.CODEC_INT8_QUANTIZE: (1, 1)}
 
 
 class BufferPool:
