@@ -107,8 +107,9 @@ def test_sgp_with_a_learning_rate_is_the_exact_recursion_on_an_irregular_time_va
     assert_matches(graph, 6, tau)
 
 
-SGP_GRAPHS = [("exponential", 7, 1), ("exponential", 7, 2), ("ring", 5, 1), ("complete", 4, 1), ("random", 6, 3),
-              ("chain", 5, 1), ("binary-tree", 6, 1)]
+# (exponential 6 with k = 2: FAIR's phone book holds the node itself, so out-degrees alternate 2, 1)
+SGP_GRAPHS = [("exponential", 7, 1), ("exponential", 7, 2), ("exponential", 6, 2), ("ring", 5, 1), ("complete", 4, 1),
+              ("random", 6, 3), ("chain", 5, 1), ("binary-tree", 6, 1)]
 
 
 def test_the_sweep_covers_every_topology_sgp_and_gossip_diloco_accept():
