@@ -99,19 +99,20 @@ def local_step(rank: int, x: torch.Tensor, lr: float) -> torch.Tensor:
 
 
 def reference(trees, n: int, steps: int, lr: float, relay_fixed: torch.Tensor | None = None,
-              normalization: str = "counters", x0: torch.Tensor | None = None):
+              normalization: str = "counters", x0: torch.Tensor | None = None, local=local_step):
     """Alg. 2 for all nodes at once in float64: per step the models X^{t+1} [n, DIM] and the n̄ of
     every tree. With `relay_fixed` node i relays that fixed vector instead of x^{t+1/2} (RelaySum
     alone) and the returned 'models' are (v_i + Σ_j m_{j→i}) / n̄_i. With normalization
     "world-size" node i divides by n instead and counts each of the n - n̄_i models it lacks as its
-    own x_i^{(t)}. `x0`: the initial models [n, DIM] (default: initial(rank) for each rank)."""
+    own x_i^{(t)}. `x0`: the initial models [n, DIM] (default: initial(rank) for each rank);
+    `local(rank, x, lr)`: the local step (default local_step)."""
     x = torch.stack([initial(r) for r in range(n)]) if x0 is None else x0.clone()
     slices = coordinate_slices(DIM, len(trees))
     last = [{} for _ in trees]  # per tree: (k, i) -> (m_{k→i}^{(t-1)}, c_{k→i}^{(t-1)})
     xs, nbars = [], []
     for _ in range(steps):
         half = relay_fixed if relay_fixed is not None else torch.stack(
-            [local_step(r, x[r], lr) for r in range(n)])
+            [local(r, x[r], lr) for r in range(n)])
         new, nbar = torch.empty_like(half), []
         for tree, sl, prev in zip(trees, slices, last):
             sent = {}
@@ -246,6 +247,32 @@ def test_pure_averaging_mean_is_kept_at_the_first_step_only(name, n):
     if name == "double-binary-trees":  # the same on the wire
         got, _ = run_relaysgd(name, n, 3, lr=0.0, normalization="world-size")
         torch.testing.assert_close(got.mean(1)[0], x0.mean(0), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("normalization", NORMALIZATIONS)
+@pytest.mark.parametrize("name,n", [("chain", 5), ("chain", 8), ("binary-tree", 8), ("double-binary-trees", 8)])
+def test_relaysgd_moves_at_one_over_one_plus_the_mean_delay(name, n, normalization):
+    """Why RelaySGD wants a larger learning rate than all-reduce (the seed's and the paper's tuning
+    give it one; `reproduce relaysgd` uses one for all): with the same gradient g on every node,
+    once the relays are full every model moves by γ g / (1 + δ̄) per step, δ̄ = mean over node
+    pairs of the delay max(d_ij - 1, 0) at which j's half-step model reaches i (neighbours in the
+    same step). All-reduce moves by γ g. 8 nodes on (double) binary trees: 0.43; chain: 0.36.
+    Both normalizations alike: they differ only while some n̄_i < n."""
+    trees = build_relay_trees(name, n)
+
+    def constant(rank, x, lr):
+        return x - lr * DIRECTION
+
+    ref, _ = reference(trees, n, 250, LR, normalization=normalization, x0=torch.zeros(n, DIM, dtype=torch.float64),
+                       local=constant)
+    expected_delay = {("chain", 5): 4 / 5, ("chain", 8): 7 / 4, ("binary-tree", 8): 43 / 32,
+                      ("double-binary-trees", 8): 43 / 32}[(name, n)]  # both trees of a pair alike
+    for tree, sl in zip(trees, coordinate_slices(DIM, len(trees))):
+        mean_delay = sum(max(d - 1, 0) for i in range(n) for d in tree.distances(i)) / n ** 2
+        assert mean_delay == pytest.approx(expected_delay, abs=1e-15)
+        per_step = ref[-1, :, sl] - ref[-2, :, sl]
+        torch.testing.assert_close(per_step, (-LR * DIRECTION[sl] / (1 + mean_delay)).expand_as(per_step),
+                                   rtol=0, atol=1e-9)
 
 
 @pytest.mark.parametrize("name", TREE_NAMES)
