@@ -26,8 +26,8 @@ own model of the step before, x_i^{(t)},
 Every received x_k^{(s+1/2)} then counts 1/n at every node, so every node's local update enters
 every average with the same weight 1/n, and a lost message leaves the node's model where it was
 for that part rather than re-weighting what arrived. Filling with x_i^{(t)} rather than
-x_i^{(t+1/2)} keeps the node's own fresh update at 1/n too; at t = 0 it is x^{(0)}, the paper's
-fill, which is the same on every node (common initialization). Once n̄_i = n both rules are the
+x_i^{(t+1/2)} keeps the node's own fresh update at 1/n too; at t = 0 it is x^{(0)}, the reference
+code's default fill, which is the same on every node (common initialization). Once n̄_i = n both rules are the
 same division. Neither keeps the nodes' mean model fixed on a pure averaging problem beyond the
 first step: a model reaches the other nodes with different delays (tests/test_relaysgd.py).
 """
@@ -38,7 +38,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from p2ptrain.algorithms.base import Algorithm, Comm, Kind, send_failure
+from p2ptrain.algorithms.base import Algorithm, Comm, Kind, Received, send_failure
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, option, register
 from p2ptrain.topology.trees import Tree, build_relay_trees, coordinate_slices
 
@@ -214,7 +214,7 @@ class RelaySGD(Algorithm):
             previous.copy_(x_next)  # our own copy: the caller may write into what we return
         return x_next.view_as(params)
 
-    def adopt_state(self, state, params: torch.Tensor) -> torch.Tensor:
+    def adopt_state(self, state: Received, params: torch.Tensor) -> torch.Tensor:
         """The donor's model, as the default; it is also this node's model "of the step before"
         from now on (world-size fills with it, not with the stale one)."""
         adopted = super().adopt_state(state, params)
