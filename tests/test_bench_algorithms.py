@@ -79,5 +79,5 @@ def test_reproduce_relaysgd_prints_the_alpha_table(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0].split()[:2] == ["algorithm", "alpha=0.1"]
-    assert [line.split()[0] for line in lines[2:5]] == ["allreduce", "dpsgd", "relaysgd"]
-    assert "alpha=0.1: relaysgd is" in proc.stdout
+    assert [line.split()[0] for line in lines[2:6]] == ["allreduce", "dpsgd", "relaysgd", "relaysgd-world-size"]
+    assert "alpha=0.1: relaysgd is" in proc.stdout and "alpha=0.1: relaysgd-world-size is" in proc.stdout

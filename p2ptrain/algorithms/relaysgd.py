@@ -14,6 +14,22 @@ relay mechanism (RelaySum) alone is exact for fixed inputs after `diameter` step
 
 With several trees (double binary trees) each relays its own contiguous coordinate range on its
 own channel; counters travel in the header's relay_count.
+
+Normalization (`--relay-normalization`). The seed divides by n̄_i, the models the sum holds
+("counters", the default). Until t reaches node i's eccentricity, and for a step whose relay
+message was lost, n̄_i < n and node i weights the models it has heard of by 1/n̄_i > 1/n: its own
+fresh update, and its near neighbours', count for more than the far ones'. "world-size" is the
+reference code's rule instead (epfml/relaysgd, normalization_mode "world_size" with the reference
+state updated every step): divide by n and fill the n - n̄_i models not received with the node's
+own model of the step before, x_i^{(t)},
+    x_i^{(t+1)} = (x_i^{(t+1/2)} + Σ_j m_{j→i}^{(t)} + (n - n̄_i^{(t+1)}) x_i^{(t)}) / n.
+Every received x_k^{(s+1/2)} then counts 1/n at every node, so every node's local update enters
+every average with the same weight 1/n, and a lost message leaves the node's model where it was
+for that part rather than re-weighting what arrived. Filling with x_i^{(t)} rather than
+x_i^{(t+1/2)} keeps the node's own fresh update at 1/n too; at t = 0 it is x^{(0)}, the reference
+code's default fill, which is the same on every node (common initialization). Once n̄_i = n both rules are the
+same division. Neither keeps the nodes' mean model fixed on a pure averaging problem beyond the
+first step: a model reaches the other nodes with different delays (tests/test_relaysgd.py).
 """
 from __future__ import annotations
 
@@ -22,14 +38,15 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from p2ptrain.algorithms.base import Algorithm, Comm, Kind, send_failure
-from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, register
+from p2ptrain.algorithms.base import Algorithm, Comm, Kind, Received, send_failure
+from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, option, register
 from p2ptrain.topology.trees import Tree, build_relay_trees, coordinate_slices
 
 if TYPE_CHECKING:
     import torch
 
 KIND = Kind.RELAY
+NORMALIZATIONS = ("counters", "world-size")  # divide by n̄ (seed 003 Alg. 2) / by n, missing models filled
 SEND_WINDOW = 2  # relay messages in flight to one neighbour per tree, at most
 log = logging.getLogger(__name__)
 
@@ -91,12 +108,20 @@ class RelaySum:
         for stale in self.comm.take(KIND, step, channel=self.channel):  # late: superseded already
             stale.release()
 
-    def average(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """(x + Σ_j m_{j→i}) / n̄_i, written into `out` when given."""
+    def average(self, x: torch.Tensor, out: torch.Tensor | None = None, *,
+                fill: torch.Tensor | None = None) -> torch.Tensor:
+        """(x + Σ_j m_{j→i}) / n̄_i (counters); with `fill`, (x + Σ_j m_{j→i} + (n - n̄_i) fill) / n
+        (world-size: the models not received count as `fill`). Written into `out` when given."""
         total = x.clone() if out is None else out.copy_(x)
         for m in self.messages.values():
             total.add_(m)
-        return total.div_(self.n_bar)
+        if fill is None:
+            return total.div_(self.n_bar)
+        world_size = self.tree.world_size
+        missing = world_size - self.n_bar
+        if missing:
+            total.add_(fill, alpha=missing)
+        return total.div_(world_size)
 
     @property
     def n_bar(self) -> float:
@@ -128,7 +153,13 @@ class RelaySum:
 
 @dataclass(frozen=True)
 class RelaySGDOptions(AlgorithmOptions):
-    """RelaySGD takes no options: the trees (--topology) fix what is relayed where."""
+    """The trees (--topology) fix what is relayed where; the normalization, what a node divides
+    the relayed sum by (see the module docstring)."""
+
+    relay_normalization: str = option(
+        "counters", "counters: x = (x + Σ m) / n̄, n̄ = 1 + Σ c the models received (seed 003 Alg. 2); world-size: "
+                    "x = (x + Σ m + (n - n̄) x_prev) / n, the models not received filled with the node's own model "
+                    "of the step before (the RelaySGD reference code)", choices=NORMALIZATIONS)
 
 
 class RelaySGD(Algorithm):
@@ -136,25 +167,36 @@ class RelaySGD(Algorithm):
 
     @classmethod
     def from_options(cls, comm: Comm, options: RelaySGDOptions, context: BuildContext) -> "RelaySGD":
-        return cls(comm, context.topology)
+        return cls(comm, context.topology, normalization=options.relay_normalization)
 
-    def __init__(self, comm: Comm, trees: str | Sequence[Tree] = "double-binary-trees"):
+    def __init__(self, comm: Comm, trees: str | Sequence[Tree] = "double-binary-trees", *,
+                 normalization: str = "counters"):
         """`trees`: a name from TREE_NAMES, or trees whose k-th relays the k-th of
-        len(trees) contiguous coordinate ranges."""
+        len(trees) contiguous coordinate ranges; `normalization`: one of NORMALIZATIONS."""
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(f"unknown relay normalization {normalization!r}; choose from {', '.join(NORMALIZATIONS)}")
         if isinstance(trees, str):
             trees = build_relay_trees(trees, comm.world_size)
         if not trees:
             raise ValueError("RelaySGD needs at least one tree")
         self.comm = comm
         self.rank = comm.rank
+        self.normalization = normalization
         self.relays = [RelaySum(comm, tree, f"tree{k}") for k, tree in enumerate(trees)]
         self.slices: list[slice] = []
+        self.previous: torch.Tensor | None = None  # world-size: x_i^{(t)}, the fill of the missing models
+
+    @property
+    def fills_missing(self) -> bool:
+        return self.normalization == "world-size"
 
     def setup(self, params: torch.Tensor) -> torch.Tensor:
         x = params.detach().reshape(-1)
         self.slices = coordinate_slices(x.numel(), len(self.relays))
         for relay, sl in zip(self.relays, self.slices):
             relay.expect(x[sl])
+        if self.fills_missing:
+            self.previous = x.clone()  # x^{(0)}
         self.comm.ready()
         return params
 
@@ -164,21 +206,38 @@ class RelaySGD(Algorithm):
         for relay, sl in zip(self.relays, self.slices):  # all trees' messages out before waiting
             relay.post(step, x_half[sl])
         x_next = x_half.new_empty(x_half.shape)
+        previous = self.previous
         for relay, sl in zip(self.relays, self.slices):
             relay.collect(step)
-            relay.average(x_half[sl], out=x_next[sl])
+            relay.average(x_half[sl], out=x_next[sl], fill=None if previous is None else previous[sl])
+        if previous is not None:
+            previous.copy_(x_next)  # our own copy: the caller may write into what we return
         return x_next.view_as(params)
 
+    def adopt_state(self, state: Received, params: torch.Tensor) -> torch.Tensor:
+        """The donor's model, as the default; it is also this node's model "of the step before"
+        from now on (world-size fills with it, not with the stale one)."""
+        adopted = super().adopt_state(state, params)
+        if self.previous is not None:
+            self.previous.copy_(adopted.reshape(-1))
+        return adopted
+
     def state_dict(self) -> dict:
-        """Every tree's last collected relay messages m_{j→i} and counters c_{j→i}."""
-        return {"trees": [{"messages": {j: m.clone() for j, m in relay.messages.items()}, "counts": dict(relay.counts)}
-                          for relay in self.relays]}
+        """Every tree's last collected relay messages m_{j→i} and counters c_{j→i}; with world-size,
+        the model the next step fills missing models with."""
+        state = {"trees": [{"messages": {j: m.clone() for j, m in relay.messages.items()},
+                            "counts": dict(relay.counts)} for relay in self.relays]}
+        if self.previous is not None:
+            state["previous"] = self.previous.clone()
+        return state
 
     def load_state_dict(self, state: dict, step: int) -> None:
         for relay, saved in zip(self.relays, state["trees"]):
             for j, message in saved["messages"].items():
                 relay.messages[int(j)].copy_(message)
             relay.counts.update({int(j): float(c) for j, c in saved["counts"].items()})
+        if self.previous is not None and "previous" in state:  # a counters checkpoint has none: keep setup's
+            self.previous.copy_(state["previous"])
 
     def finish(self) -> None:
         """Wait for every ack so nothing is left on the wire (the model needs no final mix)."""
@@ -191,5 +250,6 @@ class RelaySGD(Algorithm):
 
 
 register(AlgorithmSpec(
-    "relaysgd", "relay messages m_i→j and counters c_i→j on a tree; x = (x + Σ m) / (1 + Σ c) (seed 003 Alg. 2)",
+    "relaysgd", "relay messages m_i→j and counters c_i→j on a tree; x = (x + Σ m) / (1 + Σ c) (seed 003 Alg. 2), "
+                "or / n with the missing models filled in (--relay-normalization world-size)",
     RelaySGDOptions, RelaySGD.from_options, topologies=("double-binary-trees", "binary-tree", "chain")))
