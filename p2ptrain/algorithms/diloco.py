@@ -15,8 +15,17 @@ fragment's all-reduce runs on a communication thread while the next τ inner ste
 outer gradient is τ steps old when it lands, as in Pipe-SGD), and the result is merged with the
 paper's mixing factor α:
     θ_{i,p}^(t+τ) ← α θ_{i,p}^(t+τ) + (1 - α) θ_p^(t)      (θ_p^(t) = OuterNesterov(θ_p^(t-H), Δ_p))
-α = 0 takes the outer parameters; a blocking sync (τ = 0) always does. A fragment's sync moves
-1/F of the model, so the peak bytes per sync are 1/F of DiLoCo's.
+α = 0 takes the outer parameters; a blocking sync (τ = 0) always does, and so does finish(), so
+every node ends with the same model. A fragment's sync moves 1/F of the model, so the peak bytes
+per sync are 1/F of DiLoCo's.
+
+Within a step, the outer gradient of the fragment due is taken before the syncs whose τ steps are
+over are merged: it measures the inner steps from the anchor they started from. That matters only
+at τ = H (F = 1), where the sync landing is the same fragment's: the whole outer step overlaps
+(Kale et al., 2025, "Eager updates ...": Streaming DiLoCo with 1-outer-step overlap, or DiLoCo with
+delayed outer gradients), each outer gradient is applied, one outer step late, to the anchor that
+just landed. Merged first, it would be α times the progress (nothing at α = 0: only the momentum
+would move the anchor).
 
 Compressed pseudo-gradients: every ring hop decompresses, sums and recompresses (collectives.py);
 what this node's compressions lose stays on it (error feedback) and is added to its next
@@ -151,17 +160,25 @@ class DiLoCo(Algorithm):
         return params
 
     def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:
+        """After an inner step: the outer gradient of the fragment due now is taken first, then the
+        syncs whose τ steps are over land, then the new sync runs (τ = 0) or is launched. The order
+        matters only when τ = H (F = 1): the sync landing now is the same fragment's, and merging it
+        first would measure the outer gradient from an anchor these inner steps never started from
+        (α times the progress: nothing with α = 0)."""
         self.comm.set_step(step)
         self._last_step, self._params = step, params
+        landed = []
         for entry in [e for e in self._in_flight if e[0] <= step]:  # syncs whose τ steps are over
             self._in_flight.remove(entry)
-            self._merge(entry[1], entry[2].result(), params, overlapped=True)
+            landed.append((entry[1], entry[2].result()))  # (done: its thread also wrote that fragment's residual)
         p = self.due(step)
+        delta = self._pseudo_gradient(p, params) if p is not None else None
+        for q, outcome in landed:
+            self._merge(q, outcome, params, mix=True)
         if p is not None:
-            delta = self._pseudo_gradient(p, params)
             if self._pool is None:
-                self._merge(p, self._sync(p, delta, step), params, overlapped=False)
-            else:
+                self._merge(p, self._sync(p, delta, step), params, mix=False)
+            else:  # its thread reads the anchor, momentum and version the merges above left
                 self._in_flight.append((step + self.tau, p, self._pool.submit(self._sync, p, delta, step)))
         return params
 
@@ -172,15 +189,20 @@ class DiLoCo(Algorithm):
         params = self._params
         if params is None:
             return None
-        for _, p, future in self._in_flight:
-            self._merge(p, future.result(), params, overlapped=True)
+        landed = [(p, future.result()) for _, p, future in self._in_flight]
         self._in_flight.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         last = self._last_step
-        for p in range(self.F):
-            if self._final_sync(p, last):
-                self._merge(p, self._sync(p, self._pseudo_gradient(p, params), last + 1), params, overlapped=False)
+        final = [p for p in range(self.F) if self._final_sync(p, last)]
+        # with τ = H the sync in flight would have landed where its fragment's next outer gradient is
+        # taken, and that is taken first (after_step): here too
+        early = {p: self._pseudo_gradient(p, params) for p in final} if self.tau == self.H else {}
+        for p, outcome in landed:
+            self._merge(p, outcome, params, mix=True)
+        for p in final:  # taking the outer parameters (never mixing): every node ends with the same model
+            delta = early[p] if p in early else self._pseudo_gradient(p, params)
+            self._merge(p, self._sync(p, delta, last + 1), params, mix=False)
         return params
 
     def donate_state(self, peer: int, step: int, params: torch.Tensor) -> None:
@@ -280,14 +302,16 @@ class DiLoCo(Algorithm):
                     channel.offer(peer, step, anchor, momentum, version)
         return outcome
 
-    def _merge(self, p: int, outcome: _Outcome, params: torch.Tensor, *, overlapped: bool) -> None:
+    def _merge(self, p: int, outcome: _Outcome, params: torch.Tensor, *, mix: bool) -> None:
+        """Fragment p after its sync: our own outer step replaces the local fragment, or (`mix`)
+        merges with it, α local + (1 - α) outer; a donor's offer keeps our progress."""
         if outcome.anchor is None:
             return  # nothing happened here: our anchor and our progress stay
         start, end = self.bounds[p]
         local, anchor = params[start:end], self.anchor[start:end]
         if outcome.donor is None:  # our own outer step
             anchor.copy_(outcome.anchor)
-            if overlapped and self.alpha:
+            if mix and self.alpha:
                 local.mul_(self.alpha).add_(anchor, alpha=1.0 - self.alpha)
             else:
                 local.copy_(anchor)
