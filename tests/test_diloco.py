@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from p2ptrain import cli
 from p2ptrain.algorithms.base import Kind
 from p2ptrain.algorithms.collectives import RingAllReduce, segment_bounds
 from p2ptrain.algorithms.diloco import DiLoCo, DiLoCoOptions
@@ -101,7 +102,15 @@ def test_flags_build_diloco_with_adamw_and_refuse_what_does_not_apply():
                                                         outer_delay=2, compression="int4")).validate()
     options = config.algorithm_options
     assert (options.inner_steps, options.fragments, options.outer_delay, options.compression) == (20, 4, 2, "int4")
-    assert (options.outer_lr, options.outer_momentum, options.mixing) == (0.7, 0.9, 0.5)
+    assert (options.outer_lr, options.outer_momentum, options.mixing, options.mixing_at_sync) == (0.7, 0.9, 0.5, False)
+    mixing = NodeConfig.from_sources(env={"P2PTRAIN_MIXING_AT_SYNC": "true"},
+                                     flags=dict(algorithm="diloco", inner_steps=20)).validate()
+    assert mixing.algorithm_options.mixing_at_sync is True and mixing.fingerprint() != NodeConfig.from_sources(
+        env={}, flags=dict(algorithm="diloco", inner_steps=20)).validate().fingerprint()
+    args = cli.build_parser().parse_args(["launch", "--nodes", "2", "--algorithm", "diloco", "--inner-steps", "20",
+                                          "--mixing-at-sync"])
+    assert args.mixing_at_sync is True and "--mixing-at-sync" in cli._node_flags_as_argv(args)  # to every node
+    assert cli.build_parser().parse_args(["node"]).mixing_at_sync is None  # not given: TOML/env may set it
     assert config.resolved_optimizer == "adamw" and config.learning_rate == 0.003
     assert config.resolved_topology == "ring" and config.resolved_max_lag >= 16
     gossip = NodeConfig.from_sources(env={}, flags=dict(algorithm="gossip-diloco", compression="int8")).validate()
@@ -223,15 +232,16 @@ def test_streaming_diloco_matches_reference():
         assert torch.equal(results[r][1], results[0][1])
 
 
-def streaming_reference(n: int, H: int, F: int, tau: int, alpha: float, steps: int):
+def streaming_reference(n: int, H: int, F: int, tau: int, alpha: float, steps: int, *, mixing_at_sync=False):
     """Streaming DiLoCo in plain tensors. After each inner step the outer gradient of the fragment
     due now is taken first (from the anchor the replicas last merged), then the syncs whose τ steps
     are over land (outer Nesterov step on the anchor, then θ_local ← α θ_local + (1-α) θ_outer),
-    then the new sync is launched (τ > 0) or lands at once (τ = 0: taking the outer fragment).
-    finish(): what is in flight lands, then one blocking outer step, taking the outer parameters so
-    that all nodes end alike, of every fragment that trained since its last; with τ = H its outer
-    gradient is taken before the in-flight sync lands, as at a scheduled sync. Returns every node's
-    model after every step, the final models and the mean outer gradients of the scheduled syncs."""
+    then the new sync is launched (τ > 0) or lands at once (τ = 0: taking the outer fragment, or
+    mixing it the same way with `mixing_at_sync`). finish(): what is in flight lands, then one
+    blocking outer step, taking the outer parameters so that all nodes end alike, of every fragment
+    that trained or was mixed since its last; with τ = H its outer gradient is taken before the
+    in-flight sync lands, as at a scheduled sync. Returns every node's model after every step, the
+    final models and the mean outer gradients of the scheduled syncs."""
     anchor, buffer, outer = start(), torch.zeros(NUMEL), OuterNesterov(0.7, 0.9)
     bounds, period = segment_bounds(NUMEL, F), H // F
     xs, in_flight, history, deltas = [start() for _ in range(n)], [], [], []
@@ -257,10 +267,11 @@ def streaming_reference(n: int, H: int, F: int, tau: int, alpha: float, steps: i
         if p is not None and tau:
             in_flight.append((step + tau, p, delta))
         elif p is not None:
-            merge(p, delta, 0.0)
+            merge(p, delta, alpha if mixing_at_sync else 0.0)
         history.append([x.clone() for x in xs])
     scheduled = list(deltas)
-    final = [q for q in range(F) if tau or q != p]  # (p: the fragment due at the last step, if any)
+    mixed = tau or (mixing_at_sync and alpha)
+    final = [q for q in range(F) if mixed or q != p]  # (p: the fragment due at the last step, if any)
     early = {q: mean(q) for q in final} if tau == H else {}
     for _, q, delta in in_flight:
         merge(q, delta, alpha)
@@ -294,6 +305,40 @@ def test_streaming_diloco_overlapping_a_whole_period_matches_reference(H, F, tau
     for r in range(n):
         torch.testing.assert_close(results[r][1], final[r], atol=1e-5, rtol=0)
         assert torch.equal(results[r][1], results[0][1])
+
+
+@pytest.mark.parametrize("H,F,alpha,mixing_at_sync", [(4, 1, 0.5, True), (4, 2, 0.5, True), (4, 2, 0.3, True),
+                                                       (4, 2, 0.5, False)])
+def test_blocking_syncs_mix_only_with_mixing_at_sync(H, F, alpha, mixing_at_sync):
+    """τ = 0: by default a sync replaces the local fragment by the outer one (α is ignored); with
+    mixing_at_sync it merges α θ_local + (1 - α) θ_outer, as Algorithm 1 does for every fragment
+    update. finish() then syncs every fragment (a mixed one differs from node to node) and takes
+    the outer parameters, so all nodes still end with the same bits."""
+    n, steps = 3, 18
+
+    def body(rank, comm):
+        algo = DiLoCo(comm, inner_steps=H, fragments=F, mixing=alpha, mixing_at_sync=mixing_at_sync)
+        history, final = train(algo, rank, steps)
+        return history, final, algo.stats()
+
+    results = run_cluster(n, body)
+    history, final, deltas = streaming_reference(n, H, F, 0, alpha, steps, mixing_at_sync=mixing_at_sync)
+    for step in range(steps):
+        for r in range(n):
+            torch.testing.assert_close(results[r][0][step], history[step][r], atol=1e-5, rtol=0,
+                                       msg=lambda m: f"node {r} step {step}: {m}")
+    syncs = steps // (H // F) + (F if mixing_at_sync else F - 1)  # the schedule's, then finish()'s
+    assert DiLoCo(_Comm(), inner_steps=H, fragments=F, mixing=alpha,
+                  mixing_at_sync=mixing_at_sync).fragment_syncs(steps) == syncs
+    for r in range(n):
+        assert results[r][2]["outer_steps"] == syncs
+        torch.testing.assert_close(results[r][1], final[r], atol=1e-5, rtol=0)
+        assert torch.equal(results[r][1], results[0][1])
+    schedule = DiLoCo(_Comm(), inner_steps=H, fragments=F)
+    last = max(step for step in range(steps) if schedule.due(step) is not None)
+    a, b = segment_bounds(NUMEL, F)[schedule.due(last)]
+    spread = max(float((results[r][0][last][a:b] - results[0][0][last][a:b]).abs().max()) for r in range(n))
+    assert (spread > 0.01) == mixing_at_sync  # just synced: mixed fragments differ, replaced ones agree
 
 
 @pytest.mark.parametrize("codec", ["int4", "topk"])

@@ -15,9 +15,10 @@ fragment's all-reduce runs on a communication thread while the next τ inner ste
 outer gradient is τ steps old when it lands, as in Pipe-SGD), and the result is merged with the
 paper's mixing factor α:
     θ_{i,p}^(t+τ) ← α θ_{i,p}^(t+τ) + (1 - α) θ_p^(t)      (θ_p^(t) = OuterNesterov(θ_p^(t-H), Δ_p))
-α = 0 takes the outer parameters; a blocking sync (τ = 0) always does, and so does finish(), so
-every node ends with the same model. A fragment's sync moves 1/F of the model, so the peak bytes
-per sync are 1/F of DiLoCo's.
+α = 0 takes the outer parameters. A blocking sync (τ = 0) takes them too, unless mixing_at_sync
+makes it merge with α as Algorithm 1 does for every fragment update (the README says why that is
+not the default). finish() always takes them, so every node ends with the same model. A fragment's
+sync moves 1/F of the model, so the peak bytes per sync are 1/F of DiLoCo's.
 
 Within a step, the outer gradient of the fragment due is taken before the syncs whose τ steps are
 over are merged: it measures the inner steps from the anchor they started from. That matters only
@@ -77,8 +78,12 @@ class DiLoCoOptions(OuterOptions):
                                "synced every H/F steps, in turn", metavar="F")
     outer_delay: int = option(0, "Streaming DiLoCo's overlap τ: a sync's all-reduce runs during the next τ inner "
                                  "steps and is merged after them (0: the sync blocks; at most H/F)", metavar="TAU")
-    mixing: float = option(0.5, "Streaming DiLoCo's mixing factor α for overlapped syncs: θ_fragment <- α "
-                                "θ_local + (1-α) θ_outer (0: take the outer parameters)", metavar="ALPHA")
+    mixing: float = option(0.5, "Streaming DiLoCo's mixing factor α for overlapped syncs (blocking ones too with "
+                                "--mixing-at-sync): θ_fragment <- α θ_local + (1-α) θ_outer (0: take the outer "
+                                "parameters)", metavar="ALPHA")
+    mixing_at_sync: bool = option(False, "blocking syncs (outer_delay 0) merge with --mixing α too, as every "
+                                         "fragment update of the paper's Algorithm 1 does (without it they take "
+                                         "the outer parameters)")
 
     def bounded_delay(self) -> int:
         """A node waits at every fragment's sync (or τ steps after it) for the others."""
@@ -113,17 +118,18 @@ class DiLoCo(Algorithm):
     @classmethod
     def from_options(cls, comm: Comm, options: DiLoCoOptions, context: BuildContext) -> "DiLoCo":
         return cls(comm, **options.outer_settings(), fragments=options.fragments, outer_delay=options.outer_delay,
-                   mixing=options.mixing)
+                   mixing=options.mixing, mixing_at_sync=options.mixing_at_sync)
 
     def __init__(self, comm: Comm, *, inner_steps: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  compression: str = "none", topk_fraction: float = 0.01, fragments: int = 1, outer_delay: int = 0,
-                 mixing: float = 0.5):
+                 mixing: float = 0.5, mixing_at_sync: bool = False):
         DiLoCoOptions(inner_steps=inner_steps, outer_lr=outer_lr, outer_momentum=outer_momentum,
                       compression=compression, topk_fraction=topk_fraction, fragments=fragments,
-                      outer_delay=outer_delay, mixing=mixing).validate(None)
+                      outer_delay=outer_delay, mixing=mixing, mixing_at_sync=mixing_at_sync).validate(None)
         self.comm = comm
         self.rank = comm.rank
         self.H, self.F, self.tau, self.alpha = inner_steps, fragments, outer_delay, mixing
+        self.mixing_at_sync = mixing_at_sync
         self.period = inner_steps // fragments  # a fragment is synced every `period` steps, in turn
         self.outer = OuterNesterov(outer_lr, outer_momentum)
         self.codec_name, self.topk_fraction = compression, topk_fraction
@@ -177,7 +183,7 @@ class DiLoCo(Algorithm):
             self._merge(q, outcome, params, mix=True)
         if p is not None:
             if self._pool is None:
-                self._merge(p, self._sync(p, delta, step), params, mix=False)
+                self._merge(p, self._sync(p, delta, step), params, mix=self.mixing_at_sync)
             else:  # its thread reads the anchor, momentum and version the merges above left
                 self._in_flight.append((step + self.tau, p, self._pool.submit(self._sync, p, delta, step)))
         return params
@@ -240,11 +246,12 @@ class DiLoCo(Algorithm):
             sum(self._final_sync(p, steps - 1) for p in range(self.F))
 
     def _final_sync(self, p: int, last: int) -> bool:
-        """Whether finish() syncs fragment p: it trained since its last outer step (overlapped syncs
-        merge with mixing; otherwise unless its last scheduled sync came after the last step)."""
+        """Whether finish() syncs fragment p: always where syncs leave the local fragment mixed
+        (overlapped ones; blocking ones with mixing_at_sync and α > 0), as it then differs from node
+        to node; otherwise if it trained since its last scheduled sync (not at the last step)."""
         offset = (p + 1) * self.period - 1
         last_sync = -1 if last < offset else offset + (last - offset) // self.H * self.H
-        return bool(self.tau) or last_sync != last
+        return bool(self.tau) or (self.mixing_at_sync and self.alpha > 0) or last_sync != last
 
     # One fragment's outer step ------------------------------------------------------------------
     def _pseudo_gradient(self, p: int, params: torch.Tensor) -> torch.Tensor:

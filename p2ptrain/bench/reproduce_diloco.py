@@ -232,7 +232,9 @@ def _syncs(flags: list[str], steps: int, nodes: int) -> int:
         from p2ptrain.algorithms.diloco import DiLoCo
 
         algo = DiLoCo(types.SimpleNamespace(rank=0, world_size=nodes), inner_steps=value("--inner-steps", 50),
-                      fragments=value("--fragments", 1), outer_delay=value("--outer-delay", 0))
+                      fragments=value("--fragments", 1), outer_delay=value("--outer-delay", 0),
+                      mixing=float(flags[flags.index("--mixing") + 1]) if "--mixing" in flags else 0.5,
+                      mixing_at_sync="--mixing-at-sync" in flags)
         return algo.fragment_syncs(steps)
     if algorithm == "gossip-diloco":
         h = value("--inner-steps", 50)
