@@ -237,66 +237,83 @@ def streaming_reference(n: int, H: int, F: int, tau: int, alpha: float, steps: i
     due now is taken first (from the anchor the replicas last merged), then the syncs whose τ steps
     are over land (outer Nesterov step on the anchor, then θ_local ← α θ_local + (1-α) θ_outer),
     then the new sync is launched (τ > 0) or lands at once (τ = 0: taking the outer fragment, or
-    mixing it the same way with `mixing_at_sync`). finish(): what is in flight lands, then one
-    blocking outer step, taking the outer parameters so that all nodes end alike, of every fragment
-    that trained or was mixed since its last; with τ = H its outer gradient is taken before the
-    in-flight sync lands, as at a scheduled sync. Returns every node's model after every step, the
-    final models and the mean outer gradients of the scheduled syncs."""
+    mixing it the same way with `mixing_at_sync`). With τ = H a launch where nothing of that
+    fragment lands (its first) merges the anchor the same way, as the landing sync's would be.
+    finish(): what is in flight lands, then one blocking outer step, taking the outer parameters so
+    that all nodes end alike, of every fragment that trained or was mixed since its last; with τ = H
+    that outer gradient is taken before the in-flight sync lands, as at a scheduled sync. Returns
+    every node's model after every step, the final models, the mean outer gradients of the
+    scheduled syncs and the outer steps."""
     anchor, buffer, outer = start(), torch.zeros(NUMEL), OuterNesterov(0.7, 0.9)
     bounds, period = segment_bounds(NUMEL, F), H // F
-    xs, in_flight, history, deltas = [start() for _ in range(n)], [], [], []
+    xs, in_flight, history, deltas, steps_taken = [start() for _ in range(n)], [], [], [], []
 
     def mean(p):
         a, b = bounds[p]
         deltas.append(sum(anchor[a:b] - x[a:b] for x in xs) / n)
         return deltas[-1]
 
+    def take(p, mix):
+        a, b = bounds[p]
+        for x in xs:
+            x[a:b] = mix * x[a:b] + (1 - mix) * anchor[a:b]
+
     def merge(p, delta, mix):
         a, b = bounds[p]
         outer.step(anchor[a:b], delta, buffer[a:b])
-        for x in xs:
-            x[a:b] = mix * x[a:b] + (1 - mix) * anchor[a:b]
+        steps_taken.append(p)
+        take(p, mix)
 
     for step in range(steps):
         xs = [inner(r, step, x) for r, x in enumerate(xs)]
         p = ((step + 1) // period - 1) % F if (step + 1) % period == 0 else None
         delta = mean(p) if p is not None else None
-        for entry in [e for e in in_flight if e[0] <= step]:
+        landed = [e for e in in_flight if e[0] <= step]
+        for entry in landed:
             in_flight.remove(entry)
             merge(entry[1], entry[2], alpha)
+        if p is not None and tau == H and all(e[1] != p for e in landed):
+            take(p, alpha)
         if p is not None and tau:
             in_flight.append((step + tau, p, delta))
         elif p is not None:
             merge(p, delta, alpha if mixing_at_sync else 0.0)
         history.append([x.clone() for x in xs])
     scheduled = list(deltas)
-    mixed = tau or (mixing_at_sync and alpha)
-    final = [q for q in range(F) if mixed or q != p]  # (p: the fragment due at the last step, if any)
+    final = [q for q in range(F) if tau or (mixing_at_sync and alpha) or q != p]  # (p: due at the last step)
     early = {q: mean(q) for q in final} if tau == H else {}
     for _, q, delta in in_flight:
         merge(q, delta, alpha)
     for q in final:
         merge(q, early[q] if q in early else mean(q), 0.0)
-    return history, xs, scheduled
+    return history, xs, scheduled, len(steps_taken)
 
 
-@pytest.mark.parametrize("H,F,tau,alpha", [(4, 1, 4, 0.0), (4, 1, 4, 0.5), (1, 1, 1, 0.5), (4, 2, 2, 0.5),
-                                           (6, 3, 2, 0.0)])
-def test_streaming_diloco_overlapping_a_whole_period_matches_reference(H, F, tau, alpha):
+@pytest.mark.parametrize("H,F,tau,alpha,steps", [(4, 1, 4, 0.0, 18), (4, 1, 4, 0.5, 18), (4, 1, 4, 0.0, 16),
+                                                 (1, 1, 1, 0.5, 18), (4, 2, 2, 0.5, 18), (6, 3, 2, 0.0, 18),
+                                                 (4, 2, 1, 0.0, 18)])
+def test_streaming_diloco_overlapping_a_whole_period_matches_reference(H, F, tau, alpha, steps):
     """τ = H/F, the longest overlap: a fragment's sync lands in the step where the next one is
     launched. With F = 1 that is the same fragment (a whole outer step overlapped, Kale et al.'s
     delayed outer gradients): its outer gradient is taken from the anchor the replicas trained from,
     before the landing sync moves it, so every inner step counts, and the outer step is applied to
     the anchor that just landed. (Merging first made every later outer gradient α times what it
-    should be: 0 with α = 0, where only the momentum moved the anchor.) With F > 1 the landing sync
-    is another fragment's and the order does not matter."""
-    n, steps = 3, 18
+    should be: 0 with α = 0, where only the momentum moved the anchor.) At the first sync nothing
+    lands: the replicas merge the anchor they have, or the second outer gradient would carry the
+    first one again. With F > 1 the landing sync is another fragment's and the order does not
+    matter."""
+    n = 3
 
     def body(rank, comm):
-        return train(DiLoCo(comm, inner_steps=H, fragments=F, outer_delay=tau, mixing=alpha), rank, steps)
+        algo = DiLoCo(comm, inner_steps=H, fragments=F, outer_delay=tau, mixing=alpha)
+        history, final = train(algo, rank, steps)
+        return history, final, algo.stats()
 
     results = run_cluster(n, body)
-    history, final, deltas = streaming_reference(n, H, F, tau, alpha, steps)
+    history, final, deltas, outer_steps = streaming_reference(n, H, F, tau, alpha, steps)
+    assert all(r[2]["outer_steps"] == outer_steps for r in results)
+    assert DiLoCo(_Comm(), inner_steps=H, fragments=F, outer_delay=tau, mixing=alpha).fragment_syncs(steps) == \
+        outer_steps
     assert min(float(d.abs().max()) for d in deltas) > 0.05  # every scheduled outer gradient carries inner steps
     for step in range(steps):
         for r in range(n):
@@ -322,12 +339,13 @@ def test_blocking_syncs_mix_only_with_mixing_at_sync(H, F, alpha, mixing_at_sync
         return history, final, algo.stats()
 
     results = run_cluster(n, body)
-    history, final, deltas = streaming_reference(n, H, F, 0, alpha, steps, mixing_at_sync=mixing_at_sync)
+    history, final, deltas, outer_steps = streaming_reference(n, H, F, 0, alpha, steps, mixing_at_sync=mixing_at_sync)
     for step in range(steps):
         for r in range(n):
             torch.testing.assert_close(results[r][0][step], history[step][r], atol=1e-5, rtol=0,
                                        msg=lambda m: f"node {r} step {step}: {m}")
     syncs = steps // (H // F) + (F if mixing_at_sync else F - 1)  # the schedule's, then finish()'s
+    assert outer_steps == syncs
     assert DiLoCo(_Comm(), inner_steps=H, fragments=F, mixing=alpha,
                   mixing_at_sync=mixing_at_sync).fragment_syncs(steps) == syncs
     for r in range(n):

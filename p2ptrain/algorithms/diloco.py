@@ -26,7 +26,9 @@ at τ = H (F = 1), where the sync landing is the same fragment's: the whole oute
 (Kale et al., 2025, "Eager updates ...": Streaming DiLoCo with 1-outer-step overlap, or DiLoCo with
 delayed outer gradients), each outer gradient is applied, one outer step late, to the anchor that
 just landed. Merged first, it would be α times the progress (nothing at α = 0: only the momentum
-would move the anchor).
+would move the anchor). At a fragment's first sync nothing lands: its replicas merge the anchor
+they have instead, as Kale et al.'s next inner phase starts from the global parameters (else its
+next outer gradient would carry this one again, in full).
 
 Compressed pseudo-gradients: every ring hop decompresses, sums and recompresses (collectives.py);
 what this node's compressions lose stays on it (error feedback) and is added to its next
@@ -181,6 +183,11 @@ class DiLoCo(Algorithm):
         delta = self._pseudo_gradient(p, params) if p is not None else None
         for q, outcome in landed:
             self._merge(q, outcome, params, mix=True)
+        if p is not None and self.tau == self.H and all(q != p for q, _ in landed):
+            # nothing landed to start the next outer step from (the first sync, or the first after a
+            # catch-up): it starts from the anchor we have, or the outer gradient just sent would
+            # count again, in full, in the next one
+            self._take_anchor(p, params, mix=True)
         if p is not None:
             if self._pool is None:
                 self._merge(p, self._sync(p, delta, step), params, mix=self.mixing_at_sync)
@@ -318,10 +325,7 @@ class DiLoCo(Algorithm):
         local, anchor = params[start:end], self.anchor[start:end]
         if outcome.donor is None:  # our own outer step
             anchor.copy_(outcome.anchor)
-            if mix and self.alpha:
-                local.mul_(self.alpha).add_(anchor, alpha=1.0 - self.alpha)
-            else:
-                local.copy_(anchor)
+            self._take_anchor(p, params, mix=mix)
             self.outer_steps += 1
         else:  # a donor's: keep the progress made since our (older) anchor
             local.add_(outcome.anchor - anchor)
@@ -331,6 +335,15 @@ class DiLoCo(Algorithm):
                      outcome.version, outcome.donor)
         self.momentum[start:end].copy_(outcome.momentum)
         self.versions[p] = outcome.version
+
+    def _take_anchor(self, p: int, params: torch.Tensor, *, mix: bool) -> None:
+        """The local fragment p becomes the anchor's, or (`mix`) α local + (1 - α) anchor."""
+        start, end = self.bounds[p]
+        local, anchor = params[start:end], self.anchor[start:end]
+        if mix and self.alpha:
+            local.mul_(self.alpha).add_(anchor, alpha=1.0 - self.alpha)
+        else:
+            local.copy_(anchor)
 
 
 def _donor(rank: int, current: list[int]) -> int:
