@@ -240,13 +240,14 @@ def streaming_reference(n: int, H: int, F: int, tau: int, alpha: float, steps: i
     mixing it the same way with `mixing_at_sync`). With τ = H a launch where nothing of that
     fragment lands (its first) merges the anchor the same way, as the landing sync's would be.
     finish(): what is in flight lands, then one blocking outer step, taking the outer parameters so
-    that all nodes end alike, of every fragment that trained or was mixed since its last; with τ = H
-    that outer gradient is taken before the in-flight sync lands, as at a scheduled sync. Returns
-    every node's model after every step, the final models, the mean outer gradients of the
-    scheduled syncs and the outer steps."""
+    that all nodes end alike, of every fragment whose outer gradient is not zero by construction
+    (it was merged, or it trained since it took the anchor); with τ = H that outer gradient is taken
+    before the in-flight sync lands, as at a scheduled sync. Returns every node's model after every
+    step, the final models, the mean outer gradients of the scheduled syncs and the outer steps."""
     anchor, buffer, outer = start(), torch.zeros(NUMEL), OuterNesterov(0.7, 0.9)
     bounds, period = segment_bounds(NUMEL, F), H // F
     xs, in_flight, history, deltas, steps_taken = [start() for _ in range(n)], [], [], [], []
+    fresh = set()  # fragments that are the anchor's on every node, with no inner step since
 
     def mean(p):
         a, b = bounds[p]
@@ -257,6 +258,8 @@ def streaming_reference(n: int, H: int, F: int, tau: int, alpha: float, steps: i
         a, b = bounds[p]
         for x in xs:
             x[a:b] = mix * x[a:b] + (1 - mix) * anchor[a:b]
+        if mix == 0:
+            fresh.add(p)
 
     def merge(p, delta, mix):
         a, b = bounds[p]
@@ -266,6 +269,7 @@ def streaming_reference(n: int, H: int, F: int, tau: int, alpha: float, steps: i
 
     for step in range(steps):
         xs = [inner(r, step, x) for r, x in enumerate(xs)]
+        fresh.clear()
         p = ((step + 1) // period - 1) % F if (step + 1) % period == 0 else None
         delta = mean(p) if p is not None else None
         landed = [e for e in in_flight if e[0] <= step]
@@ -280,10 +284,12 @@ def streaming_reference(n: int, H: int, F: int, tau: int, alpha: float, steps: i
             merge(p, delta, alpha if mixing_at_sync else 0.0)
         history.append([x.clone() for x in xs])
     scheduled = list(deltas)
-    final = [q for q in range(F) if tau or (mixing_at_sync and alpha) or q != p]  # (p: due at the last step)
+    final = [q for q in range(F) if q not in fresh]
     early = {q: mean(q) for q in final} if tau == H else {}
     for _, q, delta in in_flight:
         merge(q, delta, alpha)
+    if tau != H:
+        final = [q for q in range(F) if q not in fresh]
     for q in final:
         merge(q, early[q] if q in early else mean(q), 0.0)
     return history, xs, scheduled, len(steps_taken)
@@ -301,7 +307,9 @@ def test_streaming_diloco_overlapping_a_whole_period_matches_reference(H, F, tau
     should be: 0 with α = 0, where only the momentum moved the anchor.) At the first sync nothing
     lands: the replicas merge the anchor they have, or the second outer gradient would carry the
     first one again. With F > 1 the landing sync is another fragment's and the order does not
-    matter."""
+    matter. With α = 0, finish() skips the fragments that took the outer one and trained no step
+    since (16 steps: the last sync is at the last step; τ < H: in flight at the end): their outer
+    gradient is 0, and an outer step on it would move the anchor by its momentum alone."""
     n = 3
 
     def body(rank, comm):

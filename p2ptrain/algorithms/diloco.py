@@ -197,8 +197,8 @@ class DiLoCo(Algorithm):
 
     def finish(self) -> torch.Tensor | None:
         """Merge the syncs still in flight, then one last blocking outer step of every fragment that
-        trained since its last one (the same decision on every node: it follows from the schedule),
-        so all nodes end with the same model."""
+        is mixed or trained since it took the outer one (_final_sync: the same decision on every
+        node, it follows from the schedule), so all nodes end with the same model."""
         params = self._params
         if params is None:
             return None
@@ -253,12 +253,20 @@ class DiLoCo(Algorithm):
             sum(self._final_sync(p, steps - 1) for p in range(self.F))
 
     def _final_sync(self, p: int, last: int) -> bool:
-        """Whether finish() syncs fragment p: always where syncs leave the local fragment mixed
-        (overlapped ones; blocking ones with mixing_at_sync and α > 0), as it then differs from node
-        to node; otherwise if it trained since its last scheduled sync (not at the last step)."""
+        """Whether finish() syncs fragment p: always where its merges leave the local fragment mixed
+        (α > 0, overlapped syncs or blocking ones with mixing_at_sync), as it then differs from node
+        to node; otherwise if it trained since it last took the outer fragment. Else its outer
+        gradient would be 0 and the outer step would move the anchor by its momentum alone."""
         offset = (p + 1) * self.period - 1
-        last_sync = -1 if last < offset else offset + (last - offset) // self.H * self.H
-        return bool(self.tau) or (self.mixing_at_sync and self.alpha > 0) or last_sync != last
+        launched = -1 if last < offset else offset + (last - offset) // self.H * self.H  # its last sync
+        if self.alpha > 0 and (self.tau or self.mixing_at_sync):
+            return True
+        if launched < 0:
+            return True
+        # when it took the outer fragment: at a blocking sync, when an overlapped one lands (in
+        # finish() if in flight), with τ = H when the sync before lands at the next launch
+        took = launched + self.tau if self.tau < self.H else launched
+        return took < last
 
     # One fragment's outer step ------------------------------------------------------------------
     def _pseudo_gradient(self, p: int, params: torch.Tensor) -> torch.Tensor:
