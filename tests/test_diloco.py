@@ -89,6 +89,7 @@ def test_fragment_schedule_syncs_one_fragment_every_h_over_f_steps_in_turn(H, F,
 @pytest.mark.parametrize("values,match", [({"inner_steps": 10, "fragments": 3}, "divide"),
                                           ({"inner_steps": 10, "fragments": 2, "outer_delay": 6}, "outer_delay"),
                                           ({"inner_steps": 10, "mixing": 1.0}, "mixing"),
+                                          ({"inner_steps": 10, "outer_delay": 10}, "set outer_momentum 0"),
                                           ({"inner_steps": 0}, "inner_steps"),
                                           ({"inner_steps": 10, "outer_momentum": 1.0}, "outer_momentum"),
                                           ({"inner_steps": 10, "topk_fraction": 0.0}, "topk_fraction")])
@@ -232,7 +233,8 @@ def test_streaming_diloco_matches_reference():
         assert torch.equal(results[r][1], results[0][1])
 
 
-def streaming_reference(n: int, H: int, F: int, tau: int, alpha: float, steps: int, *, mixing_at_sync=False):
+def streaming_reference(n: int, H: int, F: int, tau: int, alpha: float, steps: int, *, mixing_at_sync=False,
+                        momentum=0.9):
     """Streaming DiLoCo in plain tensors. After each inner step the outer gradient of the fragment
     due now is taken first (from the anchor the replicas last merged), then the syncs whose τ steps
     are over land (outer Nesterov step on the anchor, then θ_local ← α θ_local + (1-α) θ_outer),
@@ -244,7 +246,7 @@ def streaming_reference(n: int, H: int, F: int, tau: int, alpha: float, steps: i
     (it was merged, or it trained since it took the anchor); with τ = H that outer gradient is taken
     before the in-flight sync lands, as at a scheduled sync. Returns every node's model after every
     step, the final models, the mean outer gradients of the scheduled syncs and the outer steps."""
-    anchor, buffer, outer = start(), torch.zeros(NUMEL), OuterNesterov(0.7, 0.9)
+    anchor, buffer, outer = start(), torch.zeros(NUMEL), OuterNesterov(0.7, momentum)
     bounds, period = segment_bounds(NUMEL, F), H // F
     xs, in_flight, history, deltas, steps_taken = [start() for _ in range(n)], [], [], [], []
     fresh = set()  # fragments that are the anchor's on every node, with no inner step since
@@ -303,25 +305,26 @@ def test_streaming_diloco_overlapping_a_whole_period_matches_reference(H, F, tau
     launched. With F = 1 that is the same fragment (a whole outer step overlapped, Kale et al.'s
     delayed outer gradients): its outer gradient is taken from the anchor the replicas trained from,
     before the landing sync moves it, so every inner step counts, and the outer step is applied to
-    the anchor that just landed. (Merging first made every later outer gradient α times what it
-    should be: 0 with α = 0, where only the momentum moved the anchor.) At the first sync nothing
+    the anchor that just landed, without outer momentum (refused there: on a one-step-late outer
+    gradient it diverges). (Merging first made every later outer gradient α times what it should
+    be: 0 with α = 0, where only the momentum moved the anchor.) At the first sync nothing
     lands: the replicas merge the anchor they have, or the second outer gradient would carry the
     first one again. With F > 1 the landing sync is another fragment's and the order does not
     matter. With α = 0, finish() skips the fragments that took the outer one and trained no step
     since (16 steps: the last sync is at the last step; τ < H: in flight at the end): their outer
     gradient is 0, and an outer step on it would move the anchor by its momentum alone."""
-    n = 3
+    n, momentum = 3, 0.0 if tau == H else 0.9  # (τ = H refuses outer momentum: it diverges one step late)
+    settings = dict(inner_steps=H, fragments=F, outer_delay=tau, mixing=alpha, outer_momentum=momentum)
 
     def body(rank, comm):
-        algo = DiLoCo(comm, inner_steps=H, fragments=F, outer_delay=tau, mixing=alpha)
+        algo = DiLoCo(comm, **settings)
         history, final = train(algo, rank, steps)
         return history, final, algo.stats()
 
     results = run_cluster(n, body)
-    history, final, deltas, outer_steps = streaming_reference(n, H, F, tau, alpha, steps)
-    assert all(r[2]["outer_steps"] == outer_steps for r in results)
-    assert DiLoCo(_Comm(), inner_steps=H, fragments=F, outer_delay=tau, mixing=alpha).fragment_syncs(steps) == \
-        outer_steps
+    history, final, deltas, outer_steps = streaming_reference(n, H, F, tau, alpha, steps, momentum=momentum)
+    assert [r[2]["outer_steps"] for r in results] == [outer_steps] * n
+    assert DiLoCo(_Comm(), **settings).fragment_syncs(steps) == outer_steps
     assert min(float(d.abs().max()) for d in deltas) > 0.05  # every scheduled outer gradient carries inner steps
     for step in range(steps):
         for r in range(n):

@@ -28,7 +28,9 @@ delayed outer gradients), each outer gradient is applied, one outer step late, t
 just landed. Merged first, it would be α times the progress (nothing at α = 0: only the momentum
 would move the anchor). At a fragment's first sync nothing lands: its replicas merge the anchor
 they have instead, as Kale et al.'s next inner phase starts from the global parameters (else its
-next outer gradient would carry this one again, in full).
+next outer gradient would carry this one again, in full). Outer momentum on these one-step-late
+outer gradients diverged on the synthetic task (0.34 accuracy with the default μ = 0.9; 0.90 with
+μ = 0, blocking DiLoCo 0.915), so τ = H is refused unless outer_momentum is 0.
 
 Compressed pseudo-gradients: every ring hop decompresses, sums and recompresses (collectives.py);
 what this node's compressions lose stays on it (error feedback) and is added to its next
@@ -79,7 +81,8 @@ class DiLoCoOptions(OuterOptions):
     fragments: int = option(1, "Streaming DiLoCo: the parameters are split into F fragments, one of which is "
                                "synced every H/F steps, in turn", metavar="F")
     outer_delay: int = option(0, "Streaming DiLoCo's overlap τ: a sync's all-reduce runs during the next τ inner "
-                                 "steps and is merged after them (0: the sync blocks; at most H/F)", metavar="TAU")
+                                 "steps and is merged after them (0: the sync blocks; at most H/F; H only with "
+                                 "outer_momentum 0)", metavar="TAU")
     mixing: float = option(0.5, "Streaming DiLoCo's mixing factor α for overlapped syncs (blocking ones too with "
                                 "--mixing-at-sync): θ_fragment <- α θ_local + (1-α) θ_outer (0: take the outer "
                                 "parameters)", metavar="ALPHA")
@@ -101,6 +104,11 @@ class DiLoCoOptions(OuterOptions):
                              f"got {self.outer_delay}")
         if not 0 <= self.mixing < 1:
             raise ValueError(f"mixing α must be in [0, 1), got {self.mixing}")
+        if self.outer_delay == self.inner_steps and self.outer_momentum:
+            # measured on the synthetic task: 0.34 accuracy with μ = 0.9, 0.90 with μ = 0 (blocking: 0.915)
+            raise ValueError(f"outer_delay τ = H = {self.inner_steps} applies every outer gradient one outer step "
+                             f"late, and outer momentum on it diverges: set outer_momentum 0 (got "
+                             f"{self.outer_momentum}) or τ < H")
 
 
 @dataclass
