@@ -256,19 +256,21 @@ class _Evaluator:
 
             from p2ptrain.config import NodeConfig
             from p2ptrain.train.data import build_dataset
-            from p2ptrain.train.flat import FlatParameters
             from p2ptrain.train.setup import initial_model
+            from p2ptrain.train.state import ModelState
 
             torch.set_num_threads(1)
             config = NodeConfig.from_sources(env={}, flags={"num_train": self.args.num_train, "seed": self.args.seed})
             model = initial_model(config)
             test = build_dataset("synthetic", None, seed=self.args.seed, num_train=self.args.num_train).test
-            self._ready = (model, FlatParameters(model), torch.utils.data.DataLoader(test, batch_size=1000))
+            self._ready = (model, ModelState(model), torch.utils.data.DataLoader(test, batch_size=1000))
+        import torch.nn.functional as F
+
         from p2ptrain.train.evaluate import evaluate
 
-        model, flat, loader = self._ready
-        flat.load(params)
-        return evaluate(model, loader)
+        model, state, loader = self._ready
+        state.load(params)
+        return evaluate(model, loader, loss_fn=F.nll_loss)  # (the node's loss: its models end in log_softmax)
 
 
 def _measure(row: Row, folder: Path, nodes: int, launched: float, evaluator: _Evaluator, *, keep: bool) -> None:
