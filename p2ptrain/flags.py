@@ -235,5 +235,9 @@ def add_algorithm_options(group) -> None:
         for user in users:
             helps.setdefault(registry.get(user).option_fields()[name].metadata["option"].help, []).append(user)
         text = "; ".join(f"{'/'.join(names)}: {help}" for help, names in helps.items())
+        if str(f.type).split(" ")[0] == "bool":  # a switch, like --join: given means true, absent means not given
+            group.add_argument(f"--{name.replace('_', '-')}", action="store_true", default=None,
+                               help=f"{text} (default {'on' if f.default else 'off'})")
+            continue
         group.add_argument(f"--{name.replace('_', '-')}", type=kind, choices=info.choices, metavar=info.metavar,
                            help=f"{text} (default {default})")

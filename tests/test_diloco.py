@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from p2ptrain import cli
 from p2ptrain.algorithms.base import Kind
 from p2ptrain.algorithms.collectives import RingAllReduce, segment_bounds
 from p2ptrain.algorithms.diloco import DiLoCo, DiLoCoOptions
@@ -88,6 +89,7 @@ def test_fragment_schedule_syncs_one_fragment_every_h_over_f_steps_in_turn(H, F,
 @pytest.mark.parametrize("values,match", [({"inner_steps": 10, "fragments": 3}, "divide"),
                                           ({"inner_steps": 10, "fragments": 2, "outer_delay": 6}, "outer_delay"),
                                           ({"inner_steps": 10, "mixing": 1.0}, "mixing"),
+                                          ({"inner_steps": 10, "outer_delay": 10}, "set outer_momentum 0"),
                                           ({"inner_steps": 0}, "inner_steps"),
                                           ({"inner_steps": 10, "outer_momentum": 1.0}, "outer_momentum"),
                                           ({"inner_steps": 10, "topk_fraction": 0.0}, "topk_fraction")])
@@ -101,7 +103,15 @@ def test_flags_build_diloco_with_adamw_and_refuse_what_does_not_apply():
                                                         outer_delay=2, compression="int4")).validate()
     options = config.algorithm_options
     assert (options.inner_steps, options.fragments, options.outer_delay, options.compression) == (20, 4, 2, "int4")
-    assert (options.outer_lr, options.outer_momentum, options.mixing) == (0.7, 0.9, 0.5)
+    assert (options.outer_lr, options.outer_momentum, options.mixing, options.mixing_at_sync) == (0.7, 0.9, 0.5, False)
+    mixing = NodeConfig.from_sources(env={"P2PTRAIN_MIXING_AT_SYNC": "true"},
+                                     flags=dict(algorithm="diloco", inner_steps=20)).validate()
+    assert mixing.algorithm_options.mixing_at_sync is True and mixing.fingerprint() != NodeConfig.from_sources(
+        env={}, flags=dict(algorithm="diloco", inner_steps=20)).validate().fingerprint()
+    args = cli.build_parser().parse_args(["launch", "--nodes", "2", "--algorithm", "diloco", "--inner-steps", "20",
+                                          "--mixing-at-sync"])
+    assert args.mixing_at_sync is True and "--mixing-at-sync" in cli._node_flags_as_argv(args)  # to every node
+    assert cli.build_parser().parse_args(["node"]).mixing_at_sync is None  # not given: TOML/env may set it
     assert config.resolved_optimizer == "adamw" and config.learning_rate == 0.003
     assert config.resolved_topology == "ring" and config.resolved_max_lag >= 16
     gossip = NodeConfig.from_sources(env={}, flags=dict(algorithm="gossip-diloco", compression="int8")).validate()
@@ -221,6 +231,143 @@ def test_streaming_diloco_matches_reference():
     for r in range(n):
         torch.testing.assert_close(results[r][1], xs[r], atol=1e-5, rtol=0)
         assert torch.equal(results[r][1], results[0][1])
+
+
+def streaming_reference(n: int, H: int, F: int, tau: int, alpha: float, steps: int, *, mixing_at_sync=False,
+                        momentum=0.9):
+    """Streaming DiLoCo in plain tensors. After each inner step the outer gradient of the fragment
+    due now is taken first (from the anchor the replicas last merged), then the syncs whose τ steps
+    are over land (outer Nesterov step on the anchor, then θ_local ← α θ_local + (1-α) θ_outer),
+    then the new sync is launched (τ > 0) or lands at once (τ = 0: taking the outer fragment, or
+    mixing it the same way with `mixing_at_sync`). With τ = H a launch where nothing of that
+    fragment lands (its first) merges the anchor the same way, as the landing sync's would be.
+    finish(): what is in flight lands, then one blocking outer step, taking the outer parameters so
+    that all nodes end alike, of every fragment whose outer gradient is not zero by construction
+    (it was merged, or it trained since it took the anchor); with τ = H that outer gradient is taken
+    before the in-flight sync lands, as at a scheduled sync. Returns every node's model after every
+    step, the final models, the mean outer gradients of the scheduled syncs and the outer steps."""
+    anchor, buffer, outer = start(), torch.zeros(NUMEL), OuterNesterov(0.7, momentum)
+    bounds, period = segment_bounds(NUMEL, F), H // F
+    xs, in_flight, history, deltas, steps_taken = [start() for _ in range(n)], [], [], [], []
+    fresh = set()  # fragments that are the anchor's on every node, with no inner step since
+
+    def mean(p):
+        a, b = bounds[p]
+        deltas.append(sum(anchor[a:b] - x[a:b] for x in xs) / n)
+        return deltas[-1]
+
+    def take(p, mix):
+        a, b = bounds[p]
+        for x in xs:
+            x[a:b] = mix * x[a:b] + (1 - mix) * anchor[a:b]
+        if mix == 0:
+            fresh.add(p)
+
+    def merge(p, delta, mix):
+        a, b = bounds[p]
+        outer.step(anchor[a:b], delta, buffer[a:b])
+        steps_taken.append(p)
+        take(p, mix)
+
+    for step in range(steps):
+        xs = [inner(r, step, x) for r, x in enumerate(xs)]
+        fresh.clear()
+        p = ((step + 1) // period - 1) % F if (step + 1) % period == 0 else None
+        delta = mean(p) if p is not None else None
+        landed = [e for e in in_flight if e[0] <= step]
+        for entry in landed:
+            in_flight.remove(entry)
+            merge(entry[1], entry[2], alpha)
+        if p is not None and tau == H and all(e[1] != p for e in landed):
+            take(p, alpha)
+        if p is not None and tau:
+            in_flight.append((step + tau, p, delta))
+        elif p is not None:
+            merge(p, delta, alpha if mixing_at_sync else 0.0)
+        history.append([x.clone() for x in xs])
+    scheduled = list(deltas)
+    final = [q for q in range(F) if q not in fresh]
+    early = {q: mean(q) for q in final} if tau == H else {}
+    for _, q, delta in in_flight:
+        merge(q, delta, alpha)
+    if tau != H:
+        final = [q for q in range(F) if q not in fresh]
+    for q in final:
+        merge(q, early[q] if q in early else mean(q), 0.0)
+    return history, xs, scheduled, len(steps_taken)
+
+
+@pytest.mark.parametrize("H,F,tau,alpha,steps", [(4, 1, 4, 0.0, 18), (4, 1, 4, 0.5, 18), (4, 1, 4, 0.0, 16),
+                                                 (1, 1, 1, 0.5, 18), (4, 2, 2, 0.5, 18), (6, 3, 2, 0.0, 18),
+                                                 (4, 2, 1, 0.0, 18)])
+def test_streaming_diloco_overlapping_a_whole_period_matches_reference(H, F, tau, alpha, steps):
+    """τ = H/F, the longest overlap: a fragment's sync lands in the step where the next one is
+    launched. With F = 1 that is the same fragment (a whole outer step overlapped, Kale et al.'s
+    delayed outer gradients): its outer gradient is taken from the anchor the replicas trained from,
+    before the landing sync moves it, so every inner step counts, and the outer step is applied to
+    the anchor that just landed, without outer momentum (refused there: on a one-step-late outer
+    gradient it diverges). (Merging first made every later outer gradient α times what it should
+    be: 0 with α = 0, where only the momentum moved the anchor.) At the first sync nothing
+    lands: the replicas merge the anchor they have, or the second outer gradient would carry the
+    first one again. With F > 1 the landing sync is another fragment's and the order does not
+    matter. With α = 0, finish() skips the fragments that took the outer one and trained no step
+    since (16 steps: the last sync is at the last step; τ < H: in flight at the end): their outer
+    gradient is 0, and an outer step on it would move the anchor by its momentum alone."""
+    n, momentum = 3, 0.0 if tau == H else 0.9  # (τ = H refuses outer momentum: it diverges one step late)
+    settings = dict(inner_steps=H, fragments=F, outer_delay=tau, mixing=alpha, outer_momentum=momentum)
+
+    def body(rank, comm):
+        algo = DiLoCo(comm, **settings)
+        history, final = train(algo, rank, steps)
+        return history, final, algo.stats()
+
+    results = run_cluster(n, body)
+    history, final, deltas, outer_steps = streaming_reference(n, H, F, tau, alpha, steps, momentum=momentum)
+    assert [r[2]["outer_steps"] for r in results] == [outer_steps] * n
+    assert DiLoCo(_Comm(), **settings).fragment_syncs(steps) == outer_steps
+    assert min(float(d.abs().max()) for d in deltas) > 0.05  # every scheduled outer gradient carries inner steps
+    for step in range(steps):
+        for r in range(n):
+            torch.testing.assert_close(results[r][0][step], history[step][r], atol=1e-5, rtol=0,
+                                       msg=lambda m: f"node {r} step {step}: {m}")
+    for r in range(n):
+        torch.testing.assert_close(results[r][1], final[r], atol=1e-5, rtol=0)
+        assert torch.equal(results[r][1], results[0][1])
+
+
+@pytest.mark.parametrize("H,F,alpha,mixing_at_sync", [(4, 1, 0.5, True), (4, 2, 0.5, True), (4, 2, 0.3, True),
+                                                       (4, 2, 0.5, False)])
+def test_blocking_syncs_mix_only_with_mixing_at_sync(H, F, alpha, mixing_at_sync):
+    """τ = 0: by default a sync replaces the local fragment by the outer one (α is ignored); with
+    mixing_at_sync it merges α θ_local + (1 - α) θ_outer, as Algorithm 1 does for every fragment
+    update. finish() then syncs every fragment (a mixed one differs from node to node) and takes
+    the outer parameters, so all nodes still end with the same bits."""
+    n, steps = 3, 18
+
+    def body(rank, comm):
+        algo = DiLoCo(comm, inner_steps=H, fragments=F, mixing=alpha, mixing_at_sync=mixing_at_sync)
+        history, final = train(algo, rank, steps)
+        return history, final, algo.stats()
+
+    results = run_cluster(n, body)
+    history, final, deltas, outer_steps = streaming_reference(n, H, F, 0, alpha, steps, mixing_at_sync=mixing_at_sync)
+    for step in range(steps):
+        for r in range(n):
+            torch.testing.assert_close(results[r][0][step], history[step][r], atol=1e-5, rtol=0,
+                                       msg=lambda m: f"node {r} step {step}: {m}")
+    syncs = steps // (H // F) + (F if mixing_at_sync else F - 1)  # the schedule's, then finish()'s
+    assert outer_steps == syncs
+    assert DiLoCo(_Comm(), inner_steps=H, fragments=F, mixing=alpha,
+                  mixing_at_sync=mixing_at_sync).fragment_syncs(steps) == syncs
+    for r in range(n):
+        assert results[r][2]["outer_steps"] == syncs
+        torch.testing.assert_close(results[r][1], final[r], atol=1e-5, rtol=0)
+        assert torch.equal(results[r][1], results[0][1])
+    schedule = DiLoCo(_Comm(), inner_steps=H, fragments=F)
+    last = max(step for step in range(steps) if schedule.due(step) is not None)
+    a, b = segment_bounds(NUMEL, F)[schedule.due(last)]
+    spread = max(float((results[r][0][last][a:b] - results[0][0][last][a:b]).abs().max()) for r in range(n))
+    assert (spread > 0.01) == mixing_at_sync  # just synced: mixed fragments differ, replaced ones agree
 
 
 @pytest.mark.parametrize("codec", ["int4", "topk"])

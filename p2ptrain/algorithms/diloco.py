@@ -15,8 +15,22 @@ fragment's all-reduce runs on a communication thread while the next τ inner ste
 outer gradient is τ steps old when it lands, as in Pipe-SGD), and the result is merged with the
 paper's mixing factor α:
     θ_{i,p}^(t+τ) ← α θ_{i,p}^(t+τ) + (1 - α) θ_p^(t)      (θ_p^(t) = OuterNesterov(θ_p^(t-H), Δ_p))
-α = 0 takes the outer parameters; a blocking sync (τ = 0) always does. A fragment's sync moves
-1/F of the model, so the peak bytes per sync are 1/F of DiLoCo's.
+α = 0 takes the outer parameters. A blocking sync (τ = 0) takes them too, unless mixing_at_sync
+makes it merge with α as Algorithm 1 does for every fragment update (the README says why that is
+not the default). finish() always takes them, so every node ends with the same model. A fragment's
+sync moves 1/F of the model, so the peak bytes per sync are 1/F of DiLoCo's.
+
+Within a step, the outer gradient of the fragment due is taken before the syncs whose τ steps are
+over are merged: it measures the inner steps from the anchor they started from. That matters only
+at τ = H (F = 1), where the sync landing is the same fragment's: the whole outer step overlaps
+(Kale et al., 2025, "Eager updates ...": Streaming DiLoCo with 1-outer-step overlap, or DiLoCo with
+delayed outer gradients), each outer gradient is applied, one outer step late, to the anchor that
+just landed. Merged first, it would be α times the progress (nothing at α = 0: only the momentum
+would move the anchor). At a fragment's first sync nothing lands: its replicas merge the anchor
+they have instead, as Kale et al.'s next inner phase starts from the global parameters (else its
+next outer gradient would carry this one again, in full). Outer momentum on these one-step-late
+outer gradients diverged on the synthetic task (0.34 accuracy with the default μ = 0.9; 0.90 with
+μ = 0, blocking DiLoCo 0.915), so τ = H is refused unless outer_momentum is 0.
 
 Compressed pseudo-gradients: every ring hop decompresses, sums and recompresses (collectives.py);
 what this node's compressions lose stays on it (error feedback) and is added to its next
@@ -67,9 +81,14 @@ class DiLoCoOptions(OuterOptions):
     fragments: int = option(1, "Streaming DiLoCo: the parameters are split into F fragments, one of which is "
                                "synced every H/F steps, in turn", metavar="F")
     outer_delay: int = option(0, "Streaming DiLoCo's overlap τ: a sync's all-reduce runs during the next τ inner "
-                                 "steps and is merged after them (0: the sync blocks; at most H/F)", metavar="TAU")
-    mixing: float = option(0.5, "Streaming DiLoCo's mixing factor α for overlapped syncs: θ_fragment <- α "
-                                "θ_local + (1-α) θ_outer (0: take the outer parameters)", metavar="ALPHA")
+                                 "steps and is merged after them (0: the sync blocks; at most H/F; H only with "
+                                 "outer_momentum 0)", metavar="TAU")
+    mixing: float = option(0.5, "Streaming DiLoCo's mixing factor α for overlapped syncs (blocking ones too with "
+                                "--mixing-at-sync): θ_fragment <- α θ_local + (1-α) θ_outer (0: take the outer "
+                                "parameters)", metavar="ALPHA")
+    mixing_at_sync: bool = option(False, "blocking syncs (outer_delay 0) merge with --mixing α too, as every "
+                                         "fragment update of the paper's Algorithm 1 does (without it they take "
+                                         "the outer parameters)")
 
     def bounded_delay(self) -> int:
         """A node waits at every fragment's sync (or τ steps after it) for the others."""
@@ -85,6 +104,11 @@ class DiLoCoOptions(OuterOptions):
                              f"got {self.outer_delay}")
         if not 0 <= self.mixing < 1:
             raise ValueError(f"mixing α must be in [0, 1), got {self.mixing}")
+        if self.outer_delay == self.inner_steps and self.outer_momentum:
+            # measured on the synthetic task: 0.34 accuracy with μ = 0.9, 0.90 with μ = 0 (blocking: 0.915)
+            raise ValueError(f"outer_delay τ = H = {self.inner_steps} applies every outer gradient one outer step "
+                             f"late, and outer momentum on it diverges: set outer_momentum 0 (got "
+                             f"{self.outer_momentum}) or τ < H")
 
 
 @dataclass
@@ -104,17 +128,18 @@ class DiLoCo(Algorithm):
     @classmethod
     def from_options(cls, comm: Comm, options: DiLoCoOptions, context: BuildContext) -> "DiLoCo":
         return cls(comm, **options.outer_settings(), fragments=options.fragments, outer_delay=options.outer_delay,
-                   mixing=options.mixing)
+                   mixing=options.mixing, mixing_at_sync=options.mixing_at_sync)
 
     def __init__(self, comm: Comm, *, inner_steps: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  compression: str = "none", topk_fraction: float = 0.01, fragments: int = 1, outer_delay: int = 0,
-                 mixing: float = 0.5):
+                 mixing: float = 0.5, mixing_at_sync: bool = False):
         DiLoCoOptions(inner_steps=inner_steps, outer_lr=outer_lr, outer_momentum=outer_momentum,
                       compression=compression, topk_fraction=topk_fraction, fragments=fragments,
-                      outer_delay=outer_delay, mixing=mixing).validate(None)
+                      outer_delay=outer_delay, mixing=mixing, mixing_at_sync=mixing_at_sync).validate(None)
         self.comm = comm
         self.rank = comm.rank
         self.H, self.F, self.tau, self.alpha = inner_steps, fragments, outer_delay, mixing
+        self.mixing_at_sync = mixing_at_sync
         self.period = inner_steps // fragments  # a fragment is synced every `period` steps, in turn
         self.outer = OuterNesterov(outer_lr, outer_momentum)
         self.codec_name, self.topk_fraction = compression, topk_fraction
@@ -151,36 +176,54 @@ class DiLoCo(Algorithm):
         return params
 
     def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:
+        """After an inner step: the outer gradient of the fragment due now is taken first, then the
+        syncs whose τ steps are over land, then the new sync runs (τ = 0) or is launched. The order
+        matters only when τ = H (F = 1): the sync landing now is the same fragment's, and merging it
+        first would measure the outer gradient from an anchor these inner steps never started from
+        (α times the progress: nothing with α = 0)."""
         self.comm.set_step(step)
         self._last_step, self._params = step, params
+        landed = []
         for entry in [e for e in self._in_flight if e[0] <= step]:  # syncs whose τ steps are over
             self._in_flight.remove(entry)
-            self._merge(entry[1], entry[2].result(), params, overlapped=True)
+            landed.append((entry[1], entry[2].result()))  # (done: its thread also wrote that fragment's residual)
         p = self.due(step)
+        delta = self._pseudo_gradient(p, params) if p is not None else None
+        for q, outcome in landed:
+            self._merge(q, outcome, params, mix=True)
+        if p is not None and self.tau == self.H and all(q != p for q, _ in landed):
+            # nothing landed to start the next outer step from (the first sync, or the first after a
+            # catch-up): it starts from the anchor we have, or the outer gradient just sent would
+            # count again, in full, in the next one
+            self._take_anchor(p, params, mix=True)
         if p is not None:
-            delta = self._pseudo_gradient(p, params)
             if self._pool is None:
-                self._merge(p, self._sync(p, delta, step), params, overlapped=False)
-            else:
+                self._merge(p, self._sync(p, delta, step), params, mix=self.mixing_at_sync)
+            else:  # its thread reads the anchor, momentum and version the merges above left
                 self._in_flight.append((step + self.tau, p, self._pool.submit(self._sync, p, delta, step)))
         return params
 
     def finish(self) -> torch.Tensor | None:
         """Merge the syncs still in flight, then one last blocking outer step of every fragment that
-        trained since its last one (the same decision on every node: it follows from the schedule),
-        so all nodes end with the same model."""
+        is mixed or trained since it took the outer one (_final_sync: the same decision on every
+        node, it follows from the schedule), so all nodes end with the same model."""
         params = self._params
         if params is None:
             return None
-        for _, p, future in self._in_flight:
-            self._merge(p, future.result(), params, overlapped=True)
+        landed = [(p, future.result()) for _, p, future in self._in_flight]
         self._in_flight.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         last = self._last_step
-        for p in range(self.F):
-            if self._final_sync(p, last):
-                self._merge(p, self._sync(p, self._pseudo_gradient(p, params), last + 1), params, overlapped=False)
+        final = [p for p in range(self.F) if self._final_sync(p, last)]
+        # with τ = H the sync in flight would have landed where its fragment's next outer gradient is
+        # taken, and that is taken first (after_step): here too
+        early = {p: self._pseudo_gradient(p, params) for p in final} if self.tau == self.H else {}
+        for p, outcome in landed:
+            self._merge(p, outcome, params, mix=True)
+        for p in final:  # taking the outer parameters (never mixing): every node ends with the same model
+            delta = early[p] if p in early else self._pseudo_gradient(p, params)
+            self._merge(p, self._sync(p, delta, last + 1), params, mix=False)
         return params
 
     def donate_state(self, peer: int, step: int, params: torch.Tensor) -> None:
@@ -218,11 +261,20 @@ class DiLoCo(Algorithm):
             sum(self._final_sync(p, steps - 1) for p in range(self.F))
 
     def _final_sync(self, p: int, last: int) -> bool:
-        """Whether finish() syncs fragment p: it trained since its last outer step (overlapped syncs
-        merge with mixing; otherwise unless its last scheduled sync came after the last step)."""
+        """Whether finish() syncs fragment p: always where its merges leave the local fragment mixed
+        (α > 0, overlapped syncs or blocking ones with mixing_at_sync), as it then differs from node
+        to node; otherwise if it trained since it last took the outer fragment. Else its outer
+        gradient would be 0 and the outer step would move the anchor by its momentum alone."""
         offset = (p + 1) * self.period - 1
-        last_sync = -1 if last < offset else offset + (last - offset) // self.H * self.H
-        return bool(self.tau) or last_sync != last
+        launched = -1 if last < offset else offset + (last - offset) // self.H * self.H  # its last sync
+        if self.alpha > 0 and (self.tau or self.mixing_at_sync):
+            return True
+        if launched < 0:
+            return True
+        # when it took the outer fragment: at a blocking sync, when an overlapped one lands (in
+        # finish() if in flight), with τ = H when the sync before lands at the next launch
+        took = launched + self.tau if self.tau < self.H else launched
+        return took < last
 
     # One fragment's outer step ------------------------------------------------------------------
     def _pseudo_gradient(self, p: int, params: torch.Tensor) -> torch.Tensor:
@@ -280,17 +332,16 @@ class DiLoCo(Algorithm):
                     channel.offer(peer, step, anchor, momentum, version)
         return outcome
 
-    def _merge(self, p: int, outcome: _Outcome, params: torch.Tensor, *, overlapped: bool) -> None:
+    def _merge(self, p: int, outcome: _Outcome, params: torch.Tensor, *, mix: bool) -> None:
+        """Fragment p after its sync: our own outer step replaces the local fragment, or (`mix`)
+        merges with it, α local + (1 - α) outer; a donor's offer keeps our progress."""
         if outcome.anchor is None:
             return  # nothing happened here: our anchor and our progress stay
         start, end = self.bounds[p]
         local, anchor = params[start:end], self.anchor[start:end]
         if outcome.donor is None:  # our own outer step
             anchor.copy_(outcome.anchor)
-            if overlapped and self.alpha:
-                local.mul_(self.alpha).add_(anchor, alpha=1.0 - self.alpha)
-            else:
-                local.copy_(anchor)
+            self._take_anchor(p, params, mix=mix)
             self.outer_steps += 1
         else:  # a donor's: keep the progress made since our (older) anchor
             local.add_(outcome.anchor - anchor)
@@ -300,6 +351,15 @@ class DiLoCo(Algorithm):
                      outcome.version, outcome.donor)
         self.momentum[start:end].copy_(outcome.momentum)
         self.versions[p] = outcome.version
+
+    def _take_anchor(self, p: int, params: torch.Tensor, *, mix: bool) -> None:
+        """The local fragment p becomes the anchor's, or (`mix`) α local + (1 - α) anchor."""
+        start, end = self.bounds[p]
+        local, anchor = params[start:end], self.anchor[start:end]
+        if mix and self.alpha:
+            local.mul_(self.alpha).add_(anchor, alpha=1.0 - self.alpha)
+        else:
+            local.copy_(anchor)
 
 
 def _donor(rank: int, current: list[int]) -> int:

@@ -3,9 +3,11 @@
 The synthetic task with the MLP on 8 node processes whose links are emulated at 100 Mbit/s with
 50 ms latency (`--link bandwidth=100mbit,latency=50ms`): AllReduce every step (gradients averaged
 before the inner optimizer, AdamW like DiLoCo's inner steps, so only the communication differs),
-DiLoCo with H ∈ {10, 50, 100}, Streaming DiLoCo (F fragments, τ = 1, α = 0.5 as in the paper and
-α = 0), DiLoCo H = 50 with int8 / int4 / top-k pseudo-gradients, gossip-DiLoCo (two out-peers per
-outer step), and gossip-DiLoCo with 20% of messages dropped and one node frozen (`launch --stall`).
+DiLoCo with H ∈ {10, 50, 100}, DiLoCo H = 50 whose blocking syncs keep α = 0.5 of the local model
+(`--mixing-at-sync`: Streaming DiLoCo's merge at every sync), Streaming DiLoCo (F fragments, τ = 1,
+α = 0.5 as in the paper and α = 0), DiLoCo H = 50 with int8 / int4 / top-k pseudo-gradients,
+gossip-DiLoCo (two out-peers per outer step), and gossip-DiLoCo with 20% of messages dropped and
+one node frozen (`launch --stall`).
 
 The table holds the final validation loss and accuracy (mean over nodes, worst node), MB sent per
 node, MB per sync (bytes per node over the number of syncs of the schedule: the peak, since every
@@ -49,6 +51,7 @@ def variants(fragments: int, topk_fraction: float) -> dict[str, tuple[str, list[
         "diloco-h50": ("diloco H=50", h50),
         # (a node may be H steps behind when a sync's messages reach it: its step window must take them)
         "diloco-h100": ("diloco H=100", [*diloco, "--inner-steps", "100", "--step-window", "128"]),
+        "diloco-h50-mix": ("diloco H=50 mixing at sync a=0.5", [*h50, "--mixing-at-sync", "--mixing", "0.5"]),
         "streaming": (f"streaming H=50 F={fragments} tau=1 a=0.5", [*streaming, "--mixing", "0.5"]),
         "streaming-a0": (f"streaming H=50 F={fragments} tau=1 a=0", [*streaming, "--mixing", "0"]),
         "int8": ("diloco H=50 int8", [*h50, "--compression", "int8"]),
@@ -232,7 +235,9 @@ def _syncs(flags: list[str], steps: int, nodes: int) -> int:
         from p2ptrain.algorithms.diloco import DiLoCo
 
         algo = DiLoCo(types.SimpleNamespace(rank=0, world_size=nodes), inner_steps=value("--inner-steps", 50),
-                      fragments=value("--fragments", 1), outer_delay=value("--outer-delay", 0))
+                      fragments=value("--fragments", 1), outer_delay=value("--outer-delay", 0),
+                      mixing=float(flags[flags.index("--mixing") + 1]) if "--mixing" in flags else 0.5,
+                      mixing_at_sync="--mixing-at-sync" in flags)
         return algo.fragment_syncs(steps)
     if algorithm == "gossip-diloco":
         h = value("--inner-steps", 50)
@@ -254,19 +259,21 @@ class _Evaluator:
 
             from p2ptrain.config import NodeConfig
             from p2ptrain.train.data import build_dataset
-            from p2ptrain.train.flat import FlatParameters
             from p2ptrain.train.setup import initial_model
+            from p2ptrain.train.state import ModelState
 
             torch.set_num_threads(1)
             config = NodeConfig.from_sources(env={}, flags={"num_train": self.args.num_train, "seed": self.args.seed})
             model = initial_model(config)
             test = build_dataset("synthetic", None, seed=self.args.seed, num_train=self.args.num_train).test
-            self._ready = (model, FlatParameters(model), torch.utils.data.DataLoader(test, batch_size=1000))
+            self._ready = (model, ModelState(model), torch.utils.data.DataLoader(test, batch_size=1000))
+        import torch.nn.functional as F
+
         from p2ptrain.train.evaluate import evaluate
 
-        model, flat, loader = self._ready
-        flat.load(params)
-        return evaluate(model, loader)
+        model, state, loader = self._ready
+        state.load(params)
+        return evaluate(model, loader, loss_fn=F.nll_loss)  # (the node's loss: its models end in log_softmax)
 
 
 def _measure(row: Row, folder: Path, nodes: int, launched: float, evaluator: _Evaluator, *, keep: bool) -> None:
