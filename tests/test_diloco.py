@@ -452,9 +452,9 @@ def test_diloco_node_that_takes_a_donors_anchor_gets_its_outer_state_at_the_next
 
     def body(rank, comm):
         algo = DiLoCo(comm, inner_steps=H)
-        x = algo.setup(start())
-        if rank == 2:
+        if rank == 2:  # (before setup's comm.ready(): a peer may donate as soon as we are ready)
             comm.transport.expect(int(Kind.STATE), torch.float32, NUMEL)
+        x = algo.setup(start())
         for step in range(steps):
             x = algo.after_step(step, inner(rank, step, x))
             if step == 6 and rank == 0:
@@ -533,7 +533,7 @@ def test_gossip_diloco_donor_hands_over_anchor_mass_and_momentum():
     def body(rank, comm):
         algo = GossipDiLoCo(comm, graph, inner_steps=H)
         algo.ledger = []
-        if rank == 3:  # before setup's ready(): node 1 may be at step 5 before node 3 leaves setup
+        if rank == 3:  # (before setup's comm.ready(): node 1 may donate before this thread gets here)
             comm.transport.expect(int(Kind.STATE), torch.float32, NUMEL)
         x = algo.setup(start())
         for step in range(steps):
