@@ -20,6 +20,7 @@ from p2ptrain.exit_codes import EXIT_NO_CLUSTER
 
 from . import prometheus as scrape_config
 from . import report as run_report
+from .interrupts import sigint_interrupts
 from .ports import free_ports, host_port
 
 TERM_GRACE_SECONDS = 5.0        # SIGTERM -> SIGKILL delay when stopping nodes
@@ -154,65 +155,69 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
     `hosts` / `argv_prefixes`: one address / command prefix per rank (see plan_cluster).
     `first`: an elastic run starts ranks below it; the others start at once too, and join by
     themselves when the cluster reaches their `join` event's step.
-    Raises ClusterError on the first node failure or on timeout, after stopping every process.
+    Raises ClusterError on the first node failure or on timeout, after stopping every process;
+    KeyboardInterrupt after the same cleanup on SIGINT, also where the launcher inherited SIGINT
+    ignored (launcher/interrupts.py).
     """
-    out_dir = Path(out_dir)
-    log_dir = out_dir / "logs"
-    stale = run_report.clear_earlier_run(out_dir)  # a reused folder: never judge this run by the last one's files
-    log_dir.mkdir(parents=True, exist_ok=True)
-    specs = plan_cluster(nodes, out_dir, extra_args, host=host, metrics=metrics, argv_factory=argv_factory,
-                         hosts=hosts, argv_prefixes=argv_prefixes, env_factory=env_factory, world_size=first)
-    scrape_config.write_launch_config(out_dir, [*services, *specs], host)  # OUT/prometheus.yml
-    watcher = _ProgressWatcher(out_dir, nodes)
-    for state in watcher.states[first if first is not None else nodes:]:
-        state.down = state.joins = True  # joins later (its join event starts it)
-    view = ProgressView(stream, stream.isatty() if live is None else live,
-                        total_steps if total_steps is not None else steps_from_args(extra_args), push_sum=push_sum)
-    processes = _NodeProcesses(specs, log_dir)
-    service_processes = _NodeProcesses(list(services), log_dir)
+    with sigint_interrupts():
+        out_dir = Path(out_dir)
+        log_dir = out_dir / "logs"
+        stale = run_report.clear_earlier_run(out_dir)  # a reused folder: never judge this run by the last one's files
+        log_dir.mkdir(parents=True, exist_ok=True)
+        specs = plan_cluster(nodes, out_dir, extra_args, host=host, metrics=metrics, argv_factory=argv_factory,
+                             hosts=hosts, argv_prefixes=argv_prefixes, env_factory=env_factory, world_size=first)
+        scrape_config.write_launch_config(out_dir, [*services, *specs], host)  # OUT/prometheus.yml
+        watcher = _ProgressWatcher(out_dir, nodes)
+        for state in watcher.states[first if first is not None else nodes:]:
+            state.down = state.joins = True  # joins later (its join event starts it)
+        view = ProgressView(stream, stream.isatty() if live is None else live,
+                            total_steps if total_steps is not None else steps_from_args(extra_args), push_sum=push_sum)
+        processes = _NodeProcesses(specs, log_dir)
+        service_processes = _NodeProcesses(list(services), log_dir)
 
-    print(f"launching {nodes} nodes{f' and {len(services)} service(s)' if services else ''}; run folder "
-          f"{out_dir}, logs in {log_dir}", file=stream, flush=True)
-    if stale:
-        print(f"(removed {len(stale)} files of an earlier run in {out_dir})", file=stream, flush=True)
-    start = time.monotonic()
-    failure: ClusterError | None = None
-    try:
-        service_processes.start()
-        processes.start(first)
-        for event in faults:  # joiners start now (imports, data, server) and join at their step
-            if event.action == "join":
-                processes.join(event.rank, event.at_step)
-        _supervise(processes, watcher, view, start, timeout, log_dir, service_processes, faults=faults,
-                   stream=stream)
-        _wait_services(service_processes, service_grace, log_dir)
-    except ClusterError as exc:  # the report is still written: which node failed, and why
-        failure = exc
-    finally:
-        processes.stop()
-        service_processes.stop()
-        watcher.refresh(processes.returncodes(), final=True)
-        view.finish(watcher.states, time.monotonic() - start)
-    wall_seconds = time.monotonic() - start
+        print(f"launching {nodes} nodes{f' and {len(services)} service(s)' if services else ''}; run folder "
+              f"{out_dir}, logs in {log_dir}", file=stream, flush=True)
+        if stale:
+            print(f"(removed {len(stale)} files of an earlier run in {out_dir})", file=stream, flush=True)
+        start = time.monotonic()
+        failure: ClusterError | None = None
+        try:
+            service_processes.start()
+            processes.start(first)
+            for event in faults:  # joiners start now (imports, data, server) and join at their step
+                if event.action == "join":
+                    processes.join(event.rank, event.at_step)
+            _supervise(processes, watcher, view, start, timeout, log_dir, service_processes, faults=faults,
+                       stream=stream)
+            _wait_services(service_processes, service_grace, log_dir)
+        except ClusterError as exc:  # the report is still written: which node failed, and why
+            failure = exc
+        finally:
+            processes.stop()
+            service_processes.stop()
+            watcher.refresh(processes.returncodes(), final=True)
+            view.finish(watcher.states, time.monotonic() - start)
+        wall_seconds = time.monotonic() - start
 
-    result = run_report.build_report(out_dir, nodes, config, wall_seconds)
-    _record_outcomes(result, watcher.states, failure)
-    report_path = run_report.write_report(result, out_dir)
-    print(f"report: {report_path}", file=stream)
-    try:
-        print(f"plot:   {run_report.plot(result, out_dir)}", file=stream)
-    except Exception as exc:  # a cosmetic failure must not fail a finished training run
-        print(f"plot failed: {exc!r}", file=stream)
-    for warning in result["warnings"]:
-        print(f"warning: {warning}", file=stream)
-    stream.flush()
-    if failure is not None:
-        raise failure
-    nonfinite = [n for n in result["nodes"] if n.get("nonfinite_step") is not None]
-    if nonfinite:
-        raise ClusterError(f"node {nonfinite[0]['rank']} went non-finite ({nonfinite[0].get('nonfinite')}) from step "
-                           f"{nonfinite[0]['nonfinite_step']}", rank=nonfinite[0]["rank"])
-    return result
+        result = run_report.build_report(out_dir, nodes, config, wall_seconds)
+        _record_outcomes(result, watcher.states, failure)
+        report_path = run_report.write_report(result, out_dir)
+        print(f"report: {report_path}", file=stream)
+        try:
+            print(f"plot:   {run_report.plot(result, out_dir)}", file=stream)
+        except Exception as exc:  # a cosmetic failure must not fail a finished training run
+            print(f"plot failed: {exc!r}", file=stream)
+        for warning in result["warnings"]:
+            print(f"warning: {warning}", file=stream)
+        stream.flush()
+        if failure is not None:
+            raise failure
+        nonfinite = [n for n in result["nodes"] if n.get("nonfinite_step") is not None]
+        if nonfinite:
+            first_bad = nonfinite[0]
+            raise ClusterError(f"node {first_bad['rank']} went non-finite ({first_bad.get('nonfinite')}) from step "
+                               f"{first_bad['nonfinite_step']}", rank=first_bad["rank"])
+        return result
 
 
 def _record_outcomes(report: dict, states: list["NodeState"], failure: "ClusterError | None") -> None:

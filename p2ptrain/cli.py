@@ -347,6 +347,13 @@ def _pass_token_by_environment(args: argparse.Namespace) -> None:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    from launcher.interrupts import sigint_interrupts
+
+    with sigint_interrupts():  # the namespaces' set-up too, not only run_local_cluster
+        return _launch(args)
+
+
+def _launch(args: argparse.Namespace) -> int:
     from launcher import run_local_cluster
     from launcher.local import ClusterError
 

@@ -6,6 +6,7 @@ failures, timeouts and interrupts can be staged without the real node.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -339,6 +340,79 @@ def test_keyboard_interrupt_cleans_up_and_propagates(tmp_path, fake_node, spawne
     finally:
         interrupter.join()
     assert_nothing_survives(spawned_pids + grandchild_pids(out))
+
+
+def test_keyboard_interrupt_cleans_up_when_the_launcher_inherited_sigint_ignored(tmp_path, fake_node, spawned_pids):
+    """A non-interactive shell starts `make test &` with SIGINT ignored, and Python keeps that: the
+    launch still stops on SIGINT, cleans up and propagates KeyboardInterrupt, and the inherited
+    disposition is back afterwards."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        test_keyboard_interrupt_cleans_up_and_propagates(tmp_path, fake_node, spawned_pids)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_sigint_interrupts_only_replaces_an_ignored_sigint_on_the_main_thread():
+    from launcher.interrupts import sigint_interrupts
+
+    def own_handler(signum, frame):
+        pass
+
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        for before, inside in [(signal.SIG_IGN, signal.default_int_handler), (own_handler, own_handler),
+                               (signal.default_int_handler, signal.default_int_handler)]:
+            signal.signal(signal.SIGINT, before)
+            with sigint_interrupts():
+                assert signal.getsignal(signal.SIGINT) is inside
+            assert signal.getsignal(signal.SIGINT) is before
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        seen = []
+
+        def off_main_thread():
+            with sigint_interrupts():  # setting a handler here would raise ValueError
+                seen.append(signal.getsignal(signal.SIGINT))
+
+        thread = threading.Thread(target=off_main_thread)
+        thread.start()
+        thread.join()
+        assert seen == [signal.SIG_IGN]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_launch_started_with_sigint_ignored_stops_on_sigint(tmp_path):
+    """`p2ptrain launch` as a background job of a non-interactive shell (SIGINT ignored from birth):
+    SIGINT stops it with 130 and no node process is left."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "p2ptrain", "launch", "--nodes", "2", "--steps", "100000",
+                             "--model", "mlp", "--no-live", "--no-metrics", "--out", str(out)],
+                            cwd=Path(__file__).resolve().parent.parent, env=local.node_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    nodes: list[int] = []
+    try:
+        header = ""
+        while "launching 2 nodes" not in header:
+            line = proc.stderr.readline()
+            assert line, f"launcher ended early: {header}"
+            header += line
+        wait_for(lambda: len(list(out.glob("node*.progress.jsonl"))) == 2, seconds=60)
+        nodes += [int(pid) for pid in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                      text=True).stdout.split()]
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # the launcher ignored SIGINT: take it and its nodes down
+            proc.kill()
+            proc.wait()
+            for pid in nodes:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 130
+    assert_nothing_survives(nodes)
 
 
 # --- ports ---------------------------------------------------------------------------------------
