@@ -471,13 +471,10 @@ def test_diloco_node_that_takes_a_donors_anchor_gets_its_outer_state_at_the_next
 
 
 # -- gossip-DiLoCo --------------------------------------------------------------------------------------
-def test_gossip_diloco_matches_the_push_sum_recursion():
-    """Without faults every outer step is one exact push-sum round on the exponential graph of that
-    outer step: X ← P (w [θ^anchor ; Δ]), w ← P w, then each node's Nesterov step from its mixed anchor
-    with its mixed pseudo-gradient."""
-    n, H, steps = 5, 4, 24
-    graph = build_topology("exponential", n, peers_per_step=1)
-
+def assert_gossip_diloco_is_the_push_sum_recursion(graph, n: int, H: int, steps: int) -> None:
+    """Without faults every outer step s is one exact push-sum round on graph step s:
+    X ← P (w [θ^anchor ; Δ]), w ← P w, then each node's Nesterov step from its mixed anchor with its
+    mixed pseudo-gradient (the model of every node at every step, and the final weights)."""
     def body(rank, comm):
         algo = GossipDiLoCo(comm, graph, inner_steps=H)
         history, _ = train(algo, rank, steps)
@@ -500,6 +497,10 @@ def test_gossip_diloco_matches_the_push_sum_recursion():
         for r in range(n):
             torch.testing.assert_close(results[r][0][step], xs[r], atol=1e-5, rtol=0)
     assert [r[1] for r in results] == pytest.approx(w.tolist(), abs=1e-9)
+
+
+def test_gossip_diloco_matches_the_push_sum_recursion():
+    assert_gossip_diloco_is_the_push_sum_recursion(build_topology("exponential", 5, peers_per_step=1), 5, 4, 24)
 
 
 @pytest.mark.parametrize("codec", ["none", "bf16"])

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from p2ptrain.algorithms.fault_free_weights import FaultFreeWeights
-from p2ptrain.algorithms.gossip_diloco import GossipDiLoCo
 from p2ptrain.algorithms.registry import get as get_spec
 from p2ptrain.algorithms.sgp import SGP
 from p2ptrain.topology import Topology, build_topology
@@ -126,37 +125,13 @@ def test_sgp_with_a_learning_rate_is_the_exact_recursion_on_every_topology(name,
 @pytest.mark.parametrize("name,n,peers_per_step", [g for g in SGP_GRAPHS if g[0] in ("exponential", "random")]
                          + [("irregular", 6, 0)])
 def test_gossip_diloco_is_the_exact_push_sum_recursion_on_every_topology(name, n, peers_per_step):
-    """gossip-DiLoCo's outer step is one push-sum round per outer step s on graph step s: no scaling,
-    so only the recursion itself is checked (tests/test_diloco.py has the exponential graph)."""
-    from tests.test_diloco import NUMEL, inner, start, train
+    """gossip-DiLoCo's outer step is one push-sum round per outer step, with no step guard: only the
+    recursion itself is checked (tests/test_diloco.py)."""
+    from tests.test_diloco import assert_gossip_diloco_is_the_push_sum_recursion
 
     graph = IrregularGraph(n) if name == "irregular" else build_topology(name, n, peers_per_step=peers_per_step,
                                                                             seed=5)
-    H, steps = 3, 15
-
-    def body(rank, comm):
-        algo = GossipDiLoCo(comm, graph, inner_steps=H)
-        history, _ = train(algo, rank, steps)
-        return history, algo.w
-
-    results = run_cluster(n, body)
-    from p2ptrain.algorithms.outer import OuterNesterov
-    anchors, buffers, outer = [start() for _ in range(n)], [torch.zeros(NUMEL) for _ in range(n)], OuterNesterov()
-    xs, w = [start() for _ in range(n)], torch.ones(n, dtype=torch.float64)
-    for step in range(steps):
-        xs = [inner(r, step, x) for r, x in enumerate(xs)]
-        if (step + 1) % H == 0:
-            P = torch.tensor(graph.mixing_matrix((step + 1) // H - 1), dtype=torch.float64)
-            X = P @ torch.stack([torch.cat([anchors[r], anchors[r] - xs[r]]).double() * w[r] for r in range(n)])
-            w = P @ w
-            for r in range(n):
-                z = (X[r] / w[r]).float()
-                anchors[r] = z[:NUMEL].clone()
-                outer.step(anchors[r], z[NUMEL:], buffers[r])
-                xs[r] = anchors[r].clone()
-        for r in range(n):
-            torch.testing.assert_close(results[r][0][step], xs[r], atol=1e-5, rtol=0)
-    assert [r[1] for r in results] == pytest.approx(w.tolist(), abs=1e-9)
+    assert_gossip_diloco_is_the_push_sum_recursion(graph, n, 3, 15)
 
 
 # -- the fault-free weights themselves -------------------------------------------------------------------
