@@ -16,6 +16,16 @@ def node_env() -> dict[str, str]:
     return env
 
 
+def read_launch_header(proc: subprocess.Popen, nodes: int) -> str:
+    """The launcher's stderr up to its "launching N nodes" line (fails if it ends before)."""
+    header = ""
+    while f"launching {nodes} nodes" not in header:
+        line = proc.stderr.readline()
+        assert line, f"launcher ended early: {header}"
+        header += line
+    return header
+
+
 def run_processes(argvs: list[list[str]], timeout: float, log_dir: Path) -> None:
     """Run real processes in parallel; fail with their log tails if any fails or times out."""
     procs = []

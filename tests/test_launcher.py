@@ -27,6 +27,7 @@ import launcher
 from launcher import local, report
 from launcher.local import ClusterError, ProgressTail, node_argv, run_local_cluster
 from launcher.ports import free_ports
+from tests.conftest import read_launch_header
 
 STEPS = 10
 
@@ -394,11 +395,7 @@ def test_launch_started_with_sigint_ignored_stops_on_sigint(tmp_path):
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     nodes: list[int] = []
     try:
-        header = ""
-        while "launching 2 nodes" not in header:
-            line = proc.stderr.readline()
-            assert line, f"launcher ended early: {header}"
-            header += line
+        read_launch_header(proc, 2)
         wait_for(lambda: len(list(out.glob("node*.progress.jsonl"))) == 2, seconds=60)
         nodes += [int(pid) for pid in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                                       text=True).stdout.split()]

@@ -22,7 +22,7 @@ from launcher import netns
 from launcher.local import NETNS_NODE_PORT, plan_cluster
 from p2ptrain import cli
 from p2ptrain.transport.faults import parse_bandwidth
-from tests.conftest import ROOT, node_env
+from tests.conftest import ROOT, node_env, read_launch_header
 
 CAP = "50mbit"
 CAP_BYTES = parse_bandwidth(CAP)  # 6.25e6 B/s
@@ -184,11 +184,7 @@ def test_interrupted_launch_removes_its_namespaces(tmp_path, sig):
     proc = subprocess.Popen(launch_argv(tmp_path / "run", "--nodes", "2", "--steps", "100000", "--model", "mlp"),
                             cwd=ROOT, env=node_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        header = ""
-        while "launching 2 nodes" not in header:
-            line = proc.stderr.readline()
-            assert line, f"launcher ended early: {header}"
-            header += line
+        header = read_launch_header(proc, 2)
         run_id = re.search(r"bridge p2pbr([0-9a-f]{4})", header).group(1)
         assert len(leftovers(run_id)) == 5  # bridge, 2 namespaces, 2 host veths
         time.sleep(1.0)  # nodes are starting inside
