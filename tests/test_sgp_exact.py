@@ -184,6 +184,9 @@ def test_at_a_view_switch_a_joiner_starts_with_one_unit_and_the_members_sum_to_t
     graph = member_topology("exponential", 5, members_at)
     psi = FaultFreeWeights(graph, 1)
     assert psi.at_update(4, 9) == 0.0            # not a member yet
+    # training outside the schedule (its view came late): its own unit is the reference, so a
+    # drained w scales the update down instead of multiplying the learning rate by 1 / w
+    assert psi.scale(1 / 96, 4, 9) == pytest.approx(1 / 96) and psi.scale(1.0, 4, 9) == 1.0
     assert psi.at_update(4, 11) == pytest.approx(0.5)  # its unit, half of it pushed at step 10
     for step in (15, 25, 40):
         psi.advance(step)

@@ -54,9 +54,14 @@ class FaultFreeWeights:
         return float(self.psi[rank])
 
     def scale(self, w: float, rank: int, step: int) -> float:
-        """min(1, w / ψ): exactly 1 when w is ψ up to float rounding."""
+        """min(1, w / ψ): exactly 1 when w is ψ up to float rounding. A node that trains while the
+        schedule has it outside the members (ψ = 0: a joiner whose view came late, a node the others
+        finished without) pushes to nobody and holds its own unit at most: ψ = 1 for it, so a
+        drained w cannot multiply its learning rate by 1 / w (a joiner left at w = 1/96 diverged)."""
         psi = self.at_update(rank, step)
-        if psi <= 0.0 or w >= psi * (1.0 - ROUNDING):  # (ψ = 0: not a member by the schedule)
+        if psi <= 0.0:
+            psi = 1.0
+        if w >= psi * (1.0 - ROUNDING):
             return 1.0
         return max(0.0, w / psi)
 
