@@ -3,7 +3,7 @@
 A research study, not part of the p2ptrain package: it lives in the checkout's top-level
 ``benchmarks/`` (not in the wheel) and nothing in p2ptrain imports it. Its findings are behind
 ``p2ptrain/transport/tuning.py`` (glibc malloc tuning) and the gRPC flow-control options left at
-their defaults in ``p2ptrain/transport/runtime.py``; run it again to re-check them on new hardware
+their defaults in ``p2ptrain/transport/options.py``; run it again to re-check them on new hardware
 or a new grpcio. It uses only public names of
 :mod:`p2ptrain.bench.baselines` (``run_pair``, ``bench_gloo``, ``bench_tcp``) and
 :func:`p2ptrain.transport.tuning.tune_malloc`.

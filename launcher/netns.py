@@ -422,32 +422,6 @@ def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
-# --- measuring a link ---------------------------------------------------------------------------
-
-PROBE_PORT = 50061  # both ends listen on it, each at its own namespace's address
-
-
-def measure_throughput(cluster: NetnsCluster, src: int, dst: int, size_bytes: int = 4_000_000,
-                       reps: int = 4, timeout: float = 120.0) -> dict:
-    """Push a float32 tensor of `size_bytes` from rank `src` to rank `dst` `reps` times with
-    p2ptrain's Transport, each end in its own namespace: the push measurement of
-    `p2ptrain bench transport` (p2ptrain.bench.push), one untimed warm-up push first (drains the
-    tbf bucket, opens the TCP window). A push counts when the receiver has acknowledged the whole
-    tensor, so the figure is payload goodput: with a cap it sits a few % under it (headers)."""
-    from p2ptrain.bench.push import bench_p2ptrain_between
-
-    if src == dst or not (0 <= src < cluster.size and 0 <= dst < cluster.size):
-        raise ValueError(f"need two distinct ranks of {cluster.size}, got {src} -> {dst}")
-    try:
-        result = bench_p2ptrain_between([f"{cluster.nodes[r].address}:{PROBE_PORT}" for r in (src, dst)],
-                                        size_bytes, reps, timeout,
-                                        argv_prefixes=[cluster.exec_prefix(src), cluster.exec_prefix(dst)])
-    except RuntimeError as exc:
-        raise NetnsError(f"throughput probe failed: {exc}") from None
-    return {"bytes": size_bytes * reps, "seconds": result.seconds, "mb_per_s": result.mb_per_s,
-            "src": src, "dst": dst}
-
-
 # --- command line -------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
@@ -458,10 +432,6 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("sweep", help="remove every run whose launcher is gone")
     cleanup = sub.add_parser("cleanup", help="remove the given runs, live or not")
     cleanup.add_argument("run_ids", nargs="+", metavar="RUN_ID")
-    measure = sub.add_parser("measure", help="build a 2-node netns cluster and measure rank 0 -> 1 throughput")
-    measure.add_argument("--bandwidth", default=None, help="cap, e.g. 50mbit (default: unshaped)")
-    measure.add_argument("--size-mb", type=float, default=4.0)
-    measure.add_argument("--reps", type=int, default=4)
     args = parser.parse_args(argv)
     reason = missing_privilege()
     if reason:
@@ -473,18 +443,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{run_id} {'live' if run_is_live(run_id) else 'stale'}: {' '.join(sorted(names)) or '-'}")
         elif args.command == "sweep":
             print(f"removed {len(removed := sweep_stale())} stale run(s) {' '.join(removed)}".rstrip())
-        elif args.command == "cleanup":
+        else:
             for run_id in args.run_ids:
                 remove_run(run_id)
                 print(f"removed run {run_id}")
-        else:
-            from p2ptrain.transport.faults import parse_bandwidth
-
-            rate = parse_bandwidth(args.bandwidth) if args.bandwidth else None
-            with NetnsCluster(2, bandwidth=rate, stream=sys.stderr) as cluster:
-                result = measure_throughput(cluster, 0, 1, int(args.size_mb * 1e6) // 4 * 4, args.reps)
-            cap = f", cap {rate / 1e6:.3g} MB/s ({result['mb_per_s'] / rate * 1e6:.0%} of it)" if rate else ""
-            print(f"rank 0 -> 1: {result['mb_per_s']:.2f} MB/s over {result['bytes'] / 1e6:.0f} MB{cap}")
     except (NetnsError, NetnsUnavailable, ValueError) as exc:
         print(f"launcher.netns: {exc}", file=sys.stderr)
         return 1

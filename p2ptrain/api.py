@@ -9,10 +9,9 @@ import os
 import sys
 from typing import Any
 
+from p2ptrain import session
 from p2ptrain.config import NodeConfig
 from p2ptrain.exit_codes import EXIT_NO_CLUSTER
-
-_current = None  # the Node init() made in this process
 
 
 def init(config_file: str | None = None, **settings: Any):
@@ -24,8 +23,7 @@ def init(config_file: str | None = None, **settings: Any):
     finished exits here with EXIT_NO_CLUSTER and one line: there is nothing left to train."""
     from p2ptrain.node import NoClusterToRejoin, Node
 
-    global _current
-    if _current is not None and not _current.closed:
+    if session.current_node(required=False) is not None:
         raise RuntimeError("p2ptrain.init() was already called in this process; close() that node first")
     _log_to_stderr()
     config = NodeConfig.from_sources(toml_path=config_file, flags=settings)
@@ -46,7 +44,7 @@ def init(config_file: str | None = None, **settings: Any):
     except BaseException as exc:
         node.fail(exc)
         raise
-    _current = node
+    session.set_current(node)
     return node
 
 
@@ -63,11 +61,4 @@ def _log_to_stderr() -> None:
     logger.setLevel(level if level in logging.getLevelNamesMapping() else logging.INFO)
 
 
-def current_node():
-    """The node p2ptrain.init() made in this process (RuntimeError before init())."""
-    if _current is None or _current.closed:
-        raise RuntimeError("no p2ptrain node: call p2ptrain.init() first (or pass node=... / algorithm=...)")
-    return _current
-
-
-__all__ = ["current_node", "init"]
+__all__ = ["init"]

@@ -316,7 +316,7 @@ class NodeConfig:
                                                           f"{self.relay_retry_after}")
         if not self.relay_routes and self.relays is None:
             return
-        from p2ptrain.transport.relay import parse_relay_routes, parse_relays  # imports grpc and torch
+        from p2ptrain.transport.routes import parse_relay_routes, parse_relays
 
         try:
             parse_relay_routes(self.relay_routes, self.world_size)

@@ -22,7 +22,7 @@ from p2ptrain.communicator import Communicator
 from p2ptrain.config import NodeConfig
 from p2ptrain.metrics import NodeMetrics, counter_total
 from p2ptrain.train import DecentralizedTrainer, cycle, pick_device
-from p2ptrain.train.optimizer import LeftCluster, NonFiniteError
+from p2ptrain.train.errors import LeftCluster, NonFiniteError
 from p2ptrain.train.progress import RunRecorder, StepClock
 from p2ptrain.train.setup import build_optimizer, training_setup
 from p2ptrain.transport import Transport, TransportOptions, rendezvous
@@ -101,6 +101,12 @@ class Node:
         return self.config.rank
 
     @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """(host, port) the /metrics endpoint is bound to; None when it is not serving."""
+        server = self._metrics_server
+        return tuple(server.server_address[:2]) if server is not None else None
+
+    @property
     def world_size(self) -> int:
         return self.config.world_size
 
@@ -118,22 +124,23 @@ class Node:
             server, _ = self.metrics.serve(self.config.metrics_port, addr=self.config.metrics_bind_host)
             self._metrics_server = server
             self.metrics_port = server.server_port
+        membership = self.transport.membership
         if self.config.join:  # a new member of a running elastic cluster: take a live peer's state first
             self._wait_to_join()
-            self.comm.joining = True
+            membership.joining = True
             log.info("node %d: joining the running cluster", self.config.rank)
             return self
         if self.config.world_size > 1:
-            survey = self.transport.survey()
+            survey = membership.survey()
             if self.config.rejoin and not survey.reachable:
                 raise NoClusterToRejoin(f"node {self.config.rank}: no live peer to rejoin: the cluster has finished "
                                         "(or is unreachable)")
             if survey.running:
-                self.comm.joining = True  # a restarted node: its peers train on; fetch state, don't wait for all
+                membership.joining = True  # a restarted node: its peers train on; fetch state, don't wait for all
                 log.info("node %d: the cluster is already training; rejoining", self.config.rank)
                 return self
         if wait_for_peers and self.config.world_size > 1:
-            self.transport.wait_for_peers(timeout=self.config.peer_timeout)
+            membership.wait_for_peers(timeout=self.config.peer_timeout)
         return self
 
     def _wait_to_join(self) -> None:
@@ -141,7 +148,7 @@ class Node:
         to reach that step; NoClusterToRejoin if it has finished (or never answers)."""
         deadline, seen = time.monotonic() + self.config.peer_timeout, False
         while True:
-            survey = self.transport.survey()
+            survey = self.transport.membership.survey()
             seen |= bool(survey.reachable)
             if survey.reachable and (self.config.join_at is None or survey.furthest >= self.config.join_at):
                 return
@@ -219,6 +226,7 @@ class Node:
         if self.optimizer is not None and self.optimizer is not optimizer:
             raise RuntimeError("this node already has a DecentralizedOptimizer: one model replica per node")
         self.optimizer = optimizer
+        optimizer.add_step_listener(self.after_step)
         self.recorder.snapshot(optimizer.local_step, optimizer.state_vector.parameter_vector())  # the start
         self.clock.restart()
 
@@ -236,7 +244,7 @@ class Node:
         self.recorder.report(step, line={"eval_seconds": spent.get("seconds", 0.0)}, **scalars)
 
     def after_step(self, optimizer: DecentralizedOptimizer) -> None:
-        """Called by the optimizer after every step: metrics, progress line, snapshot."""
+        """After every step of the attached optimizer: metrics, progress line, snapshot."""
         seconds, cpu_seconds = self.clock.lap()
         step = optimizer.local_step
         stats = optimizer.algorithm.stats()
@@ -272,13 +280,11 @@ class Node:
             "forwarded_bytes": counter_total(self.metrics.registry, "p2ptrain_forwarded_bytes_total"),
             "ps_weight": stats.get("ps_weight", 1.0), "min_ps_weight": stats.get("min_ps_weight", 1.0),
             "device": self.device.type, "metrics_port": self.metrics_port,
-            "start_step": optimizer.start_step if optimizer is not None else 0,
-            "rejoined": bool(optimizer is not None and optimizer.start_step > 0 and self.comm.joined is not None),
+            "start_step": 0, "rejoined": False, "catch_ups": 0, "skipped_steps": 0,
+            **(optimizer.summary() if optimizer is not None else {}),
             "joined": self.config.join,
-            "members": list(self.transport.views.latest.members),
+            "members": list(self.transport.membership.latest.members),
             "dead_peers": sorted(self.transport.membership.dead()),
-            "catch_ups": optimizer.catch_ups if optimizer is not None else 0,
-            "skipped_steps": optimizer.skipped_steps if optimizer is not None else 0,
             "dropped_shares": int(stats.get("dropped_shares", 0)),
             "dropped_messages": self.metrics.dropped_total, "link_timeouts": self.metrics.link_timeouts_total,
         }

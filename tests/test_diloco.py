@@ -460,7 +460,7 @@ def test_diloco_node_that_takes_a_donors_anchor_gets_its_outer_state_at_the_next
             if step == 6 and rank == 0:
                 algo.donate_state(2, step, x)
             if step == 6 and rank == 2:
-                x = algo.adopt_state(comm.recv(Kind.STATE, 6, [0])[0], x)
+                x = algo.adopt_state(comm.transport.recv(Kind.STATE, 6, [0], timeout=30)[0], x)
                 assert torch.equal(x, algo.anchor) and algo.versions == [-1]
         return x.clone(), algo.anchor.clone(), algo.momentum.clone(), algo.versions, algo.stats()
 
@@ -542,7 +542,7 @@ def test_gossip_diloco_donor_hands_over_anchor_mass_and_momentum():
             if step == 5 and rank == 1:
                 algo.donate_state(3, step, x)
             if step == 5 and rank == 3:
-                x = algo.adopt_state(comm.recv(Kind.STATE, 5, [1])[1], x)
+                x = algo.adopt_state(comm.transport.recv(Kind.STATE, 5, [1], timeout=30)[1], x)
                 assert torch.equal(x, algo.anchor) and algo.version == -1
         algo.finish()
         return algo.w, algo.version, algo.ledger

@@ -20,7 +20,7 @@ from p2ptrain.algorithms.sgp import SGP
 from p2ptrain.topology import member_graph, member_topology
 from p2ptrain.train.optimizer import DecentralizedOptimizer, LeftCluster
 from p2ptrain.transport import TransportOptions
-from p2ptrain.transport.views import View, Views
+from p2ptrain.transport.membership.views import View, Views
 from tests.cluster import run_cluster
 
 DIM = 8
@@ -104,7 +104,7 @@ def _train(comm, algorithm, rank, steps, cluster, *, joins_at=None, leaves_at=No
     target = _targets(rank)
     if joins_at is not None:
         cluster.wait_until(joins_at, [0])
-        comm.joining = True
+        comm.membership.joining = True
     opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=lr), model=model, algorithm=algorithm,
                                  comm=comm)
     start, left = opt.local_step, None
@@ -124,7 +124,7 @@ def _train(comm, algorithm, rank, steps, cluster, *, joins_at=None, leaves_at=No
         left = exc.step
     cluster.at(rank, 10 ** 9)
     return {"rank": rank, "start": start, "left": left, "weight": model.weight.detach().clone().view(-1),
-            "members": comm.transport.views.latest.members, "algorithm": algorithm}
+            "members": comm.membership.latest.members, "algorithm": algorithm}
 
 
 def elastic_mass(ledgers, at_steps) -> list[float]:
@@ -157,7 +157,7 @@ def test_sgp_four_nodes_two_join_two_leave_conserving_one_unit_of_mass_per_membe
                                view_margin=6)
 
     def body(rank, comm):
-        graph = member_topology("exponential", comm.world_size, comm.members)
+        graph = member_topology("exponential", comm.world_size, comm.membership.members)
         sgp = SGP(comm, graph, overlap=1)
         sgp.ledger = []
         return _train(comm, sgp, rank, steps, cluster, joins_at=join if rank >= 4 else None,
@@ -196,7 +196,7 @@ def test_dpsgd_takes_a_joiner_and_lets_a_node_leave():
                                view_margin=4)
 
     def body(rank, comm):
-        return _train(comm, DPSGD(comm, member_graph("ring", comm.members)), rank, steps, cluster,
+        return _train(comm, DPSGD(comm, member_graph("ring", comm.membership.members)), rank, steps, cluster,
                       joins_at=30 if rank == 3 else None, leaves_at=60 if rank == 0 else None)
 
     results = run_cluster(4, body, options=options, timeout=240)
@@ -359,7 +359,7 @@ def test_launch_plan_numbers_joiners_after_the_starting_nodes_and_checks_leaves(
 
 
 def test_a_view_switch_lies_seconds_ahead_at_the_proposers_pace_and_a_jump_resets_it():
-    from p2ptrain.transport.peers import StepPace
+    from p2ptrain.transport.membership.greetings import StepPace
 
     pace = StepPace()
     assert pace.steps_in(1.0) == 0  # no pace yet: the margin in steps alone

@@ -141,7 +141,7 @@ def pair(links: LinkTable | None, numel: int, plane: str = "auto"):
             stack.callback(transport.stop)
             started.append(transport)
         started[1].expect(KIND, torch.float32, numel)
-        started[0].wait_for_peers(10)  # channel up: the timings below measure the link only
+        started[0].membership.wait_for_peers(10)  # channel up: the timings below measure the link only
         yield started
 
 
@@ -176,7 +176,7 @@ def dropped(transport: Transport) -> float:
 
 def test_noop_table_leaves_the_send_path_alone():
     transport = Transport(0, 2, ["127.0.0.1:1", "127.0.0.1:2"], options=TransportOptions(links=LinkTable()))
-    assert transport._links is None
+    assert transport.links is None
 
 
 @pytest.mark.parametrize("plane", PLANES)

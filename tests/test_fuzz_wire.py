@@ -7,7 +7,7 @@ exactly when an independent oracle of the spec says it is valid; everything else
 Ack (or, for a message over the size limit, a clear RESOURCE_EXHAUSTED status), never a hang; the
 inbox / θ are unchanged by rejected input, nothing is left half-received, and the node still answers
 Hello and accepts a valid message afterwards. The node's TCP lane gets the same headers and oracle,
-and arbitrary byte streams in place of its frames (lane.py, laneframes.py).
+and arbitrary byte streams in place of its frames (lane_server.py, laneframes.py).
 """
 from __future__ import annotations
 
@@ -413,7 +413,7 @@ def _parse_lane_header(part: bytes) -> pb.TensorHeader | None:
 def test_node_and_its_lane_are_healthy_after_lane_fuzzing(node):
     _assert_node_healthy(node)
     assert on_loop(node, lambda: node.inbox.buffered_bytes) == 0
-    wait_until(lambda: on_loop(node, lambda: not node._lane_server.connections), what="every lane closed")
+    wait_until(lambda: on_loop(node, lambda: not node.lane_server.connections), what="every lane closed")
     with RawLane(node.lane_port, sender=2, receiver=0) as lane:
         x = torch.arange(N, dtype=torch.float32)
         h = pb.TensorHeader(sender=2, receiver=0, step=2, kind=KIND, dtype=pb.DTYPE_FLOAT32, numel=N,

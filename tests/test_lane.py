@@ -1,7 +1,8 @@
-"""The TCP lane (p2ptrain/transport/lane.py, dataplane.py) over real sockets on 127.0.0.1: negotiation in
-Hello and the data_plane setting, and a node's lane against a raw client that writes frames by hand
-(tests/rawlane.py): the same validation and Acks as PushTensor, exactly once, bad frames refused,
-half-open connections reaped and capped, the token proof checked."""
+"""The TCP lane (p2ptrain/transport/paths/lane_path.py, lane_server.py, paths/router.py) over real
+sockets on 127.0.0.1: negotiation in Hello and the data_plane setting, and a node's lane against a
+raw client that writes frames by hand (tests/rawlane.py): the same validation and Acks as
+PushTensor, exactly once, bad frames refused, half-open connections reaped and capped, the token
+proof checked."""
 from __future__ import annotations
 
 import math
@@ -14,7 +15,7 @@ import torch
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.config import DATA_PLANES, ConfigError, NodeConfig
 from p2ptrain.metrics import NodeMetrics
-from p2ptrain.transport import PeerError, Transport, TransportOptions
+from p2ptrain.transport import FailureKind, PeerError, SendFailure, Transport, TransportOptions
 from p2ptrain.transport.laneframes import MAX_FRAME_BYTES, PREFIX, encode
 from p2ptrain.transport.options import DataPlane
 from tests.rawlane import RawLane
@@ -57,7 +58,7 @@ def options(plane: str, **kw) -> TransportOptions:
 def test_hello_advertises_the_lane_and_auto_sends_over_it():
     with nodes(2) as t:
         assert t[0].lane_port > 0 and t[1].lane_port > 0 and t[0].lane_port != t[1].lane_port
-        assert t[0].hello(1).lane_port == t[1].lane_port
+        assert t[0].membership.hello(1).lane_port == t[1].lane_port
         t[1].expect(KIND, torch.float32, NUMEL)
         ack = t[0].send(1, PAYLOAD, kind=KIND, step=0, ps_weight=0.5).result(20)
         assert ack.status == pb.Ack.STATUS_ACCEPTED and ack.bytes_received == 4 * NUMEL
@@ -70,7 +71,7 @@ def test_hello_advertises_the_lane_and_auto_sends_over_it():
 def test_auto_uses_grpc_where_a_peer_offers_no_lane():
     peers = loopback_addresses(2)
     with nodes(2, [0], peers=peers) as a, nodes(2, [1], peers=peers, options=options("grpc")) as b:
-        assert b[1].lane_port == 0 and a[0].hello(1).lane_port == 0
+        assert b[1].lane_port == 0 and a[0].membership.hello(1).lane_port == 0
         b[1].expect(KIND, torch.float32, NUMEL)
         assert a[0].send(1, PAYLOAD, kind=KIND, step=0).result(20).status == pb.Ack.STATUS_ACCEPTED
         assert torch.equal(b[1].recv(KIND, 0, [0], timeout=5)[0].tensor, PAYLOAD)
@@ -81,7 +82,7 @@ def test_tcp_refuses_a_peer_without_a_lane_in_one_line():
     peers = loopback_addresses(2)
     with nodes(2, [0], peers=peers, options=options("tcp")) as a, nodes(2, [1], peers=peers, options=options("grpc")):
         with pytest.raises(PeerError, match="node 0: node 1 offers no TCP lane, which data_plane=tcp requires") as info:
-            a[0].wait_for_peers(timeout=5)
+            a[0].membership.wait_for_peers(timeout=5)
         assert "\n" not in str(info.value)
         with pytest.raises(PeerError, match="offers no TCP lane"):
             a[0].send(1, PAYLOAD, kind=KIND, step=0).result(20)
@@ -93,7 +94,7 @@ def test_a_stale_lane_port_is_asked_again_and_the_new_one_used():
     dead_port = int(loopback_addresses(1)[0].rsplit(":", 1)[1])
     with nodes(2) as t:
         t[1].expect(KIND, torch.float32, NUMEL)
-        on_loop(t[0], t[0]._direct.learn, 1, dead_port)  # as if node 1 had advertised it
+        on_loop(t[0], t[0].lanes.learn, 1, dead_port)  # as if node 1 had advertised it
         assert t[0].send(1, PAYLOAD, kind=KIND, step=0).result(20).status == pb.Ack.STATUS_ACCEPTED
         assert lane_messages(t[0], 1) == 1
         assert torch.equal(t[1].recv(KIND, 0, [0], timeout=5)[0].tensor, PAYLOAD)
@@ -102,17 +103,15 @@ def test_a_stale_lane_port_is_asked_again_and_the_new_one_used():
 @pytest.mark.parametrize("plane", ["auto", "tcp"])
 def test_a_lane_that_cannot_be_reached_falls_back_to_grpc_or_fails_under_tcp(plane):
     """The peer answers Hello but its lane refuses connections: auto sends by gRPC (nothing went
-    over the lane), tcp fails the push as UNAVAILABLE."""
-    import grpc
-
+    over the lane), tcp fails the push as unreachable."""
     with nodes(2, options=options(plane)) as t:
         t[1].expect(KIND, torch.float32, NUMEL)
-        t[1]._submit(t[1]._lane_server.stop()).result(10)  # its Hello still names the port
+        t[1].loop.submit(t[1].lane_server.stop()).result(10)  # its Hello still names the port
         future = t[0].send(1, PAYLOAD, kind=KIND, step=0)
         if plane == "tcp":
-            with pytest.raises(grpc.aio.AioRpcError) as failed:
+            with pytest.raises(SendFailure) as failed:
                 future.result(20)
-            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE and "connection refused" in failed.value.details()
+            assert failed.value.kind is FailureKind.UNREACHABLE and "connection refused" in failed.value.detail
             return
         assert future.result(20).status == pb.Ack.STATUS_ACCEPTED and lane_messages(t[0], 1) == 0
         assert torch.equal(t[1].recv(KIND, 0, [0], timeout=5)[0].tensor, PAYLOAD)
@@ -127,13 +126,11 @@ def test_a_lane_with_a_wrong_token_is_refused_end_to_end():
     good, bad = (options("tcp", security=Security(token=token)) for token in (TOKEN, "not-the-token"))
     with nodes(2, [1], peers=peers, options=good) as b, nodes(2, [0], peers=peers, options=bad) as a:
         b[1].expect(KIND, torch.float32, NUMEL)
-        on_loop(a[0], a[0]._direct.learn, 1, b[1].lane_port)  # (its Hello would be refused already)
-        import grpc
-
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
+        on_loop(a[0], a[0].lanes.learn, 1, b[1].lane_port)  # (its Hello would be refused already)
+        with pytest.raises(SendFailure) as refused:
             a[0].send(1, PAYLOAD, kind=KIND, step=0).result(20)
-        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert "not-the-token" not in refused.value.details() and TOKEN not in refused.value.details()
+        assert refused.value.kind is FailureKind.DENIED
+        assert "not-the-token" not in str(refused.value) and TOKEN not in str(refused.value)
         assert rejections(b[1]) == {"unauthenticated": 1.0} and pending(b[1]) == 0
 
 
@@ -331,7 +328,7 @@ def test_connections_per_sender_are_capped(receiver):
     finally:
         for c in connections:
             c.close()
-    wait_until(lambda: on_loop(receiver, lambda: not receiver._lane_server.per_sender), what="the lanes to close")
+    wait_until(lambda: on_loop(receiver, lambda: not receiver.lane_server.per_sender), what="the lanes to close")
     with RawLane(receiver.lane_port) as fresh:
         assert fresh.verdict.accepted
 
@@ -383,9 +380,9 @@ def test_lane_holds_nothing_after_many_broken_connections(receiver):
         thread.start()
     for thread in threads:
         thread.join(20)
-    wait_until(lambda: on_loop(receiver, lambda: not receiver._lane_server.connections), what="every lane closed")
+    wait_until(lambda: on_loop(receiver, lambda: not receiver.lane_server.connections), what="every lane closed")
     assert in_progress(receiver) == set() and buffered_bytes(receiver) == 0 and pending(receiver) == 0
-    assert on_loop(receiver, lambda: receiver._lane_server.handshaking) == 0
+    assert on_loop(receiver, lambda: receiver.lane_server.handshaking) == 0
     with RawLane(receiver.lane_port) as fine:
         assert fine.push(header(), PAYLOAD_BYTES).status == pb.Ack.STATUS_ACCEPTED
 
@@ -410,7 +407,7 @@ def test_transport_default_options_reach_every_data_plane():
 def test_payload_larger_than_a_scan_is_checked_whole(where):
     """The lane checks a big payload for NaN in pieces as it arrives (Inbox.scan); a NaN in the
     first piece or after the last one is refused alike."""
-    from p2ptrain.transport.lane import SCAN_BYTES
+    from p2ptrain.transport.lane_server import SCAN_BYTES
 
     numel = 3 * SCAN_BYTES // 4 + 5  # three scans and a tail
     values = torch.ones(numel)

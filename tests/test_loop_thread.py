@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from p2ptrain.transport.loop import LoopThread
+from p2ptrain.transport.loop_thread import LoopThread
 
 
 async def _nothing() -> None:

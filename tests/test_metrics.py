@@ -190,7 +190,7 @@ def test_node_serves_metrics_on_its_listen_host(metrics_host, bound):
                                                     "metrics_host": metrics_host, "device": "cpu"})
     with Node(config) as node:
         port = node.metrics_port
-        assert node._metrics_server.server_address[:2] == (bound, port)
+        assert node.metrics_address == (bound, port)
         scrape(port)  # answers on 127.0.0.1 in both cases
         assert "# TYPE p2ptrain_sent_bytes_total counter" in scrape.text
         others = [a for a in ("127.0.0.2", _other_local_address()) if a]

@@ -21,6 +21,7 @@ import pytest
 from launcher import netns
 from launcher.local import NETNS_NODE_PORT, plan_cluster
 from p2ptrain import cli
+from p2ptrain.bench.netns_link import measure_throughput
 from p2ptrain.transport.faults import parse_bandwidth
 from tests.conftest import ROOT, node_env, read_launch_header
 
@@ -126,7 +127,7 @@ def test_tbf_cap_binds_between_namespaces():
                                 capture_output=True, text=True, check=True).stdout
         assert "tbf" in qdiscs and "rate 50Mbit" in qdiscs, qdiscs
 
-        result = netns.measure_throughput(cluster, 0, 1, size_bytes=4_000_000, reps=3)
+        result = measure_throughput(cluster, 0, 1, size_bytes=4_000_000, reps=3)
         mb_per_s, cap = result["mb_per_s"], CAP_BYTES / 1e6
         print(f"{CAP} tbf between namespaces: {mb_per_s:.2f} MB/s ({mb_per_s / cap:.0%} of {cap:.2f} MB/s)")
         assert 0.5 * cap <= mb_per_s <= 1.05 * cap, result
@@ -225,6 +226,6 @@ def test_sweep_removes_runs_of_a_killed_launcher():
 @pytest.mark.timeout(120)
 def test_unshaped_namespaces_are_far_faster_than_the_cap():
     with netns.NetnsCluster(2) as cluster:
-        result = netns.measure_throughput(cluster, 0, 1, size_bytes=16_000_000, reps=4)
+        result = measure_throughput(cluster, 0, 1, size_bytes=16_000_000, reps=4)
     print(f"unshaped veth between namespaces: {result['mb_per_s']:.0f} MB/s")
     assert result["mb_per_s"] > 5 * CAP_BYTES / 1e6, result

@@ -1,5 +1,5 @@
-"""Relay forwarding (p2ptrain/transport/relay.py) on real Transports on loopback: a node that cannot
-reach a peer directly (emulated `block` link, or a refused connect) sends through a relay that pipes
+"""Relay forwarding (p2ptrain/transport/forwarding.py, paths/router.py) on real Transports on loopback:
+a node that cannot reach a peer directly (emulated `block` link, or a refused connect) sends through a relay that pipes
 the chunk stream on without buffering the tensor; delivery is exactly once (end-to-end acks, dedup
 by message id); relays count what they forwarded. Ends with SGP training across two groups whose
 direct links are cut."""
@@ -24,7 +24,7 @@ from p2ptrain.node import link_table
 from p2ptrain.transport import Transport, TransportOptions
 from p2ptrain.transport.faults import LinkTable, LinkUnreachable
 from p2ptrain.transport.framing import encode_header, iter_data_chunks, tensor_bytes
-from p2ptrain.transport.relay import RELAY_UNREACHABLE, RouteTable, parse_relay_routes, parse_relays
+from p2ptrain.transport.routes import RELAY_UNREACHABLE, RouteTable, parse_relay_routes, parse_relays
 from p2ptrain.transport.server import PUSH_METHOD
 from tests.test_transport import PLANES, nodes, on_loop, pending, rejections, sample, wait_until
 
@@ -154,7 +154,7 @@ def test_relayed_tensor_arrives_bit_exact_and_is_counted_once(plane):
         assert pending(t[1]) == 0 and sample(t[1], "p2ptrain_received_messages_total", node="1", peer="0") is None
         assert sample(t[2], "p2ptrain_received_messages_total", node="2", peer="0") == 1
         assert sample(t[0], "p2ptrain_sent_bytes_total", node="0", peer="2") == nbytes
-        assert t[1]._relay.high_water_bytes <= 2 * CHUNK
+        assert t[1].forwarder.high_water_bytes <= 2 * CHUNK
         # the way back (declared with <->) goes through node 1 too
         t[0].expect(KIND, torch.float32, NUMEL)
         back = payload(seed=1)
@@ -176,7 +176,7 @@ def test_relayed_tensor_arrives_bit_exact_and_is_counted_once(plane):
 
 def _last_id(t: Transport) -> int:
     """The message id the transport gave its latest message (ids count up from a random base)."""
-    return on_loop(t, lambda: next(t._ids)) - 1
+    return on_loop(t, lambda: next(t.sender.message_ids)) - 1
 
 
 # -- (c) detection: no declared route -----------------------------------------------------------------
@@ -187,14 +187,14 @@ def test_blocked_link_is_found_out_and_relayed_around(plane):
     with nodes(3, options=opts(links=BLOCKED_0_2, data_plane=plane)) as t:
         for rank in (1, 2):
             t[rank].expect(KIND, torch.float32, 1000)
-        t[0].wait_for_peers(timeout=10)  # greets 1 only: the link to 2 is declared blocked
+        t[0].membership.wait_for_peers(timeout=10)  # greets 1 only: the link to 2 is declared blocked
         for step in range(3):
             tensor = payload(1000, step)
             ack = t[0].send(2, tensor, kind=KIND, step=step).result(30)
             assert ack.status == pb.Ack.STATUS_ACCEPTED, ack
             assert torch.equal(t[2].recv(KIND, step, [0], timeout=10)[0].tensor, tensor)
         assert forwarded(t[1]) == 3 and forwarded(t[1], "bytes") == 3 * 4000
-        assert not t[0]._relay.table.direct_ok(2)
+        assert not t[0].routes.direct_ok(2)
         assert sample(t[0], "p2ptrain_send_errors_total", node="0", peer="2") is None
 
 
@@ -216,7 +216,7 @@ def test_refused_connect_is_found_out_and_relayed_around(plane):
         ack = t[0].send(2, tensor, kind=KIND, step=0).result(30)
         assert ack.status == pb.Ack.STATUS_ACCEPTED, ack
         assert torch.equal(t[2].recv(KIND, 0, [0], timeout=10)[0].tensor, tensor)
-        assert forwarded(t[1]) == 1 and not t[0]._relay.table.direct_ok(2)
+        assert forwarded(t[1]) == 1 and not t[0].routes.direct_ok(2)
 
 
 def test_unreachable_next_hop_is_a_definite_refusal():
@@ -318,7 +318,7 @@ def test_relay_pipes_chunks_through_without_buffering():
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             future = pool.submit(raw_push, t[1].peers[1], stream())
-            relay = t[1]._relay
+            relay = t[1].forwarder
             key = (0, h.message_id)
             wait_until(lambda: on_loop(t[1], lambda: relay.in_flight.get(key)) == 128 * CHUNK, 10,
                        "the first half to pass the relay")

@@ -333,9 +333,15 @@ def test_relay_sum_of_fixed_inputs_is_exact_after_diameter_steps(name, n):
 
 
 # Lost messages are fatal -----------------------------------------------------------------------
+class _AllLive:
+    def live(self, peers):
+        return list(peers)
+
+
 class _FakeComm:
     rank, world_size = 0, 2
     link_deadline = 1.0
+    membership = _AllLive()
 
     def __init__(self, ack: Delivery | Exception = Delivery(True)):
         self.ack = ack
@@ -345,9 +351,6 @@ class _FakeComm:
 
     def ready(self):
         pass
-
-    def live(self, peers):
-        return list(peers)
 
     def make_room(self, peer, window):
         return True

@@ -37,7 +37,7 @@ def initial(rank: int) -> torch.Tensor:
 def stall(comm, seconds: float) -> None:
     """Freeze this node as SIGSTOP would, from the training thread: its loop thread (gRPC server,
     client, acks) and the training thread both stop for `seconds`."""
-    comm.transport.call_soon(time.sleep, seconds)
+    comm.transport.loop.call_soon(time.sleep, seconds)
     time.sleep(seconds)
 
 

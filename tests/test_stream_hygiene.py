@@ -299,7 +299,7 @@ NODE_SCRIPT = textwrap.dedent("""
     def on_loop(fn):
         async def call():
             return fn()
-        return asyncio.run_coroutine_threadsafe(call(), node._loop).result(10)
+        return asyncio.run_coroutine_threadsafe(call(), node.loop.loop).result(10)
 
     def rss_kb():
         return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1])
@@ -362,7 +362,7 @@ async def _half_open_attack(address: str, node: NodeProcess, *, nearly_full: boo
     The bytes follow once the node has answered every header: this measures what the node holds.
     Sent at once with the headers, bytes in flight to streams the node is refusing also sit in
     gRPC's buffers for a moment (+18 to +25 MB here, once +50 MB on a loaded host), as HTTP/2 flow
-    control allows: that is the server options' business (runtime.py), not the inbox's."""
+    control allows: that is the server options' business (options.py), not the inbox's."""
     payload = bytes(4 * numel)
     loop = asyncio.get_running_loop()
     headers_answered = asyncio.Event()

@@ -18,7 +18,7 @@ import torch
 from launcher.ports import free_ports
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.metrics import NodeMetrics
-from p2ptrain.transport import PeerError, Transport, TransportOptions
+from p2ptrain.transport import FailureKind, PeerError, SendFailure, Transport, TransportOptions
 from p2ptrain.transport.framing import encode_data, encode_header, iter_data_chunks, tensor_bytes
 from p2ptrain.transport.server import PROTOCOL_VERSION, SERVICE_NAME
 
@@ -60,7 +60,7 @@ def nodes(world: int, ranks=None, *, options=FAST, fingerprint: str = "", peers=
 
 def on_loop(transport: Transport, fn, *args):
     """Run fn(*args) on the transport's event-loop thread (the inbox is owned by that thread)."""
-    return transport._submit(transport._call(fn, *args)).result(10)
+    return transport.run_on_loop(fn, *args)
 
 
 def pending(transport: Transport) -> int:
@@ -220,9 +220,9 @@ def test_chunk_larger_than_receivers_message_limit_fails_the_send():
             chunk_bytes=8 * MiB, shutdown_grace=0.2, data_plane="grpc")))
         small = stack.enter_context(nodes(2, [1], peers=peers))
         small[1].expect(KIND, torch.float32, 6 * MiB // 4)
-        with pytest.raises(grpc.RpcError) as info:
+        with pytest.raises(SendFailure) as info:
             big[0].send(1, torch.ones(6 * MiB // 4), kind=KIND, step=0).result(30)
-        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert info.value.kind is FailureKind.BUSY and "RESOURCE_EXHAUSTED" in info.value.detail
         assert sample(big[0], "p2ptrain_send_errors_total", node="0", peer="1") == 1
         assert big[0].metrics.bytes_sent_total == 0
         assert pending(small[1]) == 0 and small[1].metrics.bytes_received_total == 0
@@ -324,7 +324,7 @@ def test_bad_stream_is_rejected_and_node_keeps_working(receiver, raw, name):
 
 
 def test_stale_step_is_rejected(receiver, raw):
-    receiver.set_step(500)
+    receiver.membership.set_step(500)
     ack = raw(iter(good_stream(header(step=500 - 65))), timeout=10)
     assert (ack.status, ack.reason) == (pb.Ack.STATUS_REJECTED, "stale_step")
     ack = raw(iter(good_stream(header(step=500 - 64))), timeout=10)  # the window's edge is inside
@@ -437,9 +437,9 @@ def test_client_abandoning_a_stream_delivers_nothing(receiver, raw, how):
 def test_compatible_peers_hello():
     with nodes(3, fingerprint="f00d") as t:
         for transport in t.values():
-            transport.wait_for_peers(timeout=10)
-        t[2].set_step(42)
-        reply = t[0].hello(2, timeout=5)
+            transport.membership.wait_for_peers(timeout=10)
+        t[2].membership.set_step(42)
+        reply = t[0].membership.hello(2, timeout=5)
         assert (reply.node_id, reply.world_size, reply.step) == (2, 3, 42)
         assert reply.protocol_version == PROTOCOL_VERSION == "p2ptrain/1"
         assert reply.config_fingerprint == "f00d"
@@ -451,29 +451,29 @@ def test_different_fingerprint_is_incompatible():
     with nodes(2, [0], peers=peers, fingerprint="aaaa") as a, nodes(2, [1], peers=peers, fingerprint="bbbb") as b:
         for me, other, theirs, mine in ((a[0], 1, "aaaa", "bbbb"), (b[1], 0, "bbbb", "aaaa")):
             with pytest.raises(PeerError) as info:
-                me.wait_for_peers(timeout=5)
+                me.membership.wait_for_peers(timeout=5)
             message = str(info.value)
             assert f"node {other} at {peers[other]} incompatible" in message
             assert f"config fingerprint {theirs} != {mine}" in message
-        reply = a[0].hello(1)
+        reply = a[0].membership.hello(1)
         assert not reply.compatible and reply.config_fingerprint == "bbbb"
 
 
 def test_empty_fingerprint_is_not_checked():
     peers = loopback_addresses(2)
     with nodes(2, [0], peers=peers, fingerprint="") as a, nodes(2, [1], peers=peers, fingerprint="beef") as b:
-        a[0].wait_for_peers(timeout=5)
-        b[1].wait_for_peers(timeout=5)
+        a[0].membership.wait_for_peers(timeout=5)
+        b[1].membership.wait_for_peers(timeout=5)
 
 
 def test_different_world_size_is_incompatible():
     peers = loopback_addresses(3)
     with nodes(2, [0], peers=peers[:2]) as small, nodes(3, [1], peers=peers) as big:
         with pytest.raises(PeerError, match=rf"node 1 at {peers[1]} incompatible: world size 2 != 3"):
-            small[0].wait_for_peers(timeout=5)
-        reply = small[0].hello(1)
+            small[0].membership.wait_for_peers(timeout=5)
+        reply = small[0].membership.hello(1)
         assert not reply.compatible and reply.world_size == 3
-        assert big[1].identity.compatibility(3, PROTOCOL_VERSION, "") == ""
+        assert big[1].membership.identity.compatibility(3, PROTOCOL_VERSION, "") == ""
 
 
 def test_address_answering_as_another_node():
@@ -481,7 +481,7 @@ def test_address_answering_as_another_node():
     with nodes(2, [0], peers=[a, b]) as first, nodes(2, [0], peers=[b, a]) as impostor:
         assert impostor[0].port == int(b.rsplit(":", 1)[1])
         with pytest.raises(PeerError, match=rf"address {b} answers as node 0, expected 1"):
-            first[0].wait_for_peers(timeout=5)
+            first[0].membership.wait_for_peers(timeout=5)
 
 
 def test_unreachable_peer_is_reported_within_the_timeout():
@@ -489,7 +489,7 @@ def test_unreachable_peer_is_reported_within_the_timeout():
     with nodes(3, [0], peers=peers) as t:
         started = time.monotonic()
         with pytest.raises(PeerError) as info:
-            t[0].wait_for_peers(timeout=2)
+            t[0].membership.wait_for_peers(timeout=2)
         elapsed = time.monotonic() - started
         message = str(info.value)
         assert f"node 1 at {peers[1]} unreachable" in message
@@ -572,13 +572,13 @@ def test_graceful_stop_is_prompt_and_idempotent(plane):
     try:
         b.expect(KIND, torch.float32, 3)
         assert a.send(1, torch.ones(3), kind=KIND, step=0).result(10).status == pb.Ack.STATUS_ACCEPTED
-        a.wait_for_peers(timeout=5)
+        a.membership.wait_for_peers(timeout=5)
     finally:
         for transport in (a, b):
             started = time.monotonic()
             transport.stop()
             assert time.monotonic() - started < 5
-            assert not transport._thread.is_alive()
+            assert not transport.loop.thread.is_alive()
             started = time.monotonic()
             transport.stop()  # second stop: no-op
             assert time.monotonic() - started < 0.5
@@ -599,9 +599,9 @@ def test_readiness_barrier_waits_for_setup_and_survives_a_peer_that_already_left
         with nodes(2, ranks=[1], peers=peers) as t1:
             b = t1[1]
             with pytest.raises(PeerError, match="not ready"):
-                a.wait_for_peers(timeout=1.5, require_ready=True)
+                a.membership.wait_for_peers(timeout=1.5, require_ready=True)
             b.mark_ready()
-            b.wait_for_peers(timeout=5, require_ready=True)  # tells `a` it is ready
+            b.membership.wait_for_peers(timeout=5, require_ready=True)  # tells `a` it is ready
         start = time.monotonic()
-        a.wait_for_peers(timeout=20, require_ready=True)  # b is gone, but it said it was ready
+        a.membership.wait_for_peers(timeout=20, require_ready=True)  # b is gone, but it said it was ready
         assert time.monotonic() - start < 5

@@ -56,11 +56,36 @@ class Received(Protocol):
     def release(self) -> None: ...
 
 
+class Members(Protocol):
+    """Who trains together and who is alive, as an algorithm sees it (the transport's Membership)."""
+
+    def members(self, step: int) -> tuple[int, ...]:
+        """The ranks training together at `step` (all of them, unless nodes joined or left)."""
+
+    def switches_at(self, step: int) -> bool:
+        """The members at `step` differ from those at step - 1."""
+
+    def departing(self, step: int) -> frozenset[int]:
+        """Members at `step` that a pending view drops without their own say (they died)."""
+
+    def live(self, peers: Iterable[int]) -> list[int]:
+        """The peers neither dead nor lagging: send to and wait for these only."""
+
+    def all_alive(self) -> bool: ...
+
+    def drop_dead_members(self) -> None:
+        """Propose the members without the peers this node declared dead."""
+
+    def realign(self) -> None:
+        """Propose the same members again (a ring whose nodes fell out of step re-forms)."""
+
+
 class Comm(Protocol):
     """The node as an algorithm sees it."""
 
     rank: int
     world_size: int
+    membership: Members
     joined: Received | None  # the state a restarted node took from a donor (None: a fresh start)
 
     @property
@@ -76,26 +101,6 @@ class Comm(Protocol):
         """Every expect() done: announce readiness and wait for the peers to be ready too."""
 
     def set_step(self, step: int) -> None: ...
-
-    def members(self, step: int) -> tuple[int, ...]:
-        """The ranks training together at `step` (all of them, unless nodes joined or left)."""
-
-    def view_switches_at(self, step: int) -> bool:
-        """The members at `step` differ from those at step - 1."""
-
-    def departing(self, step: int) -> frozenset[int]:
-        """Members at `step` that a pending view drops without their own say (they died)."""
-
-    def drop_dead_members(self) -> None:
-        """Propose the members without the peers this node declared dead."""
-
-    def realign(self) -> None:
-        """Propose the same members again (a ring whose nodes fell out of step re-forms)."""
-
-    def live(self, peers: Iterable[int]) -> list[int]:
-        """The peers neither dead nor lagging: send to and wait for these only."""
-
-    def all_alive(self) -> bool: ...
 
     def make_room(self, peer: int, window: int) -> bool:
         """True once fewer than `window` sends to `peer` await their acknowledgement (a stalled
@@ -205,4 +210,4 @@ def send_failure(future: concurrent.futures.Future) -> BaseException | None:
     return future.exception()
 
 
-__all__ = ["Algorithm", "Comm", "Delivery", "Kind", "Received", "buffer_like", "send_failure"]
+__all__ = ["Algorithm", "Comm", "Delivery", "Kind", "Members", "Received", "buffer_like", "send_failure"]

@@ -118,7 +118,7 @@ class BucketedGradients:
 
     def _plan(self, step: int) -> tuple[int, ...] | None:
         """The members to reduce this step's buckets over, or None: leave the step to the flat path."""
-        if self.comm.view_switches_at(step):
+        if self.comm.membership.switches_at(step):
             return None
         return self.ring.members_for(step)
 

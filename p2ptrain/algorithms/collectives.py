@@ -25,7 +25,7 @@ instead of (m-1) segment times. Each element is summed in the same order either 
 lossy codec the result is bit-identical to the unpipelined ring's.
 
 Re-forming the ring (`elastic=True`): a call may name its `members` (the caller passes itself and
-`comm.live(...)` peers): the ring is those ranks in rank order, cut into len(members) segments.
+`comm.membership.live(...)` peers): the ring is those ranks in rank order, cut into len(members) segments.
 Channels are then named by ring size and segment, declared for every size up front, so a segment
 always arrives with its exact size whoever forwards it. Members must agree on the member list: a
 node with another view waits on channels nobody sends on and the call fails on every node (it
@@ -189,7 +189,7 @@ class RingAllReduce:
         if catching_up or ring.members != self._last_members:
             self._discard_through(step - 1)  # segments of a failed or re-formed ring may still come
         self._last_members = ring.members
-        if not self.elastic and not self.comm.all_alive():
+        if not self.elastic and not self.comm.membership.all_alive():
             self._failed_at = step
             raise CollectiveIncomplete(f"node {self.rank}: all-reduce of step {step} skipped: a node is dead")
         if not self.comm.make_room(ring.next, ring.messages):  # a stalled neighbour holds our last round
@@ -407,10 +407,10 @@ class MemberRing:
         """The ranks to reduce over at `step`, or None when this step's round is skipped (this node
         alone, not a member, or a member a pending view drops is still in the ring). Rings of
         other tensors that follow the same members (gradient buckets) ask here too."""
-        members = self.comm.members(step)
+        members = self.comm.membership.members(step)
         if self.rank not in members or len(members) == 1:
             return None
-        departing = self.comm.departing(step)
+        departing = self.comm.membership.departing(step)
         if departing:
             log.info("node %d: step-%d all-reduce skipped: node(s) %s are being dropped from the ring", self.rank,
                      step, sorted(departing))
@@ -421,11 +421,11 @@ class MemberRing:
         """A round over members_for(step) could not complete (the caller keeps its local value):
         propose the members without dead peers, and re-form after REALIGN_AFTER failures in a row."""
         log.warning("%s; keeping the local value for this step", exc)
-        self.comm.drop_dead_members()
+        self.comm.membership.drop_dead_members()
         self._failures += 1
         if self._failures >= REALIGN_AFTER:  # not a dead member (that proposal comes first): re-form
             self._failures = 0
-            self.comm.realign()  # (nothing new while a switch is pending)
+            self.comm.membership.realign()  # (nothing new while a switch is pending)
 
     def round_completed(self) -> None:
         self._failures = 0
@@ -433,14 +433,14 @@ class MemberRing:
     def resync(self, params: torch.Tensor, step: int) -> torch.Tensor:
         """At the first step of a view: the mean model over its members (`params` unchanged if it
         cannot complete)."""
-        members = self.comm.members(step)
+        members = self.comm.membership.members(step)
         if self.rank not in members or len(members) == 1:
             return params
         try:
             averaged = self.sync(params, step, average=True, members=members, deadline=self.resync_deadline)
         except CollectiveIncomplete as exc:
             log.warning("%s; the members' models were not averaged at their switch", exc)
-            self.comm.drop_dead_members()
+            self.comm.membership.drop_dead_members()
             return params
         self.resyncs += 1
         log.info("node %d: members %s from step %d: models averaged over the re-formed ring", self.rank,

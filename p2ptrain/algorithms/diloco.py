@@ -37,7 +37,7 @@ what this node's compressions lose stays on it (error feedback) and is added to 
 pseudo-gradient of that fragment, so nothing a codec drops is lost, only delayed.
 
 Faults (the sync's deadline is the link deadline):
-- the ring is re-formed at every sync over this node and the live peers (comm.live), in rank order,
+- the ring is re-formed at every sync over this node and the live peers (comm.membership.live), in rank order,
   and the mean divides by the number of pseudo-gradients summed (m);
 - a sync opens with every member announcing the version of its fragment (outer steps applied).
   Only the members at the highest version form the ring; one behind (it missed an earlier sync, or
@@ -293,7 +293,7 @@ class DiLoCo(Algorithm):
         start, end = self.bounds[p]
         channel, version = self.states[p], self.versions[p]
         channel.discard_through(step - 1)
-        others = self.comm.live([r for r in range(self.comm.world_size) if r != self.rank])
+        others = self.comm.membership.live([r for r in range(self.comm.world_size) if r != self.rank])
         channel.announce(others, step, version)
         versions = {self.rank: version, **channel.versions(step, others)}
         if channel.left_out(step):  # we came after the deadline: the others run without us

@@ -47,7 +47,7 @@ class DPSGD(Algorithm):
     @classmethod
     def from_options(cls, comm: Comm, options: DPSGDOptions, context: BuildContext) -> "DPSGD":
         build_undirected(context.topology, comm.world_size)  # (a bad name fails here, before any view)
-        return cls(comm, member_graph(context.topology, comm.members))
+        return cls(comm, member_graph(context.topology, comm.membership.members))
 
     def __init__(self, comm: Comm, graph: UndirectedGraph | MemberGraph):
         if isinstance(graph, UndirectedGraph):
@@ -106,7 +106,7 @@ class DPSGD(Algorithm):
         self._check_acks(wait=False)
         self._next_step = step
         snapshot = self.x.clone()  # read-only from here on, shared by all sends
-        for peer in self.comm.live(self.graph.neighbors(self.rank, step)):
+        for peer in self.comm.membership.live(self.graph.neighbors(self.rank, step)):
             if self.comm.make_room(peer, SEND_WINDOW):  # a stalled neighbour must not pile up our models
                 self._acks.append(self.comm.send(peer, snapshot, kind=KIND, step=step))
 

@@ -66,7 +66,7 @@ class GossipDiLoCo(Algorithm):
 
     @classmethod
     def from_options(cls, comm: Comm, options: GossipDiLoCoOptions, context: BuildContext) -> "GossipDiLoCo":
-        graph = member_topology(context.topology, comm.world_size, comm.members,
+        graph = member_topology(context.topology, comm.world_size, comm.membership.members,
                                 peers_per_step=options.peers_per_step, seed=context.seed)
         return cls(comm, graph, **options.outer_settings())
 
@@ -162,7 +162,7 @@ class GossipDiLoCo(Algorithm):
         mass.x[:n].copy_(self.anchor)
         mass.x[n:].copy_(self.anchor).sub_(params)
         mass.x.mul_(mass.w)  # x = w [θ^anchor ; Δ]: Σ w unchanged (push adds what the codec lost earlier)
-        peers = [peer for peer in self.comm.live(self.topology.out_peers(self.rank, s))
+        peers = [peer for peer in self.comm.membership.live(self.topology.out_peers(self.rank, s))
                  if self.comm.make_room(peer, 1)]
         mass.push(peers, step)
         mass.reabsorb_refused(step)

@@ -131,7 +131,7 @@ class PushSum:
         """Add the step-`step` shares of `senders` that arrive within the link deadline, and any late
         ones that arrived meanwhile; remember the missing ones (they are folded in later)."""
         arrived = self.comm.gather(self.kind, step, senders, **self._on_channel())
-        self.missing.update((s, step) for s in self.comm.live(senders) if s not in arrived)
+        self.missing.update((s, step) for s in self.comm.membership.live(senders) if s not in arrived)
         self.fold(arrived.values(), now)
         self.fold(self.comm.take(self.kind, step, **self._on_channel()), now)  # shares of earlier steps that came late
 

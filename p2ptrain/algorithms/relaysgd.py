@@ -87,7 +87,7 @@ class RelaySum:
                 if k != j:
                     m.add_(self.messages[k])
                     c += self.counts[k]
-            if not self.comm.live([j]) or not self.comm.make_room(j, SEND_WINDOW):
+            if not self.comm.membership.live([j]) or not self.comm.make_room(j, SEND_WINDOW):
                 continue  # a dead or stalled neighbour: its subtree drops out of our averages until it is back
             future = self.comm.send(j, m, kind=KIND, step=step, relay_count=c, channel=self.channel)
             self._sends.append((future, j, step))

@@ -89,7 +89,7 @@ class SGP(Algorithm):
 
     @classmethod
     def from_options(cls, comm: Comm, options: SGPOptions, context: BuildContext) -> "SGP":
-        graph = member_topology(context.topology, comm.world_size, comm.members,
+        graph = member_topology(context.topology, comm.world_size, comm.membership.members,
                                 peers_per_step=options.peers_per_step, seed=context.seed)
         return cls(comm, graph, overlap=options.overlap, codec=options.share_compression)
 
@@ -204,7 +204,7 @@ class SGP(Algorithm):
     def _push(self, step: int, update: tuple[torch.Tensor, float]) -> None:
         self._last_step = step
         window = self.tau + 1  # a share per step of the bounded delay may be on its way
-        peers = [peer for peer in self.comm.live(self.topology.out_peers(self.rank, step))
+        peers = [peer for peer in self.comm.membership.live(self.topology.out_peers(self.rank, step))
                  if self.comm.make_room(peer, window)]
         self.mass.push(peers, step, update=update)
 

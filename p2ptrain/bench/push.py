@@ -8,7 +8,7 @@ clock is the sender's and stops at the last acknowledgement, so the figure is pa
 
 * :func:`push_endpoint` -- one end (rank 0 sends, rank 1 receives), in the calling process.
 * :func:`bench_p2ptrain_between` -- both ends as two commands, each behind an optional argv prefix
-  (``ip netns exec NS`` puts it in a network namespace: ``python -m launcher.netns measure``).
+  (``ip netns exec NS`` puts it in a network namespace: ``python -m p2ptrain.bench.netns_link``).
   ``python -m p2ptrain.bench.push`` is that command; it prints one JSON line.
 * :func:`bench_p2ptrain` -- the loopback case that ``p2ptrain bench transport`` compares with gloo
   and a raw TCP socket.

@@ -5,7 +5,7 @@ All four move the same float32 payload between two fresh processes on loopback, 
 warm-up transfer, in one invocation, so the ratios compare like with like on a noisy machine.
 For p2ptrain, one transfer = one tensor message (a PushTensor stream, or a lane message) acknowledged
 after the receiver has the whole tensor in its (preallocated, reused) receive buffer
-(p2ptrain.bench.push, which `python -m launcher.netns measure` runs between two network namespaces).
+(p2ptrain.bench.push, which `python -m p2ptrain.bench.netns_link` runs between two network namespaces).
 CPU is counted on both ends (user + system, all threads) and reported per GB moved.
 """
 from __future__ import annotations

@@ -18,7 +18,7 @@ calls, not an attacker: on a plaintext server anyone who can reach the port can 
 then say Done for it. With a token (transport/security.py) only holders of the shared secret can
 call Pull, Commit or Done at all.
 
-Everything of grpc.aio lives on one dedicated event-loop thread (transport/loop.py, like the node
+Everything of grpc.aio lives on one dedicated event-loop thread (transport/loop_thread.py, like the node
 Transport); the owning thread talks to it through ParameterServer's blocking methods.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ from p2ptrain.transport.framing import (
 )
 from p2ptrain.transport.health import ServingStatus
 from p2ptrain.transport.inbox import BufferPool, Reception
-from p2ptrain.transport.loop import LoopThread
+from p2ptrain.transport.loop_thread import LoopThread
 from p2ptrain.transport.options import TransportOptions
 from p2ptrain.transport.security import PLAINTEXT, Security
 from p2ptrain.transport.server import PROTOCOL_VERSION, serve

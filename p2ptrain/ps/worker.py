@@ -34,10 +34,10 @@ from p2ptrain.algorithms.gem import build_rule, parse_clamp
 from p2ptrain.ps.client import PsClient, PsError
 from p2ptrain.ps.server import ps_fingerprint
 from p2ptrain.train.evaluate import evaluate
-from p2ptrain.train.loop import cycle
 from p2ptrain.train.progress import RunRecorder
 from p2ptrain.train.setup import training_setup
 from p2ptrain.train.state import ModelState
+from p2ptrain.train.trainer import cycle
 from p2ptrain.transport.security import security_from_settings
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """Graphs over the members of a step: the same schedules, on a cluster whose nodes come and go.
 
-In an elastic run (transport/views.py) the nodes training together at step k are a sorted list of
-ranks, `members_at(k)`. Member i of that list plays rank i of the k-node graph of the run's
+In an elastic run (transport/membership/views.py) the nodes training together at step k are a
+sorted list of ranks, `members_at(k)`. Member i of that list plays rank i of the k-node graph of the run's
 topology, so every node derives the same graph from the same view, and a node that is not a member
 at a step has no edges then. With the initial view (all ranks, never changed) this is the run's
 topology itself.

@@ -36,6 +36,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from p2ptrain import session
+from p2ptrain.train.elastic import Lifecycle
+from p2ptrain.train.errors import LeftCluster, NonFiniteError
 from p2ptrain.train.state import ModelState
 from p2ptrain.transport.validation import all_finite
 
@@ -45,26 +48,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = "p2ptrain.DecentralizedOptimizer/1"
-
-
-class NonFiniteError(FloatingPointError):
-    """The loss or the model became NaN/Inf at `step`: the run has failed (the summary says where)."""
-
-    def __init__(self, rank: int, step: int, what: str):
-        super().__init__(f"node {rank}: non-finite {what} at step {step}")
-        self.rank, self.step, self.what = rank, step, what
-
-
-class LeftCluster(SystemExit):
-    """This node left the cluster gracefully (SIGTERM in an elastic run, or request_leave()): raised
-    by step() once it handed over what it held; exits with code 0 unless caught."""
-
-    def __init__(self, rank: int, step: int):
-        super().__init__(0)
-        self.rank, self.step = rank, step
-
-    def __str__(self) -> str:
-        return f"node {self.rank} left the cluster at step {self.step}"
 
 
 class DecentralizedOptimizer(torch.optim.Optimizer):
@@ -82,9 +65,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if isinstance(optimizer, DecentralizedOptimizer):
             raise TypeError("this optimizer is already decentralized")
         if node is None and algorithm is None:
-            from p2ptrain.api import current_node
-
-            node = current_node()  # raises a clear error before p2ptrain.init()
+            node = session.current_node()  # raises a clear error before p2ptrain.init()
         _check_ownership(optimizer, model)
         self.node = node
         self.optimizer = optimizer
@@ -99,34 +80,47 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         self.local_step = 0           # the next step to run
         self.start_step = 0           # where this process started (a restarted node resumes a peer's step)
-        self.catch_ups = 0            # state transfers taken after stalling (see _catch_up)
         self.skipped_steps = 0        # local updates skipped on a GradScaler overflow
-        self._catch_up_after = 0      # no new catch-up attempt before this step (after a failed one)
         self._finished = False
-        self._leave_requested = False
-        self._leave_proposed = False
-        self.leave_at: int | None = None  # the step the members switch to a view without this node
+        self._step_listeners: list = []
+        # joins, leaves, rejoins and catch-ups (train/elastic.py); None without a communicator
+        self.lifecycle = Lifecycle(self.comm, self.algorithm, self.state_vector, self.metrics) \
+            if self.comm is not None else None
         self._setup()
         if node is not None:
             node.attach(self)
             if node.config.elastic and getattr(self.algorithm, "elastic", False):
                 _leave_on_sigterm(self)
 
-    # Start: a restarted node takes a live peer's state; then the algorithm sets up ----------------
+    # Start: a (re)joining node takes a live peer's state; then the algorithm sets up ----------------
     def _setup(self) -> None:
-        state, comm = self.state_vector, self.comm
-        if comm is not None and comm.joining:
-            joined = comm.fetch_state(state.numel, state.dtype)
-            state.load(joined.tensor)
-            self.local_step = self.start_step = joined.step + 1
+        state, lifecycle = self.state_vector, self.lifecycle
+        if lifecycle is not None:
+            self.local_step = lifecycle.join()
         self.algorithm.watch_gradients(state.params, lambda: self.local_step)
         state.load(self.algorithm.setup(state.vector()))  # (a rejoining node announces itself here)
-        if comm is not None and comm.joining:
-            self.local_step = self.start_step = max(self.local_step, comm.resume_step)
-            first = comm.first_step_as_member(self.local_step)  # a new member starts at its view's switch
-            if first is not None:
-                self.local_step = self.start_step = first
-        self._adopt_late_states()
+        if lifecycle is not None:
+            self.local_step = lifecycle.joined(self.local_step)
+        self.start_step = self.local_step
+
+    def add_step_listener(self, listener) -> None:
+        """Call `listener(optimizer)` after every step (the node records progress and metrics)."""
+        self._step_listeners.append(listener)
+
+    @property
+    def catch_ups(self) -> int:
+        """State transfers taken after stalling (train/elastic.py)."""
+        return self.lifecycle.catch_ups if self.lifecycle is not None else 0
+
+    @property
+    def leave_at(self) -> int | None:
+        """The step the members switch to a view without this node (once it asked to leave)."""
+        return self.lifecycle.leave_at if self.lifecycle is not None else None
+
+    def summary(self) -> dict[str, Any]:
+        """This optimizer's part of the node's summary."""
+        return {"start_step": self.start_step, "catch_ups": self.catch_ups, "skipped_steps": self.skipped_steps,
+                "rejoined": bool(self.start_step > 0 and self.comm is not None and self.comm.joined is not None)}
 
     # The step ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -138,7 +132,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if self._finished:
             raise RuntimeError("step() after finish(): this optimizer's run is over")
         step, state, algorithm = self.local_step, self.state_vector, self.algorithm
-        if self.comm is not None and self.comm.view_switches_at(step):  # nodes joined or left: e.g. a ring re-forms
+        if self.comm is not None and self.comm.membership.switches_at(step):  # nodes joined or left: a ring re-forms
             changed = algorithm.members_changed(step, state.vector())
             if changed is not None:
                 state.load(changed)
@@ -154,12 +148,18 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         elif not overflowed:
             self.optimizer.step()
         state.load(algorithm.after_step(step, state.vector()))
-        self._serve_joiners(step)
+        lifecycle = self.lifecycle
+        if lifecycle is not None:
+            lifecycle.serve_joiners(step)
         self.check_finite(step, "model")
-        self._leave_if_due(step)
-        self.local_step = self._catch_up(step)
-        if self.node is not None:
-            self.node.after_step(self)
+        next_step = step + 1
+        if lifecycle is not None:
+            leave_at = lifecycle.leave_due(step)
+            if leave_at is not None:
+                self._leave(step, leave_at)
+            next_step = lifecycle.catch_up(step)
+        self.local_step = next_step
+        self._step_done()
         return None
 
     def request_leave(self) -> None:
@@ -167,7 +167,9 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         boundary the node proposes the members without itself, trains up to the step they switch
         at, hands over what it holds (push-sum mass) to a member that stays, and step() raises
         LeftCluster (a SystemExit with code 0)."""
-        self._leave_requested = True
+        if self.lifecycle is None:
+            raise RuntimeError("leaving needs a node: this optimizer has no communicator")
+        self.lifecycle.request_leave()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -206,7 +208,9 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if params is not None:
             self.state_vector.load(params)
         if self.comm is not None:
-            self.comm.resume_at(self.local_step)
+            # a peer still at step 0 would refuse our messages as too far in its future: wait for all
+            self.comm.set_step(self.local_step)
+            self.comm.membership.wait_for_step(self.local_step, self.comm.peer_timeout)
 
     # Around the algorithm ----------------------------------------------------------------------
     def check_finite(self, step: int, what: str, loss: float | None = None) -> None:
@@ -232,75 +236,19 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.skipped_steps += overflowed
         return overflowed
 
-    def _leave_if_due(self, step: int) -> None:
-        """A leave was asked for: propose it once (comm.reconcile_views proposes again if a
-        concurrent change won), and after the last step as a member finish the algorithm, hand
-        over to a member that stays, and raise LeftCluster."""
-        comm = self.comm
-        if not self._leave_requested or comm is None:
-            return
-        if not self._leave_proposed:
-            self._leave_proposed = True
-            comm.leave()
-        self.leave_at = comm.first_step_without_me(step + 1)
-        if self.leave_at is None or step + 1 < self.leave_at:
-            return
+    def _leave(self, step: int, leave_at: int) -> None:
+        """After the last step as a member: finish the algorithm, hand over to a member that stays,
+        and raise LeftCluster."""
         log.info("node %d: leaving the cluster after step %d; the others go on without it", self.rank, step)
         self.finish()
-        stays = comm.live([m for m in comm.members(self.leave_at) if m != self.rank])
-        self.algorithm.hand_over(stays, self.leave_at)
+        self.lifecycle.hand_over(leave_at)
         self.local_step = step + 1
-        if self.node is not None:
-            self.node.after_step(self)
+        self._step_done()
         raise LeftCluster(self.rank, step + 1)
 
-    def _serve_joiners(self, step: int) -> None:
-        """Give (re)joining peers this node's state, at a step boundary where it is consistent. A
-        node new to the members gets its start state (Algorithm.welcome); once set up to receive
-        everything, it proposes itself as a member (Communicator.ready)."""
-        if self.comm is None:
-            return
-        self.comm.reconcile_views()
-        for peer in self.comm.state_requests():
-            if self.comm.newcomer(peer):
-                changed = self.algorithm.welcome(peer, step, self.state_vector.vector())
-            else:
-                changed = self.algorithm.donate_state(peer, step, self.state_vector.vector())
-            if changed is not None:
-                self.state_vector.load(changed)
-            if self.metrics is not None:
-                self.metrics.on_state_transfer(peer)
-            log.info("step %d: sent this node's state to rejoining peer %d", step, peer)
-
-    def _catch_up(self, step: int) -> int:
-        """After step `step`: if this node stalled (a peer excluded it, or it trails the cluster by
-        more than the lag limit), take a state transfer from a peer that saw it leave and merge it
-        (Algorithm.adopt_state); returns the step to continue at."""
-        comm = self.comm
-        if comm is None or step < self._catch_up_after or not comm.must_catch_up():
-            return step + 1
-        state = self.state_vector
-        log.warning("node %d: fell behind at step %d (%s); catching up", comm.rank, step, comm.lag_report())
-        try:
-            donated = comm.fetch_state(state.numel, state.dtype, timeout=max(5.0, 3 * comm.link_deadline))
-        except (TimeoutError, RuntimeError) as exc:  # e.g. the others have finished: train on alone
-            log.warning("node %d: could not catch up (%s); training on from step %d", comm.rank, exc, step + 1)
-            comm.abandon_catch_up()
-            self._catch_up_after = step + comm.max_lag
-            return step + 1
-        state.load(self.algorithm.adopt_state(donated, state.vector()))
-        self._adopt_late_states()
-        self.catch_ups += 1
-        self.check_finite(donated.step, "model after catching up")
-        resume = max(step + 1, donated.step + 1, comm.resume_step)
-        return max(resume, comm.first_step_as_member(resume) or resume)  # re-admitted: from its view's switch
-
-    def _adopt_late_states(self) -> None:
-        """States that reached us while rejoining besides the one used (an earlier donor answered
-        late): for push-sum they are mass, merged like the first."""
-        comm = self.comm
-        while comm is not None and comm.late_states:
-            self.state_vector.load(self.algorithm.adopt_state(comm.late_states.pop(0), self.state_vector.vector()))
+    def _step_done(self) -> None:
+        for listener in self._step_listeners:
+            listener(self)
 
 
 def _leave_on_sigterm(optimizer: DecentralizedOptimizer) -> None:

@@ -16,7 +16,7 @@ Spec text (``--link``, ``--link-override``, TOML, env): comma-separated ``key=va
   drop       probability in [0, 1) that a message is lost, e.g. ``0.01`` or ``1%``
   block      (no value, or ``blocked=true``) the link is down, as behind a firewall or NAT: every
              send fails at once with LinkUnreachable, which the send path treats like a refused
-             connect (it goes through a relay, see relay.py); ``blocked=false`` lifts it
+             connect (it goes through a relay, see paths/router.py); ``blocked=false`` lifts it
 
 Per-link entries are ``SRC->DST:SPEC`` (one direction) or ``SRC<->DST:SPEC`` (both); each applies
 on top of what the link had so far (the default spec, then earlier entries), so
@@ -31,6 +31,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+from p2ptrain.transport.errors import FailureKind, SendFailure
+
 DEFAULT_BURST_BYTES = 64 * 1024  # bytes a capped idle link may pass at once (token-bucket depth)
 
 _NUMBER = re.compile(r"^\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*(.*?)\s*$")
@@ -42,12 +44,18 @@ _UNLIMITED = ("unlimited", "none", "inf")
 _LINK = re.compile(r"^\s*(\d+)\s*(<->|->)\s*(\d+)\s*$")
 
 
-class MessageDropped(RuntimeError):
+class MessageDropped(SendFailure):
     """The link emulation lost this message: it never reached the peer."""
 
+    def __init__(self, detail: str):
+        super().__init__(FailureKind.DROPPED, detail)
 
-class LinkUnreachable(ConnectionError):
+
+class LinkUnreachable(SendFailure):
     """The emulated link is blocked: the peer cannot be reached directly (nothing was sent)."""
+
+    def __init__(self, detail: str):
+        super().__init__(FailureKind.UNREACHABLE, detail)
 
 
 def _split_number(text: str, what: str) -> tuple[float, str]:

@@ -24,7 +24,7 @@ import math
 import threading
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Mapping
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -99,7 +99,7 @@ class Reception:
 
     def space(self) -> memoryview:
         """The part of the buffer still to fill, for a socket to read straight into (the TCP lane,
-        lane.py); call filled() with what it read. Takes the buffer now if none was yet."""
+        lane_server.py); call filled() with what it read. Takes the buffer now if none was yet."""
         if self.buffer is None:
             self.payload()
         return self._view[self.received:]
@@ -126,6 +126,17 @@ class Reception:
         return self.buffer
 
 
+class Senders(Protocol):
+    """What the Inbox knows of the senders (membership's liveness): this node's step, the centre of
+    the accepted step window; who is dead (not waited for); and who was just heard from."""
+
+    step: int
+
+    def dead(self) -> frozenset[int]: ...
+
+    def heard_from(self, peer: int, step: int | None = None, kind: int | None = None) -> None: ...
+
+
 class Inbox:
     """Validates incoming headers and keeps delivered messages until an algorithm takes them.
 
@@ -139,7 +150,7 @@ class Inbox:
                                  one holding a buffer (any single valid message still fits)
     """
 
-    def __init__(self, rank: int, world_size: int, *, step_window: int = 64, pin_memory: bool = False,
+    def __init__(self, rank: int, world_size: int, senders: Senders, *, step_window: int = 64, pin_memory: bool = False,
                  dedup_window: int = 4096, stream_idle_timeout: float = 30.0, max_receptions_per_sender: int = 8,
                  max_buffered_bytes: int = 256 << 20):
         if stream_idle_timeout <= 0 or max_receptions_per_sender < 1 or max_buffered_bytes < 0:
@@ -147,11 +158,11 @@ class Inbox:
                              f"{max_receptions_per_sender} >= 1, max_buffered_bytes {max_buffered_bytes} >= 0")
         self.rank = rank
         self.world_size = world_size
+        self.senders = senders
         self.step_window = step_window
         self.stream_idle_timeout = stream_idle_timeout
         self.max_receptions_per_sender = max_receptions_per_sender
         self.max_buffered_bytes = max_buffered_bytes
-        self.current_step = 0
         self.pool = BufferPool(pin_memory=pin_memory)
         self.buffered_bytes = 0  # held by open receptions
         self._specs: dict[tuple[int, str | None], ChannelSpec] = {}  # (kind, channel or None=any)
@@ -164,8 +175,6 @@ class Inbox:
         self._open_per_sender: Counter[int] = Counter()
         self._dedup_window = dedup_window
         self._waiters: list[tuple[object, asyncio.Future]] = []
-        self.on_deliver = lambda sender, step, kind: None  # e.g. membership: the sender is alive, at `step`
-        self.excluded = lambda: frozenset()             # senders not worth waiting for (dead peers)
 
     # Configuration (thread-safe enough: plain attribute writes read on the loop thread) ---------
     def expect(self, kind: int, dtype: torch.dtype, numel: int, *, channel: str | None = None,
@@ -187,9 +196,6 @@ class Inbox:
     def unexpect(self, kind: int, channel: str | None = None) -> None:
         """Stop accepting messages of `kind` (e.g. state transfers once a rejoin is done)."""
         self._specs.pop((kind, channel), None)
-
-    def set_step(self, step: int) -> None:
-        self.current_step = step
 
     def settle(self, sender: int, message_ids: list[int]) -> list[int]:
         """Of `sender`'s `message_ids` (sent while a link failed), the ones delivered; the others are
@@ -296,7 +302,7 @@ class Inbox:
             shape=tuple(header.shape) or (header.numel,), message_id=header.message_id, peak=peak,
             _release=lambda: self.pool.release(buffer))
         box[header.sender] = message
-        self.on_deliver(header.sender, header.step, header.kind)
+        self.senders.heard_from(header.sender, header.step, header.kind)
         self._wake_waiters()
         return message
 
@@ -329,11 +335,11 @@ class Inbox:
             kind = pb.MessageKind.Name(header.kind) if header.kind in pb.MessageKind.values() else header.kind
             raise Rejection("unexpected_kind", f"node {self.rank} does not accept message kind {kind}")
         validate_header(header, spec, world_size=self.world_size)
-        if header.kind != pb.MESSAGE_KIND_STATE and abs(header.step - self.current_step) > self.step_window:
+        step = self.senders.step
+        if header.kind != pb.MESSAGE_KIND_STATE and abs(header.step - step) > self.step_window:
             # (a state transfer carries the donor's step, which a rejoining node is far behind of)
-            raise Rejection("stale_step" if header.step < self.current_step else "future_step",
-                            f"step {header.step} outside [{self.current_step - self.step_window}, "
-                            f"{self.current_step + self.step_window}]")
+            raise Rejection("stale_step" if header.step < step else "future_step",
+                            f"step {header.step} outside [{step - self.step_window}, {step + self.step_window}]")
 
     # Consumer side (loop thread; the training thread reaches it through the Transport) ----------
     def _wake_waiters(self) -> None:
@@ -347,13 +353,13 @@ class Inbox:
 
     async def wait_for(self, kind: int, step: int, senders: list[int], channel: str = "",
                        timeout: float | None = None, partial: bool = False) -> dict[int, Message]:
-        """Wait until every sender's step-`step` message is here (senders in `excluded()`, i.e.
-        dead peers, are not waited for); pop and return them. After `timeout` raise TimeoutError,
-        or with `partial` return the messages that did arrive (the rest will be late)."""
+        """Wait until every sender's step-`step` message is here (dead senders are not waited for);
+        pop and return them. After `timeout` raise TimeoutError, or with `partial` return the messages
+        that did arrive (the rest will be late)."""
         wanted = set(senders)
 
         def ready() -> bool:
-            return (wanted - self.excluded()).issubset(self._mail[(kind, channel)].get(step, {}))
+            return (wanted - self.senders.dead()).issubset(self._mail[(kind, channel)].get(step, {}))
 
         if not ready():
             waiter = (ready, asyncio.get_running_loop().create_future())
@@ -389,4 +395,4 @@ class Inbox:
         return sum(len(box) for boxes in self._mail.values() for box in boxes.values())
 
 
-__all__ = ["Inbox", "Message", "Rejection", "Reception", "ChannelSpec", "BufferPool"]
+__all__ = ["Inbox", "Message", "Rejection", "Reception", "ChannelSpec", "BufferPool", "Senders"]

@@ -1,6 +1,7 @@
-"""Frames of the TCP lane (lane.py), as proto/p2ptrain/v1 defines them: a 4-byte big-endian length,
-then one protobuf message (LaneChallenge, LaneAuth, LaneAuthReply, TensorHeader or Ack). The raw
-payload bytes that follow a TensorHeader frame never pass through here.
+"""Frames of the TCP lane (paths/lane_path.py sends, lane_server.py receives), as proto/p2ptrain/v1
+defines them: a 4-byte big-endian length, then one protobuf message (LaneChallenge, LaneAuth,
+LaneAuthReply, TensorHeader or Ack). The raw payload bytes that follow a TensorHeader frame never
+pass through here.
 
 Pure functions and one incremental reader: nothing here touches a socket or keeps node state. A
 frame that is too long or not the message it should be raises LaneFrameError; the lane then
@@ -22,6 +23,7 @@ LANE_PROTOCOL = "p2ptrain-lane/1"
 PREFIX = struct.Struct(">I")
 MAX_FRAME_BYTES = 64 * 1024  # a header with a long shape and route is < 1 KiB; anything near this is hostile
 NONCE_BYTES = 32
+KEEPALIVE = 120.0  # seconds a server lets a connection idle between messages before closing it
 _IDENTITIES = struct.Struct(">II")
 
 M = TypeVar("M", bound=ProtoMessage)

@@ -10,11 +10,11 @@ from typing import Literal
 
 from p2ptrain.transport.faults import LinkTable
 from p2ptrain.transport.framing import DEFAULT_CHUNK_BYTES
-from p2ptrain.transport.membership import DEFAULT_MAX_LAG
+from p2ptrain.transport.membership.liveness import DEFAULT_MAX_LAG
+from p2ptrain.transport.membership.views import DEFAULT_VIEW_MARGIN
 from p2ptrain.transport.security import PLAINTEXT, Security
-from p2ptrain.transport.views import DEFAULT_VIEW_MARGIN
 
-# How tensor payloads travel (dataplane.py); config.DATA_PLANES spells the same values for the settings.
+# How tensor payloads travel (paths/router.py); config.DATA_PLANES spells the same values for the settings.
 DataPlane = Literal["auto", "grpc", "tcp"]
 
 
@@ -32,14 +32,14 @@ class TransportOptions:
     probe_timeout: float = 2.0         # a peer that misses a deadline and does not answer a Hello
                                        # within this is declared dead
     security: Security = PLAINTEXT     # TLS and auth token of server and channels (security.py)
-    relay_routes: tuple[str, ...] = ()  # "SRC->DST:VIA[,VIA2]": peers reached through relays (relay.py)
+    relay_routes: tuple[str, ...] = ()  # "SRC->DST:VIA[,VIA2]": peers reached through relays (routes.py)
     relays: str | None = None          # relay candidates ("1,2" / "any") when a peer proves unreachable
     relay_retry_after: float = 30.0    # seconds before a direct link found unreachable is tried again
     max_lag: int = DEFAULT_MAX_LAG     # a peer this many steps behind is not sent to / waited for; a node
                                        # this far behind the cluster catches up by a state transfer
     settle_interval: float = 1.0       # how often the fate of unacknowledged messages is asked for
     data_plane: DataPlane = "auto"     # tensor payloads over the peers' TCP lanes (auto: where offered),
-                                       # or gRPC streaming only (dataplane.py, lane.py)
+                                       # or gRPC streaming only (paths/router.py)
     lane_port: int = 0                 # the TCP lane's port, on the gRPC listen host (0: one the OS picks)
     initial_members: int | None = None  # elastic runs: ranks below this start as members, the others join
                                        # later (None: every rank of the world is a member from the start)

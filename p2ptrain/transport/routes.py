@@ -1,5 +1,5 @@
 """Which way a node sends to each peer: relay routes declared in the config, relay candidates, and
-direct links found down (relay.py does the sending and forwarding).
+direct links found down (paths/router.py sends, forwarding.py forwards).
 
 Plain data and parsing: nothing here opens a connection or waits.
 """
@@ -11,6 +11,9 @@ from collections.abc import Iterable, Mapping
 from typing import Callable
 
 DEFAULT_RETRY_AFTER = 30.0
+# Ack.reason of a relay that could not reach its next hop: nothing was delivered, so the sender
+# may try another relay (same message id) or, having none, treat it as a definite refusal.
+RELAY_UNREACHABLE = "relay_unreachable"
 
 _ROUTE = re.compile(r"^\s*(\d+)\s*(<->|->)\s*(\d+)\s*$")
 
@@ -131,4 +134,4 @@ class RouteTable:
                 if r not in (peer, self.rank) and self.direct_ok(r) and not self.blocked(r)]
 
 
-__all__ = ["RouteTable", "parse_relay_routes", "parse_relays", "DEFAULT_RETRY_AFTER"]
+__all__ = ["RouteTable", "parse_relay_routes", "parse_relays", "DEFAULT_RETRY_AFTER", "RELAY_UNREACHABLE"]

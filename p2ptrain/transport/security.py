@@ -136,7 +136,7 @@ class Security:
             return grpc.secure_channel(address, self.channel_credentials(), options=self.channel_options(options))
         return grpc.insecure_channel(address, options=options)
 
-    # TCP lane (lane.py) ------------------------------------------------------------------------
+    # TCP lane (paths/lane_path.py, lane_server.py) -------------------------------------------------
     def lane_server_context(self) -> ssl.SSLContext | None:
         """TLS of the lane's listening side (the gRPC server's certificate; client certificates
         checked against tls_ca under require_client_cert); None: this process serves plaintext."""

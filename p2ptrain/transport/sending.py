@@ -2,11 +2,11 @@
 
 A message gets its id once and keeps it on every attempt (retries, relays), so a copy that did
 arrive is answered DUPLICATE and never applied twice. Which way it goes (direct or relayed, through
-the emulated link) is relay.py's choice; when the link fails after bytes left, a push-sum share is
+the emulated link) is the router's choice; when the link fails after bytes left, a push-sum share is
 *settled* with the receiver (Settle RPC) instead of being guessed lost or delivered. Outstanding
 sends are kept per peer so the caller can bound what a silent peer soaks up.
 
-It runs its coroutines on the node's loop thread (loop.py) and never decides what a tensor means.
+It runs its coroutines on the node's loop thread (loop_thread.py) and never decides what a tensor means.
 """
 from __future__ import annotations
 
@@ -17,41 +17,37 @@ import logging
 import secrets
 import time
 
-import grpc
 import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.transport.client import ChannelPool
-from p2ptrain.transport.errors import PeerUnreachable, process_gone, rpc_reason
+from p2ptrain.transport.errors import FailureKind, PeerUnreachable, SendFailure, describe
+from p2ptrain.transport.faults import LinkUnreachable, MessageDropped
 from p2ptrain.transport.framing import tensor_bytes, wire_dtype
-from p2ptrain.transport.loop import LoopThread
-from p2ptrain.transport.membership import Membership
+from p2ptrain.transport.loop_thread import LoopThread
+from p2ptrain.transport.membership.greetings import Greetings
+from p2ptrain.transport.membership.liveness import Liveness
 from p2ptrain.transport.options import TransportOptions
-from p2ptrain.transport.peers import Peers
-from p2ptrain.transport.relay import Relay
+from p2ptrain.transport.paths.grpc_path import GrpcPath
+from p2ptrain.transport.paths.router import Router
 
 log = logging.getLogger(__name__)
 
 VOIDED = "voided"  # Ack reason of a settled message the receiver never delivered (it refuses it for good)
-
-# Failures after which the same message (same id: the receiver dedups) is simply tried again.
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-             grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 
 
 class Sender:
     """Sends of node `rank`: ids, retries, settling and the outstanding futures per peer."""
 
     def __init__(self, rank: int, world_size: int, options: TransportOptions, loop: LoopThread,
-                 channels: ChannelPool, relay: Relay, peers: Peers, membership: Membership, metrics=None):
+                 router: Router, grpc: GrpcPath, greetings: Greetings, liveness: Liveness, metrics=None):
         self.rank = rank
         self.world_size = world_size
         self.options = options
         self.loop = loop
-        self.channels = channels
-        self.relay = relay
-        self.peers = peers
-        self.membership = membership
+        self.router = router
+        self.grpc = grpc
+        self.greetings = greetings
+        self.liveness = liveness
         self.metrics = metrics
         self.message_ids = itertools.count((secrets.randbits(31) << 32) | 1)  # unique across restarts
         # Sends whose Ack has not come yet, per peer, oldest first (Communicator.make_room bounds them),
@@ -102,32 +98,33 @@ class Sender:
         deadline = time.monotonic() + self.options.send_timeout
         attempted = False  # once bytes may have left, only the receiver knows whether it delivered
         while True:
-            if not self.membership.alive(peer) and header.kind != pb.MESSAGE_KIND_STATE:  # (a joiner asked)
+            if not self.liveness.alive(peer) and header.kind != pb.MESSAGE_KIND_STATE:  # (a joiner asked)
                 failure = PeerUnreachable(f"node {self.rank}: peer {peer} is considered dead")
                 if settle and attempted:
                     return await self._settle_later(peer, header.message_id, failure)
                 raise failure
             # Until a peer was reached once, wait for it to come up (nodes start in any order);
             # afterwards a refused connect fails at once, so a crash is noticed within a probe.
-            wait = peer not in self.peers.reached
+            wait = peer not in self.greetings.reached
             remaining = max(0.05, deadline - time.monotonic())
-            try:  # direct or through relays (declared, or when the peer proves unreachable): relay.py
+            try:  # direct or through relays (declared, or when the peer proves unreachable): the router
                 attempted = True
-                ack = await self.relay.push(peer, header, payload, reliable, remaining, wait_for_ready=wait)
+                ack = await self.router.push(peer, header, payload, reliable, remaining, wait_for_ready=wait)
                 break
-            except grpc.aio.AioRpcError as exc:
+            except (MessageDropped, LinkUnreachable):
+                raise  # the emulated link lost it, or is down with no relay: it was never delivered
+            except SendFailure as exc:
                 if self.metrics is not None:
                     self.metrics.on_send_error(peer)
-                unreachable = exc.code() == grpc.StatusCode.UNAVAILABLE and not await self.peers.probe(peer)
-                if not reliable or exc.code() not in RETRYABLE or time.monotonic() >= deadline or unreachable:
+                unreachable = exc.kind.no_connection and not await self.greetings.probe(peer)
+                if not reliable or not exc.kind.retryable or time.monotonic() >= deadline or unreachable:
                     if settle:
                         return await self._settle_later(peer, header.message_id, exc)
                     if unreachable:
-                        raise PeerUnreachable(f"node {self.rank}: peer {peer} unreachable: "
-                                              f"{rpc_reason(exc)}") from exc
+                        raise PeerUnreachable(f"node {self.rank}: peer {peer} unreachable: {exc}") from exc
                     raise
                 await asyncio.sleep(0.05)  # then the same message id again: a delivered copy is a duplicate
-        self.peers.reached.add(peer)
+        self.greetings.reached.add(peer)
         self._heard_back(peer, ack)
         if self.metrics is not None:
             if ack.status == pb.Ack.STATUS_ACCEPTED:
@@ -139,15 +136,15 @@ class Sender:
 
     def _heard_back(self, peer: int, ack: pb.Ack) -> None:
         """What an Ack tells about its sender: its step, and whether it excludes us."""
-        self.membership.note_step(peer, ack.step)
+        self.liveness.note_step(peer, ack.step)
         if ack.sender_excluded:
-            self.membership.excluded(by_peer=peer)
+            self.liveness.excluded(by_peer=peer)
 
     # Settling -----------------------------------------------------------------------------------
     async def _settle_later(self, peer: int, message_id: int, why: BaseException) -> pb.Ack:
         """Wait until `peer` says whether it delivered `message_id` (see send's `settle`)."""
         log.info("node %d: outcome of message %d to node %d unknown (%s); settling it when the peer answers",
-                 self.rank, message_id, peer, rpc_reason(why))
+                 self.rank, message_id, peer, describe(why))
         waiter = asyncio.get_running_loop().create_future()
         self._unsettled.setdefault(peer, {})[message_id] = waiter
         if peer not in self._settling:
@@ -162,9 +159,9 @@ class Sender:
                 pending = self._unsettled[peer]
                 request = pb.SettleRequest(sender=self.rank, message_ids=sorted(pending))
                 try:
-                    reply = await self.channels.client(peer).settle(request, self.options.probe_timeout)
-                except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
-                    if not process_gone(exc):  # stalled, partitioned, restarting: ask again later
+                    reply = await self.grpc.client(peer).settle(request, self.options.probe_timeout)
+                except SendFailure as exc:
+                    if exc.kind is not FailureKind.GONE:  # stalled, partitioned, restarting: ask again later
                         await asyncio.sleep(self.options.settle_interval)
                         continue
                     # Nothing listens on its port any more: the process died and its state (with
@@ -196,4 +193,4 @@ class Sender:
                                                          "settled this message (its outcome is unknown)"))
 
 
-__all__ = ["Sender", "VOIDED", "RETRYABLE"]
+__all__ = ["Sender", "VOIDED"]

@@ -9,21 +9,19 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
-
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.framing import FramingError
 from p2ptrain.transport.inbox import Reception
+from p2ptrain.transport.paths.grpc_path import status_of
+from p2ptrain.transport.reception import RETRY_LATER
 from p2ptrain.transport.validation import Rejection
 
 # How long a stream that ended short waits for a cancel to show (wait_for_cancel): ~6x the latest cancel seen
 # after the end of a stream (3.9 ms in 400 trials on a loaded 2-core host).
 CANCEL_GRACE = 0.025
 # Rejections answered with a gRPC status rather than an Ack: nothing is wrong with the message, the
-# sender may retry it (same id) once streams are reaped or buffers freed.
-REFUSAL_STATUS = {"too_many_streams": grpc.StatusCode.RESOURCE_EXHAUSTED,
-                  "buffer_limit": grpc.StatusCode.RESOURCE_EXHAUSTED,
-                  "idle_stream": grpc.StatusCode.DEADLINE_EXCEEDED}
+# sender may retry it (same id) once streams are reaped or buffers freed (reception.RETRY_LATER).
+REFUSAL_STATUS = {reason: status_of(kind) for reason, kind in RETRY_LATER.items()}
 
 
 class MessageStream:

@@ -1,4 +1,4 @@
-"""Which peers a node considers alive, how far along they are, and who must rejoin.
+"""Liveness: which peers a node considers alive, how far along they are, and who must rejoin.
 
 A crashed or stalled peer must not stall the others, and must not corrupt them when it comes back:
 - **Dead.** A node that fails to reach a peer (its connect is refused, or it misses a deadline and
@@ -33,18 +33,23 @@ import time
 from typing import Callable, Iterable
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.transport.membership.views import Views
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_LAG = 16  # steps; see TransportOptions.max_lag
 
 
-class Membership:
-    def __init__(self, rank: int, world_size: int, metrics=None, *, max_lag: int = DEFAULT_MAX_LAG):
+class Liveness:
+    """Node `rank`'s judgement of its peers. A member (of `views`' latest view) may be judged
+    lagging; one that joined at a view switch is awaited from the step it announces."""
+
+    def __init__(self, rank: int, world_size: int, views: Views, metrics=None, *, max_lag: int = DEFAULT_MAX_LAG):
         if max_lag < 1:
             raise ValueError(f"max_lag must be >= 1 step, got {max_lag}")
         self.rank = rank
         self.world_size = world_size
+        self.views = views
         self.metrics = metrics
         self.max_lag = max_lag
         self.step = 0                                   # this node's current step (Transport.set_step)
@@ -56,14 +61,25 @@ class Membership:
         self._dead_incarnation: dict[int, int | None] = {}  # peer -> the incarnation that was declared dead
         self._excluded_by: frozenset[int] = frozenset()  # peers that told us they consider us dead
         self._changed_at: dict[int, float] = {}
-        self.on_change: Callable[[], None] = lambda: None  # e.g. wake receivers waiting on a dead peer
-        self.joins_later: Callable[[int], bool] = lambda peer: False  # a member since a view switch (views.py): it
-        # is awaited from the step it announces (>= the switch), and needs no first message to confirm it
-        self.is_member: Callable[[int], bool] = lambda peer: True  # in the latest view (views.py): a node that
-        # left, or has not joined yet, is not judged lagging and does not count towards `behind`
+        self._listeners: list[Callable[[], None]] = []
         if metrics is not None:
             for peer in self.peers:
                 metrics.set_peer_up(peer, True, len(self.peers))
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` whenever a peer is declared dead or alive (e.g. the Inbox re-checks
+        what its receivers wait for: nobody waits for a dead peer)."""
+        self._listeners.append(listener)
+
+    def _is_member(self, peer: int) -> bool:
+        """In the latest view: a node that left, or has not joined yet, is not judged lagging and
+        does not count towards `behind`."""
+        return peer in self.views.latest.members
+
+    def _joins_later(self, peer: int) -> bool:
+        """A member since a view switch: it is awaited from the step it announces (>= the switch),
+        and needs no first message to confirm it."""
+        return self.views.member_since(peer) > 0
 
     @property
     def peers(self) -> list[int]:
@@ -79,7 +95,7 @@ class Membership:
     def lagging(self, peer: int) -> bool:
         """`peer` was last seen more than max_lag steps behind us."""
         seen = self._seen_at.get(peer)
-        return seen is not None and seen[1] - seen[0] > self.max_lag and self.is_member(peer)
+        return seen is not None and seen[1] - seen[0] > self.max_lag and self._is_member(peer)
 
     def live(self, peers: Iterable[int]) -> list[int]:
         """The peers to send to: not dead, not lagging."""
@@ -104,7 +120,7 @@ class Membership:
     def behind(self) -> int:
         """By how many steps the median live peer was ahead of this node when last seen (<= 0: not behind)."""
         dead = self._dead
-        gaps = [theirs - ours for p, (theirs, ours) in self._seen_at.items() if p not in dead and self.is_member(p)]
+        gaps = [theirs - ours for p, (theirs, ours) in self._seen_at.items() if p not in dead and self._is_member(p)]
         return int(statistics.median(gaps)) if gaps else 0
 
     def must_catch_up(self) -> bool:
@@ -137,7 +153,7 @@ class Membership:
         moves on to the cluster's step): it is awaited from its first message of the training on."""
         if since_step is not None and since_step > self._alive_since.get(peer, 0):
             self._alive_since = {**self._alive_since, peer: since_step}
-            if not self.joins_later(peer):
+            if not self._joins_later(peer):
                 self._unconfirmed = self._unconfirmed | {peer}
             self.note_step(peer, max(since_step, self.step))  # it joins at our step: not lagging
         if peer in self._dead:
@@ -210,7 +226,8 @@ class Membership:
         if self.metrics is not None:
             self.metrics.set_peer_up(peer, up, len(self.peers) - len(self._dead))
             self.metrics.on_membership_change(peer)
-        self.on_change()
+        for listener in self._listeners:
+            listener()
 
 
-__all__ = ["Membership", "DEFAULT_MAX_LAG"]
+__all__ = ["Liveness", "DEFAULT_MAX_LAG"]

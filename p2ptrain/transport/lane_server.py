@@ -1,70 +1,46 @@
-"""The TCP lane: tensor payloads over a direct TCP connection per peer pair, beside gRPC streaming.
-
-grpcio copies every payload byte several times and hands it between threads; here the sender's
-uvloop transport writes straight from the tensor's memory (a memoryview, queued without a copy),
-and the receiver's socket reads straight into the pooled buffer the Inbox hands out
-(asyncio.BufferedProtocol: get_buffer returns Reception.space()). Everything else is PushTensor's:
-the same TensorHeader, checked by the same Inbox (open / deliver), answered with the same Ack by
-the same PeerService (deliver / refuse), under the same message ids, so retries, DUPLICATE answers
-and settling (sending.py) work unchanged. Frames: laneframes.py.
-
-A connection opens with a challenge (a fresh nonce), the client's LaneAuth (its rank and, with a
-token, an HMAC proof: the token never travels) and the server's verdict; under TLS when the node
-uses TLS (security.py). Then it carries one message at a time: header + payload -> Ack.
+"""The TCP lane's receiving side: a listening socket whose connections read tensor payloads straight
+into the pooled buffer the Inbox hands out (asyncio.BufferedProtocol: get_buffer returns
+Reception.space()). Everything else is PushTensor's: the same TensorHeader, checked by the same
+Inbox (open / deliver), answered with the same Ack by the same Answers (reception.py), under the same
+message ids, so retries, DUPLICATE answers and settling work unchanged. Frames: laneframes.py.
 
 Bounds against broken or hostile clients: a connection silent for the Inbox's stream_idle_timeout
-inside a message or its handshake is cut and its reception dropped (`idle_stream`), like an idle
-gRPC stream; one silent between messages for KEEPALIVE seconds is closed; at most MAX_HANDSHAKES
-connections may be unauthenticated at once, and each sender gets at most twice the Inbox's
-max_receptions_per_sender connections. A malformed frame is refused and its connection closed.
-
-Runs on the node's loop thread. It moves bytes only: which path a message takes is dataplane.py's
-choice, retries and settling are sending.py's.
+inside a message or its handshake is cut and its reception dropped (`idle_stream`); one silent
+between messages for KEEPALIVE seconds is closed; at most MAX_HANDSHAKES connections may be
+unauthenticated at once, and each sender gets at most twice the Inbox's max_receptions_per_sender
+connections. A malformed frame is refused and its connection closed. Runs on the node's loop thread.
 """
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import secrets
 import socket
-from collections import Counter, defaultdict, deque
-
-import grpc
+from collections import Counter
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.transport.errors import rpc_error
 from p2ptrain.transport.inbox import Reception
 from p2ptrain.transport.laneframes import (
+    KEEPALIVE,
     LANE_PROTOCOL,
     NONCE_BYTES,
     PREFIX,
-    FrameReader,
     LaneFrameError,
-    auth_proof,
     decode,
     encode,
     frame_length,
     proof_matches,
 )
+from p2ptrain.transport.reception import Answers
 from p2ptrain.transport.security import Security
-from p2ptrain.transport.server import PeerService
-from p2ptrain.transport.streams import REFUSAL_STATUS
 from p2ptrain.transport.validation import Rejection
 
 log = logging.getLogger(__name__)
 
-KEEPALIVE = 120.0            # seconds a connection may idle between messages before the server closes it
-CLIENT_IDLE = KEEPALIVE / 2  # a client retires a pooled connection idle this long: before the server would
-CONNECT_TIMEOUT = 3.0        # connect + handshake; longer means the lane is unusable (auto falls back to gRPC)
 MAX_HANDSHAKES = 64          # unauthenticated connections at once; more are closed on arrival
 DISCARD_BYTES = 256 * 1024   # scratch into which a refused message's payload is read and dropped
 SCAN_BYTES = 4 << 20         # payload bytes checked for NaN / Inf at a time while more arrive (Inbox.scan)
 _WILDCARD_HOSTS = ("", "::", "[::]", "*")
-
-
-class LaneUnavailable(ConnectionError):
-    """No lane connection could be made or authenticated: nothing of the message was sent."""
 
 
 def split_address(address: str) -> tuple[str, int] | None:
@@ -111,14 +87,14 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 # -- receiving side -----------------------------------------------------------------------------------
 class LaneServer:
-    """Node `service.identity.node_id`'s lane: accepts connections and feeds what they carry into
-    the Inbox through `service` (PeerService)."""
+    """Node `answers.rank`'s lane (of a cluster of `world_size` ranks): accepts connections and
+    feeds what they carry into the Inbox through `answers`."""
 
-    def __init__(self, service: PeerService, security: Security):
-        self.service = service
-        self.inbox = service.inbox
-        self.rank = service.identity.node_id
-        self.world_size = service.identity.world_size
+    def __init__(self, answers: Answers, world_size: int, security: Security):
+        self.answers = answers
+        self.inbox = answers.inbox
+        self.rank = answers.rank
+        self.world_size = world_size
         self.token = security.token
         self.ssl = security.lane_server_context()
         self.port = 0
@@ -172,7 +148,7 @@ class LaneReceiver(asyncio.BufferedProtocol):
 
     def __init__(self, server: LaneServer):
         self.server = server
-        self.service = server.service
+        self.answers = server.answers
         self.transport: asyncio.BaseTransport | None = None
         self.sender: int | None = None  # authenticated peer: every header must name it
         self.reception: Reception | None = None
@@ -282,8 +258,7 @@ class LaneReceiver(asyncio.BufferedProtocol):
         refusal = self._check_auth(auth)
         if refusal is not None:
             reason, detail = refusal
-            if self.service.metrics is not None:
-                self.service.metrics.on_rejected(reason)
+            self.answers.count_refusal(reason)
             log.warning("node %d refused a lane connection: %s: %s", server.rank, reason, detail)
             self.transport.write(encode(pb.LaneAuthReply(accepted=False, reason=reason, detail=detail)))
             self.transport.close()
@@ -321,7 +296,7 @@ class LaneReceiver(asyncio.BufferedProtocol):
             if header.payload_bytes:
                 self.reception.space()  # take the buffer now: `buffer_limit` refuses before any byte is read
         except Rejection as rejection:
-            self._answer(self.service.refuse(rejection, self.reception, sender=self.sender))
+            self._answer(self.answers.refuse(rejection, self.reception, sender=self.sender))
             self.reception = None
             self._skip_payload(header.payload_bytes)
             return
@@ -333,9 +308,9 @@ class LaneReceiver(asyncio.BufferedProtocol):
     def _deliver(self) -> None:
         reception, self.reception = self.reception, None
         try:
-            ack = self.service.deliver(reception)
+            ack = self.answers.deliver(reception)
         except Rejection as rejection:  # deliver() released the reception itself
-            ack = self.service.refuse(rejection, sender=self.sender)
+            ack = self.answers.refuse(rejection, sender=self.sender)
         self._answer(ack)
         self._next_message()
 
@@ -353,18 +328,17 @@ class LaneReceiver(asyncio.BufferedProtocol):
         """A frame that cannot be parsed: nothing after it can be trusted to be where it should."""
         rejection = Rejection("malformed_frame", detail)
         if self._handshaking or self.sender is None:
-            if self.service.metrics is not None:
-                self.service.metrics.on_rejected(rejection.reason)
+            self.answers.count_refusal(rejection.reason)
             log.warning("node %d refused a lane connection: %s", self.server.rank, rejection)
             self.transport.write(encode(pb.LaneAuthReply(accepted=False, reason=rejection.reason, detail=detail)))
         else:
-            self._answer(self.service.refuse(rejection, self.reception, sender=self.sender))
+            self._answer(self.answers.refuse(rejection, self.reception, sender=self.sender))
             self.reception = None
         self.transport.close()
 
     def _drop_reception(self, reason: str) -> None:
         if self.reception is not None:
-            self.service.abort(self.reception, reason)
+            self.answers.abort(self.reception, reason)
             self.reception = None
 
     # idle connections ---------------------------------------------------------------------------
@@ -390,174 +364,10 @@ class LaneReceiver(asyncio.BufferedProtocol):
             return
         if self._busy() and self.sender is not None:  # a half-sent message: refused, like an idle stream
             idle = self.server.inbox.stream_idle_timeout
-            self._answer(self.service.refuse(Rejection("idle_stream", f"no bytes for {idle:g} s"), self.reception,
+            self._answer(self.answers.refuse(Rejection("idle_stream", f"no bytes for {idle:g} s"), self.reception,
                                              sender=self.sender))
             self.reception = None
         self.transport.close()
 
 
-# -- sending side -------------------------------------------------------------------------------------
-class LaneConnection(asyncio.Protocol):
-    """One outgoing lane connection: writes frames and payloads, hands back the frames it receives."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
-        self.error: BaseException | None = None
-        self.idle_since = 0.0
-        self._reader = FrameReader()
-        self._frames: deque[bytes] = deque()
-        self._waiter: asyncio.Future | None = None
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self._frames.extend(self._reader.feed(data))
-        except LaneFrameError as exc:
-            self.error = exc
-            self.transport.abort()
-        self._wake()
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        self.closed = True
-        self.error = self.error or exc or ConnectionResetError("the peer closed the lane connection")
-        self._wake()
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    async def frame(self) -> bytes:
-        """The next frame body the peer sent; ConnectionError once the connection is gone."""
-        while not self._frames:
-            if self.closed:
-                raise ConnectionError(f"lane connection lost: {self.error}")
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        return self._frames.popleft()
-
-    def send(self, *parts: bytes | memoryview) -> None:
-        """Queue `parts` (uvloop writes what it can at once and keeps a reference to the rest: no copy)."""
-        for part in parts:
-            if len(part):
-                self.transport.write(part)
-
-    def abort(self) -> None:
-        if self.transport is not None and not self.closed:
-            self.transport.abort()
-
-
-def _refused_connect(exc: BaseException) -> bool:
-    return isinstance(exc, ConnectionRefusedError) or getattr(exc, "errno", None) == errno.ECONNREFUSED
-
-
-class LaneClient:
-    """Node `rank`'s outgoing lane connections, pooled per peer; one message per connection at a
-    time (dataplane.py bounds the messages in flight per peer, so the connections too)."""
-
-    def __init__(self, rank: int, security: Security):
-        self.rank = rank
-        self.security = security
-        self.token = security.token
-        self.ssl = security.lane_client_context()
-        self._idle: dict[int, list[LaneConnection]] = defaultdict(list)
-        self._all: set[LaneConnection] = set()
-
-    async def push(self, peer: int, host: str, port: int, header: pb.TensorHeader, payload: memoryview,
-                   timeout: float) -> pb.Ack:
-        """Send header + payload to `peer`'s lane at host:port and return its Ack. Raises
-        LaneUnavailable when no connection could be made (nothing was sent), else failures as the
-        grpc.aio.AioRpcError a PushTensor would have ended with (refusals, lost connections, timeout)."""
-        try:
-            return await asyncio.wait_for(self._push(peer, host, port, header, payload), timeout)
-        except asyncio.TimeoutError:
-            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"lane to node {peer}: no Ack within {timeout:.3g} s") from None
-
-    async def _push(self, peer: int, host: str, port: int, header: pb.TensorHeader,
-                    payload: memoryview) -> pb.Ack:
-        connection = self._pooled(peer) or await self._connect(peer, host, port)
-        try:
-            connection.send(encode(header), payload)
-            ack = decode(pb.Ack, await connection.frame())
-        except BaseException as exc:
-            self._discard(connection)  # whatever was half-sent is dropped by the receiver
-            if isinstance(exc, (OSError, LaneFrameError)):  # ConnectionError included
-                raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"lane to node {peer} broke off: {exc}") from None
-            raise
-        connection.idle_since = asyncio.get_running_loop().time()
-        self._idle[peer].append(connection)
-        refusal = REFUSAL_STATUS.get(ack.reason) if ack.status == pb.Ack.STATUS_REJECTED else None
-        if refusal is not None:  # PushTensor answers these with a gRPC status: the sender may retry
-            raise rpc_error(refusal, f"{ack.reason}: {ack.detail}")
-        return ack
-
-    def _pooled(self, peer: int) -> LaneConnection | None:
-        """The most recently used idle connection to `peer` still worth using (closes stale ones)."""
-        idle, now = self._idle[peer], asyncio.get_running_loop().time()
-        while idle:
-            connection = idle.pop()
-            if not connection.closed and now - connection.idle_since < CLIENT_IDLE:
-                return connection
-            connection.abort()
-            self._all.discard(connection)
-        return None
-
-    async def _connect(self, peer: int, host: str, port: int) -> LaneConnection:
-        loop = asyncio.get_running_loop()
-        where = f"node {self.rank}: lane of node {peer} at {host}:{port}"
-        try:
-            _, connection = await asyncio.wait_for(loop.create_connection(
-                LaneConnection, host, port, ssl=self.ssl,
-                server_hostname=self.security.lane_server_name(host) if self.ssl else None), CONNECT_TIMEOUT)
-        except (OSError, asyncio.TimeoutError) as exc:
-            refused = "connection refused" if _refused_connect(exc) else type(exc).__name__
-            raise LaneUnavailable(f"{where}: {refused}: {exc}") from None
-        self._all.add(connection)
-        try:
-            challenge = decode(pb.LaneChallenge, await asyncio.wait_for(connection.frame(), CONNECT_TIMEOUT))
-            if challenge.protocol_version != LANE_PROTOCOL:
-                raise LaneFrameError(f"lane protocol {challenge.protocol_version!r} != {LANE_PROTOCOL!r}")
-            proof = auth_proof(self.token, challenge.nonce, self.rank, peer) if self.token else b""
-            connection.send(encode(pb.LaneAuth(protocol_version=LANE_PROTOCOL, sender=self.rank, receiver=peer,
-                                               proof=proof)))
-            verdict = decode(pb.LaneAuthReply, await asyncio.wait_for(connection.frame(), CONNECT_TIMEOUT))
-        except (OSError, asyncio.TimeoutError, LaneFrameError) as exc:
-            self._discard(connection)
-            raise LaneUnavailable(f"{where}: handshake failed: {type(exc).__name__}: {exc}") from None
-        except BaseException:
-            self._discard(connection)
-            raise
-        if not verdict.accepted:
-            self._discard(connection)
-            detail = f"{where} refused the connection: {verdict.reason}: {verdict.detail}"
-            if verdict.reason == "unauthenticated":
-                raise rpc_error(grpc.StatusCode.UNAUTHENTICATED, detail)
-            if verdict.reason == "too_many_connections":
-                raise rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, detail)
-            raise LaneUnavailable(detail)  # e.g. another node now listens on that port: ask again
-        return connection
-
-    def _discard(self, connection: LaneConnection) -> None:
-        connection.abort()
-        self._all.discard(connection)
-
-    def drop(self, peer: int) -> None:
-        """Close `peer`'s idle connections (it restarted, or its lane moved)."""
-        for connection in self._idle.pop(peer, []):
-            self._discard(connection)
-
-    async def close(self) -> None:
-        for connection in list(self._all):
-            connection.abort()
-        self._all.clear()
-        self._idle.clear()
-
-
-__all__ = ["LaneServer", "LaneClient", "LaneUnavailable", "split_address", "listening_socket", "KEEPALIVE",
-           "MAX_HANDSHAKES"]
+__all__ = ["LaneServer", "split_address", "listening_socket", "KEEPALIVE", "MAX_HANDSHAKES"]

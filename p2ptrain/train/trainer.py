@@ -15,9 +15,9 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from p2ptrain.train.device import pick_device  # noqa: F401 (re-exported: p2ptrain.train.pick_device)
+from p2ptrain.train.errors import LeftCluster
 from p2ptrain.train.evaluate import evaluate
-from p2ptrain.train.optimizer import DecentralizedOptimizer, LeftCluster, NonFiniteError  # noqa: F401 (re-exported)
+from p2ptrain.train.optimizer import DecentralizedOptimizer
 
 
 @dataclass

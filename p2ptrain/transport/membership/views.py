@@ -12,7 +12,7 @@ and a later epoch replaces every view of its epoch or after (two concurrent prop
 wins everywhere; its loser proposes again on top of it if its change is still missing). So once
 the nodes have heard of the same views they answer `members_at(step)` the same way for every step.
 
-Plain data: nothing here sends or waits; peers.py carries views in Hellos, membership.py judges
+Plain data: nothing here sends or waits; greetings.py carries views in Hellos, liveness.py judges
 who is alive (a dead member stays a member until a view without it takes effect).
 """
 from __future__ import annotations

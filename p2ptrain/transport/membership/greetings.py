@@ -1,13 +1,13 @@
-"""What a node learns from and tells its peers through Hello: start-up (wait_for_peers), probes of
-silent peers, surveys of a running cluster, readiness, rejoining and state-transfer requests.
+"""Greetings: what a node learns from and tells its peers through Hello. Start-up (wait_for_peers),
+probes of silent peers, surveys of a running cluster, readiness, rejoining, state-transfer requests
+and the spreading of membership views.
 
-Who is alive, lagging or must rejoin is membership.py's judgement; this module feeds it what Hellos
-say and answers the Hellos of others (`on_hello`); where a peer's TCP lane listens goes to
-dataplane.py. It never sends a tensor.
+Liveness (liveness.py) judges who is alive from what Hellos say; views.py holds who trains when;
+the lane path learns where each peer's TCP lane listens. This module never sends a tensor, and
+reaches peers only through the gRPC path's Hello (every failure a SendFailure).
 """
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import secrets
@@ -15,17 +15,15 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import grpc
-
 from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.transport.client import ChannelPool
-from p2ptrain.transport.dataplane import DirectPath
-from p2ptrain.transport.errors import PeerError, rpc_reason
-from p2ptrain.transport.loop import LoopThread
-from p2ptrain.transport.membership import Membership
+from p2ptrain.transport.errors import PeerError, SendFailure, describe
+from p2ptrain.transport.loop_thread import LoopThread
+from p2ptrain.transport.membership.identity import Identity
+from p2ptrain.transport.membership.liveness import Liveness
+from p2ptrain.transport.membership.views import View, Views
+from p2ptrain.transport.paths.grpc_path import GrpcPath
+from p2ptrain.transport.paths.lane_path import LaneClient
 from p2ptrain.transport.routes import RouteTable
-from p2ptrain.transport.server import Identity
-from p2ptrain.transport.views import View, Views
 
 log = logging.getLogger(__name__)
 
@@ -64,21 +62,25 @@ def new_incarnation() -> int:
     return secrets.randbits(63) | 1  # never 0 (0 = an old peer that sends none)
 
 
-class Peers:
-    """Node `identity.node_id`'s Hello exchanges with the peers at `addresses`. Blocking methods are
-    for the training thread; coroutines and `on_hello` run on the loop thread."""
+FAILED = (SendFailure, concurrent.futures.TimeoutError)  # a Hello that got no answer (TimeoutError: ours)
 
-    def __init__(self, identity: Identity, addresses: list[str], loop: LoopThread, channels: ChannelPool,
-                 membership: Membership, routes: RouteTable, *, probe_timeout: float,
-                 direct: DirectPath | None = None, initial_members: int | None = None):
+
+class Greetings:
+    """Node `identity.node_id`'s Hello exchanges with its peers (addresses: `grpc.addresses`).
+    Blocking methods are for the training thread; coroutines and `on_hello` run on the loop thread."""
+
+    def __init__(self, identity: Identity, loop: LoopThread, grpc: GrpcPath, liveness: Liveness, views: Views,
+                 routes: RouteTable, *, probe_timeout: float, lanes: LaneClient | None = None):
         self.identity = identity
-        self.direct = direct  # learns the peers' TCP lanes from Hellos (dataplane.py); None: gRPC only
+        self.lanes = lanes  # learns the peers' TCP lanes from Hellos; None: gRPC only
+        self.lane_port = 0  # our own lane's port, advertised in our Hellos (0: none)
         self.rank = identity.node_id
         self.world_size = identity.world_size
-        self.addresses = addresses
         self.loop = loop
-        self.channels = channels
-        self.membership = membership
+        self.grpc = grpc
+        self.addresses = grpc.addresses
+        self.liveness = liveness
+        self.views = views
         self.routes = routes
         self.probe_timeout = probe_timeout
         self.incarnation = new_incarnation()  # new at every start and every completed rejoin
@@ -88,8 +90,6 @@ class Peers:
         self.reached: set[int] = set()        # peers we delivered to: later connect failures fail fast
         self._probing: set[int] = set()
         self._state_requests: list[int] = []  # peers that asked for our model state (Hello want_state)
-        initial = range(self.world_size if initial_members is None else initial_members)
-        self.views = Views(self.rank, tuple(initial), self.world_size)  # who trains together when (elastic)
         self.pace = StepPace()
 
     def others(self) -> list[int]:
@@ -100,8 +100,7 @@ class Peers:
                 if peer != self.rank and (peer in latest or (peer in self.views.members_ever and self.addresses[peer]))]
 
     def learn_address(self, peer: int, address: str) -> None:
-        if 0 <= peer < self.world_size and self.channels.learn_address(peer, address):
-            self.addresses[peer] = address
+        if 0 <= peer < self.world_size and self.grpc.learn_address(peer, address):
             log.info("node %d: node %d is at %s", self.rank, peer, address)
 
     def adopt_view(self, message: pb.View, sender: int) -> bool:
@@ -126,7 +125,7 @@ class Peers:
     async def _pass_on(self, peer: int) -> None:
         try:
             await self.greet(peer, self.hello_request(), 2.0, wait_for_ready=False)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError):
+        except SendFailure:
             pass  # gone, or not up yet: it hears of the view in its next Hello
 
     # Loop thread --------------------------------------------------------------------------------
@@ -134,20 +133,20 @@ class Peers:
         me = self.identity
         return pb.HelloRequest(node_id=me.node_id, world_size=me.world_size, ready=self.ready,
                                protocol_version=me.protocol_version, config_fingerprint=me.config_fingerprint,
-                               step=self.resume_step, current_step=self.membership.step,
-                               incarnation=self.incarnation, lane_port=self.direct.port if self.direct else 0,
+                               step=self.resume_step, current_step=self.liveness.step,
+                               incarnation=self.incarnation, lane_port=self.lane_port,
                                view=self.views.latest.to_proto(), address=self.addresses[self.rank])
 
     async def greet(self, peer: int, request: pb.HelloRequest, timeout: float,
                     wait_for_ready: bool = True) -> pb.HelloReply:
         """Hello `peer` and note what its reply says about it and us."""
-        reply = await self.channels.client(peer).hello(request, timeout, wait_for_ready=wait_for_ready)
+        reply = await self.grpc.client(peer).hello(request, timeout, wait_for_ready=wait_for_ready)
         if reply.compatible and reply.node_id == peer:
-            if self.direct is not None:
-                self.direct.learn(peer, reply.lane_port)
-            self.membership.note_step(peer, reply.step)
+            if self.lanes is not None:
+                self.lanes.learn(peer, reply.lane_port)
+            self.liveness.note_step(peer, reply.step)
             if reply.caller_excluded:
-                self.membership.excluded(by_peer=peer)
+                self.liveness.excluded(by_peer=peer)
             if reply.HasField("view"):
                 self.adopt_view(reply.view, peer)
         return reply
@@ -159,16 +158,36 @@ class Peers:
     async def probe(self, peer: int) -> bool:
         """Hello `peer` without waiting for a connection; declare it dead if it does not answer."""
         if peer in self._probing:
-            return self.membership.alive(peer)
+            return self.liveness.alive(peer)
         self._probing.add(peer)
         try:
             await self.greet(peer, self.hello_request(), self.probe_timeout, wait_for_ready=False)
             return True
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
-            self.membership.mark_dead(peer, f"no answer to a probe: {rpc_reason(exc)}")
+        except SendFailure as exc:
+            self.liveness.mark_dead(peer, f"no answer to a probe: {describe(exc)}")
             return False
         finally:
             self._probing.discard(peer)
+
+    def answer(self, request: pb.HelloRequest) -> pb.HelloReply:
+        """Our reply to a peer's Hello (the gRPC service asks on the loop thread): who we are, our
+        step, view and lane, whether we are ready, and whether we consider the caller dead."""
+        me = self.identity
+        reason = me.compatibility(request.world_size, request.protocol_version, request.config_fingerprint)
+        ready = self.ready
+        peer = request.node_id
+        known = not reason and 0 <= peer < me.world_size and peer != me.node_id
+        if known and ready and request.ready:
+            # Both sides learn from this one exchange that the other is ready: the caller need not
+            # be asked again (it may finish its run and leave before we would ask).
+            self.ready_peers.add(peer)
+        if known:
+            reason = self.on_hello(request)  # membership news; a refused want_state says why
+        return pb.HelloReply(node_id=me.node_id, world_size=me.world_size, protocol_version=me.protocol_version,
+                             config_fingerprint=me.config_fingerprint, step=self.liveness.step,
+                             compatible=not reason or known, reason=reason, ready=ready,
+                             caller_excluded=known and self.liveness.excludes(peer), incarnation=self.incarnation,
+                             lane_port=self.lane_port, view=self.views.latest.to_proto())
 
     def on_hello(self, request: pb.HelloRequest) -> str:
         """Membership news from a Hello; returns why a want_state request is refused ("" = served)."""
@@ -176,16 +195,16 @@ class Peers:
         self.learn_address(peer, request.address)
         if request.HasField("view"):
             self.adopt_view(request.view, peer)
-        if self.direct is not None:
-            self.direct.learn(peer, request.lane_port)
-        was_dead = not self.membership.alive(peer)
-        self.membership.hello(peer, ready=request.ready, incarnation=request.incarnation,
+        if self.lanes is not None:
+            self.lanes.learn(peer, request.lane_port)
+        was_dead = not self.liveness.alive(peer)
+        self.liveness.hello(peer, ready=request.ready, incarnation=request.incarnation,
                               current_step=request.current_step, resume_step=request.step)
-        if was_dead and self.membership.alive(peer):  # back from the dead: connect afresh, no backoff
-            self.loop.spawn(self.channels.reset(peer))
+        if was_dead and self.liveness.alive(peer):  # back from the dead: connect afresh, no backoff
+            self.loop.spawn(self.grpc.reset(peer))
         if not request.want_state:
             return ""
-        if not (self.membership.may_donate_to(peer, request.incarnation) or self.joining(peer)):
+        if not (self.liveness.may_donate_to(peer, request.incarnation) or self.joining(peer)):
             log.warning("node %d: peer %d asked for our state but never left (not dead, lagging or restarted "
                         "here); refused", self.rank, peer)
             return f"node {self.rank} will not hand its state to node {peer}: it never saw that node leave"
@@ -213,7 +232,7 @@ class Peers:
     def rejoined(self) -> None:
         """A state transfer completed: a new incarnation, so peers that declared us dead take us back."""
         self.incarnation = new_incarnation()
-        self.membership.rejoined()
+        self.liveness.rejoined()
 
     def _hello_once(self, peer: int, request: pb.HelloRequest, timeout: float) -> concurrent.futures.Future:
         """One Hello that does not wait for a connection, as a future for the training thread."""
@@ -228,12 +247,12 @@ class Peers:
         request.want_state = True
         problems: dict[int, str] = {}
         while True:
-            preferred = sorted(self.membership.excluded_by())
+            preferred = sorted(self.liveness.excluded_by())
             for peer in preferred + [p for p in self.others() if p not in preferred]:
                 try:
                     reply = self._hello_once(peer, request, 2.0).result(10)
-                except (grpc.aio.AioRpcError, concurrent.futures.TimeoutError) as exc:
-                    problems[peer] = rpc_reason(exc)
+                except FAILED as exc:
+                    problems[peer] = describe(exc)
                     continue
                 if reply.compatible and reply.ready and not reply.reason:
                     return peer
@@ -251,7 +270,7 @@ class Peers:
         for future in futures:
             try:
                 reply = future.result(timeout + 5)
-            except (grpc.aio.AioRpcError, concurrent.futures.TimeoutError):
+            except FAILED:
                 continue
             reachable += 1
             running |= bool(reply.compatible and reply.ready and reply.step > 0)
@@ -266,7 +285,7 @@ class Peers:
         for future in [self.loop.submit(self._announce(peer)) for peer in self.others()]:
             try:
                 reply = future.result(10)
-            except (grpc.aio.AioRpcError, concurrent.futures.TimeoutError, asyncio.TimeoutError):
+            except FAILED:
                 continue
             if reply.compatible and reply.ready:
                 steps.append(reply.step)
@@ -280,7 +299,7 @@ class Peers:
             since, member_since = reply.step + 1, self.views.member_since(self.rank)
             if member_since and self.rank in reply.view.members:
                 since = min(since, member_since)
-            self.membership.confirmed(peer, since_step=since)
+            self.liveness.confirmed(peer, since_step=since)
         return reply
 
     def propose_view(self, members, margin: int, notice: float = 0.0) -> int:
@@ -295,7 +314,7 @@ class Peers:
         for _ in range(3):
             targets = [p for p in sorted((self.views.members_ever | set(members)) - {self.rank})
                        if self.addresses[p]]
-            known = [self.membership.step] + [s for s in map(self.membership.peer_step, targets) if s is not None]
+            known = [self.liveness.step] + [s for s in map(self.liveness.peer_step, targets) if s is not None]
             view = self.loop.call(self.views.propose, members, max(known) + margin,
                                   {m: self.addresses[m] for m in members})
             margin *= 2  # (if a node was past it, the next try goes further)
@@ -305,7 +324,7 @@ class Peers:
             for peer, future in futures.items():
                 try:
                     reply = future.result(10)
-                except (grpc.aio.AioRpcError, concurrent.futures.TimeoutError, asyncio.TimeoutError):
+                except FAILED:
                     continue
                 if reply.compatible and reply.step >= view.switch_step:
                     past.append(peer)
@@ -319,14 +338,14 @@ class Peers:
         """Hello every live peer until it reports a current step >= `step` (the cluster resumed
         from checkpoints of the same step); PeerError naming the laggards after `timeout`."""
         deadline = time.monotonic() + timeout
-        waiting = set(self.membership.live(self.others()))
+        waiting = set(self.liveness.live(self.others()))
         while waiting and time.monotonic() < deadline:
             futures = {peer: self.loop.submit(self.hello(peer, 1.0)) for peer in waiting}
             for peer, future in futures.items():
                 try:
                     if future.result(10).step >= step:
                         waiting.discard(peer)
-                except (grpc.aio.AioRpcError, concurrent.futures.TimeoutError):
+                except FAILED:
                     continue
             if waiting:
                 time.sleep(0.05)
@@ -354,8 +373,8 @@ class Peers:
             for peer, future in futures.items():
                 try:
                     reply = future.result(attempt + 5)
-                except (grpc.aio.AioRpcError, concurrent.futures.TimeoutError) as exc:
-                    last_problem[peer] = f"unreachable: {rpc_reason(exc)}"
+                except FAILED as exc:
+                    last_problem[peer] = f"unreachable: {describe(exc)}"
                     continue
                 reason = reply.reason or self.identity.compatibility(
                     reply.world_size, reply.protocol_version, reply.config_fingerprint)
@@ -365,8 +384,8 @@ class Peers:
                 if reply.node_id != peer:
                     raise PeerError(f"node {self.rank}: address {self.addresses[peer]} answers as node "
                                     f"{reply.node_id}, expected {peer}")
-                if self.direct is not None and self.direct.refusal(peer):
-                    raise PeerError(self.direct.refusal(peer))
+                if self.lanes is not None and self.lanes.refusal(peer):
+                    raise PeerError(self.lanes.refusal(peer))
                 if require_ready and not reply.ready:
                     last_problem[peer] = "not ready (still setting up)"
                     continue
@@ -381,4 +400,4 @@ class Peers:
             raise PeerError(f"node {self.rank}: after {timeout:.0f}s: {problems}")
 
 
-__all__ = ["Peers", "ClusterSurvey", "new_incarnation"]
+__all__ = ["ClusterSurvey", "FAILED", "Greetings", "StepPace", "new_incarnation"]

@@ -1,13 +1,14 @@
-"""Membership rules that keep a stalled peer from corrupting the others (issue 10, part 1):
+"""Liveness rules that keep a stalled peer from corrupting the others (issue 10, part 1):
 who is dead, who lags, who comes back (only a new incarnation), who gets our state."""
 from __future__ import annotations
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.transport.membership import Membership
+from p2ptrain.transport.membership.liveness import Liveness
+from p2ptrain.transport.membership.views import Views
 
 
-def membership(rank: int = 0, world_size: int = 4, max_lag: int = 5) -> Membership:
-    return Membership(rank, world_size, max_lag=max_lag)
+def membership(rank: int = 0, world_size: int = 4, max_lag: int = 5) -> Liveness:
+    return Liveness(rank, world_size, Views(rank, tuple(range(world_size)), world_size), max_lag=max_lag)
 
 
 def test_a_peer_seen_far_behind_is_lagging_and_neither_sent_to_nor_awaited():

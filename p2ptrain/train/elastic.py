@@ -1,0 +1,190 @@
+"""A node's membership lifecycle, as the training engine drives it at step boundaries:
+
+    starting ─────────────────────┐
+    joining (takes a donor's state)┴─► member ──► leaving ──► left
+                                 catching up ◄─┘ (stalled: a peer excluded it, or it fell too far behind)
+
+A joiner (a new member, or a restarted process) takes a live peer's state before its algorithm sets
+up, then trains from the step its view switches at. A member serves the state requests of joiners at
+step boundaries, where its state is consistent. A leaver proposes the members without itself,
+trains up to the switch, and hands over what it holds (push-sum mass). A member that stalled takes
+a state transfer from a peer that saw it leave and merges it (Algorithm.adopt_state). The
+transport's Membership carries the protocol; this module only decides when.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.train.errors import NonFiniteError
+from p2ptrain.train.state import ModelState
+from p2ptrain.transport.errors import PeerError
+from p2ptrain.transport.validation import all_finite
+
+if TYPE_CHECKING:
+    from p2ptrain.algorithms.base import Algorithm
+    from p2ptrain.communicator import Communicator
+    from p2ptrain.transport.message import Message
+
+log = logging.getLogger(__name__)
+STATE = pb.MESSAGE_KIND_STATE
+
+
+class Phase(enum.Enum):
+    STARTING = "starting"
+    JOINING = "joining"
+    MEMBER = "member"
+    CATCHING_UP = "catching up"
+    LEAVING = "leaving"
+    LEFT = "left"
+
+
+class Lifecycle:
+    """Node `comm.rank`'s phase, and the state transfers that move it on; `state` is its model."""
+
+    def __init__(self, comm: Communicator, algorithm: Algorithm, state: ModelState, metrics=None):
+        self.comm = comm
+        self.membership = comm.membership
+        self.algorithm = algorithm
+        self.state = state
+        self.metrics = metrics
+        self.rank = comm.rank
+        self.phase = Phase.JOINING if self.membership.joining else Phase.STARTING
+        self.late_states: list[Message] = []  # states that arrived besides the one taken (see fetch_state)
+        self.catch_ups = 0            # state transfers taken after stalling
+        self.leave_at: int | None = None  # the step the members switch to a view without this node
+        self._leave_requested = False
+        self._catch_up_after = 0      # no new catch-up attempt before this step (after a failed one)
+
+    # Joining ----------------------------------------------------------------------------------------
+    def join(self) -> int:
+        """Before the algorithm sets up: a joiner takes a donor's state into the model; the step it
+        would continue at (0 for a node that starts with the others)."""
+        if self.phase is not Phase.JOINING:
+            return 0
+        joined = self.fetch_state()
+        self.state.load(joined.tensor)
+        return joined.step + 1
+
+    def joined(self, step: int) -> int:
+        """After the algorithm set up (a joiner announced itself in comm.ready()): the step to start
+        at, from `step` on: where the cluster is now, or the switch of the view that makes this node
+        a member."""
+        if self.phase is Phase.JOINING:
+            step = max(step, self.membership.resume_step)
+            step = self.membership.first_step_as_member(step) or step
+        self._adopt_late_states()
+        self.phase = Phase.MEMBER
+        return step
+
+    def fetch_state(self, timeout: float | None = None) -> Message:
+        """Ask a live peer for its state and wait for it (like hivemind's load_state_from_peers), as
+        a new incarnation, so peers that declared this node dead take it back. Sets comm.joined."""
+        comm, membership, transport = self.comm, self.membership, self.comm.transport
+        timeout = comm.peer_timeout if timeout is None else timeout
+        comm.expect(STATE, self.state.dtype, self.state.numel, preallocate=1)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                donor = membership.request_state(max(1.0, deadline - time.monotonic()))
+                try:
+                    messages = transport.recv_any(STATE, timeout=min(comm.peer_timeout, max(
+                        1.0, deadline - time.monotonic())))
+                except TimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise PeerError(f"node {self.rank}: no state from any peer within {timeout:.0f}s") from None
+                    log.warning("node %d: donor %d sent no state; asking another peer", self.rank, donor)
+                    continue
+                state, *late = [comm.received(m) for m in messages]
+                self.late_states.extend(late)  # an earlier donor answered too: SGP merges that mass as well
+                comm.joined = state
+                membership.rejoined(state.step + 1)
+                if membership.greetings.ready:  # caught up: a member again, if it was dropped
+                    membership.reconcile()
+                log.info("node %d: rejoined with node %d's state of step %d (ps-weight %.4g)", self.rank,
+                         state.sender, state.step, state.ps_weight)
+                return state
+        finally:
+            transport.unexpect(STATE)  # a state push nobody asked for is refused (the donor keeps it)
+
+    def _adopt_late_states(self) -> None:
+        """States that reached us while rejoining besides the one used (an earlier donor answered
+        late): for push-sum they are mass, merged like the first."""
+        while self.late_states:
+            self.state.load(self.algorithm.adopt_state(self.late_states.pop(0), self.state.vector()))
+
+    # As a member ------------------------------------------------------------------------------------
+    def serve_joiners(self, step: int) -> None:
+        """Give (re)joining peers this node's state at the boundary after `step`. A node new to the
+        members gets its start state (Algorithm.welcome); once set up to receive everything, it
+        proposes itself as a member (Communicator.ready)."""
+        self.membership.reconcile()
+        for peer in self.membership.take_state_requests():
+            vector = self.state.vector()
+            if self.membership.newcomer(peer):
+                changed = self.algorithm.welcome(peer, step, vector)
+            else:
+                changed = self.algorithm.donate_state(peer, step, vector)
+            if changed is not None:
+                self.state.load(changed)
+            if self.metrics is not None:
+                self.metrics.on_state_transfer(peer)
+            log.info("step %d: sent this node's state to rejoining peer %d", step, peer)
+
+    def catch_up(self, step: int) -> int:
+        """After `step`: if this node stalled (a peer excluded it, or it trails the cluster by more
+        than the lag limit), take a state transfer from a peer that saw it leave and merge it;
+        returns the step to continue at."""
+        membership = self.membership
+        if step < self._catch_up_after or not membership.must_catch_up():
+            return step + 1
+        self.phase = Phase.CATCHING_UP
+        log.warning("node %d: fell behind at step %d (%s); catching up", self.rank, step, membership.lag_report())
+        try:
+            donated = self.fetch_state(timeout=max(5.0, 3 * self.comm.link_deadline))
+        except (TimeoutError, RuntimeError) as exc:  # e.g. the others have finished: train on alone
+            log.warning("node %d: could not catch up (%s); training on from step %d", self.rank, exc, step + 1)
+            membership.abandon_catch_up()
+            self._catch_up_after = step + membership.liveness.max_lag
+            self.phase = Phase.MEMBER
+            return step + 1
+        self.state.load(self.algorithm.adopt_state(donated, self.state.vector()))
+        self._adopt_late_states()
+        self.catch_ups += 1
+        if not all_finite(self.state.vector()):
+            raise NonFiniteError(self.rank, donated.step, "model after catching up")
+        self.phase = Phase.MEMBER
+        resume = max(step + 1, donated.step + 1, membership.resume_step)
+        return max(resume, membership.first_step_as_member(resume) or resume)  # re-admitted: from its view's switch
+
+    # Leaving ----------------------------------------------------------------------------------------
+    def request_leave(self) -> None:
+        """Leave at the next step boundary (SIGTERM in an elastic run, or the user's request)."""
+        self._leave_requested = True
+
+    def leave_due(self, step: int) -> int | None:
+        """With a leave requested: propose it once (Membership.reconcile proposes again if a
+        concurrent change won); once `step` is the last step as a member, the step the others
+        switch at (the caller finishes, then hand_over), else None."""
+        if not self._leave_requested:
+            return None
+        if self.phase is not Phase.LEAVING:
+            self.phase = Phase.LEAVING
+            self.membership.leave()
+        self.leave_at = self.membership.first_step_without_me(step + 1)
+        if self.leave_at is None or step + 1 < self.leave_at:
+            return None
+        return self.leave_at
+
+    def hand_over(self, leave_at: int) -> None:
+        """Give what this node holds that the others need to a live member that stays."""
+        membership = self.membership
+        stays = membership.live([m for m in membership.members(leave_at) if m != self.rank])
+        self.algorithm.hand_over(stays, leave_at)
+        self.phase = Phase.LEFT
+
+
+__all__ = ["Lifecycle", "Phase"]

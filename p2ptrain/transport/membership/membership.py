@@ -1,0 +1,220 @@
+"""Membership: who trains together from which step, who is alive, and what this node stands for.
+
+One object over three parts: views.py (which ranks are members from which step: agreed by every
+node), liveness.py (which peers this node considers alive, lagging or dead) and greetings.py (the
+Hello protocol that carries both). Algorithms see it through the Members protocol
+(algorithms/base.py); the engine drives joins, leaves, rejoins and catch-ups through it.
+
+What a node stands for is state, not a one-off request: itself in (unless it leaves, or must
+catch up first), itself out when leaving, and with `drop_dead` the peers it declared dead out.
+`reconcile()` proposes exactly that whenever the latest view differs, so a proposal that lost to a
+concurrent one is made again on top of the winner, and nodes with opposite wishes cannot flip-flop.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.transport.membership.greetings import ClusterSurvey, Greetings
+from p2ptrain.transport.membership.liveness import Liveness
+from p2ptrain.transport.membership.views import View, Views
+
+log = logging.getLogger(__name__)
+
+
+class Membership:
+    """Node `rank`'s membership. Queries may come from any thread; proposals, waits and state
+    requests from the training thread."""
+
+    def __init__(self, views: Views, liveness: Liveness, greetings: Greetings, *, view_margin: int,
+                 view_notice: float = 0.0):
+        self.rank = liveness.rank
+        self.world_size = liveness.world_size
+        self.views = views
+        self.liveness = liveness
+        self.greetings = greetings
+        self.identity = greetings.identity  # what this node says about itself in Hellos
+        self.view_margin = view_margin  # steps between a proposal and its switch, at the least
+        self.view_notice = view_notice  # ... and at least this many seconds at this node's pace
+        self.joining = False     # this node (re)joins a running cluster: it takes a donor's state first
+        self.wants_in = True     # stands for itself as a member (a joiner: once set up to receive)
+        self.leaving = False     # stands for a view without itself
+        self.drop_dead = False   # stands for views without the peers it declared dead (rings)
+
+    # Who trains together (views) ------------------------------------------------------------------
+    @property
+    def latest(self) -> View:
+        return self.views.latest
+
+    def members(self, step: int) -> tuple[int, ...]:
+        """The ranks that train together at `step` (the topology or the ring is built over them)."""
+        return self.views.members_at(step)
+
+    def switches_at(self, step: int) -> bool:
+        """The members change at `step` (a ring re-forms, and first re-synchronizes the model)."""
+        return self.views.switches_at(step)
+
+    def first_step_as_member(self, step: int) -> int | None:
+        """The first step >= `step` at which this node is a member (a joiner: its view's switch)."""
+        return self.views.first_step_as_member(self.rank, step)
+
+    def first_step_without_me(self, step: int) -> int | None:
+        """The first step >= `step` at which this node is no member (a leaver stops before it)."""
+        return self.views.first_step_without(self.rank, step)
+
+    def departing(self, step: int) -> frozenset[int]:
+        """Members at `step` that the latest view drops and that did not propose it themselves: a
+        ring with them cannot complete (they died), so it is not tried until the view switches."""
+        latest = self.views.latest
+        return frozenset(set(self.members(step)) - set(latest.members) - {latest.proposer})
+
+    def newcomer(self, peer: int) -> bool:
+        """`peer` is not a member of the latest view: it joins (or comes back after leaving, or
+        after being dropped), and holds no push-sum mass (see Algorithm.welcome)."""
+        return peer not in self.views.latest.members
+
+    # Who is alive (liveness) ----------------------------------------------------------------------
+    def live(self, peers: Iterable[int]) -> list[int]:
+        """The peers not considered dead or lagging (algorithms neither send to nor wait for them)."""
+        return self.liveness.live(peers)
+
+    def all_alive(self) -> bool:
+        """No peer is dead or lagging (a collective over all nodes can complete)."""
+        liveness = self.liveness
+        return not liveness.dead() and not any(liveness.lagging(p) for p in liveness.peers)
+
+    def dead(self) -> frozenset[int]:
+        return self.liveness.dead()
+
+    def probe(self, peer: int) -> bool:
+        """Hello `peer` once without waiting for a connection (from the training thread); declares it
+        dead if it does not answer."""
+        greetings = self.greetings
+        return greetings.loop.submit(greetings.probe(peer)).result(greetings.probe_timeout + 10)
+
+    def must_catch_up(self) -> bool:
+        """A peer declared this node dead (it stalled), or it trails the cluster by more than the
+        lag limit: it must rejoin through a state transfer."""
+        return self.liveness.must_catch_up()
+
+    def lag_report(self) -> str:
+        """Why this node must catch up, for logs."""
+        return f"excluded by {sorted(self.liveness.excluded_by())}, {self.liveness.behind()} steps behind the cluster"
+
+    # What this node stands for (proposals) -------------------------------------------------------
+    def reconcile(self) -> int:
+        """Propose the members this node stands for, if the latest view differs (see the module
+        doc). Cheap when nothing differs; returns the latest view's switch step."""
+        latest = set(self.views.latest.members)
+        out = {self.rank} if self.leaving else set()
+        if self.drop_dead:
+            out |= set(self.liveness.dead()) & latest
+        into = {self.rank} if self.wants_in and not self.leaving and not self.liveness.must_catch_up() else set()
+        target = (latest | into) - out
+        if target and target != latest:  # (the last member cannot leave: it trains on)
+            self.propose(target)
+        return self.views.latest.switch_step
+
+    def leave(self) -> None:
+        """Stand for the members without this node: it trains up to the step before they switch
+        (first_step_without_me), then hands over what it holds and stops."""
+        self.leaving = True
+        self.reconcile()
+
+    def drop_dead_members(self) -> None:
+        """From now on, stand for the members without those this node declared dead (a ring
+        re-forms without them; one that rejoins is no longer dead, and proposes itself again)."""
+        self.drop_dead = True
+        self.reconcile()
+
+    def realign(self) -> None:
+        """Propose the current members again, unless a switch is pending: a new view over the same
+        ranks, at whose switch every ring member averages the model with a long deadline, which
+        brings nodes that fell out of step (rounds failing forever) back together."""
+        if self.views.latest.switch_step <= self.liveness.step:
+            log.warning("node %d: the ring keeps failing; proposing to re-form it", self.rank)
+            self.propose(self.views.latest.members)
+
+    def propose(self, members) -> int:
+        """Propose that `members` train together from `view_margin` steps past the furthest step
+        known of any member (and `view_notice` seconds at this node's pace), and tell every old and
+        new member; returns the switch step in force."""
+        return self.greetings.propose_view(members, self.view_margin, self.view_notice)
+
+    # Steps, start-up and rejoining -----------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        return self.liveness.step
+
+    @property
+    def resume_step(self) -> int:
+        """The step a rejoined node resumes at (said in its Hellos)."""
+        return self.greetings.resume_step
+
+    def set_step(self, step: int) -> None:
+        """This node's current step (the lag and the pace of view switches are measured from it)."""
+        self.liveness.step = step
+        self.greetings.pace.note(step)
+
+    def survey(self, timeout: float = 2.0) -> ClusterSurvey:
+        """How many peers answer a Hello, and whether the cluster already runs."""
+        return self.greetings.survey(timeout)
+
+    def hello(self, peer: int, timeout: float = 10.0) -> pb.HelloReply:
+        """Greet `peer` once (from the training thread), waiting up to `timeout` for it to come up;
+        its reply (SendFailure if it gives none)."""
+        greetings = self.greetings
+        return greetings.loop.submit(greetings.hello(peer, timeout)).result(timeout + 5)
+
+    def wait_for_peers(self, timeout: float = 60.0, *, require_ready: bool = False) -> None:
+        """Hello every peer until it is up (and ready, with require_ready); PeerError otherwise."""
+        self.greetings.wait_for_peers(timeout, require_ready=require_ready)
+
+    def wait_for_step(self, step: int, timeout: float) -> None:
+        """Wait until every live peer reports a current step >= `step` (the cluster resumed from
+        checkpoints of the same step: a peer still at step 0 would refuse our messages)."""
+        self.greetings.wait_for_step(step, timeout)
+
+    def take_state_requests(self) -> list[int]:
+        """Peers that asked (in a Hello) for this node's state since the last call."""
+        return self.greetings.take_state_requests()
+
+    def request_state(self, timeout: float) -> int:
+        """Ask live peers for their state until a ready one accepts; returns its rank (the state
+        arrives as a STATE message). Waits for nobody's messages until they have sent to us."""
+        self.liveness.rejoining()
+        return self.greetings.request_state(timeout)
+
+    def rejoined(self, step: int) -> int:
+        """A state transfer completed: resume at `step` or later as a new incarnation (so peers
+        that declared this node dead take it back), and tell every peer once this node is ready (a
+        restarted node announces after its setup). Returns the step it resumes at."""
+        self.greetings.rejoined()
+        self.resume_at(step)
+        return self.announce_ready() if self.greetings.ready else step
+
+    def abandon_catch_up(self) -> None:
+        """No donor could be had (e.g. the others finished): train on, forgetting who excluded us."""
+        self.liveness.rejoined()
+
+    def announce_ready(self) -> int:
+        """Tell every peer (one Hello each, failures ignored) that this node is ready again; returns
+        the step it resumes at: the resume step, or the furthest step a peer is at when it learns, if
+        the cluster moved on while this node fetched and loaded its state. Nobody sent it anything
+        for the steps in between, so running them would only push mass out (SGP: w halves with
+        every step that brings nothing in); and a peer of a lockstep ring (AllReduce, Pipe-SGD)
+        that reports step s is inside step s, waiting for this node's share of it, so s (not s + 1)
+        keeps the ring's rounds aligned."""
+        steps = self.greetings.announce_ready()
+        if steps and max(steps) > self.greetings.resume_step:
+            self.resume_at(max(steps))
+        return self.greetings.resume_step
+
+    def resume_at(self, step: int) -> None:
+        """A rejoined node continues at `step`: say so in Hellos and measure lags from there."""
+        self.greetings.resume_step = step
+        self.set_step(step)
+
+
+__all__ = ["Membership"]

@@ -1,0 +1,206 @@
+"""The gRPC path: one channel per peer (PushTensor streams, Hello, Settle), on the node's loop thread.
+
+This module and the gRPC servers (server.py, forwarding.py, health.py, security.py, streams.py)
+are the only places that see gRPC types: every failed call leaves here as a SendFailure whose
+kind says what the sender's policy needs (failure_of). It moves bytes only; whether to retry,
+relay or settle a message is sending.py's and router.py's business.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+
+from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.transport.errors import FailureKind, SendFailure
+from p2ptrain.transport.framing import encode_header, iter_data_chunks, serialize_identity
+from p2ptrain.transport.lane_server import split_address
+from p2ptrain.transport.security import PLAINTEXT, Security
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Peer"].full_name  # "p2ptrain.v1.Peer"
+PUSH_METHOD = f"/{SERVICE_NAME}/PushTensor"
+HELLO_METHOD = f"/{SERVICE_NAME}/Hello"
+SETTLE_METHOD = f"/{SERVICE_NAME}/Settle"
+GONE_CHECK_SECONDS = 1.0  # a connect that neither succeeds nor is refused within this says nothing
+
+_KINDS = {grpc.StatusCode.UNAVAILABLE: FailureKind.UNREACHABLE,
+          grpc.StatusCode.DEADLINE_EXCEEDED: FailureKind.TIMEOUT,
+          grpc.StatusCode.CANCELLED: FailureKind.CANCELLED,
+          grpc.StatusCode.RESOURCE_EXHAUSTED: FailureKind.BUSY,
+          grpc.StatusCode.INTERNAL: FailureKind.BROKEN,
+          grpc.StatusCode.UNKNOWN: FailureKind.BROKEN,
+          grpc.StatusCode.UNAUTHENTICATED: FailureKind.DENIED,
+          grpc.StatusCode.PERMISSION_DENIED: FailureKind.DENIED}
+_STATUS = {FailureKind.GONE: grpc.StatusCode.UNAVAILABLE, FailureKind.UNREACHABLE: grpc.StatusCode.UNAVAILABLE,
+           FailureKind.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED, FailureKind.BROKEN: grpc.StatusCode.INTERNAL,
+           FailureKind.BUSY: grpc.StatusCode.RESOURCE_EXHAUSTED, FailureKind.CANCELLED: grpc.StatusCode.CANCELLED,
+           FailureKind.DENIED: grpc.StatusCode.UNAUTHENTICATED}
+
+
+def status_of(kind: FailureKind) -> grpc.StatusCode:
+    """The gRPC status a server answers a failure of `kind` with (its callers map it back: failure_of)."""
+    return _STATUS.get(kind, grpc.StatusCode.UNKNOWN)
+
+
+async def failure_of(exc: grpc.aio.AioRpcError, address: str) -> SendFailure:
+    """The SendFailure a failed call to `address` amounts to. UNAVAILABLE is GONE when nothing
+    listens on the address any more (a connect is refused: the process died; a stalled one still
+    accepts connections), decided by trying, not by reading gRPC's message text."""
+    kind = _KINDS.get(exc.code(), FailureKind.PROTOCOL)
+    if kind is FailureKind.UNREACHABLE and await nothing_listens(address):
+        kind = FailureKind.GONE
+    return SendFailure(kind, f"{exc.code().name}: {exc.details()}")
+
+
+async def nothing_listens(address: str) -> bool:
+    """A TCP connect to host:port is refused (False for other addresses, timeouts and successes)."""
+    target = split_address(address)
+    if target is None:
+        return False
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(*target), GONE_CHECK_SECONDS)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return False
+
+
+class PeerClient:
+    """The channel to one peer; every call raises SendFailure on failure."""
+
+    def __init__(self, address: str, options: list[tuple[str, object]], chunk_bytes: int,
+                 security: Security = PLAINTEXT):
+        self.address = address
+        self.chunk_bytes = chunk_bytes
+        self.channel = security.aio_channel(address, options)
+        self.metadata = security.call_metadata()  # the auth token, sent with every call
+        self._push = self.channel.stream_unary(PUSH_METHOD, request_serializer=serialize_identity,
+                                               response_deserializer=pb.Ack.FromString)
+        self._hello = self.channel.unary_unary(HELLO_METHOD,
+                                               request_serializer=pb.HelloRequest.SerializeToString,
+                                               response_deserializer=pb.HelloReply.FromString)
+        self._settle = self.channel.unary_unary(SETTLE_METHOD,
+                                                request_serializer=pb.SettleRequest.SerializeToString,
+                                                response_deserializer=pb.SettleReply.FromString)
+
+    async def push(self, header: pb.TensorHeader, payload: memoryview, timeout: float | None,
+                   wait_for_ready: bool = True) -> pb.Ack:
+        """Stream header + payload chunks; waits for the peer to come up (wait_for_ready) until
+        `timeout`."""
+        chunk_bytes = self.chunk_bytes
+
+        def chunks():
+            yield encode_header(header)
+            yield from iter_data_chunks(payload, chunk_bytes)
+
+        try:
+            return await self._push(chunks(), timeout=timeout, wait_for_ready=wait_for_ready, metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise await failure_of(exc, self.address) from None
+
+    def open_push(self, timeout: float | None, wait_for_ready: bool = True) -> "PushCall":
+        """A PushTensor call to write pre-encoded chunks into one by one (relay forwarding)."""
+        return PushCall(self._push(timeout=timeout, wait_for_ready=wait_for_ready, metadata=self.metadata),
+                        self.address)
+
+    async def hello(self, request: pb.HelloRequest, timeout: float | None,
+                    wait_for_ready: bool = True) -> pb.HelloReply:
+        try:
+            return await self._hello(request, timeout=timeout, wait_for_ready=wait_for_ready, metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise await failure_of(exc, self.address) from None
+
+    async def settle(self, request: pb.SettleRequest, timeout: float | None) -> pb.SettleReply:
+        """Ask the peer which of our messages it delivered (it voids the rest); fails fast if down."""
+        try:
+            return await self._settle(request, timeout=timeout, wait_for_ready=False, metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise await failure_of(exc, self.address) from None
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class PushCall:
+    """An open PushTensor call (forwarding.py pipes a relayed stream into it chunk by chunk)."""
+
+    def __init__(self, call, address: str):
+        self._call = call
+        self.address = address
+
+    async def write(self, chunk: bytes) -> bool:
+        """Write one encoded chunk; False once the call has ended (answered early, or failed):
+        `result()` then says how."""
+        try:
+            await self._call.write(chunk)
+        except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
+            return False
+        return True
+
+    async def done_writing(self) -> None:
+        with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
+            await self._call.done_writing()
+
+    async def result(self) -> pb.Ack:
+        """The next hop's Ack; SendFailure if the call failed."""
+        try:
+            return await self._call
+        except grpc.aio.AioRpcError as exc:
+            raise await failure_of(exc, self.address) from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class GrpcPath:
+    """The node's PeerClients, one per peer, each made on first use (on the loop thread)."""
+
+    def __init__(self, addresses: list[str], options: list[tuple[str, object]], chunk_bytes: int,
+                 security: Security = PLAINTEXT):
+        self.addresses = addresses  # shared with the node (rank order; "" until a joiner is heard of)
+        self.options = options
+        self.chunk_bytes = chunk_bytes
+        self.security = security
+        self._clients: dict[int, PeerClient] = {}
+
+    def set_addresses(self, addresses: list[str]) -> None:
+        """Peer addresses learned after start-up (a rendezvous); before any channel is made."""
+        if self._clients:
+            raise RuntimeError("peer addresses can only be set before the first call to a peer")
+        self.addresses[:] = addresses
+
+    def learn_address(self, peer: int, address: str) -> bool:
+        """The address of a node that joined after the start (its Hello or a view names it); a
+        known address is never replaced (a restarted node keeps its own). True if it was new."""
+        if not address or self.addresses[peer]:
+            return False
+        self.addresses[peer] = address
+        return True
+
+    def client(self, peer: int) -> PeerClient:
+        if not self.addresses[peer]:
+            raise SendFailure(FailureKind.UNREACHABLE, f"no address known for node {peer} (it has not joined)")
+        client = self._clients.get(peer)
+        if client is None:
+            client = self._clients[peer] = PeerClient(self.addresses[peer], self.options, self.chunk_bytes,
+                                                      self.security)
+        return client
+
+    async def reset(self, peer: int) -> None:
+        """Drop `peer`'s channel (it came back from the dead: connect afresh, without backoff)."""
+        client = self._clients.pop(peer, None)
+        if client is not None:
+            await client.close()
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+
+
+__all__ = ["GrpcPath", "HELLO_METHOD", "PUSH_METHOD", "PeerClient", "PushCall", "SERVICE_NAME", "SETTLE_METHOD",
+           "failure_of", "nothing_listens", "status_of"]

@@ -1,0 +1,243 @@
+"""The lane path: tensor payloads over a direct TCP connection per peer pair (lane_server.py receives).
+
+grpcio copies every payload byte several times and hands it between threads; here uvloop writes
+straight from the tensor's memory (a memoryview, queued without a copy). A connection opens with the
+server's challenge, our LaneAuth (rank and, with a token, an HMAC proof: the token never travels)
+and the server's verdict, under TLS when the node uses TLS; then it carries one message at a time:
+header + payload -> Ack. Where each peer's lane listens is learned from Hellos (`learn`).
+
+Failures leave as SendFailure; LaneUnavailable means nothing of the message was sent, so the router
+may safely fall back to gRPC. Runs on the node's loop thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import socket
+import time
+from collections import defaultdict, deque
+
+from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.transport.errors import FailureKind, SendFailure
+from p2ptrain.transport.laneframes import (
+    KEEPALIVE,
+    LANE_PROTOCOL,
+    FrameReader,
+    LaneFrameError,
+    auth_proof,
+    decode,
+    encode,
+)
+from p2ptrain.transport.reception import RETRY_LATER
+from p2ptrain.transport.security import Security
+
+CLIENT_IDLE = KEEPALIVE / 2  # a pooled connection idle this long is retired: before the server's keepalive cuts it
+CONNECT_TIMEOUT = 3.0        # connect + handshake; longer means the lane is unusable (auto falls back to gRPC)
+
+
+class LaneUnavailable(SendFailure):
+    """No lane connection could be made or authenticated: nothing of the message was sent."""
+
+    def __init__(self, detail: str):
+        super().__init__(FailureKind.UNREACHABLE, detail)
+
+
+class LaneConnection(asyncio.Protocol):
+    """One outgoing lane connection: writes frames and payloads, hands back the frames it receives."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.error: BaseException | None = None
+        self.idle_since = 0.0
+        self._reader = FrameReader()
+        self._frames: deque[bytes] = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._frames.extend(self._reader.feed(data))
+        except LaneFrameError as exc:
+            self.error = exc
+            self.transport.abort()
+        self._wake()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.closed = True
+        self.error = self.error or exc or ConnectionResetError("the peer closed the lane connection")
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def frame(self) -> bytes:
+        """The next frame body the peer sent; ConnectionError once the connection is gone."""
+        while not self._frames:
+            if self.closed:
+                raise ConnectionError(f"lane connection lost: {self.error}")
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self._frames.popleft()
+
+    def send(self, *parts: bytes | memoryview) -> None:
+        """Queue `parts` (uvloop writes what it can at once and keeps a reference to the rest: no copy)."""
+        for part in parts:
+            if len(part):
+                self.transport.write(part)
+
+    def abort(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.abort()
+
+
+def _refused_connect(exc: BaseException) -> bool:
+    return isinstance(exc, ConnectionRefusedError) or getattr(exc, "errno", None) == errno.ECONNREFUSED
+
+
+class LaneClient:
+    """Node `rank`'s outgoing lane connections, pooled per peer (one message per connection at a
+    time; the router bounds the messages in flight per peer), and where each peer's lane listens.
+    `required` (data_plane tcp): a peer without a lane cannot be sent to at all."""
+
+    def __init__(self, rank: int, security: Security, *, required: bool = False, retry_after: float = 30.0):
+        self.rank = rank
+        self.security = security
+        self.required = required
+        self.retry_after = retry_after
+        self.token = security.token
+        self.ssl = security.lane_client_context()
+        self._ports: dict[int, int] = {}          # peer -> the lane port it advertised (0: none)
+        self._unusable: dict[int, float] = {}     # peer -> monotonic time until which its lane is not tried
+        self._idle: dict[int, list[LaneConnection]] = defaultdict(list)
+        self._all: set[LaneConnection] = set()
+
+    # Where peers' lanes listen ------------------------------------------------------------------
+    def learn(self, peer: int, port: int) -> None:
+        """`peer` advertised lane `port` in a Hello (0: it offers none)."""
+        if self._ports.get(peer) != port:
+            self._unusable.pop(peer, None)  # a new lane (a restart): worth trying at once
+            self.drop(peer)
+        self._ports[peer] = port
+
+    def known(self, peer: int) -> bool:
+        return peer in self._ports
+
+    def port_of(self, peer: int) -> int:
+        """The lane port `peer` advertised; 0 when it offers none, is not known, or failed lately."""
+        if time.monotonic() < self._unusable.get(peer, 0.0):
+            return 0
+        return self._ports.get(peer, 0)
+
+    def forget(self, peer: int) -> None:
+        """Its lane could not be connected to: ask its Hello where it is now (a restart moves it)."""
+        self._ports.pop(peer, None)
+
+    def set_aside(self, peer: int) -> None:
+        """Its lane proved unusable: leave it alone for `retry_after` seconds."""
+        self._unusable[peer] = time.monotonic() + self.retry_after
+
+    def refusal(self, peer: int) -> str:
+        """Why a required lane cannot reach `peer` ("" when it can, or when that is not known yet)."""
+        if not self.required or self._ports.get(peer, 1):
+            return ""
+        return (f"node {self.rank}: node {peer} offers no TCP lane, which data_plane=tcp requires (run it with "
+                "data_plane auto or tcp, or use data_plane auto / grpc here)")
+
+    # Sending -------------------------------------------------------------------------------------
+    async def push(self, peer: int, host: str, port: int, header: pb.TensorHeader, payload: memoryview,
+                   timeout: float) -> pb.Ack:
+        """Send header + payload to `peer`'s lane at host:port and return its Ack. Raises
+        LaneUnavailable when no connection could be made (nothing was sent), else SendFailure."""
+        try:
+            return await asyncio.wait_for(self._push(peer, host, port, header, payload), timeout)
+        except asyncio.TimeoutError:
+            raise SendFailure(FailureKind.TIMEOUT, f"lane to node {peer}: no Ack within {timeout:.3g} s") from None
+
+    async def _push(self, peer: int, host: str, port: int, header: pb.TensorHeader,
+                    payload: memoryview) -> pb.Ack:
+        connection = self._pooled(peer) or await self._connect(peer, host, port)
+        try:
+            connection.send(encode(header), payload)
+            ack = decode(pb.Ack, await connection.frame())
+        except BaseException as exc:
+            self._discard(connection)  # whatever was half-sent is dropped by the receiver
+            if isinstance(exc, (OSError, LaneFrameError)):  # ConnectionError included
+                raise SendFailure(FailureKind.BROKEN, f"lane to node {peer} broke off: {exc}") from None
+            raise
+        connection.idle_since = asyncio.get_running_loop().time()
+        self._idle[peer].append(connection)
+        later = RETRY_LATER.get(ack.reason) if ack.status == pb.Ack.STATUS_REJECTED else None
+        if later is not None:  # not the message's fault: the sender may retry it
+            raise SendFailure(later, f"{ack.reason}: {ack.detail}")
+        return ack
+
+    def _pooled(self, peer: int) -> LaneConnection | None:
+        """The most recently used idle connection to `peer` still worth using (closes stale ones)."""
+        idle, now = self._idle[peer], asyncio.get_running_loop().time()
+        while idle:
+            connection = idle.pop()
+            if not connection.closed and now - connection.idle_since < CLIENT_IDLE:
+                return connection
+            connection.abort()
+            self._all.discard(connection)
+        return None
+
+    async def _connect(self, peer: int, host: str, port: int) -> LaneConnection:
+        loop = asyncio.get_running_loop()
+        where = f"node {self.rank}: lane of node {peer} at {host}:{port}"
+        try:
+            _, connection = await asyncio.wait_for(loop.create_connection(
+                LaneConnection, host, port, ssl=self.ssl,
+                server_hostname=self.security.lane_server_name(host) if self.ssl else None), CONNECT_TIMEOUT)
+        except (OSError, asyncio.TimeoutError) as exc:
+            refused = "connection refused" if _refused_connect(exc) else type(exc).__name__
+            raise LaneUnavailable(f"{where}: {refused}: {exc}") from None
+        self._all.add(connection)
+        try:
+            challenge = decode(pb.LaneChallenge, await asyncio.wait_for(connection.frame(), CONNECT_TIMEOUT))
+            if challenge.protocol_version != LANE_PROTOCOL:
+                raise LaneFrameError(f"lane protocol {challenge.protocol_version!r} != {LANE_PROTOCOL!r}")
+            proof = auth_proof(self.token, challenge.nonce, self.rank, peer) if self.token else b""
+            connection.send(encode(pb.LaneAuth(protocol_version=LANE_PROTOCOL, sender=self.rank, receiver=peer,
+                                               proof=proof)))
+            verdict = decode(pb.LaneAuthReply, await asyncio.wait_for(connection.frame(), CONNECT_TIMEOUT))
+        except (OSError, asyncio.TimeoutError, LaneFrameError) as exc:
+            self._discard(connection)
+            raise LaneUnavailable(f"{where}: handshake failed: {type(exc).__name__}: {exc}") from None
+        except BaseException:
+            self._discard(connection)
+            raise
+        if not verdict.accepted:
+            self._discard(connection)
+            detail = f"{where} refused the connection: {verdict.reason}: {verdict.detail}"
+            if verdict.reason == "unauthenticated":
+                raise SendFailure(FailureKind.DENIED, detail)
+            if verdict.reason == "too_many_connections":
+                raise SendFailure(FailureKind.BUSY, detail)
+            raise LaneUnavailable(detail)  # e.g. another node now listens on that port: ask again
+        return connection
+
+    def _discard(self, connection: LaneConnection) -> None:
+        connection.abort()
+        self._all.discard(connection)
+
+    def drop(self, peer: int) -> None:
+        """Close `peer`'s idle connections (it restarted, or its lane moved)."""
+        for connection in self._idle.pop(peer, []):
+            self._discard(connection)
+
+    async def close(self) -> None:
+        for connection in list(self._all):
+            connection.abort()
+        self._all.clear()
+        self._idle.clear()
+
+
+__all__ = ["LaneClient", "LaneConnection", "LaneUnavailable", "CLIENT_IDLE", "CONNECT_TIMEOUT"]

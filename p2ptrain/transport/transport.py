@@ -1,0 +1,250 @@
+"""The Transport of one node: moving tensors between peers, composed of named parts.
+
+The loop thread (loop_thread.py) owns every gRPC object and the TCP lane. Receiving: the gRPC
+service (server.py) and the lane (lane_server.py) feed the Inbox through one set of Answers
+(reception.py); streams for another node go to the Forwarder. Sending: the Sender (ids, retries,
+settling) asks the Router (paths/) which path a message takes. `membership` says who the members
+are and who is alive. The training thread uses the blocking or future-returning methods below and
+the parts themselves; the transport never knows what an algorithm means by a tensor.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import time
+
+import torch
+
+from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.transport.errors import PeerError
+from p2ptrain.transport.faults import EmulatedLinks
+from p2ptrain.transport.forwarding import Forwarder
+from p2ptrain.transport.framing import check_chunk_bytes
+from p2ptrain.transport.health import ServingStatus
+from p2ptrain.transport.inbox import Inbox
+from p2ptrain.transport.lane_server import LaneServer, split_address
+from p2ptrain.transport.loop_thread import LoopThread
+from p2ptrain.transport.membership import Identity, Membership
+from p2ptrain.transport.membership.greetings import Greetings
+from p2ptrain.transport.membership.liveness import Liveness
+from p2ptrain.transport.membership.views import Views
+from p2ptrain.transport.message import Message
+from p2ptrain.transport.options import TransportOptions
+from p2ptrain.transport.paths.grpc_path import SERVICE_NAME, GrpcPath
+from p2ptrain.transport.paths.lane_path import LaneClient
+from p2ptrain.transport.paths.router import Router
+from p2ptrain.transport.reception import Answers
+from p2ptrain.transport.routes import RouteTable, parse_relay_routes, parse_relays
+from p2ptrain.transport.sending import Sender
+from p2ptrain.transport.server import PeerService, serve
+from p2ptrain.transport.tuning import tune_process_for_transfer
+
+
+class Transport:
+    """Tensor push/receive for node `rank` of `world_size`; peers[i] is node i's address. peers=None:
+    addresses learned after start (`set_peer_addresses`, from a rendezvous); `listen` is then required."""
+
+    def __init__(self, rank: int, world_size: int, peers: list[str] | None, *, listen: str | None = None,
+                 options: TransportOptions | None = None, metrics=None, config_fingerprint: str = ""):
+        if peers is None and not listen:
+            raise ValueError("without peer addresses (learned after start) give the listen address")
+        if peers is not None and len(peers) != world_size:
+            raise ValueError(f"need one address per node: {len(peers)} addresses for world size {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside 0..{world_size - 1}")
+        self.rank = rank
+        self.world_size = world_size
+        self.options = options = options or TransportOptions()
+        check_chunk_bytes(options.chunk_bytes)
+        self.metrics = metrics
+        self.loop = LoopThread(f"p2ptrain-comm-{rank}", f"node {rank} transport")
+        addresses = list(peers) if peers is not None else [""] * world_size
+        self.listen = listen or f"[::]:{addresses[rank].rsplit(':', 1)[1]}"
+        self.port: int | None = None
+        self.health: ServingStatus | None = None  # grpc.health.v1 answer: SERVING once ready (health.py)
+        self.lane_server: LaneServer | None = None
+        self._server = None  # the gRPC server (server.serve), made on the loop thread
+
+        # Paths out: gRPC always, the lane unless data_plane is grpc, through emulated links if any.
+        links = options.links if options.links is not None and not options.links.is_noop else None
+        self.links = EmulatedLinks(links, rank, metrics) if links is not None else None
+        self.grpc = GrpcPath(addresses, options.channel_options(), options.chunk_bytes, options.security)
+        self.lanes = LaneClient(rank, options.security, required=options.data_plane == "tcp",
+                                retry_after=options.relay_retry_after) if options.data_plane != "grpc" else None
+        self.routes = RouteTable(rank, world_size, parse_relay_routes(options.relay_routes, world_size),
+                                 parse_relays(options.relays, world_size), retry_after=options.relay_retry_after,
+                                 blocked=self.links.blocked if self.links is not None else (lambda peer: False))
+
+        # Who the members are.
+        initial = range(world_size if options.initial_members is None else options.initial_members)
+        views = Views(rank, tuple(initial), world_size)
+        liveness = Liveness(rank, world_size, views, metrics, max_lag=options.max_lag)
+        greetings = Greetings(Identity(rank, world_size, config_fingerprint), self.loop, self.grpc, liveness, views,
+                              self.routes, probe_timeout=options.probe_timeout, lanes=self.lanes)
+        self.membership = Membership(views, liveness, greetings, view_margin=options.view_margin,
+                                     view_notice=options.view_notice)
+
+        # Receiving, forwarding, sending.
+        self.inbox = Inbox(rank, world_size, liveness, step_window=options.step_window, pin_memory=options.pin_memory)
+        liveness.subscribe(self.inbox.wake)  # stop waiting for a peer declared dead
+        self.answers = Answers(rank, self.inbox, liveness, metrics)
+        self.forwarder = Forwarder(rank, world_size, self.grpc, send_timeout=options.send_timeout, links=self.links,
+                                   metrics=metrics)
+        self.router = Router(rank, self.grpc, self.lanes, self.routes, greetings, links=self.links,
+                             discovery_timeout=options.probe_timeout, metrics=metrics)
+        self.sender = Sender(rank, world_size, options, self.loop, self.router, self.grpc, greetings, liveness,
+                             metrics)
+
+    # Lifecycle ------------------------------------------------------------------------------
+    def start(self, timeout: float = 30.0) -> "Transport":
+        tune_process_for_transfer()
+        self.loop.start(self._start_server, timeout)  # re-raises a bind failure here
+        return self
+
+    async def _start_server(self) -> None:
+        service = PeerService(self.answers, self.membership.greetings, self.world_size, self.forwarder)
+        if self.lanes is not None:  # listening before any Hello can advertise it
+            self.membership.greetings.lane_port = await self._start_lane()
+        try:
+            self._server, self.health, port = await serve(
+                service.handler(), SERVICE_NAME, listen=self.listen, options=self.options.server_options(),
+                security=self.options.security, metrics=self.metrics, serving=self.membership.greetings.ready)
+            if port == 0:
+                raise PeerError(f"node {self.rank} could not listen on {self.listen}")
+        except BaseException:
+            if self.lane_server is not None:  # give its port back: this node does not start
+                await self.lane_server.stop()
+            raise
+        self.port = port
+
+    async def _start_lane(self) -> int:
+        """Listen for lane connections on the gRPC listen host; the port (0: no lane here)."""
+        address = split_address(self.listen)
+        if address is None:
+            if self.options.data_plane == "tcp":
+                raise PeerError(f"node {self.rank}: data_plane=tcp needs a host:port listen address, not "
+                                f"{self.listen!r}")
+            return 0
+        self.lane_server = LaneServer(self.answers, self.world_size, self.options.security)
+        peer_ports = frozenset(a[1] for a in map(split_address, self.grpc.addresses) if a is not None)
+        return await self.lane_server.start(address[0], self.options.lane_port, avoid=peer_ports)
+
+    @property
+    def lane_port(self) -> int:
+        """The port of this node's TCP lane (advertised in Hello); 0 when it offers none."""
+        return self.membership.greetings.lane_port
+
+    @property
+    def peers(self) -> list[str]:
+        """Every node's address, in rank order ("" for a joiner not heard of yet)."""
+        return self.grpc.addresses
+
+    def set_peer_addresses(self, addresses: list[str]) -> None:
+        """Every node's address, in rank order, learned once this server is bound (a rendezvous
+        publishes `self.port`); call before anything is sent or greeted."""
+        if len(addresses) != self.world_size:
+            raise ValueError(f"need one address per node: {len(addresses)} addresses for world size "
+                             f"{self.world_size}")
+        self.grpc.set_addresses(addresses)
+
+    def mark_ready(self) -> None:
+        """Tell peers (through Hello) and health probes that this node now accepts tensors."""
+        self.membership.greetings.ready = True
+        if self.health is not None:
+            self.health.set_serving(True)
+
+    def stop(self) -> None:
+        """Graceful: in-flight RPCs get `shutdown_grace` seconds, then channels close."""
+        async def shutdown() -> None:
+            if self.health is not None:
+                await self.health.drain()  # NOT_SERVING before the grace period: probes stop routing here
+            if self._server is not None:
+                await self._server.stop(self.options.shutdown_grace)
+            if self.lane_server is not None:  # (its messages in flight had the grace period too)
+                await self.lane_server.stop()
+            if self.lanes is not None:
+                await self.lanes.close()
+            await self.grpc.close()
+            if self.links is not None:
+                self.links.cancel()
+            self.sender.abandon_unsettled()
+
+        self.loop.stop(shutdown, self.options.shutdown_grace)
+
+    def __enter__(self) -> "Transport":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def run_on_loop(self, fn, *args):
+        """fn(*args) run on the transport's loop thread, where its state lives; the result."""
+        return self.loop.call(fn, *args)
+
+    # Sending --------------------------------------------------------------------------------
+    def send(self, peer: int, tensor: torch.Tensor, *, kind: int, step: int, ps_weight: float = 0.0,
+             relay_count: float = 0.0, channel: str = "", codec: int = pb.CODEC_NONE,
+             codec_params: tuple[float, ...] = (), dtype: torch.dtype | None = None,
+             numel: int | None = None, shape: tuple[int, ...] | None = None,
+             reliable: bool = False, settle: bool = False) -> concurrent.futures.Future:
+        """Push `tensor` to `peer`; a future of its Ack (see sending.Sender.send for `reliable`,
+        `settle` and codec payloads). Ownership of `tensor` passes until the future is done."""
+        return self.sender.send(peer, tensor, kind=kind, step=step, ps_weight=ps_weight, relay_count=relay_count,
+                                channel=channel, codec=codec, codec_params=codec_params, dtype=dtype,
+                                numel=numel, shape=shape, reliable=reliable, settle=settle)
+
+    # Receiving --------------------------------------------------------------------------------
+    def expect(self, kind: int, dtype: torch.dtype, numel: int, **kwargs) -> None:
+        """Declare an accepted message kind (see Inbox.expect); call before peers send."""
+        self.loop.call(functools.partial(self.inbox.expect, kind, dtype, numel, **kwargs))
+
+    def unexpect(self, kind: int, channel: str | None = None) -> None:
+        """Stop accepting `kind` (Inbox.unexpect)."""
+        self.loop.call(self.inbox.unexpect, kind, channel)
+
+    def recv(self, kind: int, step: int, senders: list[int], *, timeout: float | None = None,
+             channel: str = "") -> dict[int, Message]:
+        """Block until each sender's step-`step` message of `kind` arrived; raises TimeoutError."""
+        if not senders:
+            return {}
+        return self.loop.submit(self.inbox.wait_for(kind, step, list(senders), channel, timeout)).result()
+
+    def gather(self, kind: int, step: int, senders: list[int], *, channel: str = "",
+               deadline: float | None = None) -> dict[int, Message]:
+        """The step-`step` messages of the senders worth waiting for (Liveness.awaited), waiting
+        at most `deadline` (default options.link_deadline) seconds. A sender that missed it counts
+        as a dropped link for this step (its message is folded in later, if it comes) and gets a
+        Hello probe: one that does not answer is declared dead and not waited for again."""
+        awaited = self.membership.liveness.awaited(senders, step)
+        if not awaited:
+            return {}
+        timeout = self.options.link_deadline if deadline is None else deadline
+        return self.loop.submit(self._gather(kind, step, awaited, channel, timeout)).result()
+
+    async def _gather(self, kind: int, step: int, senders: list[int], channel: str,
+                      timeout: float) -> dict[int, Message]:
+        got = await self.inbox.wait_for(kind, step, senders, channel, timeout, partial=True)
+        for peer in senders:
+            if peer not in got and self.membership.liveness.alive(peer):
+                if self.metrics is not None:
+                    self.metrics.on_link_timeout(peer)
+                self.loop.spawn(self.membership.greetings.probe(peer))
+        return got
+
+    def take(self, kind: int, max_step: int, channel: str = "") -> list[Message]:
+        """Messages of `kind` with step <= max_step that already arrived (non-blocking)."""
+        return self.loop.call(self.inbox.take, kind, max_step, channel)
+
+    def recv_any(self, kind: int, timeout: float) -> list[Message]:
+        """Every message of `kind` that arrived, whatever its step and sender, once there is at least
+        one (a state transfer: a donor asked earlier may answer late, and its state is mass too)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            messages = self.take(kind, 2 ** 62)
+            if messages:
+                return messages
+            time.sleep(0.02)
+        raise TimeoutError(f"node {self.rank}: nothing of kind {kind} within {timeout:.0f}s")
+
+
+__all__ = ["Transport"]
