@@ -1,6 +1,7 @@
 # p2ptrain — the two commands of the README:
 #   make demo   install into .venv and run a 4-node local SGP cluster (report in runs/demo)
-#   make test   install into .venv, lint (ruff) and run the test suite (what CI runs)
+#   make test   install into .venv, lint (ruff), build the docs (strict) and run the test suite (what CI runs)
+#   make docs   build the documentation site (mkdocs, strict) into build/site; preview: .venv/bin/mkdocs serve
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +9,7 @@ PIP_FLAGS ?= -q
 DEMO_ARGS ?= --nodes 4 --algorithm sgp --topology exponential --peers-per-step 1 --overlap 1 \
              --steps 300 --model mlp --dataset synthetic --out runs/demo
 
-.PHONY: install demo test lint test-all bench bench-algorithms bench-peers reproduce proto clean
+.PHONY: install demo test lint docs test-all bench bench-algorithms bench-peers reproduce proto clean
 
 install: $(VENV)/.installed
 
@@ -21,11 +22,18 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: install
 	$(VENV)/bin/p2ptrain launch $(DEMO_ARGS)
 
-test: install lint
+test: install lint docs
 	$(PY) -m pytest
 
 lint: install
 	$(PY) -m ruff check .
+
+# quiet: the log is shown only when the build fails (not `mkdocs --quiet`, which hides the warnings --strict counts)
+docs: install
+	@mkdir -p build
+	@NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site >build/mkdocs.log 2>&1 \
+		|| { cat build/mkdocs.log; echo "make docs: mkdocs build --strict failed" >&2; exit 1; }
+	@echo "docs: build/site ($$(tail -n 1 build/mkdocs.log | sed 's/^INFO *- *//'))"
 
 test-all: install
 	$(PY) -m pytest -m ''
@@ -46,4 +54,4 @@ proto: install
 	$(PY) scripts/gen_proto.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache build/site
