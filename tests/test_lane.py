@@ -94,7 +94,7 @@ def test_a_stale_lane_port_is_asked_again_and_the_new_one_used():
     dead_port = int(loopback_addresses(1)[0].rsplit(":", 1)[1])
     with nodes(2) as t:
         t[1].expect(KIND, torch.float32, NUMEL)
-        on_loop(t[0], t[0].lanes.learn, 1, dead_port)  # as if node 1 had advertised it
+        on_loop(t[0], t[0].lane_ports.learn, 1, dead_port)  # as if node 1 had advertised it
         assert t[0].send(1, PAYLOAD, kind=KIND, step=0).result(20).status == pb.Ack.STATUS_ACCEPTED
         assert lane_messages(t[0], 1) == 1
         assert torch.equal(t[1].recv(KIND, 0, [0], timeout=5)[0].tensor, PAYLOAD)
@@ -126,7 +126,7 @@ def test_a_lane_with_a_wrong_token_is_refused_end_to_end():
     good, bad = (options("tcp", security=Security(token=token)) for token in (TOKEN, "not-the-token"))
     with nodes(2, [1], peers=peers, options=good) as b, nodes(2, [0], peers=peers, options=bad) as a:
         b[1].expect(KIND, torch.float32, NUMEL)
-        on_loop(a[0], a[0].lanes.learn, 1, b[1].lane_port)  # (its Hello would be refused already)
+        on_loop(a[0], a[0].lane_ports.learn, 1, b[1].lane_port)  # (its Hello would be refused already)
         with pytest.raises(SendFailure) as refused:
             a[0].send(1, PAYLOAD, kind=KIND, step=0).result(20)
         assert refused.value.kind is FailureKind.DENIED

@@ -31,7 +31,7 @@ from p2ptrain.transport.membership.views import Views
 from p2ptrain.transport.message import Message
 from p2ptrain.transport.options import TransportOptions
 from p2ptrain.transport.paths.grpc_path import SERVICE_NAME, GrpcPath
-from p2ptrain.transport.paths.lane_path import LaneClient
+from p2ptrain.transport.paths.lane_path import LanePath, LanePorts
 from p2ptrain.transport.paths.router import Router
 from p2ptrain.transport.reception import Answers
 from p2ptrain.transport.routes import RouteTable, parse_relay_routes, parse_relays
@@ -69,8 +69,8 @@ class Transport:
         links = options.links if options.links is not None and not options.links.is_noop else None
         self.links = EmulatedLinks(links, rank, metrics) if links is not None else None
         self.grpc = GrpcPath(addresses, options.channel_options(), options.chunk_bytes, options.security)
-        self.lanes = LaneClient(rank, options.security, required=options.data_plane == "tcp",
-                                retry_after=options.relay_retry_after) if options.data_plane != "grpc" else None
+        self.lane_ports = LanePorts(rank, required=options.data_plane == "tcp", retry_after=options.relay_retry_after) \
+            if options.data_plane != "grpc" else None
         self.routes = RouteTable(rank, world_size, parse_relay_routes(options.relay_routes, world_size),
                                  parse_relays(options.relays, world_size), retry_after=options.relay_retry_after,
                                  blocked=self.links.blocked if self.links is not None else (lambda peer: False))
@@ -80,7 +80,7 @@ class Transport:
         views = Views(rank, tuple(initial), world_size)
         liveness = Liveness(rank, world_size, views, metrics, max_lag=options.max_lag)
         greetings = Greetings(Identity(rank, world_size, config_fingerprint), self.loop, self.grpc, liveness, views,
-                              self.routes, probe_timeout=options.probe_timeout, lanes=self.lanes)
+                              self.routes, probe_timeout=options.probe_timeout, lane_ports=self.lane_ports)
         self.membership = Membership(views, liveness, greetings, view_margin=options.view_margin,
                                      view_notice=options.view_notice)
 
@@ -90,8 +90,10 @@ class Transport:
         self.answers = Answers(rank, self.inbox, liveness, metrics)
         self.forwarder = Forwarder(rank, world_size, self.grpc, send_timeout=options.send_timeout, links=self.links,
                                    metrics=metrics)
-        self.router = Router(rank, self.grpc, self.lanes, self.routes, greetings, links=self.links,
-                             discovery_timeout=options.probe_timeout, metrics=metrics)
+        self.lanes = LanePath(rank, options.security, self.lane_ports, addresses, greetings,
+                              discovery_timeout=options.probe_timeout, metrics=metrics) if self.lane_ports else None
+        paths = [path for path in (self.lanes, self.grpc) if path is not None]  # tried in this order
+        self.router = Router(rank, paths, self.grpc, self.routes, links=self.links)
         self.sender = Sender(rank, world_size, options, self.loop, self.router, self.grpc, greetings, liveness,
                              metrics)
 
@@ -103,7 +105,7 @@ class Transport:
 
     async def _start_server(self) -> None:
         service = PeerService(self.answers, self.membership.greetings, self.world_size, self.forwarder)
-        if self.lanes is not None:  # listening before any Hello can advertise it
+        if self.lane_ports is not None:  # listening before any Hello can advertise it
             self.membership.greetings.lane_port = await self._start_lane()
         try:
             self._server, self.health, port = await serve(

@@ -22,7 +22,7 @@ from p2ptrain.transport.membership.identity import Identity
 from p2ptrain.transport.membership.liveness import Liveness
 from p2ptrain.transport.membership.views import View, Views
 from p2ptrain.transport.paths.grpc_path import GrpcPath
-from p2ptrain.transport.paths.lane_path import LaneClient
+from p2ptrain.transport.paths.lane_path import LanePorts
 from p2ptrain.transport.routes import RouteTable
 
 log = logging.getLogger(__name__)
@@ -70,9 +70,9 @@ class Greetings:
     Blocking methods are for the training thread; coroutines and `on_hello` run on the loop thread."""
 
     def __init__(self, identity: Identity, loop: LoopThread, grpc: GrpcPath, liveness: Liveness, views: Views,
-                 routes: RouteTable, *, probe_timeout: float, lanes: LaneClient | None = None):
+                 routes: RouteTable, *, probe_timeout: float, lane_ports: LanePorts | None = None):
         self.identity = identity
-        self.lanes = lanes  # learns the peers' TCP lanes from Hellos; None: gRPC only
+        self.lane_ports = lane_ports  # where the peers' TCP lanes listen, from their Hellos; None: gRPC only
         self.lane_port = 0  # our own lane's port, advertised in our Hellos (0: none)
         self.rank = identity.node_id
         self.world_size = identity.world_size
@@ -142,8 +142,8 @@ class Greetings:
         """Hello `peer` and note what its reply says about it and us."""
         reply = await self.grpc.client(peer).hello(request, timeout, wait_for_ready=wait_for_ready)
         if reply.compatible and reply.node_id == peer:
-            if self.lanes is not None:
-                self.lanes.learn(peer, reply.lane_port)
+            if self.lane_ports is not None:
+                self.lane_ports.learn(peer, reply.lane_port)
             self.liveness.note_step(peer, reply.step)
             if reply.caller_excluded:
                 self.liveness.excluded(by_peer=peer)
@@ -195,8 +195,8 @@ class Greetings:
         self.learn_address(peer, request.address)
         if request.HasField("view"):
             self.adopt_view(request.view, peer)
-        if self.lanes is not None:
-            self.lanes.learn(peer, request.lane_port)
+        if self.lane_ports is not None:
+            self.lane_ports.learn(peer, request.lane_port)
         was_dead = not self.liveness.alive(peer)
         self.liveness.hello(peer, ready=request.ready, incarnation=request.incarnation,
                               current_step=request.current_step, resume_step=request.step)
@@ -384,8 +384,8 @@ class Greetings:
                 if reply.node_id != peer:
                     raise PeerError(f"node {self.rank}: address {self.addresses[peer]} answers as node "
                                     f"{reply.node_id}, expected {peer}")
-                if self.lanes is not None and self.lanes.refusal(peer):
-                    raise PeerError(self.lanes.refusal(peer))
+                if self.lane_ports is not None and self.lane_ports.refusal(peer):
+                    raise PeerError(self.lane_ports.refusal(peer))
                 if require_ready and not reply.ready:
                     last_problem[peer] = "not ready (still setting up)"
                     continue

@@ -158,7 +158,10 @@ class PushCall:
 
 
 class GrpcPath:
-    """The node's PeerClients, one per peer, each made on first use (on the loop thread)."""
+    """The gRPC path: the node's PeerClients, one per peer, each made on first use (on the loop
+    thread). It can always carry a message (it waits for the peer with wait_for_ready)."""
+
+    name = "grpc"
 
     def __init__(self, addresses: list[str], options: list[tuple[str, object]], chunk_bytes: int,
                  security: Security = PLAINTEXT):
@@ -190,6 +193,10 @@ class GrpcPath:
             client = self._clients[peer] = PeerClient(self.addresses[peer], self.options, self.chunk_bytes,
                                                       self.security)
         return client
+
+    async def push(self, peer: int, header: pb.TensorHeader, payload: memoryview, timeout: float,
+                   wait_for_ready: bool = True) -> pb.Ack:
+        return await self.client(peer).push(header, payload, timeout, wait_for_ready=wait_for_ready)
 
     async def reset(self, peer: int) -> None:
         """Drop `peer`'s channel (it came back from the dead: connect afresh, without backoff)."""

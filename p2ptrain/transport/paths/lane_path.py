@@ -4,21 +4,25 @@ grpcio copies every payload byte several times and hands it between threads; her
 straight from the tensor's memory (a memoryview, queued without a copy). A connection opens with the
 server's challenge, our LaneAuth (rank and, with a token, an HMAC proof: the token never travels)
 and the server's verdict, under TLS when the node uses TLS; then it carries one message at a time:
-header + payload -> Ack. Where each peer's lane listens is learned from Hellos (`learn`).
+header + payload -> Ack. Where each peer's lane listens is learned from Hellos (LanePorts).
 
-Failures leave as SendFailure; LaneUnavailable means nothing of the message was sent, so the router
-may safely fall back to gRPC. Runs on the node's loop thread.
+The data plane decides how hard it insists: under `auto` a peer without a usable lane is
+PathUnavailable (nothing was sent: the router takes gRPC); under `tcp` (`required`) it is an error.
+Runs on the node's loop thread.
 """
 from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import socket
 import time
 from collections import defaultdict, deque
+from typing import Protocol
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.transport.errors import FailureKind, SendFailure
+from p2ptrain.transport.errors import FailureKind, PeerError, SendFailure
+from p2ptrain.transport.lane_server import split_address
 from p2ptrain.transport.laneframes import (
     KEEPALIVE,
     LANE_PROTOCOL,
@@ -28,18 +32,66 @@ from p2ptrain.transport.laneframes import (
     decode,
     encode,
 )
+from p2ptrain.transport.paths import PathUnavailable
 from p2ptrain.transport.reception import RETRY_LATER
 from p2ptrain.transport.security import Security
+
+log = logging.getLogger(__name__)
 
 CLIENT_IDLE = KEEPALIVE / 2  # a pooled connection idle this long is retired: before the server's keepalive cuts it
 CONNECT_TIMEOUT = 3.0        # connect + handshake; longer means the lane is unusable (auto falls back to gRPC)
 
 
-class LaneUnavailable(SendFailure):
+class LaneUnavailable(PathUnavailable):
     """No lane connection could be made or authenticated: nothing of the message was sent."""
 
-    def __init__(self, detail: str):
-        super().__init__(FailureKind.UNREACHABLE, detail)
+
+class Greeter(Protocol):
+    """Who greets peers (membership): its Hello tells where the peer's lane listens (LanePorts.learn)."""
+
+    async def hello(self, peer: int, timeout: float, wait_for_ready: bool = True) -> pb.HelloReply: ...
+
+
+class LanePorts:
+    """Where each peer's lane listens, as its Hellos said, and which lanes proved unusable lately.
+    `required` (data_plane tcp): a peer without a lane cannot be sent to at all."""
+
+    def __init__(self, rank: int, *, required: bool = False, retry_after: float = 30.0):
+        self.rank = rank
+        self.required = required
+        self.retry_after = retry_after
+        self._ports: dict[int, int] = {}        # peer -> the lane port it advertised (0: none)
+        self._unusable: dict[int, float] = {}   # peer -> monotonic time until which its lane is not tried
+
+    def learn(self, peer: int, port: int) -> None:
+        """`peer` advertised lane `port` in a Hello (0: it offers none)."""
+        if self._ports.get(peer) != port:
+            self._unusable.pop(peer, None)  # a new lane (a restart): worth trying at once
+        self._ports[peer] = port
+
+    def known(self, peer: int) -> bool:
+        return peer in self._ports
+
+    def port_of(self, peer: int) -> int:
+        """The lane port `peer` advertised; 0 when it offers none, is not known, or failed lately."""
+        if time.monotonic() < self._unusable.get(peer, 0.0):
+            return 0
+        return self._ports.get(peer, 0)
+
+    def forget(self, peer: int) -> None:
+        """Its lane could not be connected to: ask its Hello where it is now (a restart moves it)."""
+        self._ports.pop(peer, None)
+
+    def set_aside(self, peer: int) -> None:
+        """Its lane proved unusable: leave it alone for `retry_after` seconds."""
+        self._unusable[peer] = time.monotonic() + self.retry_after
+
+    def refusal(self, peer: int) -> str:
+        """Why a required lane cannot reach `peer` ("" when it can, or when that is not known yet)."""
+        if not self.required or self._ports.get(peer, 1):
+            return ""
+        return (f"node {self.rank}: node {peer} offers no TCP lane, which data_plane=tcp requires (run it with "
+                "data_plane auto or tcp, or use data_plane auto / grpc here)")
 
 
 class LaneConnection(asyncio.Protocol):
@@ -49,6 +101,7 @@ class LaneConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.error: BaseException | None = None
+        self.port = 0  # the peer's lane port it is connected to
         self.idle_since = 0.0
         self._reader = FrameReader()
         self._frames: deque[bytes] = deque()
@@ -101,68 +154,107 @@ def _refused_connect(exc: BaseException) -> bool:
     return isinstance(exc, ConnectionRefusedError) or getattr(exc, "errno", None) == errno.ECONNREFUSED
 
 
-class LaneClient:
-    """Node `rank`'s outgoing lane connections, pooled per peer (one message per connection at a
-    time; the router bounds the messages in flight per peer), and where each peer's lane listens.
-    `required` (data_plane tcp): a peer without a lane cannot be sent to at all."""
+class LanePath:
+    """Node `rank`'s lane path: connections pooled per peer (one message per connection at a time;
+    the router bounds the messages in flight per peer). `addresses` are the peers' gRPC addresses
+    (a lane listens on the same host); `greeter` is asked where a peer's lane is when no Hello told."""
 
-    def __init__(self, rank: int, security: Security, *, required: bool = False, retry_after: float = 30.0):
+    name = "lane"
+
+    def __init__(self, rank: int, security: Security, ports: LanePorts, addresses: list[str], greeter: Greeter, *,
+                 discovery_timeout: float = 2.0, metrics=None):
         self.rank = rank
         self.security = security
-        self.required = required
-        self.retry_after = retry_after
+        self.ports = ports
+        self.addresses = addresses
+        self.greeter = greeter
+        self.discovery_timeout = discovery_timeout
+        self.metrics = metrics
         self.token = security.token
         self.ssl = security.lane_client_context()
-        self._ports: dict[int, int] = {}          # peer -> the lane port it advertised (0: none)
-        self._unusable: dict[int, float] = {}     # peer -> monotonic time until which its lane is not tried
         self._idle: dict[int, list[LaneConnection]] = defaultdict(list)
         self._all: set[LaneConnection] = set()
+        self._asking: dict[int, asyncio.Future] = {}  # per peer: the Hello that asks where its lane is
 
-    # Where peers' lanes listen ------------------------------------------------------------------
-    def learn(self, peer: int, port: int) -> None:
-        """`peer` advertised lane `port` in a Hello (0: it offers none)."""
-        if self._ports.get(peer) != port:
-            self._unusable.pop(peer, None)  # a new lane (a restart): worth trying at once
-            self.drop(peer)
-        self._ports[peer] = port
+    async def push(self, peer: int, header: pb.TensorHeader, payload: memoryview, timeout: float,
+                   wait_for_ready: bool = True) -> pb.Ack:
+        """Send over `peer`'s lane; PathUnavailable where it has none (or it could not be connected
+        to: tried once more where its Hello says the lane is now, then set aside for a while)."""
+        deadline = time.monotonic() + timeout
+        ports = self.ports
+        failed, failure = None, None  # the lane that could not be connected to, and why
+        while True:
+            target = await self._lane_of(peer, max(0.05, deadline - time.monotonic()), wait_for_ready)
+            if target is None or target == failed:
+                break
+            try:
+                ack = await self._send(peer, *target, header, payload, max(0.05, deadline - time.monotonic()))
+            except LaneUnavailable as exc:
+                ports.forget(peer)          # nothing was sent: ask its Hello where the lane is now (a
+                again = failed is None      # restarted peer listens elsewhere) and try there, once
+                failed, failure = target, exc
+                if again:
+                    continue
+                break
+            if self.metrics is not None:
+                self.metrics.on_lane_message(peer)
+            return ack
+        if failure is not None:
+            if ports.required:
+                raise SendFailure(FailureKind.UNREACHABLE, failure.detail)
+            ports.set_aside(peer)
+            log.warning("%s; other paths to node %d for %.0f s", failure.detail, peer, ports.retry_after)
+            raise failure
+        if ports.required:
+            raise PeerError(self._no_lane(peer))
+        raise PathUnavailable(f"node {peer} offers no TCP lane here")
 
-    def known(self, peer: int) -> bool:
-        return peer in self._ports
+    def _no_lane(self, peer: int) -> str:
+        address = self.addresses[peer]
+        if split_address(address) is None:
+            return f"node {self.rank}: node {peer}'s address {address!r} is no host:port, which data_plane=tcp requires"
+        if not self.ports.known(peer):
+            return f"node {self.rank}: node {peer} did not say where its TCP lane is (no compatible Hello answer)"
+        return self.ports.refusal(peer)
 
-    def port_of(self, peer: int) -> int:
-        """The lane port `peer` advertised; 0 when it offers none, is not known, or failed lately."""
-        if time.monotonic() < self._unusable.get(peer, 0.0):
-            return 0
-        return self._ports.get(peer, 0)
+    async def _lane_of(self, peer: int, timeout: float, wait_for_ready: bool) -> tuple[str, int] | None:
+        """(host, port) of `peer`'s lane, or None where it has none (that we know of)."""
+        address = split_address(self.addresses[peer])
+        if address is None:
+            return None
+        if not self.ports.known(peer):
+            await self._ask(peer, timeout if self.ports.required else min(timeout, self.discovery_timeout),
+                            wait_for_ready)
+        port = self.ports.port_of(peer)
+        return (address[0], port) if port else None
 
-    def forget(self, peer: int) -> None:
-        """Its lane could not be connected to: ask its Hello where it is now (a restart moves it)."""
-        self._ports.pop(peer, None)
-
-    def set_aside(self, peer: int) -> None:
-        """Its lane proved unusable: leave it alone for `retry_after` seconds."""
-        self._unusable[peer] = time.monotonic() + self.retry_after
-
-    def refusal(self, peer: int) -> str:
-        """Why a required lane cannot reach `peer` ("" when it can, or when that is not known yet)."""
-        if not self.required or self._ports.get(peer, 1):
-            return ""
-        return (f"node {self.rank}: node {peer} offers no TCP lane, which data_plane=tcp requires (run it with "
-                "data_plane auto or tcp, or use data_plane auto / grpc here)")
-
-    # Sending -------------------------------------------------------------------------------------
-    async def push(self, peer: int, host: str, port: int, header: pb.TensorHeader, payload: memoryview,
-                   timeout: float) -> pb.Ack:
-        """Send header + payload to `peer`'s lane at host:port and return its Ack. Raises
-        LaneUnavailable when no connection could be made (nothing was sent), else SendFailure."""
+    async def _ask(self, peer: int, timeout: float, wait_for_ready: bool) -> None:
+        """Hello `peer` once to learn its lane (concurrent pushes share the one Hello). A Hello that
+        found no peer fails the push under tcp, and leaves it to other paths under auto (gRPC waits
+        for the peer as a push does); one the peer refused (a wrong token) fails it either way."""
+        asking = self._asking.get(peer)
+        if asking is None:
+            asking = self._asking[peer] = asyncio.ensure_future(self.greeter.hello(peer, timeout, wait_for_ready))
+            asking.add_done_callback(lambda _: self._asking.pop(peer, None))
         try:
-            return await asyncio.wait_for(self._push(peer, host, port, header, payload), timeout)
+            await asyncio.shield(asking)
+        except SendFailure as exc:
+            if self.ports.required or not (exc.kind.no_connection or exc.kind in (FailureKind.TIMEOUT,
+                                                                                  FailureKind.CANCELLED)):
+                raise
+
+    async def _send(self, peer: int, host: str, port: int, header: pb.TensorHeader, payload: memoryview,
+                    timeout: float) -> pb.Ack:
+        """Header + payload to the lane at host:port, and its Ack. LaneUnavailable when no
+        connection could be made (nothing was sent), else SendFailure."""
+        try:
+            return await asyncio.wait_for(self._exchange(peer, host, port, header, payload), timeout)
         except asyncio.TimeoutError:
             raise SendFailure(FailureKind.TIMEOUT, f"lane to node {peer}: no Ack within {timeout:.3g} s") from None
 
-    async def _push(self, peer: int, host: str, port: int, header: pb.TensorHeader,
-                    payload: memoryview) -> pb.Ack:
-        connection = self._pooled(peer) or await self._connect(peer, host, port)
+    async def _exchange(self, peer: int, host: str, port: int, header: pb.TensorHeader,
+                        payload: memoryview) -> pb.Ack:
+        connection = self._pooled(peer, port) or await self._connect(peer, host, port)
         try:
             connection.send(encode(header), payload)
             ack = decode(pb.Ack, await connection.frame())
@@ -178,15 +270,15 @@ class LaneClient:
             raise SendFailure(later, f"{ack.reason}: {ack.detail}")
         return ack
 
-    def _pooled(self, peer: int) -> LaneConnection | None:
-        """The most recently used idle connection to `peer` still worth using (closes stale ones)."""
+    def _pooled(self, peer: int, port: int) -> LaneConnection | None:
+        """The most recently used idle connection to `peer`'s lane at `port` still worth using
+        (closes stale ones, and those to a lane the peer no longer advertises)."""
         idle, now = self._idle[peer], asyncio.get_running_loop().time()
         while idle:
             connection = idle.pop()
-            if not connection.closed and now - connection.idle_since < CLIENT_IDLE:
+            if not connection.closed and connection.port == port and now - connection.idle_since < CLIENT_IDLE:
                 return connection
-            connection.abort()
-            self._all.discard(connection)
+            self._discard(connection)
         return None
 
     async def _connect(self, peer: int, host: str, port: int) -> LaneConnection:
@@ -199,6 +291,7 @@ class LaneClient:
         except (OSError, asyncio.TimeoutError) as exc:
             refused = "connection refused" if _refused_connect(exc) else type(exc).__name__
             raise LaneUnavailable(f"{where}: {refused}: {exc}") from None
+        connection.port = port
         self._all.add(connection)
         try:
             challenge = decode(pb.LaneChallenge, await asyncio.wait_for(connection.frame(), CONNECT_TIMEOUT))
@@ -228,11 +321,6 @@ class LaneClient:
         connection.abort()
         self._all.discard(connection)
 
-    def drop(self, peer: int) -> None:
-        """Close `peer`'s idle connections (it restarted, or its lane moved)."""
-        for connection in self._idle.pop(peer, []):
-            self._discard(connection)
-
     async def close(self) -> None:
         for connection in list(self._all):
             connection.abort()
@@ -240,4 +328,4 @@ class LaneClient:
         self._idle.clear()
 
 
-__all__ = ["LaneClient", "LaneConnection", "LaneUnavailable", "CLIENT_IDLE", "CONNECT_TIMEOUT"]
+__all__ = ["CLIENT_IDLE", "CONNECT_TIMEOUT", "Greeter", "LaneConnection", "LanePath", "LanePorts", "LaneUnavailable"]
