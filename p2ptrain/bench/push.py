@@ -58,7 +58,7 @@ def push_endpoint(rank: int, peers: Sequence[str], size_bytes: int, reps: int, t
         transport.expect(pb.MESSAGE_KIND_BENCH, torch.float32, numel, preallocate=2)
         start_cpu = cpu_seconds()  # the sender may start as soon as we are marked ready
         transport.mark_ready()
-        transport.wait_for_peers(timeout, require_ready=True)
+        transport.membership.wait_for_peers(timeout, require_ready=True)
         if rank == RECEIVER:  # consume each tensor so its buffer goes back to the pool
             # Receiving happens on the loop thread, ahead of this one: count the CPU of all
             # reps + 1 transfers and scale to `reps`.

@@ -30,7 +30,7 @@ def run(rank: int, spec: dict, out: Path) -> None:
         topology = build_topology(exp["topology"], n, peers_per_step=exp.get("peers_per_step", 1),
                                   seed=exp.get("seed", 0))
         with Transport(rank, n, peers) as transport:
-            transport.wait_for_peers(timeout=60)
+            transport.membership.wait_for_peers(timeout=60)
             sgp = SGP(Communicator(transport, peer_timeout=60), topology, overlap=exp["overlap"])
             z = sgp.setup(initial_vector(rank, exp["dim"]))
             ws, zs = [], []
