@@ -42,6 +42,8 @@ from typing import Any, Mapping
 import tomllib
 import yaml
 
+from p2ptrain.addresses import join_address
+
 IMAGE = "p2ptrain:latest"
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9100
@@ -206,10 +208,11 @@ def peers(nodes: int, shared: Mapping[str, Any], o: KubernetesOptions) -> list[d
 
 def parameter_server(nodes: int, shared: Mapping[str, Any], o: KubernetesOptions) -> list[dict]:
     ps_name, workers = f"{o.name}-ps", f"{o.name}-worker"
-    ps_address = f"{ps_name}.{o.namespace}.svc.cluster.local:{o.port}"
+    ps_host = f"{ps_name}.{o.namespace}.svc.cluster.local"
+    ps_address = join_address(ps_host, o.port)
     ps_args = ["ps", "--config", CONFIG_FILE, "--world-size", str(nodes), "--listen", f"0.0.0.0:{o.port}",
                "--metrics-port", str(o.metrics_port), "--metrics-host", "0.0.0.0", "--out", RUNS]
-    probe_name = shared.get("tls_server_name") or ps_address.rpartition(":")[0]
+    probe_name = shared.get("tls_server_name") or ps_host
     ps_container = _container("ps", ps_args, shared, dataclasses.replace(o, gpus=0),  # it trains nothing
                               probes=_grpc_probes(shared, o, probe_name), rank_from_pod=False)
     ps_labels = _labels(o, "ps")

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TextIO
 
+from p2ptrain.addresses import join_address
 from p2ptrain.exit_codes import EXIT_NO_CLUSTER
 
 from . import prometheus as scrape_config
 from . import report as run_report
 from .interrupts import sigint_interrupts
-from .ports import free_ports, host_port
+from .ports import free_ports
 
 TERM_GRACE_SECONDS = 5.0        # SIGTERM -> SIGKILL delay when stopping nodes
 POLL_SECONDS = 0.5              # progress / exit-status polling period
@@ -118,10 +119,10 @@ def plan_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, host: str 
             raise ValueError(f"{name} needs one entry per node: {len(per_rank)} for {nodes} nodes")
     if hosts is None:
         ports = free_ports(2 * nodes if metrics else nodes, host)
-        peers = [host_port(host, port) for port in ports[:nodes]]
+        peers = [join_address(host, port) for port in ports[:nodes]]
         metrics_ports = ports[nodes:] if metrics else [None] * nodes
     else:
-        peers = [host_port(h, NETNS_NODE_PORT) for h in hosts]
+        peers = [join_address(h, NETNS_NODE_PORT) for h in hosts]
         metrics_ports = [NETNS_METRICS_PORT if metrics else None] * nodes
     specs = []
     world = world_size or nodes

@@ -20,9 +20,10 @@ from typing import Awaitable, Callable
 import grpc
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.addresses import split_address
 from p2ptrain.transport.client import ChannelPool
 from p2ptrain.transport.errors import PeerError, rpc_error
-from p2ptrain.transport.lane import LaneClient, LaneUnavailable, split_address
+from p2ptrain.transport.lane import LaneClient, LaneUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -36,6 +36,7 @@ from typing import Protocol
 
 import torch.distributed as dist
 
+from p2ptrain.addresses import host_of, is_wildcard, join_address, split_address, split_optional_port
 from p2ptrain.transport.errors import PeerError
 
 log = logging.getLogger(__name__)
@@ -130,18 +131,14 @@ def exchange_addresses(config: RendezvousSettings, port: int) -> list[str]:
 
 def advertised_address(config: RendezvousSettings, port: int) -> str:
     """HOST:PORT peers reach this node at (see the module docstring)."""
-    host, advertised_port = config.advertise, None
-    if host is not None and _split_port(host)[1] is not None:
-        host, advertised_port = _split_port(host)
+    host, advertised_port = split_optional_port(config.advertise) if config.advertise is not None else (None, None)
     if host is None:
-        listen_host = _unbracket(listen_address(config).rpartition(":")[0])
-        if listen_host not in ("", "0.0.0.0", "::", "*"):
+        listen_host = host_of(listen_address(config))
+        if not is_wildcard(listen_host):
             host = listen_host
         else:
-            store_host, store_port = store_address(config)
-            host = default_advertise_host(store_host, store_port)
-    host = _unbracket(host)
-    return f"[{host}]:{advertised_port or port}" if ":" in host else f"{host}:{advertised_port or port}"
+            host = default_advertise_host(*store_address(config))
+    return join_address(host, advertised_port or port)
 
 
 def default_advertise_host(store_host: str, store_port: int) -> str:
@@ -192,8 +189,10 @@ def non_loopback_addresses() -> list[str]:
 def store_address(config: RendezvousSettings) -> tuple[str, int]:
     if config.rendezvous is None:
         raise RendezvousError("no rendezvous store configured (--rendezvous HOST:PORT)")
-    host, _, port = config.rendezvous.rpartition(":")
-    return _unbracket(host), int(port)
+    address = split_address(config.rendezvous)
+    if address is None:
+        raise RendezvousError(f"rendezvous {config.rendezvous!r} is not HOST:PORT")
+    return address
 
 
 # --- the store ------------------------------------------------------------------------------------
@@ -285,21 +284,6 @@ def _names_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _split_port(text: str) -> tuple[str, int | None]:
-    """"host:port" / "[v6]:port" -> (host, port); a bare host or IPv6 literal -> (host, None)."""
-    if text.startswith("[") and "]:" in text:
-        host, _, port = text.rpartition(":")
-        return host, int(port)
-    if text.count(":") == 1:
-        host, _, port = text.partition(":")
-        return host, int(port)
-    return text, None
-
-
-def _unbracket(host: str) -> str:
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 def _first_line(exc: BaseException) -> str:

@@ -18,6 +18,7 @@ import grpc
 import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.addresses import split_address
 from p2ptrain.transport.client import ChannelPool
 from p2ptrain.transport.dataplane import DirectPath
 from p2ptrain.transport.errors import PeerError, PeerUnreachable
@@ -25,7 +26,7 @@ from p2ptrain.transport.faults import EmulatedLinks
 from p2ptrain.transport.framing import check_chunk_bytes
 from p2ptrain.transport.health import ServingStatus
 from p2ptrain.transport.inbox import Inbox
-from p2ptrain.transport.lane import LaneClient, LaneServer, split_address
+from p2ptrain.transport.lane import LaneClient, LaneServer
 from p2ptrain.transport.loop import LoopThread
 from p2ptrain.transport.membership import Membership
 from p2ptrain.transport.message import Message
