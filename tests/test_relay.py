@@ -21,10 +21,11 @@ from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.config import ConfigError, NodeConfig
 from p2ptrain.metrics import NodeMetrics
 from p2ptrain.node import link_table
+from p2ptrain.settings.parsers import parse_relay_routes, parse_relays
 from p2ptrain.transport import Transport, TransportOptions
 from p2ptrain.transport.faults import LinkTable, LinkUnreachable
 from p2ptrain.transport.framing import encode_header, iter_data_chunks, tensor_bytes
-from p2ptrain.transport.relay import RELAY_UNREACHABLE, RouteTable, parse_relay_routes, parse_relays
+from p2ptrain.transport.relay import RELAY_UNREACHABLE, RouteTable
 from p2ptrain.transport.server import PUSH_METHOD
 from tests.test_transport import PLANES, nodes, on_loop, pending, rejections, sample, wait_until
 

@@ -24,13 +24,14 @@ import logging
 import grpc
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.settings.parsers import parse_relay_routes, parse_relays
 from p2ptrain.transport.client import ChannelPool
 from p2ptrain.transport.dataplane import DirectPath
 from p2ptrain.transport.errors import rpc_reason
 from p2ptrain.transport.faults import EmulatedLinks, LinkUnreachable
 from p2ptrain.transport.framing import FramingError, encode_data, encode_header
 from p2ptrain.transport.options import TransportOptions
-from p2ptrain.transport.routes import RouteTable, parse_relay_routes, parse_relays
+from p2ptrain.transport.routes import RouteTable
 from p2ptrain.transport.validation import Rejection
 
 log = logging.getLogger(__name__)
@@ -247,6 +248,6 @@ class Relay:
                       bytes_received=received)
 
 
-# RouteTable and the parsers are imported from here too (config.py, tests/test_relay.py).
-__all__ = ["Relay", "RouteTable", "parse_relay_routes", "parse_relays", "RELAY_UNREACHABLE",
+# RouteTable is imported from here too (tests/test_relay.py).
+__all__ = ["Relay", "RouteTable", "RELAY_UNREACHABLE",
            "MAX_FORWARD_PAYLOAD_BYTES"]
