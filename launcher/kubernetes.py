@@ -149,8 +149,8 @@ def check_pods(objects: list[dict], settings: Mapping[str, Any], parser, *, ps: 
     (ConfigError) naming the first pod whose command fails."""
     import tempfile
 
-    from p2ptrain.config import ConfigError, NodeConfig
-    from p2ptrain.flags import flags_from_args
+    from p2ptrain.cli.flags import flags_from_args
+    from p2ptrain.settings import ConfigError, NodeConfig
 
     local = {**pod_settings(settings, gem=runs_gem(settings, ps)),
              **{name: settings[name] for name in SECRET_KEYS if settings.get(name)}}

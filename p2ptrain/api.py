@@ -9,8 +9,8 @@ import os
 import sys
 from typing import Any
 
-from p2ptrain.config import NodeConfig
 from p2ptrain.exit_codes import EXIT_NO_CLUSTER
+from p2ptrain.settings import NodeConfig
 
 _current = None  # the Node init() made in this process
 

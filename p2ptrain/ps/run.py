@@ -57,7 +57,7 @@ def run_ps(config) -> dict:
         server = ParameterServer(flat.vector(), config.world_size, listen=ps_listen_address(config),
                                  chunk_bytes=config.chunk_bytes, fingerprint=ps_fingerprint(config),
                                  metrics=metrics, snapshot_every=config.log_every * config.world_size,
-                                 security=security_from_settings(config))
+                                 security=security_from_settings(config.security))
         with server:
             log.info("parameter server: %d parameters, %d workers, listening on port %d", flat.numel,
                      config.world_size, server.port)

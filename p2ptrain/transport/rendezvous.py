@@ -24,7 +24,6 @@ published is the one the OS picked.
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import errno
 import ipaddress
@@ -32,7 +31,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
@@ -47,7 +46,7 @@ POLL_SECONDS = 0.05
 
 
 class RendezvousSettings(Protocol):
-    """What a rendezvous reads of a node's settings (NodeConfig's fields of these names)."""
+    """What a rendezvous reads of a node's settings (NodeConfig's settings of these names)."""
     rank: int
     rank_given: bool       # False: the store assigns the rank
     world_size: int
@@ -59,6 +58,9 @@ class RendezvousSettings(Protocol):
     rejoin: bool
     join: bool             # joins a running elastic run (a rank from world_size on)
     slots: int             # ranks the run may have: max_nodes in an elastic run, else world_size
+
+    def replace(self, **changes: Any) -> "RendezvousSettings":
+        """A copy with `changes` (NodeConfig.replace)."""
 
 
 class RendezvousError(PeerError):
@@ -72,8 +74,7 @@ def listen_address(config: RendezvousSettings) -> str:
 
 
 def assign_rank(config: RendezvousSettings) -> RendezvousSettings:
-    """`config` (a dataclass) with a rank: its own when a source gave one, else the next one the store
-    hands out."""
+    """`config` with a rank: its own when a source gave one, else the next one the store hands out."""
     if config.rank_given:
         return config
     store = _run_store(config)
@@ -84,14 +85,14 @@ def assign_rank(config: RendezvousSettings) -> RendezvousSettings:
             raise RendezvousError(f"rendezvous {config.rendezvous} run {config.run_id!r}: no rank left to join: "
                                   f"--max-nodes is {config.slots}")
         log.info("rendezvous %s run %r: joining as rank %d", config.rendezvous, config.run_id, rank)
-        return dataclasses.replace(config, rank=rank, rank_given=True)  # type: ignore[type-var]
+        return config.replace(rank=rank, rank_given=True)
     rank = store.add("next_rank", 1) - 1
     if rank >= config.world_size:
         raise RendezvousError(f"rendezvous {config.rendezvous} run {config.run_id!r}: more than {config.world_size} "
                               f"nodes asked for a rank (this is number {rank + 1}): a node started twice, --world-size "
                               "is too small, or an earlier run used this store and run id (give a new --run-id)")
     log.info("rendezvous %s run %r: the store assigned rank %d", config.rendezvous, config.run_id, rank)
-    return dataclasses.replace(config, rank=rank, rank_given=True)  # type: ignore[type-var]
+    return config.replace(rank=rank, rank_given=True)
 
 
 def exchange_addresses(config: RendezvousSettings, port: int) -> list[str]:
