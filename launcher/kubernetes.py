@@ -43,6 +43,7 @@ import tomllib
 import yaml
 
 from p2ptrain.addresses import join_address
+from p2ptrain.algorithms import registry
 
 IMAGE = "p2ptrain:latest"
 DEFAULT_PORT = 50051
@@ -123,13 +124,13 @@ def manifests(nodes: int, settings: Mapping[str, Any], *, ps: bool = False,
     if settings.get("auth_token") is not None:
         raise ValueError("p2ptrain kubernetes writes no secret into a manifest: put the token in the Secret "
                          f"{o.secret!r} (key {SECRET_KEYS['auth_token_file']!r}) and give --auth-token-file FILE")
-    gem = runs_gem(settings, ps)
-    if gem and settings.get("algorithm", "gem") != "gem":
-        raise ValueError(f"--ps runs a parameter server and GEM workers: --algorithm {settings['algorithm']} "
+    server = runs_parameter_server(settings, ps)
+    if server and settings.get("algorithm") is not None and not registry.runs_parameter_server(settings["algorithm"]):
+        raise ValueError(f"--ps runs a parameter server and its workers: --algorithm {settings['algorithm']} "
                          "does not apply (drop it, or drop --ps)")
-    shared = pod_settings(settings, gem=gem)
+    shared = pod_settings(settings, server=server)
     objects: list[dict] = [config_map(shared, o)]
-    if gem:
+    if server:
         objects += parameter_server(nodes, shared, o)
     else:
         objects += peers(nodes, shared, o)
@@ -138,9 +139,9 @@ def manifests(nodes: int, settings: Mapping[str, Any], *, ps: bool = False,
     return objects
 
 
-def runs_gem(settings: Mapping[str, Any], ps: bool) -> bool:
-    """A parameter server and workers (--ps, or --algorithm gem as in `p2ptrain launch`)?"""
-    return ps or settings.get("algorithm") == "gem"
+def runs_parameter_server(settings: Mapping[str, Any], ps: bool) -> bool:
+    """A parameter server and workers (--ps, or a parameter-server --algorithm as in `p2ptrain launch`)?"""
+    return ps or registry.runs_parameter_server(settings.get("algorithm"))
 
 
 def check_pods(objects: list[dict], settings: Mapping[str, Any], parser, *, ps: bool) -> None:
@@ -152,7 +153,7 @@ def check_pods(objects: list[dict], settings: Mapping[str, Any], parser, *, ps: 
     from p2ptrain.cli.flags import flags_from_args
     from p2ptrain.settings import ConfigError, NodeConfig
 
-    local = {**pod_settings(settings, gem=runs_gem(settings, ps)),
+    local = {**pod_settings(settings, server=runs_parameter_server(settings, ps)),
              **{name: settings[name] for name in SECRET_KEYS if settings.get(name)}}
     with tempfile.TemporaryDirectory() as tmp:
         toml = Path(tmp) / Path(CONFIG_FILE).name
@@ -172,14 +173,15 @@ def secret_command(settings: Mapping[str, Any], o: KubernetesOptions) -> str | N
     return f"kubectl create secret generic {o.secret} -n {o.namespace} {' '.join(files)}" if files else None
 
 
-def pod_settings(settings: Mapping[str, Any], *, gem: bool) -> dict[str, Any]:
-    """What goes into the ConfigMap: shared settings, secret files at their mount paths."""
+def pod_settings(settings: Mapping[str, Any], *, server: bool) -> dict[str, Any]:
+    """What goes into the ConfigMap: shared settings, secret files at their mount paths; a
+    parameter-server cluster names the algorithm its workers run."""
     shared = {k: v for k, v in settings.items() if k not in PER_POD_SETTINGS}
     for name, key in SECRET_KEYS.items():
         if shared.get(name):
             shared[name] = f"{SECRET_DIR}/{key}"
-    if gem:
-        shared["algorithm"] = "gem"
+    if server:
+        shared.setdefault("algorithm", registry.algorithm_for_role("worker"))
     return shared
 
 
@@ -432,4 +434,4 @@ def _literal(dumper: yaml.SafeDumper, value: str):  # multi-line strings (node.t
 _Dumper.add_representer(str, _literal)
 
 __all__ = ["KubernetesOptions", "SECRET_KEYS", "check_pods", "load_settings", "manifests", "pod_commands",
-           "pod_settings", "runs_gem", "secret_command", "to_toml", "write"]
+           "pod_settings", "runs_parameter_server", "secret_command", "to_toml", "write"]
