@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import typing
-from typing import Any, Literal
+from typing import Any
 
 from p2ptrain.algorithms import registry
 from p2ptrain.settings import DEFAULT_LR, SETTINGS, NodeConfig, Setting
+from p2ptrain.settings.sections import unwrap
 from p2ptrain.settings.sources import LIST_SEPARATORS
 
 # (title, description) of each group's flags in --help
@@ -43,7 +44,7 @@ def add_node_arguments(parser: argparse.ArgumentParser, *, cluster_flags: bool =
 
 
 def _add_flag(group, setting: Setting) -> argparse.Action:
-    info, kind = setting.info, _base(setting.type)
+    info, kind = setting.info, unwrap(setting.type)[1]
     spellings = info.flags or (f"--{setting.name.replace('_', '-')}",)
     text = info.help.format(default=setting.default) + _help_tail(setting.name)
     if kind is bool:  # a switch: given means true, absent means not given
@@ -51,27 +52,9 @@ def _add_flag(group, setting: Setting) -> argparse.Action:
     if kind is list and setting.name in LIST_SEPARATORS:  # repeatable, kept joined as in the environment
         return group.add_argument(*spellings, dest=setting.name, action=_JoinAppend, metavar=info.metavar, help=text,
                                   const=LIST_SEPARATORS[setting.name])
-    choices = _literal_names(setting.type) or info.choices
-    if setting.name == "algorithm":
-        choices = registry.names()
+    choices = registry.names() if setting.name == "algorithm" else setting.choices
     return group.add_argument(*spellings, dest=setting.name, type=kind if kind in (int, float) else str,
                               choices=choices, metavar=info.metavar, help=text)
-
-
-def _base(kind: Any) -> Any:
-    """int, float, bool, str or list: the type a setting's flag parses (None and Literal removed)."""
-    if typing.get_origin(kind) is Literal:
-        return str
-    args = [a for a in typing.get_args(kind) if a is not type(None)]
-    if args and typing.get_origin(kind) is not list:
-        return _base(args[0])
-    return typing.get_origin(kind) or kind
-
-
-def _literal_names(kind: Any) -> tuple[str, ...] | None:
-    if typing.get_origin(kind) is Literal:
-        return typing.get_args(kind)
-    return next((names for a in typing.get_args(kind) if (names := _literal_names(a))), None)
 
 
 def _help_tail(name: str) -> str:
@@ -103,17 +86,18 @@ def add_algorithm_options(group) -> list[argparse.Action]:
     actions = []
     for name, (f, users) in registry.all_options().items():
         info = f.metadata["option"]
-        kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+        kind = unwrap(typing.get_type_hints(registry.get(users[0]).options)[name])[1]
         default = f.default if f.default is not None else "none"
         helps: dict[str, list[str]] = {}
         for user in users:
             helps.setdefault(registry.get(user).option_fields()[name].metadata["option"].help, []).append(user)
         text = "; ".join(f"{'/'.join(names)}: {help}" for help, names in helps.items())
-        if str(f.type).split(" ")[0] == "bool":  # a switch, like --join: given means true, absent means not given
+        if kind is bool:  # a switch, like --join: given means true, absent means not given
             actions.append(group.add_argument(f"--{name.replace('_', '-')}", action="store_true", default=None,
                                               help=f"{text} (default {'on' if f.default else 'off'})"))
             continue
-        actions.append(group.add_argument(f"--{name.replace('_', '-')}", type=kind, choices=info.choices,
+        actions.append(group.add_argument(f"--{name.replace('_', '-')}", type=kind if kind in (int, float) else str,
+                                          choices=info.choices,
                                           metavar=info.metavar, help=f"{text} (default {default})"))
     return actions
 

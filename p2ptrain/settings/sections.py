@@ -13,8 +13,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import types
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, get_type_hints
+from typing import Any, Callable, Literal, NamedTuple, Union, get_type_hints
 
 from p2ptrain.addresses import is_host, is_host_port, is_port, is_wildcard, split_optional_port
 from p2ptrain.algorithms import registry
@@ -439,6 +441,29 @@ class Setting(NamedTuple):
     default: Any
     info: SettingInfo
 
+    @property
+    def choices(self) -> tuple[str, ...] | None:
+        """The names it takes: its Literal's, or those its declaration names."""
+        return literal_names(self.type) or self.info.choices
+
+
+def unwrap(kind: Any) -> tuple[bool, Any]:
+    """What a resolved annotation says about values: (whether None is allowed, the type a value is
+    read as: int, float, bool, list, or str for str and Literal alike)."""
+    if typing.get_origin(kind) in (Union, types.UnionType):
+        rest = [a for a in typing.get_args(kind) if a is not type(None)]
+        return len(rest) < len(typing.get_args(kind)), unwrap(rest[0])[1]
+    if typing.get_origin(kind) is Literal:
+        return False, str
+    return False, typing.get_origin(kind) or kind
+
+
+def literal_names(kind: Any) -> tuple[str, ...] | None:
+    """The names a Literal annotation (or a Literal | None) allows; None for other types."""
+    if typing.get_origin(kind) is Literal:
+        return typing.get_args(kind)
+    return next((names for a in typing.get_args(kind) if (names := literal_names(a))), None)
+
 
 def _collect() -> dict[str, Setting]:
     table: dict[str, Setting] = {}
@@ -456,4 +481,4 @@ SETTINGS: dict[str, Setting] = _collect()  # every setting by name, in SECTIONS 
 
 __all__ = ["DEFAULT_ADAMW_LR", "DEFAULT_LR", "SECTIONS", "SETTINGS", "ClusterSettings", "ConfigError", "DataSettings",
            "FaultSettings", "OutputSettings", "SecuritySettings", "Setting", "SettingInfo", "TrainingSettings",
-           "TransportSettings", "need", "parsed", "setting"]
+           "TransportSettings", "literal_names", "need", "parsed", "setting", "unwrap"]

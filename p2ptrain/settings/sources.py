@@ -21,7 +21,7 @@ import tomllib
 
 from p2ptrain.addresses import join_address
 from p2ptrain.algorithms import registry
-from p2ptrain.settings.sections import SETTINGS, ConfigError
+from p2ptrain.settings.sections import SETTINGS, ConfigError, unwrap
 
 LIST_SEPARATORS = {"link_overrides": ";", "relay_routes": ";"}  # others: ","
 TABLE_SETTINGS = ("link_overrides", "relay_routes")  # a TOML table {"SRC->DST" = REST} is a list of SRC->DST:REST
@@ -93,7 +93,7 @@ def env_variables(settings: Mapping[str, Any]) -> dict[str, str]:
 def coerce(name: str, value: Any, kind: Any) -> Any:
     """A value from TOML or the environment as the setting's type `kind` (a resolved annotation),
     or a ConfigError naming the setting."""
-    optional, base = _unwrap(kind)
+    optional, base = unwrap(kind)
     try:
         if base is list:
             return _as_list(name, value)
@@ -120,17 +120,6 @@ def coerce(name: str, value: Any, kind: Any) -> Any:
         return str(value)  # str, and the names of a Literal (checked by the setting's group)
     except (TypeError, ValueError):
         raise ConfigError(f"setting {name}={value!r} is not a valid {_describe(kind)}") from None
-
-
-def _unwrap(kind: Any) -> tuple[bool, Any]:
-    """(whether None is allowed, the type without None: int, float, bool, str, list or str for a Literal)."""
-    args = typing.get_args(kind)
-    if typing.get_origin(kind) in (Union, types.UnionType):
-        rest = [a for a in args if a is not type(None)]
-        return len(rest) < len(args), _unwrap(rest[0])[1]
-    if typing.get_origin(kind) is Literal:
-        return False, str
-    return False, typing.get_origin(kind) or kind
 
 
 def _describe(kind: Any) -> str:
