@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import operator
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
@@ -48,6 +49,8 @@ FINGERPRINT_SETTINGS = ("world_size", "max_nodes", "algorithm", "resolved_topolo
 
 @dataclass(frozen=True, init=False)
 class NodeConfig:
+    """Every setting of one node: its groups, the algorithm's options, and what the sources said."""
+
     cluster: ClusterSettings
     training: TrainingSettings
     data: DataSettings
@@ -83,7 +86,7 @@ class NodeConfig:
     def replace(self, **changes: Any) -> "NodeConfig":
         """A copy with `changes` by flat setting name (rank=3, rank_given=True) or whole group."""
         kept = {name: getattr(self, name) for name in (*SECTIONS, "options", "ignored_options", "rank_given")}
-        return NodeConfig(**{**kept, **changes})
+        return type(self)(**{**kept, **changes})
 
     @classmethod
     def from_sources(cls, *, toml_path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
@@ -231,13 +234,15 @@ class NodeConfig:
         return values
 
 
-def _flat(name: str, section: str) -> property:
-    return property(lambda self: getattr(getattr(self, section), name), doc=f"{section}.{name}")
+def _read_flat(config: type) -> None:
+    """config.steps reads config.training.steps: one property per setting, none hiding another name."""
+    for setting in SETTINGS.values():
+        if hasattr(config, setting.name):
+            raise TypeError(f"setting {setting.name!r} would hide {config.__name__}.{setting.name}")
+        path = f"{setting.section}.{setting.name}"
+        setattr(config, setting.name, property(operator.attrgetter(path), doc=path))
 
 
-for _setting in SETTINGS.values():  # config.steps reads config.training.steps
-    if hasattr(NodeConfig, _setting.name):
-        raise TypeError(f"setting {_setting.name!r} would hide NodeConfig.{_setting.name}")
-    setattr(NodeConfig, _setting.name, _flat(_setting.name, _setting.section))
+_read_flat(NodeConfig)
 
 __all__ = ["FINGERPRINT_SETTINGS", "NodeConfig"]
