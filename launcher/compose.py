@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from p2ptrain.algorithms import registry
+
 from . import prometheus
 
 REPO = Path(__file__).resolve().parent.parent   # the build context: Dockerfile, pyproject.toml
@@ -41,9 +43,10 @@ def compose_spec(nodes: int, node_args: list[str] = (), *, ps: bool = False, por
                  metrics_port: int = DEFAULT_METRICS_PORT, base_dir: str | Path = ".", image: str = IMAGE,
                  scrape_interval: str = "5s") -> dict:
     """The compose document. `node_args` (flag, value pairs as `p2ptrain node` takes them) go to
-    every training process. With `--algorithm gem` in node_args the cluster is the parameter server
-    plus `nodes` workers (like `p2ptrain launch`); otherwise `nodes` peers, and `ps=True` adds the
-    server and workers as the `ps` profile (`docker compose --profile ps up`)."""
+    every training process. With a parameter-server algorithm (`--algorithm gem`) in node_args the
+    cluster is the parameter server plus `nodes` workers (like `p2ptrain launch`); otherwise `nodes`
+    peers, and `ps=True` adds the server and workers as the `ps` profile (`docker compose --profile
+    ps up`)."""
     if nodes < 1:
         raise ValueError(f"nodes must be >= 1, got {nodes}")
     for name, value in (("port", port), ("metrics port", metrics_port)):
@@ -52,12 +55,12 @@ def compose_spec(nodes: int, node_args: list[str] = (), *, ps: bool = False, por
     if port == metrics_port:
         raise ValueError(f"the peer port and the metrics port must differ (both {port})")
     node_args, mounts = _host_paths(node_args)
-    gem = _flag_value(node_args, "--algorithm") == "gem"
+    server = registry.runs_parameter_server(_flag_value(node_args, "--algorithm"))
     base = _build(base_dir, image)
     volumes = [f"runs:{RUNS}", *mounts]
     services: dict[str, dict] = {}
     targets: dict[str, str] = {}
-    if not gem:
+    if not server:
         peers = ",".join(f"node{i}:{port}" for i in range(nodes))
         for rank in range(nodes):
             services[f"node{rank}"] = {
@@ -71,19 +74,20 @@ def compose_spec(nodes: int, node_args: list[str] = (), *, ps: bool = False, por
                 "healthcheck": healthcheck(f"node{rank}", port, node_args),
             }
             targets[f"node{rank}"] = f"node{rank}:{metrics_port}"
-    if gem or ps:
-        profile = {} if gem else {"profiles": [PS_PROFILE]}
-        out = RUNS if gem else f"{RUNS}/ps"   # the profile's node{rank}.* files must not mix with the peers'
-        gem_args = [*_without(node_args, "--algorithm"), "--algorithm", "gem"]
+    if server or ps:
+        profile = {} if server else {"profiles": [PS_PROFILE]}
+        out = RUNS if server else f"{RUNS}/ps"   # the profile's node{rank}.* files must not mix with the peers'
+        algorithm = _flag_value(node_args, "--algorithm") if server else registry.algorithm_for_role("worker")
+        server_args = [*_without(node_args, "--algorithm"), "--algorithm", algorithm]
         services["ps"] = {
             **base, **profile,
             "command": _Command(["ps", "--world-size", str(nodes), "--listen", f"0.0.0.0:{port}",
                                  "--metrics-port", str(metrics_port), "--metrics-host", METRICS_HOST,
-                                 "--out", out, *gem_args]),
+                                 "--out", out, *server_args]),
             "environment": dict(NODE_ENV),
             "volumes": list(volumes),
             "restart": "no",               # a restarted server would start again from θ_0
-            "healthcheck": healthcheck("ps", port, gem_args),
+            "healthcheck": healthcheck("ps", port, server_args),
         }
         targets["ps"] = f"ps:{metrics_port}"
         for rank in range(nodes):
@@ -91,7 +95,7 @@ def compose_spec(nodes: int, node_args: list[str] = (), *, ps: bool = False, por
                 **base, **profile,
                 "command": _Command(["node", "--role", "worker", "--rank", str(rank), "--world-size", str(nodes),
                                      "--ps-address", f"ps:{port}", "--metrics-port", str(metrics_port),
-                                     "--metrics-host", METRICS_HOST, "--out", out, *gem_args]),
+                                     "--metrics-host", METRICS_HOST, "--out", out, *server_args]),
                 "environment": dict(NODE_ENV),
                 "volumes": list(volumes),
                 "depends_on": ["ps"],

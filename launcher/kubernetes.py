@@ -42,6 +42,9 @@ from typing import Any, Mapping
 import tomllib
 import yaml
 
+from p2ptrain.addresses import join_address
+from p2ptrain.algorithms import registry
+
 IMAGE = "p2ptrain:latest"
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9100
@@ -121,13 +124,13 @@ def manifests(nodes: int, settings: Mapping[str, Any], *, ps: bool = False,
     if settings.get("auth_token") is not None:
         raise ValueError("p2ptrain kubernetes writes no secret into a manifest: put the token in the Secret "
                          f"{o.secret!r} (key {SECRET_KEYS['auth_token_file']!r}) and give --auth-token-file FILE")
-    gem = runs_gem(settings, ps)
-    if gem and settings.get("algorithm", "gem") != "gem":
-        raise ValueError(f"--ps runs a parameter server and GEM workers: --algorithm {settings['algorithm']} "
+    server = runs_parameter_server(settings, ps)
+    if server and settings.get("algorithm") is not None and not registry.runs_parameter_server(settings["algorithm"]):
+        raise ValueError(f"--ps runs a parameter server and its workers: --algorithm {settings['algorithm']} "
                          "does not apply (drop it, or drop --ps)")
-    shared = pod_settings(settings, gem=gem)
+    shared = pod_settings(settings, server=server)
     objects: list[dict] = [config_map(shared, o)]
-    if gem:
+    if server:
         objects += parameter_server(nodes, shared, o)
     else:
         objects += peers(nodes, shared, o)
@@ -136,9 +139,9 @@ def manifests(nodes: int, settings: Mapping[str, Any], *, ps: bool = False,
     return objects
 
 
-def runs_gem(settings: Mapping[str, Any], ps: bool) -> bool:
-    """A parameter server and workers (--ps, or --algorithm gem as in `p2ptrain launch`)?"""
-    return ps or settings.get("algorithm") == "gem"
+def runs_parameter_server(settings: Mapping[str, Any], ps: bool) -> bool:
+    """A parameter server and workers (--ps, or a parameter-server --algorithm as in `p2ptrain launch`)?"""
+    return ps or registry.runs_parameter_server(settings.get("algorithm"))
 
 
 def check_pods(objects: list[dict], settings: Mapping[str, Any], parser, *, ps: bool) -> None:
@@ -147,10 +150,10 @@ def check_pods(objects: list[dict], settings: Mapping[str, Any], parser, *, ps: 
     (ConfigError) naming the first pod whose command fails."""
     import tempfile
 
-    from p2ptrain.config import ConfigError, NodeConfig
-    from p2ptrain.flags import flags_from_args
+    from p2ptrain.cli.flags import flags_from_args
+    from p2ptrain.settings import ConfigError, NodeConfig
 
-    local = {**pod_settings(settings, gem=runs_gem(settings, ps)),
+    local = {**pod_settings(settings, server=runs_parameter_server(settings, ps)),
              **{name: settings[name] for name in SECRET_KEYS if settings.get(name)}}
     with tempfile.TemporaryDirectory() as tmp:
         toml = Path(tmp) / Path(CONFIG_FILE).name
@@ -170,14 +173,15 @@ def secret_command(settings: Mapping[str, Any], o: KubernetesOptions) -> str | N
     return f"kubectl create secret generic {o.secret} -n {o.namespace} {' '.join(files)}" if files else None
 
 
-def pod_settings(settings: Mapping[str, Any], *, gem: bool) -> dict[str, Any]:
-    """What goes into the ConfigMap: shared settings, secret files at their mount paths."""
+def pod_settings(settings: Mapping[str, Any], *, server: bool) -> dict[str, Any]:
+    """What goes into the ConfigMap: shared settings, secret files at their mount paths; a
+    parameter-server cluster names the algorithm its workers run."""
     shared = {k: v for k, v in settings.items() if k not in PER_POD_SETTINGS}
     for name, key in SECRET_KEYS.items():
         if shared.get(name):
             shared[name] = f"{SECRET_DIR}/{key}"
-    if gem:
-        shared["algorithm"] = "gem"
+    if server:
+        shared.setdefault("algorithm", registry.algorithm_for_role("worker"))
     return shared
 
 
@@ -206,10 +210,11 @@ def peers(nodes: int, shared: Mapping[str, Any], o: KubernetesOptions) -> list[d
 
 def parameter_server(nodes: int, shared: Mapping[str, Any], o: KubernetesOptions) -> list[dict]:
     ps_name, workers = f"{o.name}-ps", f"{o.name}-worker"
-    ps_address = f"{ps_name}.{o.namespace}.svc.cluster.local:{o.port}"
+    ps_host = f"{ps_name}.{o.namespace}.svc.cluster.local"
+    ps_address = join_address(ps_host, o.port)
     ps_args = ["ps", "--config", CONFIG_FILE, "--world-size", str(nodes), "--listen", f"0.0.0.0:{o.port}",
                "--metrics-port", str(o.metrics_port), "--metrics-host", "0.0.0.0", "--out", RUNS]
-    probe_name = shared.get("tls_server_name") or ps_address.rpartition(":")[0]
+    probe_name = shared.get("tls_server_name") or ps_host
     ps_container = _container("ps", ps_args, shared, dataclasses.replace(o, gpus=0),  # it trains nothing
                               probes=_grpc_probes(shared, o, probe_name), rank_from_pod=False)
     ps_labels = _labels(o, "ps")
@@ -429,4 +434,4 @@ def _literal(dumper: yaml.SafeDumper, value: str):  # multi-line strings (node.t
 _Dumper.add_representer(str, _literal)
 
 __all__ = ["KubernetesOptions", "SECRET_KEYS", "check_pods", "load_settings", "manifests", "pod_commands",
-           "pod_settings", "runs_gem", "secret_command", "to_toml", "write"]
+           "pod_settings", "runs_parameter_server", "secret_command", "to_toml", "write"]

@@ -16,12 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TextIO
 
+from p2ptrain.addresses import join_address
 from p2ptrain.exit_codes import EXIT_NO_CLUSTER
+from p2ptrain.settings.parsers import AtStep
 
 from . import prometheus as scrape_config
 from . import report as run_report
 from .interrupts import sigint_interrupts
-from .ports import free_ports, host_port
+from .ports import free_ports
 
 TERM_GRACE_SECONDS = 5.0        # SIGTERM -> SIGKILL delay when stopping nodes
 POLL_SECONDS = 0.5              # progress / exit-status polling period
@@ -118,10 +120,10 @@ def plan_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, host: str 
             raise ValueError(f"{name} needs one entry per node: {len(per_rank)} for {nodes} nodes")
     if hosts is None:
         ports = free_ports(2 * nodes if metrics else nodes, host)
-        peers = [host_port(host, port) for port in ports[:nodes]]
+        peers = [join_address(host, port) for port in ports[:nodes]]
         metrics_ports = ports[nodes:] if metrics else [None] * nodes
     else:
-        peers = [host_port(h, NETNS_NODE_PORT) for h in hosts]
+        peers = [join_address(h, NETNS_NODE_PORT) for h in hosts]
         metrics_ports = [NETNS_METRICS_PORT if metrics else None] * nodes
     specs = []
     world = world_size or nodes
@@ -294,19 +296,12 @@ class FaultEvent:
 
     @classmethod
     def parse(cls, action: str, spec: str, nodes: int) -> "FaultEvent":
-        rank, sep, rest = spec.partition("@")
-        step, colon, seconds = rest.partition(":")
-        example = "2@100:20" if action == "stall" else "2@100"
-        if not (sep and rank.strip().isdigit() and step.strip().isdigit()) or (colon != "") != (action == "stall"):
-            form = "RANK@STEP:SECONDS" if action == "stall" else "RANK@STEP"
-            raise ValueError(f"--{action} {spec!r}: expected {form}, e.g. {example}")
+        stall = action == "stall"
         try:
-            duration = float(seconds) if colon else 0.0
-        except ValueError:
-            raise ValueError(f"--{action} {spec!r}: {seconds!r} is not a number of seconds") from None
-        if colon and not 0 < duration < float("inf"):
-            raise ValueError(f"--{action} {spec!r}: the stall must last > 0 seconds")
-        event = cls(action, int(rank), int(step), duration)
+            rank, step, seconds = AtStep.parse(spec, seconds=stall, example="2@100:20" if stall else "2@100")
+        except ValueError as exc:
+            raise ValueError(f"--{action} {spec!r}: {exc}") from None
+        event = cls(action, rank, step, seconds or 0.0)
         if not 0 <= event.rank < nodes:
             raise ValueError(f"--{action} {spec!r}: rank {event.rank} outside 0..{nodes - 1}")
         return event
@@ -316,10 +311,13 @@ def join_plan(joins: list[str], nodes: int) -> list[FaultEvent]:
     """`--join COUNT@STEP` events: COUNT new nodes start at STEP, ranks nodes, nodes + 1, ... in step order."""
     parsed = []
     for spec in joins:
-        count, sep, step = spec.partition("@")
-        if not (sep and count.strip().isdigit() and step.strip().isdigit() and int(count) >= 1):
-            raise ValueError(f"--join {spec!r}: expected COUNT@STEP, e.g. 2@100")
-        parsed.append((int(step), int(count)))
+        try:
+            count, step, _ = AtStep.parse(spec, number="COUNT", example="2@100")
+        except ValueError as exc:
+            raise ValueError(f"--join {spec!r}: {exc}") from None
+        if count < 1:
+            raise ValueError(f"--join {spec!r}: COUNT must be >= 1")
+        parsed.append((step, count))
     events, rank = [], nodes
     for step, count in sorted(parsed):
         for _ in range(count):

@@ -23,7 +23,3 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             sockets.append(sock)
         return [sock.getsockname()[1] for sock in sockets]
 
-
-def host_port(host: str, port: int) -> str:
-    """Format an address the way gRPC expects it (IPv6 literals need brackets)."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -13,6 +13,8 @@ from typing import Iterable
 
 import yaml
 
+from p2ptrain.addresses import is_host_port, join_address
+
 JOB = "p2ptrain"
 CONFIG_NAME = "prometheus.yml"  # what `p2ptrain launch` writes into its run folder
 
@@ -28,8 +30,7 @@ def scrape_config(targets: dict[str, str], interval: str = "5s", job: str = JOB)
     if not targets:
         raise ValueError("a scrape config needs at least one target")
     for service, address in targets.items():
-        host, sep, port = address.rpartition(":")
-        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        if not is_host_port(address):
             raise ValueError(f"metrics address {address!r} of {service} is not host:port")
     return {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
@@ -62,14 +63,12 @@ def write_scrape_config(path: str | Path, targets: dict[str, str], interval: str
 def metrics_targets(specs: Iterable, host: str = "127.0.0.1") -> dict[str, str]:
     """host:port of every process spec (launcher.local.NodeProcessSpec) started with --metrics-port,
     keyed by its service name (node{rank}, or the spec's own name such as ps)."""
-    from .ports import host_port
-
     targets = {}
     for spec in specs:
         argv = list(spec.argv)
         if "--metrics-port" in argv:
             port = int(argv[argv.index("--metrics-port") + 1])
-            targets[spec.name or f"node{spec.rank}"] = host_port(getattr(spec, "host", "") or host, port)
+            targets[spec.name or f"node{spec.rank}"] = join_address(getattr(spec, "host", "") or host, port)
     return targets
 
 

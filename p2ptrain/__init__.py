@@ -13,7 +13,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_PUBLIC = {"NodeConfig": "p2ptrain.config", "ConfigError": "p2ptrain.config", "init": "p2ptrain.api",
+_PUBLIC = {"NodeConfig": "p2ptrain.settings", "ConfigError": "p2ptrain.settings", "init": "p2ptrain.api",
            "DecentralizedOptimizer": "p2ptrain.train.optimizer", "DecentralizedTrainer": "p2ptrain.train.trainer",
            "NonFiniteError": "p2ptrain.train.errors", "LeftCluster": "p2ptrain.train.errors",
            "evaluate": "p2ptrain.train.evaluate"}

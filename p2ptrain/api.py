@@ -10,8 +10,8 @@ import sys
 from typing import Any
 
 from p2ptrain import session
-from p2ptrain.config import NodeConfig
 from p2ptrain.exit_codes import EXIT_NO_CLUSTER
+from p2ptrain.settings import NodeConfig
 
 
 def init(config_file: str | None = None, **settings: Any):

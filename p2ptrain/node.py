@@ -19,15 +19,14 @@ from p2ptrain.algorithms import registry
 from p2ptrain.algorithms.base import Algorithm
 from p2ptrain.algorithms.registry import BuildContext
 from p2ptrain.communicator import Communicator
-from p2ptrain.config import NodeConfig
 from p2ptrain.metrics import NodeMetrics, counter_total
+from p2ptrain.settings import NodeConfig
 from p2ptrain.train import DecentralizedTrainer, cycle, pick_device
 from p2ptrain.train.errors import LeftCluster, NonFiniteError
 from p2ptrain.train.progress import RunRecorder, StepClock
 from p2ptrain.train.setup import build_optimizer, training_setup
 from p2ptrain.transport import Transport, TransportOptions, rendezvous
 from p2ptrain.transport.errors import PeerError
-from p2ptrain.transport.faults import LinkTable
 from p2ptrain.transport.security import security_from_settings
 
 if TYPE_CHECKING:
@@ -41,25 +40,13 @@ class NoClusterToRejoin(PeerError):
     """A restarted node found no live peer: the cluster has finished (or is unreachable)."""
 
 
-def link_table(config: NodeConfig) -> LinkTable | None:
-    """The emulation of this node's outgoing links (seeded from `seed`); None when off."""
-    if not config.link and not config.link_overrides:
-        return None
-    table = LinkTable.parse(config.link, config.link_overrides, seed=config.seed)
-    table.check_ranks(config.world_size)
-    return table
-
-
 def transport_options(config: NodeConfig, device: torch.device) -> TransportOptions:
-    return TransportOptions(chunk_bytes=config.chunk_bytes, step_window=config.step_window,
-                            send_timeout=config.peer_timeout, link_deadline=config.link_deadline,
-                            pin_memory=device.type == "cuda", links=link_table(config),
-                            security=security_from_settings(config), relay_routes=tuple(config.relay_routes),
-                            relays=config.relays, relay_retry_after=config.relay_retry_after,
-                            max_lag=config.resolved_max_lag, data_plane=config.data_plane,
-                            lane_port=config.lane_port,
-                            initial_members=config.world_size if config.elastic else None,
-                            view_notice=VIEW_NOTICE_SECONDS)
+    """The transport settings, and what the node derives for its transport: link emulation,
+    security, pinned memory on CUDA, the lag limit, an elastic run's starting members."""
+    return TransportOptions.from_settings(
+        config.transport, links=config.link_table(), security=security_from_settings(config.security),
+        pin_memory=device.type == "cuda", max_lag=config.resolved_max_lag,
+        initial_members=config.world_size if config.elastic else None, view_notice=VIEW_NOTICE_SECONDS)
 
 
 VIEW_NOTICE_SECONDS = 1.0  # a membership view switches at least ~1 s of steps ahead: every member hears of it first
@@ -317,4 +304,4 @@ def run_node(config: NodeConfig) -> dict:
         raise
 
 
-__all__ = ["Node", "NoClusterToRejoin", "link_table", "run_node", "transport_options"]
+__all__ = ["Node", "NoClusterToRejoin", "run_node", "transport_options"]

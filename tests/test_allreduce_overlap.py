@@ -18,8 +18,8 @@ import torch.nn.functional as F
 import p2ptrain
 from p2ptrain.algorithms import registry
 from p2ptrain.algorithms.allreduce import AllReduceSGD
-from p2ptrain.config import NodeConfig
-from p2ptrain.flags import add_node_arguments, flags_from_args
+from p2ptrain.cli.flags import add_node_arguments, flags_from_args
+from p2ptrain.settings import NodeConfig
 from p2ptrain.train.data import make_synthetic, node_shard
 from p2ptrain.train.evaluate import evaluate
 from p2ptrain.train.models import build_model

@@ -30,12 +30,12 @@ def test_every_variant_and_target_names_flags_a_node_accepts():
     (a renamed codec, such as fp16 -> trunc16, must not leave a variant or a target behind)."""
     from p2ptrain.bench import peers
     from p2ptrain.bench.algorithms import DEFAULT_VARIANTS, TARGETS
-    from p2ptrain.cli import _config_from_args, build_parser
+    from p2ptrain.cli import build_parser, config_from_args
 
     parser = build_parser()
     for name, flags in peers.VARIANTS.items():
         args = parser.parse_args(["node", "--rank", "0", "--world-size", "4", "--peers", "a:1,a:2,a:3,a:4", *flags])
-        assert _config_from_args(args).algorithm == flags[flags.index("--algorithm") + 1], name
+        assert config_from_args(args).algorithm == flags[flags.index("--algorithm") + 1], name
     assert set(DEFAULT_VARIANTS) <= set(VARIANTS) and set(VARIANTS) <= set(peers.VARIANTS)
     assert {t[1] for t in TARGETS} | {t[2] for t in TARGETS} <= set(VARIANTS)
     assert {t[1] for t in peers.TARGETS} <= set(peers.VARIANTS)

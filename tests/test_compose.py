@@ -18,9 +18,9 @@ import yaml
 
 from launcher import compose, prometheus
 from p2ptrain import cli
-from p2ptrain.config import NodeConfig
-from p2ptrain.flags import flags_from_args
+from p2ptrain.cli.flags import flags_from_args
 from p2ptrain.metrics import NodeMetrics, PsMetrics, WorkerMetrics
+from p2ptrain.settings import NodeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"

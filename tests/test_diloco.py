@@ -19,7 +19,7 @@ from p2ptrain.algorithms.diloco import DiLoCo, DiLoCoOptions
 from p2ptrain.algorithms.gossip_diloco import GossipDiLoCo
 from p2ptrain.algorithms.outer import OuterNesterov
 from p2ptrain.compression import make_codec
-from p2ptrain.config import ConfigError, NodeConfig
+from p2ptrain.settings import ConfigError, NodeConfig
 from p2ptrain.topology import build_topology
 from p2ptrain.transport import TransportOptions
 from tests.cluster import mass_in_flight_ledgers, run_cluster
@@ -110,7 +110,7 @@ def test_flags_build_diloco_with_adamw_and_refuse_what_does_not_apply():
         env={}, flags=dict(algorithm="diloco", inner_steps=20)).validate().fingerprint()
     args = cli.build_parser().parse_args(["launch", "--nodes", "2", "--algorithm", "diloco", "--inner-steps", "20",
                                           "--mixing-at-sync"])
-    assert args.mixing_at_sync is True and "--mixing-at-sync" in cli._node_flags_as_argv(args)  # to every node
+    assert args.mixing_at_sync is True and "--mixing-at-sync" in cli.node_flags_as_argv(args)  # to every node
     assert cli.build_parser().parse_args(["node"]).mixing_at_sync is None  # not given: TOML/env may set it
     assert config.resolved_optimizer == "adamw" and config.learning_rate == 0.003
     assert config.resolved_topology == "ring" and config.resolved_max_lag >= 16

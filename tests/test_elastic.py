@@ -328,7 +328,7 @@ def test_launch_allreduce_re_forms_its_ring_when_a_node_leaves(tmp_path):
 # Settings and the launcher's plan ------------------------------------------------------------------
 
 def test_elastic_settings_are_checked_with_one_clear_line():
-    from p2ptrain.config import ConfigError, NodeConfig
+    from p2ptrain.settings import ConfigError, NodeConfig
 
     peers = [f"127.0.0.1:{20000 + i}" for i in range(6)]
     ok = NodeConfig(rank=5, world_size=4, max_nodes=6, peers=peers, join=True, join_at=100).validate()

@@ -18,7 +18,8 @@ from p2ptrain.algorithms.allreduce import AllReduceSGD
 from p2ptrain.algorithms.dpsgd import DPSGD
 from p2ptrain.algorithms.relaysgd import RelaySGD
 from p2ptrain.algorithms.sgp import SGP
-from p2ptrain.config import ConfigError, NodeConfig, parse_slowdown
+from p2ptrain.settings import ConfigError, NodeConfig
+from p2ptrain.settings.parsers import Slowdown
 from p2ptrain.topology import build_topology
 from p2ptrain.topology.undirected import UndirectedRing
 from p2ptrain.transport import TransportOptions
@@ -148,8 +149,8 @@ def test_gossip_relay_and_allreduce_degrade_but_never_hang_under_drops(algorithm
 # Part 4: heterogeneous nodes ---------------------------------------------------------------------
 
 def test_slowdown_flag_parses_per_rank():
-    assert parse_slowdown("0=4,3=2", 4) == {0: 4.0, 3: 2.0}
-    assert parse_slowdown("3", 2) == {0: 3.0, 1: 3.0}
+    assert Slowdown.parse("0=4,3=2").factors(4) == {0: 4.0, 3: 2.0}
+    assert Slowdown.parse("3").factors(2) == {0: 3.0, 1: 3.0}
     config = NodeConfig.from_sources(flags=dict(world_size=2, rank=1, peers=["a:1", "b:2"], slowdown="0=3"))
     assert config.compute_slowdown == 1.0
     for bad in ("0.5", "9=2", "x", "2,3", "0=inf"):

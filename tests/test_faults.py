@@ -15,9 +15,9 @@ import torch
 from launcher.ports import free_ports
 from p2ptrain import cli
 from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.config import ConfigError, NodeConfig
 from p2ptrain.metrics import NodeMetrics
-from p2ptrain.node import Node, link_table
+from p2ptrain.node import Node
+from p2ptrain.settings import ConfigError, NodeConfig
 from p2ptrain.transport import Transport, TransportOptions
 from p2ptrain.transport.faults import (
     DEFAULT_BURST_BYTES,
@@ -309,16 +309,16 @@ def test_link_flags_reach_the_config_and_launch_passes_them_on():
     argv = ["--world-size", "2", "--peers", PEERS2, "--link", "bandwidth=200mbit,latency=5ms",
             "--link-override", "0->1:latency=50ms", "--link-override", "1<->0:drop=0.1"]
     args = cli.build_parser().parse_args(["node", *argv])
-    config = cli._config_from_args(args)
+    config = cli.config_from_args(args)
     assert config.link == "bandwidth=200mbit,latency=5ms"
     assert config.link_overrides == ["0->1:latency=50ms", "1<->0:drop=0.1"]
-    table = link_table(config)
+    table = config.link_table()
     assert table.spec_for(0, 1) == LinkSpec(25e6, 0.05, drop=0.1)
     assert table.spec_for(1, 0) == LinkSpec(25e6, 0.005, drop=0.1)
     # launch re-emits its node flags for every node process; the repeated flag survives the trip
     launch = cli.build_parser().parse_args(["launch", "--nodes", "2", *argv[4:]])
-    again = cli.build_parser().parse_args(["node", *argv[:4], *cli._node_flags_as_argv(launch)])
-    assert link_table(cli._config_from_args(again)) == table
+    again = cli.build_parser().parse_args(["node", *argv[:4], *cli.node_flags_as_argv(launch)])
+    assert cli.config_from_args(again).link_table() == table
 
 
 def test_link_settings_from_toml_and_env(tmp_path):
@@ -327,14 +327,14 @@ def test_link_settings_from_toml_and_env(tmp_path):
                     '[node.link_overrides]\n"0->1" = "latency=50ms"\n"2<->1" = "drop=0.01"\n')
     config = NodeConfig.from_sources(toml_path=path, env={})
     assert config.link_overrides == ["0->1:latency=50ms", "2<->1:drop=0.01"]
-    assert link_table(config).spec_for(1, 2) == LinkSpec(latency=0.005, drop=0.01)
+    assert config.link_table().spec_for(1, 2) == LinkSpec(latency=0.005, drop=0.01)
     path.write_text('world_size = 2\npeers = ["a:1", "b:2"]\nlink_overrides = ["0->1:latency=50ms"]\n')
     assert NodeConfig.from_sources(toml_path=path, env={}).link_overrides == ["0->1:latency=50ms"]
     env = {"WORLD_SIZE": "2", "P2PTRAIN_PEERS": PEERS2, "P2PTRAIN_LINK": "bandwidth=1gbit",
            "P2PTRAIN_LINK_OVERRIDES": "0->1:latency=1ms; 1->0:latency=2ms"}
-    table = link_table(NodeConfig.from_sources(toml_path=path, env=env))  # env beats TOML
+    table = NodeConfig.from_sources(toml_path=path, env=env).link_table()  # env beats TOML
     assert table.spec_for(0, 1) == LinkSpec(125e6, 0.001) and table.spec_for(1, 0) == LinkSpec(125e6, 0.002)
-    assert link_table(NodeConfig.from_sources(env={})) is None  # off by default
+    assert NodeConfig.from_sources(env={}).link_table() is None  # off by default
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -353,6 +353,6 @@ def test_links_stay_out_of_the_fingerprint_and_reach_the_transport():
     lossy = NodeConfig(world_size=2, peers=PEERS2.split(","), link="drop=0.1", link_overrides=["0->1:latency=1ms"])
     assert base.fingerprint() == lossy.fingerprint()  # links may differ per node
     node = Node(lossy, device=torch.device("cpu"))  # not started: no sockets
-    assert node.transport.options.links == link_table(lossy)
+    assert node.transport.options.links == lossy.link_table()
     assert Node(base, device=torch.device("cpu")).transport.options.links is None
 

@@ -20,9 +20,9 @@ from p2ptrain.algorithms.gem import (
     pi_median,
     staleness_scale,
 )
-from p2ptrain.config import ConfigError, NodeConfig
 from p2ptrain.ps import ParameterServer, PsClient
 from p2ptrain.ps.server import CentralVariable
+from p2ptrain.settings import ConfigError, NodeConfig
 from p2ptrain.transport.framing import tensor_bytes
 
 torch.set_num_threads(1)
@@ -270,11 +270,11 @@ def test_cli_ps_and_worker_flags_reach_the_config():
     from p2ptrain import cli
 
     args = cli.build_parser().parse_args(["ps", "--world-size", "16", "--listen", "127.0.0.1:0"])
-    assert args.func is cli.cmd_ps
+    assert args.func is cli.ps.run
     args = cli.build_parser().parse_args(
         ["node", "--role", "worker", "--ps", "127.0.0.1:7000", "--rank", "2", "--world-size", "4",
          "--ps-policy", "adaptive-staleness", "--gem-kappa", "1.5", "--gem-clamp", "0,5", "--gem-epsilon", "1e-12"])
-    config = cli._config_from_args(args)
+    config = cli.config_from_args(args)
     options = config.algorithm_options
     assert (config.role, config.ps_address, options.ps_policy, options.gem_kappa, options.gem_clamp,
             options.gem_epsilon, config.rank, config.world_size) == (

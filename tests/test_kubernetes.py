@@ -17,8 +17,8 @@ import yaml
 
 from launcher import kubernetes
 from p2ptrain import cli
-from p2ptrain.config import NodeConfig
-from p2ptrain.flags import flags_from_args
+from p2ptrain.cli.flags import flags_from_args
+from p2ptrain.settings import NodeConfig
 
 K8S_VERSION = "1.33"  # schemas the manifests are checked against (the pod-index label needs >= 1.28)
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.config import DATA_PLANES, ConfigError, NodeConfig
+from p2ptrain.choices import DATA_PLANE_NAMES
 from p2ptrain.metrics import NodeMetrics
+from p2ptrain.settings import ConfigError, NodeConfig
 from p2ptrain.transport import FailureKind, PeerError, SendFailure, Transport, TransportOptions
 from p2ptrain.transport.laneframes import MAX_FRAME_BYTES, PREFIX, encode
 from p2ptrain.transport.options import DataPlane
@@ -148,9 +149,9 @@ def test_data_plane_settings_from_flags_env_and_toml(tmp_path):
     from p2ptrain import cli
     from p2ptrain.node import transport_options
 
-    assert tuple(DataPlane.__args__) == DATA_PLANES  # the settings' and the transport's spelling agree
+    assert tuple(DataPlane.__args__) == DATA_PLANE_NAMES  # the settings' and the transport's spelling agree
     base = ["--world-size", "2", "--peers", "127.0.0.1:1,127.0.0.1:2"]
-    config = cli._config_from_args(cli.build_parser().parse_args(["node", *base, "--data-plane", "tcp",
+    config = cli.config_from_args(cli.build_parser().parse_args(["node", *base, "--data-plane", "tcp",
                                                                   "--lane-port", "5077"]))
     assert (config.data_plane, config.lane_port) == ("tcp", 5077)
     opts = transport_options(config, torch.device("cpu"))
@@ -394,7 +395,7 @@ def test_tcp_plane_needs_a_host_port_listen_address(tmp_path):
 
 
 def test_transport_default_options_reach_every_data_plane():
-    for plane in DATA_PLANES:
+    for plane in DATA_PLANE_NAMES:
         with nodes(2, options=options(plane)) as t:
             t[1].expect(KIND, torch.float32, NUMEL)
             assert t[0].send(1, PAYLOAD, kind=KIND, step=0).result(20).status == pb.Ack.STATUS_ACCEPTED

@@ -132,7 +132,7 @@ def test_two_nodes_in_one_process_do_not_share_series():
     ({"role": "worker", "ps_address": "127.0.0.1:1", "metrics_host": "127.0.0.1"}, "127.0.0.1"),
 ])
 def test_metrics_bind_host(settings, host):
-    from p2ptrain.config import NodeConfig
+    from p2ptrain.settings import NodeConfig
 
     gem = {"algorithm": "gem"} if settings.get("role") in ("ps", "worker") else {}
     assert NodeConfig.from_sources(env={}, flags={**gem, **settings}).metrics_bind_host == host
@@ -140,7 +140,7 @@ def test_metrics_bind_host(settings, host):
 
 def test_metrics_host_setting_from_every_source(tmp_path):
     from p2ptrain import cli
-    from p2ptrain.config import ConfigError, NodeConfig
+    from p2ptrain.settings import ConfigError, NodeConfig
 
     toml = tmp_path / "node.toml"
     toml.write_text('metrics_host = "127.0.0.1"\n')
@@ -148,7 +148,7 @@ def test_metrics_host_setting_from_every_source(tmp_path):
     from_env = NodeConfig.from_sources(env={"P2PTRAIN_METRICS_HOST": "::1"})
     assert from_env.metrics_bind_host == "::1"
     args = cli.build_parser().parse_args(["node", "--metrics-host", "0.0.0.0", "--listen", "127.0.0.1:5"])
-    assert cli._config_from_args(args).metrics_bind_host == "0.0.0.0"
+    assert cli.config_from_args(args).metrics_bind_host == "0.0.0.0"
     assert from_env.fingerprint() == NodeConfig.from_sources(env={}).fingerprint()  # per process, not shared
     for bad in ("127.0.0.1:9100", "two words", "http://x"):
         with pytest.raises(ConfigError, match="metrics_host"):
@@ -183,8 +183,8 @@ def test_node_serves_metrics_on_its_listen_host(metrics_host, bound):
     """A node listening on 127.0.0.1 serves /metrics there only (another local address, 127.0.0.2
     or the machine's own IP, is refused); --metrics-host 0.0.0.0 opens it again."""
     from launcher.ports import free_ports
-    from p2ptrain.config import NodeConfig
     from p2ptrain.node import Node
+    from p2ptrain.settings import NodeConfig
 
     config = NodeConfig.from_sources(env={}, flags={"listen": f"127.0.0.1:{free_ports(1)[0]}", "metrics_port": 0,
                                                     "metrics_host": metrics_host, "device": "cpu"})

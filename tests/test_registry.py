@@ -10,7 +10,7 @@ import pytest
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.algorithms import registry
 from p2ptrain.algorithms.base import Kind
-from p2ptrain.config import ConfigError, NodeConfig
+from p2ptrain.settings import ConfigError, NodeConfig
 from tests.conftest import ROOT, node_env
 
 

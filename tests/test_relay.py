@@ -18,13 +18,13 @@ import torch.nn.functional as F
 from launcher.ports import free_ports
 from p2ptrain import cli
 from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.config import ConfigError, NodeConfig
 from p2ptrain.metrics import NodeMetrics
-from p2ptrain.node import link_table
+from p2ptrain.settings import ConfigError, NodeConfig
+from p2ptrain.settings.parsers import parse_relay_routes, parse_relays
 from p2ptrain.transport import Transport, TransportOptions
 from p2ptrain.transport.faults import LinkTable, LinkUnreachable
 from p2ptrain.transport.framing import encode_header, iter_data_chunks, tensor_bytes
-from p2ptrain.transport.routes import RELAY_UNREACHABLE, RouteTable, parse_relay_routes, parse_relays
+from p2ptrain.transport.routes import RELAY_UNREACHABLE, RouteTable
 from p2ptrain.transport.server import PUSH_METHOD
 from tests.test_transport import PLANES, nodes, on_loop, pending, rejections, sample, wait_until
 
@@ -93,13 +93,13 @@ def test_config_fields_flags_and_errors(tmp_path):
     peers = "h:1,h:2,h:3"
     argv = ["--world-size", "3", "--peers", peers, "--relay-route", "0->2:1", "--relay-route", "2<->0:1",
             "--relays", "any", "--relay-retry-after", "5", "--link-override", "0<->2:block"]
-    config = cli._config_from_args(cli.build_parser().parse_args(["node", *argv]))
+    config = cli.config_from_args(cli.build_parser().parse_args(["node", *argv]))
     assert config.relay_routes == ["0->2:1", "2<->0:1"] and config.relays == "any"
-    assert config.relay_retry_after == 5 and link_table(config).is_blocked(2, 0)
+    assert config.relay_retry_after == 5 and config.link_table().is_blocked(2, 0)
     # launch re-emits the node flags for every node process; the repeated flag survives the trip
     launch = cli.build_parser().parse_args(["launch", "--nodes", "3", *argv[4:]])
-    again = cli.build_parser().parse_args(["node", *argv[:4], *cli._node_flags_as_argv(launch)])
-    assert cli._config_from_args(again).relay_routes == config.relay_routes
+    again = cli.build_parser().parse_args(["node", *argv[:4], *cli.node_flags_as_argv(launch)])
+    assert cli.config_from_args(again).relay_routes == config.relay_routes
     config = NodeConfig.from_sources(env={"P2PTRAIN_RELAY_ROUTES": "0->2:1;2->0:1"},
                                      flags={"world_size": 3, "peers": peers})
     assert config.relay_routes == ["0->2:1", "2->0:1"] and config.relays is None

@@ -5,7 +5,6 @@ twice, world sizes that disagree, more nodes than the world size, an unreachable
 in process against a real store; configuration mistakes through the CLI."""
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import os
@@ -24,7 +23,7 @@ import torch.distributed as dist
 
 from launcher import netns
 from p2ptrain import cli
-from p2ptrain.config import NodeConfig
+from p2ptrain.settings import NodeConfig
 from p2ptrain.transport import rendezvous
 from p2ptrain.transport.rendezvous import RendezvousError
 from tests.conftest import ROOT, node_env
@@ -154,13 +153,13 @@ def test_rank_zero_hosts_the_store_at_its_own_address():
 def test_advertised_address():
     config = settings(free_port(), rank=0)
     assert rendezvous.advertised_address(config, 5000) == "127.0.0.1:5000"      # the route to a loopback store
-    listen = dataclasses.replace(config, listen="127.0.0.7:0")
+    listen = config.replace(listen="127.0.0.7:0")
     assert rendezvous.advertised_address(listen, 5000) == "127.0.0.7:5000"      # a specific --listen host
-    assert rendezvous.advertised_address(dataclasses.replace(config, advertise="node7.example"), 5000) == \
+    assert rendezvous.advertised_address(config.replace(advertise="node7.example"), 5000) == \
         "node7.example:5000"
-    assert rendezvous.advertised_address(dataclasses.replace(config, advertise="10.1.2.3:9999"), 5000) == \
+    assert rendezvous.advertised_address(config.replace(advertise="10.1.2.3:9999"), 5000) == \
         "10.1.2.3:9999"                                                          # NAT / port forward
-    assert rendezvous.advertised_address(dataclasses.replace(config, advertise="::1"), 5000) == "[::1]:5000"
+    assert rendezvous.advertised_address(config.replace(advertise="::1"), 5000) == "[::1]:5000"
 
 
 def test_a_store_named_by_a_host_name_that_is_loopback_here_is_not_advertised_as_loopback():

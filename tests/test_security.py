@@ -14,10 +14,10 @@ import torch
 from launcher.ports import free_ports
 from p2ptrain import cli
 from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.config import ConfigError, NodeConfig
 from p2ptrain.metrics import NodeMetrics, PsMetrics
 from p2ptrain.ps.client import PsClient, PsError
 from p2ptrain.ps.server import ParameterServer
+from p2ptrain.settings import ConfigError, NodeConfig
 from p2ptrain.transport import FailureKind, SendFailure, Transport, TransportOptions
 from p2ptrain.transport.paths.grpc_path import HELLO_METHOD
 from p2ptrain.transport.security import Security, SecurityError, security_from_settings
@@ -317,7 +317,7 @@ def test_security_settings_from_flags_toml_env_and_redaction(pki, tmp_path):
     args = parser.parse_args(["node", "--tls-cert", str(pki / "node.pem"), "--tls-key", str(pki / "node.key"),
                               "--tls-ca", str(pki / "ca.pem"), "--tls-require-client-cert",
                               "--tls-server-name", "localhost", "--auth-token", TOKEN])
-    config = cli._config_from_args(args)
+    config = cli.config_from_args(args)
     sec = security_from_settings(config)
     assert (sec.tls_cert, sec.tls_ca, sec.token, sec.require_client_cert, sec.tls_server_name) == \
         (str(pki / "node.pem"), str(pki / "ca.pem"), TOKEN, True, "localhost")
@@ -342,7 +342,7 @@ def test_security_settings_from_flags_toml_env_and_redaction(pki, tmp_path):
     launch = parser.parse_args(["launch", "--nodes", "2", "--tls-cert", str(pki / "node.pem"), "--tls-key",
                                 str(pki / "node.key"), "--tls-ca", str(pki / "ca.pem"),
                                 "--tls-require-client-cert", "--auth-token", TOKEN])
-    argv = cli._node_flags_as_argv(launch)
+    argv = cli.node_flags_as_argv(launch)
     assert TOKEN not in argv and "--tls-require-client-cert" in argv and str(pki / "ca.pem") in argv
     again = parser.parse_args(["node", *argv])
     assert again.tls_require_client_cert is True and again.tls_cert == str(pki / "node.pem")

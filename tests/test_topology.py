@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from p2ptrain.config import ConfigError, NodeConfig
+from p2ptrain.settings import ConfigError, NodeConfig
 from p2ptrain.topology import (
     Complete,
     ExponentialGraph,

@@ -14,6 +14,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
 
+from p2ptrain.choices import OptimizerName
+
 if TYPE_CHECKING:
     from p2ptrain.algorithms.base import Algorithm, Comm
 
@@ -72,7 +74,7 @@ class AlgorithmSpec:
     build: Callable[["Comm", Any, BuildContext], "Algorithm"] | None  # None: not run by a peer node
     topologies: tuple[str, ...] = ()               # graphs it runs on; the first is the default
     role: Literal["peer", "parameter-server"] = "peer"  # parameter-server: `ps` + `--role worker`
-    default_optimizer: Literal["sgd", "adamw"] = "sgd"  # the local optimizer `p2ptrain node` builds for it
+    default_optimizer: OptimizerName = "sgd"       # the local optimizer `p2ptrain node` builds for it
 
     @property
     def default_topology(self) -> str | None:
@@ -134,6 +136,21 @@ def names() -> tuple[str, ...]:
     return tuple(algorithms())
 
 
+def runs_parameter_server(name: str | None) -> bool:
+    """Whether algorithm `name` runs as a parameter server and its workers (no name, or an unknown
+    one: no; validating the settings says what is wrong with it)."""
+    return name in algorithms() and get(name).role == "parameter-server"
+
+
+def algorithm_for_role(role: str) -> str | None:
+    """The algorithm a node of `role` runs when none is named: the parameter-server roles (ps,
+    worker) run the first algorithm registered with role parameter-server; None for a peer (the
+    settings' default algorithm)."""
+    if role not in ("ps", "worker"):
+        return None
+    return next((name for name, spec in algorithms().items() if spec.role == "parameter-server"), None)
+
+
 def all_options() -> dict[str, tuple[dataclasses.Field, tuple[str, ...]]]:
     """Every option name of every algorithm -> (its field, the algorithms taking it). An option
     that several algorithms take (e.g. compression) must be declared alike in each."""
@@ -162,5 +179,6 @@ def build(name: str, comm: "Comm", options: AlgorithmOptions, context: BuildCont
     return spec.build(comm, options, context)
 
 
-__all__ = ["ALGORITHM_MODULES", "AlgorithmOptions", "AlgorithmSpec", "BuildContext", "OptionInfo", "algorithms",
-           "all_options", "build", "get", "names", "option", "register"]
+__all__ = ["ALGORITHM_MODULES", "AlgorithmOptions", "AlgorithmSpec", "BuildContext", "OptionInfo",
+           "algorithm_for_role", "algorithms", "all_options", "build", "get", "names", "option", "register",
+           "runs_parameter_server"]

@@ -22,6 +22,8 @@ import struct
 import sys
 from pathlib import Path
 
+from p2ptrain.addresses import host_of, split_address
+
 SIOCGIFADDR = 0x8915
 
 
@@ -59,16 +61,16 @@ def train(config) -> dict:
     from p2ptrain.train.setup import build_optimizer, training_setup
 
     torch.set_num_threads(config.threads)
-    own_host = (config.listen or config.peers[config.rank]).rsplit(":", 1)[0].strip("[]")
+    own_host = host_of(config.listen or config.peers[config.rank])
     os.environ["GLOO_SOCKET_IFNAME"] = interface_of(own_host)
-    master_host, master_port = config.peers[0].rsplit(":", 1)
+    master_host, master_port = split_address(config.peers[0])
     loader, test_loader, model, device = training_setup(config)
     out = Path(config.out) if config.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
     recorder = RunRecorder(out, f"node{config.rank}", rank=config.rank, log_every=config.log_every)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://{master_host.strip('[]')}:{master_port}",
+        dist.init_process_group("gloo", init_method=f"tcp://{master_host}:{master_port}",
                                 rank=config.rank, world_size=config.world_size,
                                 timeout=datetime.timedelta(seconds=config.peer_timeout))
         ddp = DistributedDataParallel(model)
@@ -114,7 +116,7 @@ def train(config) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from p2ptrain.flags import node_config_from_argv
+    from p2ptrain.cli.flags import node_config_from_argv
 
     train(node_config_from_argv("python -m p2ptrain.bench.ddp",
                                 "one rank of the torch DDP (gloo) baseline of bench peers", argv))

@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from p2ptrain.addresses import host_of
+
 MADDRS_FILE = "hivemind-rank0.maddrs"
 PREFIX = "p2ptrain-bench"
 MIN_MATCHMAKING_SECONDS = 1.0  # hivemind's default is 5 s; a group of all nodes forms well within 1 s here
@@ -97,7 +99,7 @@ def train(config) -> dict:
     from p2ptrain.train.setup import build_optimizer, training_setup
 
     torch.set_num_threads(config.threads)
-    host = (config.listen or config.peers[config.rank]).rsplit(":", 1)[0].strip("[]")
+    host = host_of(config.listen or config.peers[config.rank])
     loader, test_loader, model, device = training_setup(config)
     optimizer = build_optimizer(config, model)
     out = Path(config.out)
@@ -168,7 +170,7 @@ def train(config) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from p2ptrain.flags import node_config_from_argv
+    from p2ptrain.cli.flags import node_config_from_argv
 
     train(node_config_from_argv("python -m p2ptrain.bench.hivemind_node",
                                 "one rank of the hivemind baseline of bench peers", argv))

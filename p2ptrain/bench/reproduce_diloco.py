@@ -257,7 +257,7 @@ class _Evaluator:
         if self._ready is None:
             import torch
 
-            from p2ptrain.config import NodeConfig
+            from p2ptrain.settings import NodeConfig
             from p2ptrain.train.data import build_dataset
             from p2ptrain.train.setup import initial_model
             from p2ptrain.train.state import ModelState

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from p2ptrain.addresses import join_address, split_address
 from p2ptrain.metrics import PsMetrics
 from p2ptrain.ps.server import ParameterServer, ps_fingerprint
 from p2ptrain.train.data import build_dataset
@@ -28,7 +29,7 @@ def ps_listen_address(config) -> str:
     if config.listen:
         return config.listen
     if config.ps_address:
-        return f"[::]:{config.ps_address.rsplit(':', 1)[1]}"
+        return join_address("::", split_address(config.ps_address)[1])
     raise ValueError("the parameter server needs --listen or --ps-address")
 
 
@@ -56,7 +57,7 @@ def run_ps(config) -> dict:
         server = ParameterServer(flat.vector(), config.world_size, listen=ps_listen_address(config),
                                  chunk_bytes=config.chunk_bytes, fingerprint=ps_fingerprint(config),
                                  metrics=metrics, snapshot_every=config.log_every * config.world_size,
-                                 security=security_from_settings(config))
+                                 security=security_from_settings(config.security))
         with server:
             log.info("parameter server: %d parameters, %d workers, listening on port %d", flat.numel,
                      config.world_size, server.port)

@@ -113,7 +113,7 @@ def run_worker(config) -> dict:
             metrics_port = metrics_server.server_port
         client = PsClient(config.ps_address, config.rank, chunk_bytes=config.chunk_bytes,
                           fingerprint=ps_fingerprint(config), timeout=config.peer_timeout,
-                          security=security_from_settings(config))
+                          security=security_from_settings(config.security))
         flat = ModelState(model, buffers=False)  # θ is the parameters alone
         nbytes = flat.numel * 4
         host = torch.empty(flat.numel, dtype=torch.float32, pin_memory=device.type == "cuda")

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
+from p2ptrain.choices import DATASET_NAMES, IDX_DATASETS
+
 __all__ = [
     "DatasetSplits",
     "DATASET_NAMES",
@@ -34,8 +36,6 @@ __all__ = [
     "shard_indices",
     "node_shard",
 ]
-
-DATASET_NAMES = ("synthetic", "mnist", "idx")
 
 # The usual MNIST normalisation constants, so that models and learning rates
 # tuned on the synthetic task (which is standardised too) transfer.
@@ -399,7 +399,7 @@ def build_dataset(
     if key == "synthetic":
         sizes = {"num_train": num_train, "num_test": num_test}
         return make_synthetic(seed=seed, **{k: v for k, v in sizes.items() if v is not None})
-    if key in ("mnist", "idx"):
+    if key in IDX_DATASETS:
         if data_dir is None:
             raise ValueError(f"data set {name!r} needs data_dir (a folder of MNIST IDX files)")
         splits = load_mnist_dir(data_dir)

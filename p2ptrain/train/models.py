@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MODEL_NAMES", "MLP", "SmallCNN", "build_model"]
+from p2ptrain.choices import MODEL_NAMES
 
-MODEL_NAMES = ("mlp", "cnn")
+__all__ = ["MODEL_NAMES", "MLP", "SmallCNN", "build_model"]
 
 
 def _check_shape(input_shape: tuple[int, ...], num_classes: int) -> tuple[int, ...]:

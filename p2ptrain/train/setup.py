@@ -3,6 +3,8 @@ The same for every role, so peers, parameter-server workers and the proxy train 
 and models."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from p2ptrain.train.data import build_dataset, node_shard
@@ -33,12 +35,21 @@ def training_setup(config):
     return loader, test_loader, model, device
 
 
+def _sgd(config, params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=config.learning_rate, momentum=config.momentum, weight_decay=config.weight_decay)
+
+
+def _adamw(config, params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
+
+
+# One builder per p2ptrain.choices.OPTIMIZER_NAMES (tests/test_settings.py keeps the two in step).
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"sgd": _sgd, "adamw": _adamw}
+
+
 def build_optimizer(config, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """The local optimizer of the built-in training: sgd (momentum) or adamw, from the settings."""
-    if config.resolved_optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
-    return torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=config.momentum,
-                           weight_decay=config.weight_decay)
+    """The local optimizer of the built-in training, from the settings (sgd: with momentum)."""
+    return OPTIMIZERS[config.resolved_optimizer](config, model.parameters())
 
 
 def initial_model(config) -> torch.nn.Module:
@@ -50,4 +61,4 @@ def initial_model(config) -> torch.nn.Module:
     return build_model(config.model, splits.input_shape, splits.num_classes, hidden=config.hidden)
 
 
-__all__ = ["build_optimizer", "initial_model", "training_setup"]
+__all__ = ["OPTIMIZERS", "build_optimizer", "initial_model", "training_setup"]

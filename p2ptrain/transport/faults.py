@@ -31,6 +31,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+from p2ptrain.settings.parsers import LinkEntry, link_entries
 from p2ptrain.transport.errors import FailureKind, SendFailure
 
 DEFAULT_BURST_BYTES = 64 * 1024  # bytes a capped idle link may pass at once (token-bucket depth)
@@ -41,7 +42,6 @@ _BYTE_UNIT = re.compile(r"^([kKmMgG]?)(i?)B/s$")
 _PREFIX = {"": 0, "k": 1, "m": 2, "g": 3}
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6}
 _UNLIMITED = ("unlimited", "none", "inf")
-_LINK = re.compile(r"^\s*(\d+)\s*(<->|->)\s*(\d+)\s*$")
 
 
 class MessageDropped(SendFailure):
@@ -181,20 +181,18 @@ class LinkTable:
         """From ``--link`` text and ``--link-override`` entries (``SRC->DST:SPEC`` / ``SRC<->DST:SPEC``,
         or a mapping ``{"SRC->DST": SPEC}`` as in a TOML table). Entries apply in order."""
         base = LinkSpec.parse(default or "")
-        entries = [f"{k}:{v}" for k, v in per_link.items()] if isinstance(per_link, Mapping) else list(per_link)
         overrides: dict[tuple[int, int], LinkSpec] = {}
-        for entry in entries:
-            link, sep, spec = str(entry).partition(":")
-            match = _LINK.match(link)
-            if not sep or not match:
+        for entry in link_entries(per_link):
+            parsed = LinkEntry.parse(entry)
+            if parsed is None:
                 raise ValueError(f"link override {entry!r} is not SRC->DST:SPEC or SRC<->DST:SPEC "
                                  "(e.g. 0->1:latency=50ms)")
-            src, arrow, dst = int(match.group(1)), match.group(2), int(match.group(3))
+            src, dst = parsed.src, parsed.dst
             if src == dst:
                 raise ValueError(f"link override {entry!r}: a node has no link to itself")
-            pairs = [(src, dst), (dst, src)] if arrow == "<->" else [(src, dst)]
+            pairs = [(src, dst), (dst, src)] if parsed.both_ways else [(src, dst)]
             for pair in pairs:
-                overrides[pair] = LinkSpec.parse(spec, overrides.get(pair, base))
+                overrides[pair] = LinkSpec.parse(parsed.rest, overrides.get(pair, base))
         return cls(base, overrides, seed)
 
     @property

@@ -19,6 +19,7 @@ import socket
 from collections import Counter
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.addresses import binds_both_families
 from p2ptrain.transport.inbox import Reception
 from p2ptrain.transport.laneframes import (
     KEEPALIVE,
@@ -40,25 +41,12 @@ log = logging.getLogger(__name__)
 MAX_HANDSHAKES = 64          # unauthenticated connections at once; more are closed on arrival
 DISCARD_BYTES = 256 * 1024   # scratch into which a refused message's payload is read and dropped
 SCAN_BYTES = 4 << 20         # payload bytes checked for NaN / Inf at a time while more arrive (Inbox.scan)
-_WILDCARD_HOSTS = ("", "::", "[::]", "*")
-
-
-def split_address(address: str) -> tuple[str, int] | None:
-    """("host", port) of a "host:port" / "[v6]:port" address; None for anything else (unix:...)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not host or "/" in host or host.startswith("unix"):
-        return None
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        return None
-    return host, int(port)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
     """A bound, listening TCP socket; a wildcard host listens on IPv6 and IPv4 alike (one port for
     both, as the gRPC server does), or on IPv4 where IPv6 is off."""
-    if host in _WILDCARD_HOSTS:
+    if binds_both_families(host):
         try:
             sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
@@ -370,4 +358,4 @@ class LaneReceiver(asyncio.BufferedProtocol):
         self.transport.close()
 
 
-__all__ = ["LaneServer", "split_address", "listening_socket", "KEEPALIVE", "MAX_HANDSHAKES"]
+__all__ = ["LaneServer", "listening_socket", "KEEPALIVE", "MAX_HANDSHAKES"]

@@ -1,21 +1,24 @@
 """TransportOptions: how a node's transport is tuned (chunking, timeouts, windows, WAN emulation,
-security, relaying), and the gRPC channel / server options that follow from them.
+security, relaying), and the gRPC channel / server options that follow from them; from_settings
+builds them from a node's transport settings (p2ptrain/settings/sections.py).
 
 Plain settings data: nothing here opens a socket or starts a thread.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Any
 
+from p2ptrain.choices import DataPlane
 from p2ptrain.transport.faults import LinkTable
 from p2ptrain.transport.framing import DEFAULT_CHUNK_BYTES
 from p2ptrain.transport.membership.liveness import DEFAULT_MAX_LAG
 from p2ptrain.transport.membership.views import DEFAULT_VIEW_MARGIN
 from p2ptrain.transport.security import PLAINTEXT, Security
 
-# How tensor payloads travel (paths/router.py); config.DATA_PLANES spells the same values for the settings.
-DataPlane = Literal["auto", "grpc", "tcp"]
+if TYPE_CHECKING:
+    from p2ptrain.settings.sections import TransportSettings
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,20 @@ class TransportOptions:
                                        # later (None: every rank of the world is a member from the start)
     view_margin: int = DEFAULT_VIEW_MARGIN  # steps between a membership change's proposal and its switch
     view_notice: float = 0.0           # ... and at least this many seconds at the proposer's pace (node.py: 1 s)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "relay_routes", tuple(self.relay_routes))
+
+    @classmethod
+    def from_settings(cls, transport: "TransportSettings", **node: Any) -> "TransportOptions":
+        """The options of a node's transport settings: a setting and an option of the same name are
+        one knob (a setting left None keeps the option's default); chunk_mb and peer_timeout arrive
+        as chunk_bytes and send_timeout. `node` adds what the node derives or builds itself (links,
+        security, pinned memory, the resolved max_lag, the elastic membership) and wins."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        same = {f.name: getattr(transport, f.name) for f in dataclasses.fields(transport)
+                if f.name in names and getattr(transport, f.name) is not None}
+        return cls(**{**same, "chunk_bytes": transport.chunk_bytes, "send_timeout": transport.peer_timeout, **node})
 
     def channel_options(self) -> list[tuple[str, object]]:
         limit = self.chunk_bytes + (1 << 20)  # a data chunk plus framing; headers are tiny

@@ -24,7 +24,6 @@ published is the one the OS picked.
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import errno
 import ipaddress
@@ -32,10 +31,11 @@ import logging
 import socket
 import threading
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from p2ptrain.addresses import host_of, is_wildcard, join_address, split_address, split_optional_port
 from p2ptrain.transport.errors import PeerError
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ POLL_SECONDS = 0.05
 
 
 class RendezvousSettings(Protocol):
-    """What a rendezvous reads of a node's settings (NodeConfig's fields of these names)."""
+    """What a rendezvous reads of a node's settings (NodeConfig's settings of these names)."""
     rank: int
     rank_given: bool       # False: the store assigns the rank
     world_size: int
@@ -58,6 +58,9 @@ class RendezvousSettings(Protocol):
     rejoin: bool
     join: bool             # joins a running elastic run (a rank from world_size on)
     slots: int             # ranks the run may have: max_nodes in an elastic run, else world_size
+
+    def replace(self, **changes: Any) -> "RendezvousSettings":
+        """A copy with `changes` (NodeConfig.replace)."""
 
 
 class RendezvousError(PeerError):
@@ -71,8 +74,7 @@ def listen_address(config: RendezvousSettings) -> str:
 
 
 def assign_rank(config: RendezvousSettings) -> RendezvousSettings:
-    """`config` (a dataclass) with a rank: its own when a source gave one, else the next one the store
-    hands out."""
+    """`config` with a rank: its own when a source gave one, else the next one the store hands out."""
     if config.rank_given:
         return config
     store = _run_store(config)
@@ -83,14 +85,14 @@ def assign_rank(config: RendezvousSettings) -> RendezvousSettings:
             raise RendezvousError(f"rendezvous {config.rendezvous} run {config.run_id!r}: no rank left to join: "
                                   f"--max-nodes is {config.slots}")
         log.info("rendezvous %s run %r: joining as rank %d", config.rendezvous, config.run_id, rank)
-        return dataclasses.replace(config, rank=rank, rank_given=True)  # type: ignore[type-var]
+        return config.replace(rank=rank, rank_given=True)
     rank = store.add("next_rank", 1) - 1
     if rank >= config.world_size:
         raise RendezvousError(f"rendezvous {config.rendezvous} run {config.run_id!r}: more than {config.world_size} "
                               f"nodes asked for a rank (this is number {rank + 1}): a node started twice, --world-size "
                               "is too small, or an earlier run used this store and run id (give a new --run-id)")
     log.info("rendezvous %s run %r: the store assigned rank %d", config.rendezvous, config.run_id, rank)
-    return dataclasses.replace(config, rank=rank, rank_given=True)  # type: ignore[type-var]
+    return config.replace(rank=rank, rank_given=True)
 
 
 def exchange_addresses(config: RendezvousSettings, port: int) -> list[str]:
@@ -130,18 +132,14 @@ def exchange_addresses(config: RendezvousSettings, port: int) -> list[str]:
 
 def advertised_address(config: RendezvousSettings, port: int) -> str:
     """HOST:PORT peers reach this node at (see the module docstring)."""
-    host, advertised_port = config.advertise, None
-    if host is not None and _split_port(host)[1] is not None:
-        host, advertised_port = _split_port(host)
+    host, advertised_port = split_optional_port(config.advertise) if config.advertise is not None else (None, None)
     if host is None:
-        listen_host = _unbracket(listen_address(config).rpartition(":")[0])
-        if listen_host not in ("", "0.0.0.0", "::", "*"):
+        listen_host = host_of(listen_address(config))
+        if not is_wildcard(listen_host):
             host = listen_host
         else:
-            store_host, store_port = store_address(config)
-            host = default_advertise_host(store_host, store_port)
-    host = _unbracket(host)
-    return f"[{host}]:{advertised_port or port}" if ":" in host else f"{host}:{advertised_port or port}"
+            host = default_advertise_host(*store_address(config))
+    return join_address(host, advertised_port or port)
 
 
 def default_advertise_host(store_host: str, store_port: int) -> str:
@@ -192,8 +190,10 @@ def non_loopback_addresses() -> list[str]:
 def store_address(config: RendezvousSettings) -> tuple[str, int]:
     if config.rendezvous is None:
         raise RendezvousError("no rendezvous store configured (--rendezvous HOST:PORT)")
-    host, _, port = config.rendezvous.rpartition(":")
-    return _unbracket(host), int(port)
+    address = split_address(config.rendezvous)
+    if address is None:
+        raise RendezvousError(f"rendezvous {config.rendezvous!r} is not HOST:PORT")
+    return address
 
 
 # --- the store ------------------------------------------------------------------------------------
@@ -285,21 +285,6 @@ def _names_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _split_port(text: str) -> tuple[str, int | None]:
-    """"host:port" / "[v6]:port" -> (host, port); a bare host or IPv6 literal -> (host, None)."""
-    if text.startswith("[") and "]:" in text:
-        host, _, port = text.rpartition(":")
-        return host, int(port)
-    if text.count(":") == 1:
-        host, _, port = text.partition(":")
-        return host, int(port)
-    return text, None
-
-
-def _unbracket(host: str) -> str:
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
 def _first_line(exc: BaseException) -> str:

@@ -1,72 +1,19 @@
 """Which way a node sends to each peer: relay routes declared in the config, relay candidates, and
-direct links found down (paths/router.py sends, forwarding.py forwards).
+direct links found down (paths/router.py sends, forwarding.py forwards; the settings' route and
+relay texts are parsed by p2ptrain/settings/parsers.py).
 
-Plain data and parsing: nothing here opens a connection or waits.
+Plain data: nothing here opens a connection or waits.
 """
 from __future__ import annotations
 
-import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Callable
 
 DEFAULT_RETRY_AFTER = 30.0
 # Ack.reason of a relay that could not reach its next hop: nothing was delivered, so the sender
 # may try another relay (same message id) or, having none, treat it as a definite refusal.
 RELAY_UNREACHABLE = "relay_unreachable"
-
-_ROUTE = re.compile(r"^\s*(\d+)\s*(<->|->)\s*(\d+)\s*$")
-
-
-# -- configuration --------------------------------------------------------------------------------
-def parse_relay_routes(entries: Iterable[str] | Mapping[str, str], world_size: int | None = None
-                       ) -> dict[tuple[int, int], tuple[int, ...]]:
-    """``SRC->DST:VIA[,VIA2...]`` (one direction) or ``SRC<->DST:VIA[,...]`` (both; the way back
-    goes through the relays in reverse order), or a mapping ``{"SRC->DST": "VIA,..."}`` (TOML).
-    Later entries for the same (SRC, DST) replace earlier ones. Raises ValueError."""
-    items = [f"{k}:{v}" for k, v in entries.items()] if isinstance(entries, Mapping) else list(entries)
-    routes: dict[tuple[int, int], tuple[int, ...]] = {}
-    for entry in items:
-        link, sep, via_text = str(entry).partition(":")
-        match = _ROUTE.match(link)
-        if not sep or not match:
-            raise ValueError(f"relay route {entry!r} is not SRC->DST:VIA[,VIA2] or SRC<->DST:VIA "
-                             "(e.g. 0->3:1)")
-        src, arrow, dst = int(match.group(1)), match.group(2), int(match.group(3))
-        try:
-            via = tuple(int(v) for v in via_text.split(","))
-        except ValueError:
-            raise ValueError(f"relay route {entry!r}: relays must be comma-separated ranks") from None
-        nodes = (src, dst, *via)
-        if world_size is not None and not all(0 <= n < world_size for n in nodes):
-            raise ValueError(f"relay route {entry!r} names a rank outside 0..{world_size - 1}")
-        if len(set(nodes)) != len(nodes):
-            raise ValueError(f"relay route {entry!r} visits a node twice (a loop, or a relay that is "
-                             "the sender or receiver)")
-        routes[(src, dst)] = via
-        if arrow == "<->":
-            routes[(dst, src)] = via[::-1]
-    return routes
-
-
-def parse_relays(text: str | Iterable | None, world_size: int | None = None) -> tuple[int, ...] | None:
-    """Relay candidates for found-out routes: ``None`` / "" = detection off, ``"any"`` = any peer
-    this node reached directly, ``"1,2"`` = these first (then any reached peer). Raises ValueError."""
-    if text is None:
-        return None
-    parts = [str(p).strip() for p in (text.split(",") if isinstance(text, str) else text)]
-    parts = [p for p in parts if p]
-    if not parts:
-        return None
-    if parts == ["any"]:
-        return ()
-    try:
-        ranks = tuple(int(p) for p in parts)
-    except ValueError:
-        raise ValueError(f"relays {text!r}: give comma-separated ranks, or 'any'") from None
-    if world_size is not None and not all(0 <= r < world_size for r in ranks):
-        raise ValueError(f"relays {text!r} names a rank outside 0..{world_size - 1}")
-    return tuple(dict.fromkeys(ranks))
 
 
 # -- routing ----------------------------------------------------------------------------------------
@@ -134,4 +81,4 @@ class RouteTable:
                 if r not in (peer, self.rank) and self.direct_ok(r) and not self.blocked(r)]
 
 
-__all__ = ["RouteTable", "parse_relay_routes", "parse_relays", "DEFAULT_RETRY_AFTER", "RELAY_UNREACHABLE"]
+__all__ = ["RouteTable", "DEFAULT_RETRY_AFTER", "RELAY_UNREACHABLE"]

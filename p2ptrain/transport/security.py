@@ -178,8 +178,8 @@ PLAINTEXT = Security()
 
 
 def security_from_settings(settings) -> Security:
-    """The Security (TLS files, token) of a node's settings (NodeConfig's tls_* and auth_token*
-    fields); PLAINTEXT when none is set."""
+    """The Security (TLS files, token) of a node's security settings (NodeConfig.security: the
+    tls_* and auth_token* settings); PLAINTEXT when none is set."""
     token = read_token_file(settings.auth_token_file) if settings.auth_token_file else settings.auth_token
     if token is None and not (settings.tls_cert or settings.tls_ca):
         return PLAINTEXT

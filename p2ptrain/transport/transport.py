@@ -16,13 +16,15 @@ import time
 import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.addresses import split_address
+from p2ptrain.settings.parsers import parse_relay_routes, parse_relays
 from p2ptrain.transport.errors import PeerError
 from p2ptrain.transport.faults import EmulatedLinks
 from p2ptrain.transport.forwarding import Forwarder
 from p2ptrain.transport.framing import check_chunk_bytes
 from p2ptrain.transport.health import ServingStatus
 from p2ptrain.transport.inbox import Inbox
-from p2ptrain.transport.lane_server import LaneServer, split_address
+from p2ptrain.transport.lane_server import LaneServer
 from p2ptrain.transport.loop_thread import LoopThread
 from p2ptrain.transport.membership import Identity, Membership
 from p2ptrain.transport.membership.greetings import Greetings
@@ -34,7 +36,7 @@ from p2ptrain.transport.paths.grpc_path import SERVICE_NAME, GrpcPath
 from p2ptrain.transport.paths.lane_path import LanePath, LanePorts
 from p2ptrain.transport.paths.router import Router
 from p2ptrain.transport.reception import Answers
-from p2ptrain.transport.routes import RouteTable, parse_relay_routes, parse_relays
+from p2ptrain.transport.routes import RouteTable
 from p2ptrain.transport.sending import Sender
 from p2ptrain.transport.server import PeerService, serve
 from p2ptrain.transport.tuning import tune_process_for_transfer

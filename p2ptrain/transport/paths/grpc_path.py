@@ -13,9 +13,9 @@ import contextlib
 import grpc
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.addresses import split_address
 from p2ptrain.transport.errors import FailureKind, SendFailure
 from p2ptrain.transport.framing import encode_header, iter_data_chunks, serialize_identity
-from p2ptrain.transport.lane_server import split_address
 from p2ptrain.transport.security import PLAINTEXT, Security
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Peer"].full_name  # "p2ptrain.v1.Peer"

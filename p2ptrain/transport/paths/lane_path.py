@@ -21,8 +21,8 @@ from collections import defaultdict, deque
 from typing import Protocol
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.addresses import split_address
 from p2ptrain.transport.errors import FailureKind, PeerError, SendFailure
-from p2ptrain.transport.lane_server import split_address
 from p2ptrain.transport.laneframes import (
     KEEPALIVE,
     LANE_PROTOCOL,

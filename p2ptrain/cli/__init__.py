@@ -1,0 +1,63 @@
+"""The `p2ptrain` command: node, ps, launch, compose, kubernetes, report, health, bench, reproduce.
+
+  p2ptrain node    run one node (flags, env RANK/WORLD_SIZE/P2PTRAIN_*, or --config FILE.toml);
+                   --role worker --ps HOST:PORT: an asynchronous parameter-server worker (GEM)
+  p2ptrain ps      run a parameter server for --world-size workers (GEM, seed 001)
+  p2ptrain launch  run a local cluster of N node processes with live progress and a report
+  p2ptrain compose write a docker-compose file: N nodes (+ parameter server), Prometheus, Grafana
+  p2ptrain kubernetes  write Kubernetes manifests: StatefulSet (or parameter server + workers), Services, ...
+  p2ptrain report  (re)build a run's report.json and plot.png from its folder, or merge one folder per host
+  p2ptrain health  ask a node or parameter server whether it is serving (grpc.health.v1); exit 0 if so
+  p2ptrain bench   benchmarks (transport, algorithms, peers)
+  p2ptrain reproduce  re-run a figure of the source documents (relaysgd, gem, diloco)
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from p2ptrain.cli import bench, compose, health, kubernetes, launch, node, ps, report, reproduce
+from p2ptrain.cli.flags import config_from_args, node_flags_as_argv
+from p2ptrain.exit_codes import EXIT_CONFIG
+from p2ptrain.settings import ConfigError
+
+# One module per subcommand: add_parser(subparsers) declares it, its run(args) runs it (importing
+# torch-heavy modules only there, so that `p2ptrain --help` stays fast).
+COMMANDS = (node, ps, launch, compose, kubernetes, report, health, bench, reproduce)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="p2ptrain", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    subcommands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        command.add_parser(subcommands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script: list[str] = []
+    if "--" in argv:  # `p2ptrain launch [flags] -- python train.py ARGS`: everything after is the script
+        at = argv.index("--")
+        argv, script = argv[:at], argv[at + 1:]
+    args = parser.parse_args(argv)
+    args.script = script
+    if script and args.command != "launch":
+        parser.error(f"only `p2ptrain launch` runs a script after --, not `p2ptrain {args.command}`")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        parser.exit(EXIT_CONFIG, f"p2ptrain: configuration error: {exc}\n")
+    except KeyboardInterrupt:
+        return 130
+
+
+# Parsed flags -> settings (config_from_args) and -> the node flags a launcher passes on
+# (node_flags_as_argv) are p2ptrain/cli/flags.py's, public here too.
+__all__ = ["COMMANDS", "build_parser", "config_from_args", "main", "node_flags_as_argv"]

@@ -1,0 +1,197 @@
+"""`p2ptrain launch`: run a local cluster of N node processes (or of your own script), with live
+progress, planned faults (kill, restart, stall, join, leave) and a report."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from p2ptrain.algorithms import registry
+from p2ptrain.cli.flags import add_node_arguments, config_from_args, flags_from_args, node_flags_as_argv
+from p2ptrain.settings import ConfigError
+
+
+def add_parser(subcommands) -> None:
+    launch = subcommands.add_parser(
+        "launch", help="run a local cluster of N node processes (or of your own script)",
+        usage="p2ptrain launch --nodes N [flags] [-- python train.py ARGS]",
+        description="Run N node processes on free loopback ports, show live per-node progress, write "
+                    "OUT/report.json and OUT/plot.png. With `-- COMMAND ...` run your own training script N times "
+                    "instead of `p2ptrain node`, like torchrun: RANK, WORLD_SIZE, LOCAL_RANK, P2PTRAIN_PEERS, "
+                    "P2PTRAIN_OUT, the metrics port and every setting given here (P2PTRAIN_<SETTING>) are in its "
+                    "environment, where p2ptrain.init() reads them.")
+    launch.add_argument("--nodes", type=int, required=True, help="number of node processes")
+    launch.add_argument("--out", default="runs/latest", help="run folder (default runs/latest)")
+    launch.add_argument("--timeout", type=float, default=None, help="abort the run after this many seconds")
+    launch.add_argument("--no-metrics", action="store_true", help="do not serve /metrics from the nodes")
+    launch.add_argument("--live", dest="live", action="store_true", default=None,
+                        help="redraw the progress table in place (default: when stderr is a terminal)")
+    launch.add_argument("--no-live", dest="live", action="store_false", help="print plain progress lines")
+    launch.add_argument("--kill", action="append", default=[], metavar="RANK@STEP",
+                        help="SIGKILL node RANK once the cluster reaches STEP (repeatable); the others train on")
+    launch.add_argument("--stall", action="append", default=[], metavar="RANK@STEP:SECONDS",
+                        help="freeze node RANK (SIGSTOP, as a GC pause, swap storm or preempted VM would) once the "
+                             "cluster reaches STEP, and let it go on (SIGCONT) SECONDS later (repeatable)")
+    launch.add_argument("--restart", action="append", default=[], metavar="RANK@STEP",
+                        help="start a killed node again at STEP: it fetches the model from a live peer and "
+                             "rejoins (repeatable)")
+    launch.add_argument("--join", dest="join_events", action="append", default=[], metavar="COUNT@STEP",
+                        help="elastic run: start COUNT more nodes once the cluster reaches STEP; they join as new "
+                             "members, nobody restarts (repeatable; ranks --nodes, --nodes+1, ...)")
+    launch.add_argument("--leave", dest="leave_events", action="append", default=[], metavar="RANK@STEP",
+                        help="elastic run: SIGTERM node RANK once the cluster reaches STEP; it hands over its "
+                             "push-sum mass and leaves, the others go on (repeatable)")
+    launch.add_argument("--netns", action="store_true",
+                        help="run every node in its own Linux network namespace (veth + bridge, own IP); "
+                             "needs root or CAP_NET_ADMIN")
+    launch.add_argument("--bandwidth", metavar="RATE",
+                        help="with --netns: real per-node cap (tc tbf) on upload and download, e.g. 100mbit "
+                             "or 12MB/s")
+    launch.add_argument("--netns-subnet", metavar="CIDR",
+                        help="with --netns: private IPv4 subnet for the nodes (default: a free 10.x.y.0/24)")
+    add_node_arguments(launch, cluster_flags=False)
+    launch.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from launcher.interrupts import sigint_interrupts
+
+    with sigint_interrupts():  # the namespaces' set-up too, not only run_local_cluster
+        return _launch(args)
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from launcher import run_local_cluster
+    from launcher.local import ClusterError, fault_plan
+
+    if args.nodes < 1:
+        raise ConfigError("--nodes must be >= 1")
+    server = registry.runs_parameter_server(args.algorithm)  # one parameter server + --nodes workers
+    netns = _netns_options(args, server)
+    if server:
+        config = config_from_args(args, world_size=args.nodes, rank=0, role="worker",
+                                  ps_address="127.0.0.1:20000")  # validate early
+    else:
+        _elastic_launch(args)
+        slots = args.max_nodes or args.nodes
+        placeholder_peers = [f"127.0.0.1:{20000 + i}" for i in range(slots)]
+        config = config_from_args(args, world_size=args.nodes, rank=0, peers=placeholder_peers)
+    shown = {k: v for k, v in config.to_dict().items() if k not in ("rank", "peers", "listen", "out",
+                                                                    "metrics_port", "role", "ps_address")}
+    shown["topology"] = config.resolved_topology
+    node_args = node_flags_as_argv(args)
+    _pass_token_by_environment(args)
+    script = getattr(args, "script", [])
+    if script:
+        if server:
+            raise ConfigError(f"a script of your own runs peer nodes; --algorithm {args.algorithm} runs p2ptrain's "
+                              "own workers")
+        shown["script"] = script
+    try:
+        faults = fault_plan(args.kill, args.restart, args.nodes, args.stall, args.join_events, args.leave_events)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if faults and server:
+        raise ConfigError(f"--kill/--restart/--stall/--join/--leave apply to peer clusters, not to --algorithm "
+                          f"{args.algorithm}")
+    slots = config.slots if not server else args.nodes
+    extra_first = {"first": args.nodes} if slots > args.nodes else {}
+    extra: dict = {"total_steps": config.steps}
+    if server:
+        from launcher.local import parameter_server_cluster
+
+        extra.update(parameter_server_cluster(args.nodes, Path(args.out), node_args, metrics=not args.no_metrics))
+    elif script:
+        from launcher.local import script_cluster
+        from p2ptrain.settings import env_variables
+
+        extra.update(script_cluster(script, env_variables(flags_from_args(args))))
+        extra["total_steps"] = args.steps  # what the script does with P2PTRAIN_STEPS is up to it
+    netns_errors: tuple = ()  # not root, or building / removing the namespaces failed
+    if netns is not None:
+        from launcher.netns import NetnsCluster, NetnsError, NetnsUnavailable
+
+        netns_errors = (NetnsError, NetnsUnavailable)
+    try:
+        if netns is not None:
+            with NetnsCluster(slots, stream=sys.stderr, **netns) as namespaces:
+                report = run_local_cluster(slots, Path(args.out), node_args, config=shown,
+                                           metrics=not args.no_metrics, live=args.live, timeout=args.timeout,
+                                           faults=faults, **namespaces.cluster_kwargs(), **extra, **extra_first)
+        else:
+            report = run_local_cluster(slots, Path(args.out), node_args, config=shown,
+                                       metrics=not args.no_metrics, live=args.live, timeout=args.timeout,
+                                       faults=faults, **extra, **extra_first)
+    except ClusterError as exc:
+        print(f"p2ptrain launch: {exc}", file=sys.stderr)
+        return 1
+    except netns_errors as exc:
+        print(f"p2ptrain launch: {exc}", file=sys.stderr)
+        return 1
+    print(_one_line(report.get("cluster", {})))
+    return 0
+
+
+def _pass_token_by_environment(args: argparse.Namespace) -> None:
+    """Hand --auth-token to the node processes as P2PTRAIN_AUTH_TOKEN, which (unlike argv) other
+    users cannot read from the process table."""
+    if getattr(args, "auth_token", None) is not None:
+        os.environ["P2PTRAIN_AUTH_TOKEN"] = args.auth_token
+
+
+def _elastic_launch(args: argparse.Namespace) -> None:
+    """--join / --leave make the run elastic: --max-nodes covers the nodes that join (set here when
+    not given; too small a value is an error); the node flags passed on carry it."""
+    from launcher.local import join_plan
+
+    if not (args.join_events or args.leave_events):
+        return
+    try:
+        joins = len(join_plan(args.join_events, args.nodes))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    needed = args.nodes + joins
+    if args.max_nodes is None:
+        args.max_nodes = needed
+    elif args.max_nodes < needed:
+        raise ConfigError(f"--max-nodes {args.max_nodes} is below --nodes {args.nodes} plus {joins} joining")
+
+
+def _one_line(cluster: dict) -> str:
+    """The launch's result in one line: what was measured (accuracy, else loss), agreement, time."""
+    acc, loss, cd = cluster.get("mean_test_accuracy"), cluster.get("mean_final_loss"), cluster.get("consensus_distance")
+    quality = f"mean test accuracy {acc:.4f}" if acc is not None else \
+        (f"mean final loss {loss:.4f}" if loss is not None else "no accuracy or loss reported")
+    agreement = f", consensus distance {cd:.3g}" if cd is not None else ""
+    return f"{quality}{agreement}, wall {cluster.get('wall_seconds', 0):.1f}s"
+
+
+def _netns_options(args: argparse.Namespace, server: bool) -> dict | None:
+    """NetnsCluster keyword arguments from --netns/--bandwidth/--netns-subnet (None without --netns),
+    validated before anything starts."""
+    if not args.netns:
+        if args.bandwidth is not None or args.netns_subnet is not None:
+            raise ConfigError("--bandwidth and --netns-subnet need --netns (without namespaces, emulate a cap "
+                              "with --link bandwidth=RATE)")
+        return None
+    if server:
+        raise ConfigError(f"--netns does not run a parameter server (--algorithm {args.algorithm}) yet")
+    from launcher.netns import parse_subnet
+    from p2ptrain.transport.faults import parse_bandwidth
+
+    try:
+        bandwidth = None if args.bandwidth is None else parse_bandwidth(args.bandwidth)
+    except ValueError as exc:
+        raise ConfigError(f"--bandwidth: {exc}") from None
+    try:
+        if args.netns_subnet is not None:
+            parse_subnet(args.netns_subnet, args.nodes)
+        elif args.nodes > 253:
+            raise ValueError(f"{args.nodes} nodes do not fit the automatic /24: give a larger --netns-subnet")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return {"bandwidth": bandwidth, "subnet": args.netns_subnet}
+
+
+__all__ = ["add_parser", "run"]
