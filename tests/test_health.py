@@ -20,7 +20,7 @@ from p2ptrain import cli
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.ps.client import PsClient, PsError
 from p2ptrain.ps.server import PS_SERVICE_NAME, ParameterServer
-from p2ptrain.transport import Transport, TransportOptions
+from p2ptrain.transport import FailureKind, SendFailure, Transport, TransportOptions
 from p2ptrain.transport.health import HEALTH_SERVICE_NAME, check
 from p2ptrain.transport.security import Security
 from p2ptrain.transport.server import HELLO_METHOD, PROTOCOL_VERSION, PUSH_METHOD, SERVICE_NAME
@@ -100,9 +100,9 @@ def test_node_is_serving_only_between_ready_and_stop():
     assert (before, during) == ("SERVING", "NOT_SERVING")
     assert seconds < GRACE + 5
     node.mark_ready()  # after stop: no loop to flip anything on, and no error
-    with pytest.raises(grpc.RpcError) as gone:
+    with pytest.raises(SendFailure) as gone:
         check(address, timeout=2)
-    assert gone.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert gone.value.kind is FailureKind.UNREACHABLE and gone.value.detail.startswith("UNAVAILABLE: ")
 
 
 def test_parameter_server_is_serving_and_drains_on_stop():

@@ -31,8 +31,7 @@ def add_parser(subcommands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the status; 0 SERVING, 1 anything else, 2 no answer (one line on stderr)."""
-    import grpc
-
+    from p2ptrain.transport.errors import SendFailure
     from p2ptrain.transport.health import SERVING, check
     from p2ptrain.transport.security import Security, SecurityError
 
@@ -47,9 +46,8 @@ def run(args: argparse.Namespace) -> int:
     except SecurityError as exc:
         print(f"p2ptrain health: {args.address}: {exc}", file=sys.stderr)
         return 2
-    except grpc.RpcError as exc:
-        details = " ".join((exc.details() or "").split())  # one line, whatever gRPC put in it
-        print(f"p2ptrain health: {args.address}: {exc.code().name}: {details}", file=sys.stderr)
+    except SendFailure as exc:  # no answer: "CODE: details" in one line
+        print(f"p2ptrain health: {args.address}: {exc.detail}", file=sys.stderr)
         return 2
     print(status)
     return 0 if status == SERVING else 1

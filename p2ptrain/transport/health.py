@@ -89,10 +89,11 @@ async def add_standard_services(server: grpc.aio.Server, service_name: str, *, s
 # Client ------------------------------------------------------------------------------------------
 def check(address: str, service: str = OVERALL, *, timeout: float = 5.0, security: "Security | None" = None) -> str:
     """Ask the server at `address` once: "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN" (it does not
-    know `service`) or "UNKNOWN". Raises grpc.RpcError when there is no answer (nothing listens,
+    know `service`) or "UNKNOWN". Raises SendFailure when there is no answer (nothing listens,
     TLS handshake failed, timeout, no Health service)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from p2ptrain.transport.paths.grpc_path import failure_from
     from p2ptrain.transport.security import PLAINTEXT
 
     channel = (security or PLAINTEXT).channel(address, [])
@@ -103,7 +104,7 @@ def check(address: str, service: str = OVERALL, *, timeout: float = 5.0, securit
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:  # the servicer's answer for a service it does not know
                 return SERVICE_UNKNOWN
-            raise
+            raise failure_from(exc) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     finally:
         channel.close()

@@ -43,14 +43,20 @@ def status_of(kind: FailureKind) -> grpc.StatusCode:
     return _STATUS.get(kind, grpc.StatusCode.UNKNOWN)
 
 
+def failure_from(exc: grpc.RpcError) -> SendFailure:
+    """The SendFailure a failed call amounts to, from its status alone ("CODE: details")."""
+    details = " ".join((exc.details() or "").split())  # one line, whatever gRPC put in it
+    return SendFailure(_KINDS.get(exc.code(), FailureKind.PROTOCOL), f"{exc.code().name}: {details}")
+
+
 async def failure_of(exc: grpc.aio.AioRpcError, address: str) -> SendFailure:
     """The SendFailure a failed call to `address` amounts to. UNAVAILABLE is GONE when nothing
     listens on the address any more (a connect is refused: the process died; a stalled one still
     accepts connections), decided by trying, not by reading gRPC's message text."""
-    kind = _KINDS.get(exc.code(), FailureKind.PROTOCOL)
-    if kind is FailureKind.UNREACHABLE and await nothing_listens(address):
-        kind = FailureKind.GONE
-    return SendFailure(kind, f"{exc.code().name}: {exc.details()}")
+    failure = failure_from(exc)
+    if failure.kind is FailureKind.UNREACHABLE and await nothing_listens(address):
+        return SendFailure(FailureKind.GONE, failure.detail)
+    return failure
 
 
 async def nothing_listens(address: str) -> bool:
@@ -210,4 +216,4 @@ class GrpcPath:
 
 
 __all__ = ["GrpcPath", "HELLO_METHOD", "PUSH_METHOD", "PeerClient", "PushCall", "SERVICE_NAME", "SETTLE_METHOD",
-           "failure_of", "nothing_listens", "status_of"]
+           "failure_from", "failure_of", "nothing_listens", "status_of"]
