@@ -1,8 +1,9 @@
 """The algorithm registry: every algorithm's name, the graphs it runs on, its options and its class.
 
 Config validation, the command-line flags, the settings fingerprint and node construction all read
-this registry, so adding an algorithm is one file (its options dataclass, its class, a `register`
-call) plus one line in ALGORITHM_MODULES below. Nothing else names algorithms.
+this registry, so adding an algorithm is one file in p2ptrain/algorithms (its options dataclass, its
+class, a `register` call): every module of the package is imported once, and the ones that
+register are the algorithms. Nothing else names algorithms.
 
 Importing the registry imports no torch: algorithm modules keep torch out of their import (they do
 math on the tensors they are handed), so `p2ptrain --help` stays fast.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import pkgutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
 
@@ -18,10 +20,6 @@ from p2ptrain.choices import OptimizerName
 
 if TYPE_CHECKING:
     from p2ptrain.algorithms.base import Algorithm, Comm
-
-# One line per algorithm: the module p2ptrain.algorithms.<name> registers itself when imported.
-ALGORITHM_MODULES = ("sgp", "allreduce", "dpsgd", "relaysgd", "pipesgd", "gem", "diloco", "gossip_diloco")
-
 
 @dataclass(frozen=True)
 class OptionInfo:
@@ -113,16 +111,21 @@ def register(spec: AlgorithmSpec) -> AlgorithmSpec:
 
 
 def _load() -> dict[str, AlgorithmSpec]:
-    for module in ALGORITHM_MODULES:
-        importlib.import_module(f"p2ptrain.algorithms.{module}")
+    """Import every module of p2ptrain.algorithms once: an algorithm's module registers it."""
+    if not _LOADED:
+        package = importlib.import_module("p2ptrain.algorithms")
+        for module in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{package.__name__}.{module.name}")
+        _LOADED.append(True)
     return _REGISTRY
 
 
+_LOADED: list[bool] = []
+
+
 def algorithms() -> dict[str, AlgorithmSpec]:
-    """Every registered algorithm, by name, in ALGORITHM_MODULES order."""
-    registry = _load()
-    order = {module: i for i, module in enumerate(ALGORITHM_MODULES)}  # a module spells "-" as "_"
-    return dict(sorted(registry.items(), key=lambda item: order.get(item[0].replace("-", "_"), len(order))))
+    """Every registered algorithm, by name, in alphabetical order."""
+    return dict(sorted(_load().items()))
 
 
 def get(name: str) -> AlgorithmSpec:
@@ -179,6 +182,6 @@ def build(name: str, comm: "Comm", options: AlgorithmOptions, context: BuildCont
     return spec.build(comm, options, context)
 
 
-__all__ = ["ALGORITHM_MODULES", "AlgorithmOptions", "AlgorithmSpec", "BuildContext", "OptionInfo",
+__all__ = ["AlgorithmOptions", "AlgorithmSpec", "BuildContext", "OptionInfo",
            "algorithm_for_role", "algorithms", "all_options", "build", "get", "names", "option", "register",
            "runs_parameter_server"]
