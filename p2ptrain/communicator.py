@@ -81,7 +81,7 @@ class Communicator:
     def send(self, peer: int, tensor: torch.Tensor, **header) -> concurrent.futures.Future:
         """Push `tensor` to `peer`; the caller must not modify it afterwards. A future of its
         Delivery (the algorithms' view of the peer's Ack)."""
-        return _delivery(self.transport.send(peer, self.staging.to_host(tensor), **header))
+        return _delivery(self.transport.sender.send(peer, self.staging.to_host(tensor), **header))
 
     def gather(self, kind: int, step: int, senders: list[int], *, channel: str = "",
                deadline: float | None = None) -> dict[int, Message]:

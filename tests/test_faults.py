@@ -151,7 +151,7 @@ def send_all(sender: Transport, count: int, numel: int, **kwargs) -> tuple[list,
     start = time.monotonic()
     futures = []
     for i in range(count):
-        future = sender.send(1, torch.full((numel,), float(i)), kind=KIND, step=0, channel=f"m{i}", **kwargs)
+        future = sender.sender.send(1, torch.full((numel,), float(i)), kind=KIND, step=0, channel=f"m{i}", **kwargs)
         future.add_done_callback(lambda _, i=i: done_at.__setitem__(i, time.monotonic() - start))
         futures.append(future)
     for future in futures:
@@ -275,7 +275,7 @@ def test_reliable_sends_arrive_exactly_once_despite_drops(plane):
 
 def test_stop_cancels_sends_waiting_on_the_link():
     with pair(LinkTable.parse("latency=30s"), 4) as (t0, _):
-        future = t0.send(1, torch.zeros(4), kind=KIND, step=0)
+        future = t0.sender.send(1, torch.zeros(4), kind=KIND, step=0)
         time.sleep(0.1)
         started = time.monotonic()
         t0.stop()

@@ -61,7 +61,7 @@ def test_hello_advertises_the_lane_and_auto_sends_over_it():
         assert t[0].lane_port > 0 and t[1].lane_port > 0 and t[0].lane_port != t[1].lane_port
         assert t[0].membership.hello(1).lane_port == t[1].lane_port
         t[1].expect(KIND, torch.float32, NUMEL)
-        ack = t[0].send(1, PAYLOAD, kind=KIND, step=0, ps_weight=0.5).result(20)
+        ack = t[0].sender.send(1, PAYLOAD, kind=KIND, step=0, ps_weight=0.5).result(20)
         assert ack.status == pb.Ack.STATUS_ACCEPTED and ack.bytes_received == 4 * NUMEL
         (message,) = t[1].recv(KIND, 0, [0], timeout=5).values()
         assert torch.equal(message.tensor, PAYLOAD) and message.message_id == ack.message_id
@@ -74,7 +74,7 @@ def test_auto_uses_grpc_where_a_peer_offers_no_lane():
     with nodes(2, [0], peers=peers) as a, nodes(2, [1], peers=peers, options=options("grpc")) as b:
         assert b[1].lane_port == 0 and a[0].membership.hello(1).lane_port == 0
         b[1].expect(KIND, torch.float32, NUMEL)
-        assert a[0].send(1, PAYLOAD, kind=KIND, step=0).result(20).status == pb.Ack.STATUS_ACCEPTED
+        assert a[0].sender.send(1, PAYLOAD, kind=KIND, step=0).result(20).status == pb.Ack.STATUS_ACCEPTED
         assert torch.equal(b[1].recv(KIND, 0, [0], timeout=5)[0].tensor, PAYLOAD)
         assert lane_messages(a[0], 1) == 0  # it went by gRPC
 
@@ -86,7 +86,7 @@ def test_tcp_refuses_a_peer_without_a_lane_in_one_line():
             a[0].membership.wait_for_peers(timeout=5)
         assert "\n" not in str(info.value)
         with pytest.raises(PeerError, match="offers no TCP lane"):
-            a[0].send(1, PAYLOAD, kind=KIND, step=0).result(20)
+            a[0].sender.send(1, PAYLOAD, kind=KIND, step=0).result(20)
 
 
 def test_a_stale_lane_port_is_asked_again_and_the_new_one_used():
@@ -96,7 +96,7 @@ def test_a_stale_lane_port_is_asked_again_and_the_new_one_used():
     with nodes(2) as t:
         t[1].expect(KIND, torch.float32, NUMEL)
         on_loop(t[0], t[0].lane_ports.learn, 1, dead_port)  # as if node 1 had advertised it
-        assert t[0].send(1, PAYLOAD, kind=KIND, step=0).result(20).status == pb.Ack.STATUS_ACCEPTED
+        assert t[0].sender.send(1, PAYLOAD, kind=KIND, step=0).result(20).status == pb.Ack.STATUS_ACCEPTED
         assert lane_messages(t[0], 1) == 1
         assert torch.equal(t[1].recv(KIND, 0, [0], timeout=5)[0].tensor, PAYLOAD)
 
@@ -108,7 +108,7 @@ def test_a_lane_that_cannot_be_reached_falls_back_to_grpc_or_fails_under_tcp(pla
     with nodes(2, options=options(plane)) as t:
         t[1].expect(KIND, torch.float32, NUMEL)
         t[1].loop.submit(t[1].lane_server.stop()).result(10)  # its Hello still names the port
-        future = t[0].send(1, PAYLOAD, kind=KIND, step=0)
+        future = t[0].sender.send(1, PAYLOAD, kind=KIND, step=0)
         if plane == "tcp":
             with pytest.raises(SendFailure) as failed:
                 future.result(20)
@@ -116,7 +116,7 @@ def test_a_lane_that_cannot_be_reached_falls_back_to_grpc_or_fails_under_tcp(pla
             return
         assert future.result(20).status == pb.Ack.STATUS_ACCEPTED and lane_messages(t[0], 1) == 0
         assert torch.equal(t[1].recv(KIND, 0, [0], timeout=5)[0].tensor, PAYLOAD)
-        assert t[0].send(1, PAYLOAD, kind=KIND, step=1).result(20).status == pb.Ack.STATUS_ACCEPTED
+        assert t[0].sender.send(1, PAYLOAD, kind=KIND, step=1).result(20).status == pb.Ack.STATUS_ACCEPTED
         assert lane_messages(t[0], 1) == 0  # not tried again for relay_retry_after seconds
 
 
@@ -129,7 +129,7 @@ def test_a_lane_with_a_wrong_token_is_refused_end_to_end():
         b[1].expect(KIND, torch.float32, NUMEL)
         on_loop(a[0], a[0].lane_ports.learn, 1, b[1].lane_port)  # (its Hello would be refused already)
         with pytest.raises(SendFailure) as refused:
-            a[0].send(1, PAYLOAD, kind=KIND, step=0).result(20)
+            a[0].sender.send(1, PAYLOAD, kind=KIND, step=0).result(20)
         assert refused.value.kind is FailureKind.DENIED
         assert "not-the-token" not in str(refused.value) and TOKEN not in str(refused.value)
         assert rejections(b[1]) == {"unauthenticated": 1.0} and pending(b[1]) == 0
@@ -398,7 +398,7 @@ def test_transport_default_options_reach_every_data_plane():
     for plane in DATA_PLANE_NAMES:
         with nodes(2, options=options(plane)) as t:
             t[1].expect(KIND, torch.float32, NUMEL)
-            assert t[0].send(1, PAYLOAD, kind=KIND, step=0).result(20).status == pb.Ack.STATUS_ACCEPTED
+            assert t[0].sender.send(1, PAYLOAD, kind=KIND, step=0).result(20).status == pb.Ack.STATUS_ACCEPTED
             assert lane_messages(t[0], 1) == (0 if plane == "grpc" else 1)
             assert (t[1].lane_port == 0) == (plane == "grpc")
     assert FAST.data_plane == "auto"

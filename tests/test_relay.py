@@ -142,7 +142,7 @@ def test_relayed_tensor_arrives_bit_exact_and_is_counted_once(plane):
     with nodes(3, options=options) as t:
         for rank in (1, 2):
             t[rank].expect(KIND, torch.float32, NUMEL)
-        ack = t[0].send(2, tensor, kind=KIND, step=3, ps_weight=0.25).result(30)
+        ack = t[0].sender.send(2, tensor, kind=KIND, step=3, ps_weight=0.25).result(30)
         assert ack.status == pb.Ack.STATUS_ACCEPTED, ack
         assert ack.bytes_received == nbytes
         got = t[2].recv(KIND, 3, [0], timeout=10)[0]
@@ -158,7 +158,7 @@ def test_relayed_tensor_arrives_bit_exact_and_is_counted_once(plane):
         # the way back (declared with <->) goes through node 1 too
         t[0].expect(KIND, torch.float32, NUMEL)
         back = payload(seed=1)
-        assert t[2].send(0, back, kind=KIND, step=3).result(30).status == pb.Ack.STATUS_ACCEPTED
+        assert t[2].sender.send(0, back, kind=KIND, step=3).result(30).status == pb.Ack.STATUS_ACCEPTED
         assert torch.equal(t[0].recv(KIND, 3, [2], timeout=10)[2].tensor, back)
         assert sample(t[1], "p2ptrain_forwarded_messages_total", node="1", peer="0") == 1
         # (b) exactly once: the same message again, straight to node 2, is a duplicate
@@ -190,7 +190,7 @@ def test_blocked_link_is_found_out_and_relayed_around(plane):
         t[0].membership.wait_for_peers(timeout=10)  # greets 1 only: the link to 2 is declared blocked
         for step in range(3):
             tensor = payload(1000, step)
-            ack = t[0].send(2, tensor, kind=KIND, step=step).result(30)
+            ack = t[0].sender.send(2, tensor, kind=KIND, step=step).result(30)
             assert ack.status == pb.Ack.STATUS_ACCEPTED, ack
             assert torch.equal(t[2].recv(KIND, step, [0], timeout=10)[0].tensor, tensor)
         assert forwarded(t[1]) == 3 and forwarded(t[1], "bytes") == 3 * 4000
@@ -213,7 +213,7 @@ def test_refused_connect_is_found_out_and_relayed_around(plane):
             stack.callback(t[rank].stop)
         t[2].expect(KIND, torch.float32, 1000)
         tensor = payload(1000)
-        ack = t[0].send(2, tensor, kind=KIND, step=0).result(30)
+        ack = t[0].sender.send(2, tensor, kind=KIND, step=0).result(30)
         assert ack.status == pb.Ack.STATUS_ACCEPTED, ack
         assert torch.equal(t[2].recv(KIND, 0, [0], timeout=10)[0].tensor, tensor)
         assert forwarded(t[1]) == 1 and not t[0].routes.direct_ok(2)
@@ -225,7 +225,7 @@ def test_unreachable_next_hop_is_a_definite_refusal():
     links = LinkTable.parse(None, ["0<->2:block", "1->2:block"])
     with nodes(3, options=opts(links=links, relay_routes=("0->2:1",))) as t:
         t[2].expect(KIND, torch.float32, 1000)
-        ack = t[0].send(2, payload(1000), kind=KIND, step=0).result(30)
+        ack = t[0].sender.send(2, payload(1000), kind=KIND, step=0).result(30)
         assert ack.status == pb.Ack.STATUS_REJECTED and ack.reason == RELAY_UNREACHABLE, ack
         assert pending(t[2]) == 0 and forwarded(t[1]) == 0
         assert rejections(t[1]) == {RELAY_UNREACHABLE: 1}
@@ -234,7 +234,7 @@ def test_unreachable_next_hop_is_a_definite_refusal():
 def test_no_relay_at_all_fails_the_send_clearly():
     with nodes(2, options=opts(links=LinkTable.parse(None, ["0<->1:block"]))) as t:
         with pytest.raises(LinkUnreachable):
-            t[0].send(1, payload(1000), kind=KIND, step=0).result(30)
+            t[0].sender.send(1, payload(1000), kind=KIND, step=0).result(30)
 
 
 # -- (d) bad route headers ----------------------------------------------------------------------------

@@ -108,7 +108,7 @@ def test_tls_token_cluster_exchanges_tensor_and_strangers_are_refused(pki, plane
     try:
         node1.membership.wait_for_peers(10)
         x = torch.arange(N, dtype=torch.float32)
-        assert node1.send(0, x, kind=KIND, step=0).result(10).status == pb.Ack.STATUS_ACCEPTED
+        assert node1.sender.send(0, x, kind=KIND, step=0).result(10).status == pb.Ack.STATUS_ACCEPTED
         got = node0.recv(KIND, 0, [1], timeout=10)[1]
         assert torch.equal(got.tensor, x)
         got.release()
@@ -120,7 +120,7 @@ def test_tls_token_cluster_exchanges_tensor_and_strangers_are_refused(pki, plane
             stranger = _transport(1, [peers[0], f"127.0.0.1:{free_ports(1)[0]}"], _sec(pki, token), plane=plane)
             intruders.append(stranger)
             with pytest.raises(SendFailure) as refused:
-                stranger.send(0, torch.full((N,), 666.0), kind=KIND, step=0).result(10)
+                stranger.sender.send(0, torch.full((N,), 666.0), kind=KIND, step=0).result(10)
             assert refused.value.kind is FailureKind.DENIED, refused.value
             assert TOKEN not in str(refused.value)  # the secret is never echoed
             if token:
@@ -146,7 +146,7 @@ def test_tls_token_cluster_exchanges_tensor_and_strangers_are_refused(pki, plane
 
         assert node0.inbox.pending() == 0  # nothing of the strangers arrived
         y = torch.linspace(-1, 1, N)
-        assert node1.send(0, y, kind=KIND, step=1).result(10).status == pb.Ack.STATUS_ACCEPTED
+        assert node1.sender.send(0, y, kind=KIND, step=1).result(10).status == pb.Ack.STATUS_ACCEPTED
         got = node0.recv(KIND, 1, [1], timeout=10)[1]
         assert torch.equal(got.tensor, y)
         got.release()
@@ -267,7 +267,7 @@ def test_mutual_tls_lane_needs_a_client_certificate(pki):
         client = _transport(1, peers, _sec(pki, None, require_client_cert=True), plane="tcp")
         try:  # and a node's own lane client offers its certificate
             x = torch.linspace(0, 1, N)
-            assert client.send(0, x, kind=KIND, step=1).result(10).status == pb.Ack.STATUS_ACCEPTED
+            assert client.sender.send(0, x, kind=KIND, step=1).result(10).status == pb.Ack.STATUS_ACCEPTED
             assert torch.equal(node.recv(KIND, 1, [1], timeout=5)[1].tensor, x)
         finally:
             client.stop()

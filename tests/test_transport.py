@@ -123,7 +123,7 @@ def test_tensor_arrives_exactly(numel, dtype, chunk_bytes, shape, plane):
     nbytes = numel * tensor.element_size()
     with nodes(2, options=options) as t:
         t[1].expect(KIND, dtype, numel)
-        ack = t[0].send(1, tensor, kind=KIND, step=7, ps_weight=0.375, relay_count=2.0,
+        ack = t[0].sender.send(1, tensor, kind=KIND, step=7, ps_weight=0.375, relay_count=2.0,
                         channel="c").result(30)
         assert ack.status == pb.Ack.STATUS_ACCEPTED, ack
         assert ack.bytes_received == nbytes
@@ -166,7 +166,7 @@ def test_several_senders_steps_and_channels(plane):
             for step in (0, 1, 2):
                 x = torch.full((10,), float(10 * sender + step))
                 sent[(sender, step)] = x
-                futures.append(t[sender].send(1, x, kind=KIND, step=step, ps_weight=step / 4))
+                futures.append(t[sender].sender.send(1, x, kind=KIND, step=step, ps_weight=step / 4))
         for f in futures:
             assert f.result(30).status == pb.Ack.STATUS_ACCEPTED
         got = t[1].recv(KIND, 1, [0, 2], timeout=10)
@@ -186,8 +186,8 @@ def test_several_senders_steps_and_channels(plane):
 def test_second_message_for_an_occupied_slot_is_rejected(plane):
     with nodes(2, options=on_plane(FAST, plane)) as t:
         t[1].expect(KIND, torch.float32, 4)
-        first = t[0].send(1, torch.ones(4), kind=KIND, step=3, ps_weight=0.5).result(30)
-        second = t[0].send(1, torch.zeros(4), kind=KIND, step=3, ps_weight=0.5).result(30)
+        first = t[0].sender.send(1, torch.ones(4), kind=KIND, step=3, ps_weight=0.5).result(30)
+        second = t[0].sender.send(1, torch.zeros(4), kind=KIND, step=3, ps_weight=0.5).result(30)
         assert first.status == pb.Ack.STATUS_ACCEPTED
         assert (second.status, second.reason) == (pb.Ack.STATUS_REJECTED, "duplicate_slot")
         messages = t[1].take(KIND, 3)
@@ -201,7 +201,7 @@ def test_second_message_for_an_occupied_slot_is_rejected(plane):
 def test_send_waits_for_a_peer_that_starts_later(plane):
     peers = loopback_addresses(2)
     with nodes(2, [0], peers=peers, options=on_plane(FAST, plane)) as t:
-        future = t[0].send(1, torch.arange(5.0), kind=KIND, step=0)
+        future = t[0].sender.send(1, torch.arange(5.0), kind=KIND, step=0)
         time.sleep(0.3)
         assert not future.done()
         late = Transport(1, 2, peers, listen=peers[1], options=on_plane(FAST, plane))
@@ -221,7 +221,7 @@ def test_chunk_larger_than_receivers_message_limit_fails_the_send():
         small = stack.enter_context(nodes(2, [1], peers=peers))
         small[1].expect(KIND, torch.float32, 6 * MiB // 4)
         with pytest.raises(SendFailure) as info:
-            big[0].send(1, torch.ones(6 * MiB // 4), kind=KIND, step=0).result(30)
+            big[0].sender.send(1, torch.ones(6 * MiB // 4), kind=KIND, step=0).result(30)
         assert info.value.kind is FailureKind.BUSY and "RESOURCE_EXHAUSTED" in info.value.detail
         assert sample(big[0], "p2ptrain_send_errors_total", node="0", peer="1") == 1
         assert big[0].metrics.bytes_sent_total == 0
@@ -534,15 +534,15 @@ def test_send_to_self_or_unknown_peer_raises():
     with nodes(2, [0]) as t:
         for peer in (0, 2, -1, 99):
             with pytest.raises(ValueError, match=f"node 0 cannot send to {peer}"):
-                t[0].send(peer, torch.ones(3), kind=KIND, step=0)
+                t[0].sender.send(peer, torch.ones(3), kind=KIND, step=0)
         with pytest.raises(ValueError, match="cannot be sent"):
-            t[0].send(1, torch.ones(3, dtype=torch.int64), kind=KIND, step=0)
+            t[0].sender.send(1, torch.ones(3, dtype=torch.int64), kind=KIND, step=0)
 
 
 def test_unstarted_transport_refuses_io_and_stops_harmlessly():
     transport = Transport(0, 2, ["127.0.0.1:1", "127.0.0.1:2"], listen="127.0.0.1:0")
     with pytest.raises(RuntimeError, match="not started"):
-        transport.send(1, torch.ones(3), kind=KIND, step=0)
+        transport.sender.send(1, torch.ones(3), kind=KIND, step=0)
     transport.stop()
 
 
@@ -571,7 +571,7 @@ def test_graceful_stop_is_prompt_and_idempotent(plane):
     b = Transport(1, 2, peers, listen=peers[1], options=options).start()
     try:
         b.expect(KIND, torch.float32, 3)
-        assert a.send(1, torch.ones(3), kind=KIND, step=0).result(10).status == pb.Ack.STATUS_ACCEPTED
+        assert a.sender.send(1, torch.ones(3), kind=KIND, step=0).result(10).status == pb.Ack.STATUS_ACCEPTED
         a.membership.wait_for_peers(timeout=5)
     finally:
         for transport in (a, b):

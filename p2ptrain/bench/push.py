@@ -70,7 +70,7 @@ def push_endpoint(rank: int, peers: Sequence[str], size_bytes: int, reps: int, t
         for step in range(reps + 1):  # step 0 is the untimed warm-up
             if step == 1:
                 cpu0, start = cpu_seconds(), time.perf_counter()
-            ack = transport.send(RECEIVER, payload, kind=pb.MESSAGE_KIND_BENCH, step=step).result(timeout)
+            ack = transport.sender.send(RECEIVER, payload, kind=pb.MESSAGE_KIND_BENCH, step=step).result(timeout)
             if ack.status != pb.Ack.STATUS_ACCEPTED:
                 raise RuntimeError(f"push {step} refused: {ack.reason} {ack.detail}")
         return {"seconds": time.perf_counter() - start, "cpu": cpu_seconds() - cpu0}

@@ -19,6 +19,7 @@ the token through a challenge-response (laneframes.auth_proof): it never sends t
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import ssl
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 
 TOKEN_METADATA_KEY = "authorization"  # gRPC metadata keys are lower case
 _BEARER = "Bearer "
+# A refused client stream is read (up to this many bytes, for at most this long) before the refusal.
+DRAIN_BYTES = 8 << 20
+DRAIN_SECONDS = 2.0
 # Methods callable without the token: exactly the standard health check (see the module docstring).
 TOKEN_EXEMPT_PREFIX = f"/{HEALTH_SERVICE_NAME}/"
 
@@ -226,6 +230,22 @@ async def _abort(request, context):
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, TokenInterceptor.DETAILS)
 
 
+async def _abort_after_reading(requests, context):
+    """Refuse a client stream once the caller has finished writing it (at most DRAIN_BYTES, for at
+    most DRAIN_SECONDS): a call ended while the caller still writes can reach it as a broken stream
+    (INTERNAL) instead of this refusal."""
+    drained = 0
+    try:
+        async with asyncio.timeout(DRAIN_SECONDS):
+            async for request in requests:
+                drained += len(request)
+                if drained > DRAIN_BYTES:
+                    break
+    except (TimeoutError, grpc.RpcError):
+        pass
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, TokenInterceptor.DETAILS)
+
+
 async def _abort_streaming(request, context):
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, TokenInterceptor.DETAILS)
     yield  # pragma: no cover - makes this an async generator, as response-streaming handlers are
@@ -237,7 +257,7 @@ def _refusing_handler(handler) -> grpc.RpcMethodHandler:
     if request_streaming and response_streaming:
         return grpc.stream_stream_rpc_method_handler(_abort_streaming)
     if request_streaming:
-        return grpc.stream_unary_rpc_method_handler(_abort)
+        return grpc.stream_unary_rpc_method_handler(_abort_after_reading)
     if response_streaming:
         return grpc.unary_stream_rpc_method_handler(_abort_streaming)
     return grpc.unary_unary_rpc_method_handler(_abort)

@@ -9,13 +9,11 @@ the parts themselves; the transport never knows what an algorithm means by a ten
 """
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import time
 
 import torch
 
-from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.addresses import split_address
 from p2ptrain.settings.parsers import parse_relay_routes, parse_relays
 from p2ptrain.transport.errors import PeerError
@@ -184,18 +182,6 @@ class Transport:
     def run_on_loop(self, fn, *args):
         """fn(*args) run on the transport's loop thread, where its state lives; the result."""
         return self.loop.call(fn, *args)
-
-    # Sending --------------------------------------------------------------------------------
-    def send(self, peer: int, tensor: torch.Tensor, *, kind: int, step: int, ps_weight: float = 0.0,
-             relay_count: float = 0.0, channel: str = "", codec: int = pb.CODEC_NONE,
-             codec_params: tuple[float, ...] = (), dtype: torch.dtype | None = None,
-             numel: int | None = None, shape: tuple[int, ...] | None = None,
-             reliable: bool = False, settle: bool = False) -> concurrent.futures.Future:
-        """Push `tensor` to `peer`; a future of its Ack (see sending.Sender.send for `reliable`,
-        `settle` and codec payloads). Ownership of `tensor` passes until the future is done."""
-        return self.sender.send(peer, tensor, kind=kind, step=step, ps_weight=ps_weight, relay_count=relay_count,
-                                channel=channel, codec=codec, codec_params=codec_params, dtype=dtype,
-                                numel=numel, shape=shape, reliable=reliable, settle=settle)
 
     # Receiving --------------------------------------------------------------------------------
     def expect(self, kind: int, dtype: torch.dtype, numel: int, **kwargs) -> None:

@@ -107,7 +107,8 @@ class PeerClient:
         try:
             return await self._push(chunks(), timeout=timeout, wait_for_ready=wait_for_ready, metadata=self.metadata)
         except grpc.aio.AioRpcError as exc:
-            raise await failure_of(exc, self.address) from None
+            failure = await failure_of(exc, self.address)
+        raise failure
 
     def open_push(self, timeout: float | None, wait_for_ready: bool = True) -> "PushCall":
         """A PushTensor call to write pre-encoded chunks into one by one (relay forwarding)."""
