@@ -13,8 +13,9 @@ steps). `average="models"` is seed 003's Alg. 3 as written. A codec compresses e
 (seed 004); gradients tolerate it far better than models do.
 
 `overlap=1` (models only): one-step-delayed averaging, as in Overlap Local-SGD (Wang et al. 2020)
-and DaSGD (Zhou et al. 2020). The mean of step t's model is taken on a communication thread while
-step t+1 computes, and step t+1 adopts it as a correction that keeps its own local progress:
+and DaSGD (Zhou et al. 2020). The mean of step t's model is taken on the engine's communication
+worker (Comm.background) while step t+1 computes, and step t+1 adopts it as a correction that
+keeps its own local progress:
 
     x_i^{t+1/2} = x_i^t - γ ∇f_i(x_i^t)                (engine: local optimizer step)
     x_i^{t+1}   = x_i^{t+1/2} + (a^{t-1} - s_i^{t-1})  (the mean of step t-1 lands; none at t = 0)
@@ -114,8 +115,6 @@ class AllReduceSGD(Algorithm):
         self._watched = None  # (parameters, next_step) from the engine, for the buckets
         # overlap=1: s^t (the snapshot) and the ring's buffer (s^t, reduced in place into a^t), both
         # allocated once at setup; at most one of the in-flight mean and a pending correction is held.
-        self._comm_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="allreduce-comm") \
-            if overlap else None
         self._snapshot: torch.Tensor | None = None
         self._reduced: torch.Tensor | None = None
         self._in_flight: concurrent.futures.Future | None = None  # a^t being reduced into self._reduced
@@ -162,8 +161,8 @@ class AllReduceSGD(Algorithm):
         if correction is not None:
             params.add_(correction)   # x^{t+1}
         self._snapshot.copy_(params)  # s^t
-        self._reduced.copy_(params)   # reduced in place into a^t on the comm thread
-        self._in_flight = self._comm_thread.submit(self.allreduce.reduce_or_keep, self._reduced, step)
+        self._reduced.copy_(params)   # reduced in place into a^t on the communication worker
+        self._in_flight = self.comm.background(self.allreduce.reduce_or_keep, self._reduced, step)
         return params
 
     def adopt_state(self, state: Received, params: torch.Tensor) -> torch.Tensor:
@@ -203,7 +202,7 @@ class AllReduceSGD(Algorithm):
         is the same bits on every member (the ring's all-gather forwards identical bytes)."""
         if self.buckets is not None:
             self.buckets.close()
-        if self._comm_thread is None:
+        if not self.overlap:
             return None
         final = None
         if self._in_flight is not None:
@@ -213,7 +212,6 @@ class AllReduceSGD(Algorithm):
         elif self._pending is not None:
             log.warning("node %d: finished before a step added the checkpoint's pending correction", self.comm.rank)
             self._pending = None
-        self._comm_thread.shutdown(wait=True)
         return final
 
     def stats(self) -> dict[str, float]:

@@ -1,9 +1,10 @@
 """Pipe-SGD (seed 004 Alg. 1) with pipeline width K = 2.
 
-    computation thread, step t:  g_local[t] = ∇f(w[t]);  hand g_local[t] to the comm thread;
+    computation thread, step t:  g_local[t] = ∇f(w[t]);  hand g_local[t] to the comm worker;
                                  wait for g_sum[t-1];    w[t+1] = w[t] - γ g_sum[t-1]
-    communication thread:        g_sum[t] = AllReduce(g_local[t])   (ring, optionally compressed)
+    communication worker:        g_sum[t] = AllReduce(g_local[t])   (ring, optionally compressed)
 
+(the worker is the engine's, Comm.background)
 so the all-reduce of step t runs while step t+1 computes, and every update uses the aggregated
 gradient one iteration stale (the seed's K-1 = 1). The seed starts from g_sum = 0 for the first
 K-1 iterations; we skip that update instead (a zero gradient would still apply weight decay).
@@ -61,7 +62,6 @@ class PipeSGD(Algorithm):
         self.codec = codec
         self.chunk_kb = chunk_kb
         self.allreduce = None
-        self._comm_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pipesgd-comm")
         self._in_flight: concurrent.futures.Future | None = None  # g_sum[t-1] being reduced
 
     def setup(self, params: torch.Tensor) -> torch.Tensor:
@@ -75,7 +75,7 @@ class PipeSGD(Algorithm):
         if step < self.warmup:
             return self.allreduce.reduce_or_keep(grads, step)  # synchronous warm-up
         previous = self._in_flight
-        self._in_flight = self._comm_thread.submit(self.allreduce.reduce_or_keep, grads, step)
+        self._in_flight = self.comm.background(self.allreduce.reduce_or_keep, grads, step)
         return previous.result() if previous is not None else None
 
     def members_changed(self, step: int, params: torch.Tensor) -> torch.Tensor:
@@ -106,7 +106,6 @@ class PipeSGD(Algorithm):
         if self._in_flight is not None:
             self._in_flight.result()
             self._in_flight = None
-        self._comm_thread.shutdown(wait=True)
         return None
 
 
