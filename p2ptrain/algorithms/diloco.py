@@ -315,7 +315,8 @@ class DiLoCo(Algorithm):
         else:
             residual = self.residual[start:end] if self.residual is not None else None
             try:
-                total = self.rings[p](delta, step, average=False, members=current, residual=residual)
+                # (restore=False: Δ_p is ours alone and not used again if the sync fails)
+                total = self.rings[p](delta, step, average=False, members=current, residual=residual, restore=False)
                 outcome = _Outcome(anchor.clone(), momentum.clone(), version + 1)
                 self.outer.step(outcome.anchor, total.div_(len(current)), outcome.momentum)
             except CollectiveIncomplete as exc:

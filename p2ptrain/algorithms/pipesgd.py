@@ -17,7 +17,7 @@ import concurrent.futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from p2ptrain.algorithms.base import Algorithm, Comm
+from p2ptrain.algorithms.base import Algorithm, Comm, buffer_like
 from p2ptrain.algorithms.collectives import CHUNK_KB_HELP, DEFAULT_CHUNK_KB, MemberRing
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, option, register
 from p2ptrain.compression import CODEC_HELP, CODEC_NAMES, NEEDS_ERROR_FEEDBACK
@@ -63,19 +63,25 @@ class PipeSGD(Algorithm):
         self.chunk_kb = chunk_kb
         self.allreduce = None
         self._in_flight: concurrent.futures.Future | None = None  # g_sum[t-1] being reduced
+        # the ring writes g_sum into these in turn: the engine applies g_sum[t-1] from one while
+        # g_sum[t] is reduced into the other (and the ring only reads g_local[t]: no backup of it)
+        self._sums: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._turn = 0
 
     def setup(self, params: torch.Tensor) -> torch.Tensor:
         self.allreduce = MemberRing(self.comm, params.numel(), params.dtype, codec=self.codec,
                                     resync_deadline=self.comm.peer_timeout, chunk_bytes=self.chunk_kb * 1024)
+        self._sums = (buffer_like(params), buffer_like(params))
         self.comm.ready()
         return params
 
     def reduce_gradients(self, step: int, grads: torch.Tensor) -> torch.Tensor | None:
         self.comm.set_step(step)
+        out, self._turn = self._sums[self._turn], 1 - self._turn
         if step < self.warmup:
-            return self.allreduce.reduce_or_keep(grads, step)  # synchronous warm-up
+            return self.allreduce.reduce_or_keep(grads, step, out=out)  # synchronous warm-up
         previous = self._in_flight
-        self._in_flight = self.comm.background(self.allreduce.reduce_or_keep, grads, step)
+        self._in_flight = self.comm.background(self.allreduce.reduce_or_keep, grads, step, out=out)
         return previous.result() if previous is not None else None
 
     def members_changed(self, step: int, params: torch.Tensor) -> torch.Tensor:
