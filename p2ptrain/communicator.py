@@ -15,6 +15,7 @@ import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.algorithms.base import Delivery
+from p2ptrain.comm_worker import CommWorker
 from p2ptrain.transport.message import Message
 from p2ptrain.transport.staging import Staging
 from p2ptrain.transport.transport import Transport
@@ -32,6 +33,7 @@ class Communicator:
         self.staging = Staging(device)
         self.peer_timeout = peer_timeout
         self.joined: Message | None = None  # the state a (re)joining node took from a donor (train/elastic.py)
+        self._worker = CommWorker(f"comm-worker-{self.rank}")  # the engine's, for background collectives
 
     @property
     def link_deadline(self) -> float:
@@ -82,6 +84,15 @@ class Communicator:
         """Push `tensor` to `peer`; the caller must not modify it afterwards. A future of its
         Delivery (the algorithms' view of the peer's Ack)."""
         return _delivery(self.transport.sender.send(peer, self.staging.to_host(tensor), **header))
+
+    def background(self, fn, *args, **kwargs) -> concurrent.futures.Future:
+        """Run fn(*args, **kwargs) on this node's communication worker, after every job submitted
+        before it (comm_worker.py): how algorithms overlap communication with compute."""
+        return self._worker.submit(fn, *args, **kwargs)
+
+    def close(self) -> None:
+        """Stop the communication worker (after the transport: a job still waiting then fails)."""
+        self._worker.close()
 
     def gather(self, kind: int, step: int, senders: list[int], *, channel: str = "",
                deadline: float | None = None) -> dict[int, Message]:

@@ -150,8 +150,10 @@ class Node:
         return self._closed
 
     def stop(self) -> None:
-        """Stop the transport and the metrics endpoint (close() also writes the summary)."""
+        """Stop the transport, the communication worker and the metrics endpoint (close() also
+        writes the summary)."""
         self.transport.stop()
+        self.comm.close()  # after the transport: a background job still waiting fails at once
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server = None

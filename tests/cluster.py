@@ -22,7 +22,7 @@ def run_cluster(n: int, body: Callable[[int, Communicator], object], *, timeout:
     With `metrics` every transport gets its own NodeMetrics (comm.transport.metrics)."""
     ports = free_ports(n)
     peers = [f"127.0.0.1:{port}" for port in ports]
-    transports = []
+    transports, comms = [], []
     try:
         for rank in range(n):
             opts = options_for(rank) if options_for else (options or TransportOptions(send_timeout=30.0))
@@ -39,6 +39,8 @@ def run_cluster(n: int, body: Callable[[int, Communicator], object], *, timeout:
     finally:
         for transport in transports:
             transport.stop()
+        for comm in comms:  # after the transports, as a node does: a background job still waiting fails
+            comm.close()
 
 
 def mass_in_flight_ledgers(ledgers: list[list[tuple]], at_steps) -> list[float]:

@@ -2,11 +2,16 @@
 single-process reference of the same math written here with plain tensors."""
 from __future__ import annotations
 
+import concurrent.futures
+import threading
+import time
+
 import pytest
 import torch
 
 from p2ptrain.algorithms.allreduce import AllReduceSGD
-from p2ptrain.algorithms.collectives import RingAllReduce, chunk_bounds, segment_bounds
+from p2ptrain.algorithms.base import Delivery
+from p2ptrain.algorithms.collectives import CollectiveIncomplete, RingAllReduce, chunk_bounds, segment_bounds
 from p2ptrain.algorithms.dpsgd import DPSGD
 from p2ptrain.algorithms.pipesgd import PipeSGD
 from p2ptrain.topology.undirected import CompleteGraph, UndirectedRing
@@ -134,6 +139,111 @@ def test_ring_allreduce_rejects_wrong_size():
         with pytest.raises(ValueError, match="declared for 8"):
             reduce(torch.zeros(9), step=0)
         return True
+
+    assert run_cluster(2, body) == [True, True]
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, 400])
+def test_ring_sends_straight_from_the_tensor_and_builds_sums_in_out_when_given(chunk_bytes):
+    """Zero-copy: every uncompressed payload is a view of the tensor being reduced (in place) or of
+    `out` and the input (with out=), never a send buffer; with out= the input is left as it was,
+    and both give the same bits."""
+    n, numel = 3, 3001
+
+    def body(rank, comm):
+        ring = RingAllReduce(comm, numel, chunk_bytes=chunk_bytes)
+        comm.ready()
+        storages, send = [], comm.send
+
+        def spy(peer, tensor, **header):
+            storages.append(tensor.untyped_storage().data_ptr())
+            return send(peer, tensor, **header)
+
+        comm.send = spy
+        x, y, out = vector(rank, numel), vector(rank, numel), torch.empty(numel)
+        in_place = ring(x, 0, average=False)
+        in_place_sends, storages[:] = list(storages), []
+        returned = ring(y, 1, average=False, out=out)
+        assert in_place is x and returned is out
+        assert torch.equal(y, vector(rank, numel))  # only read
+        assert set(in_place_sends) == {x.untyped_storage().data_ptr()}
+        assert set(storages) == {y.untyped_storage().data_ptr(), out.untyped_storage().data_ptr()}
+        assert len(in_place_sends) == len(storages) >= 2 * (n - 1)
+        return in_place, out
+
+    results = run_cluster(n, body)
+    expected = sum(vector(r, numel) for r in range(n))
+    for in_place, out in results:
+        assert torch.equal(in_place, out) and torch.equal(in_place, results[0][0])
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+class _LateAcks:
+    """A Comm on a 2-ring whose neighbour never sends a segment (every gather comes back empty) and
+    acknowledges each message only when the test says so."""
+
+    rank, world_size, link_deadline = 0, 2, 0.05
+
+    def __init__(self):
+        self.sent: list[tuple[torch.Tensor, torch.Tensor, concurrent.futures.Future]] = []
+
+    def expect(self, *args, **kwargs):
+        pass
+
+    def all_alive(self):
+        return True
+
+    def make_room(self, peer, window):
+        return True
+
+    def take(self, kind, max_step, *, channel=""):
+        return []
+
+    def gather(self, kind, step, senders, *, channel="", deadline=None):
+        return {}
+
+    def send(self, peer, tensor, **header):
+        future = concurrent.futures.Future()
+        self.sent.append((tensor, tensor.clone(), future))
+        return future
+
+    def acknowledge_later(self, seconds: float) -> threading.Thread:
+        def acknowledge():
+            while not self.sent:
+                time.sleep(0.01)
+            time.sleep(seconds)
+            for tensor, as_sent, future in self.sent:
+                assert torch.equal(tensor, as_sent)  # the memory it was sent from did not change meanwhile
+                future.set_result(Delivery(True))
+        thread = threading.Thread(target=acknowledge)
+        thread.start()
+        return thread
+
+
+@pytest.mark.parametrize("mode", ["restore", "out"])
+def test_a_failed_call_fences_its_sends_before_anything_is_restored(mode):
+    """The payloads are the tensor itself, so a call that fails returns only once each send has
+    settled (no copy was taken for them), and only then restores the input."""
+    comm = _LateAcks()
+    ring = RingAllReduce(comm, 8)
+    x = torch.arange(8.0)
+    out = torch.zeros(8) if mode == "out" else None
+    acknowledging = comm.acknowledge_later(0.3)
+    with pytest.raises(CollectiveIncomplete, match="missed the link deadline"):
+        ring(x, 0, out=out)
+    assert comm.sent and all(future.done() for _, _, future in comm.sent)
+    acknowledging.join()
+    assert comm.sent[0][0].data_ptr() == x.data_ptr()  # the first segment went straight from the input
+    assert torch.equal(x, torch.arange(8.0))
+
+
+def test_out_on_a_ring_of_one_is_a_copy_of_the_input():
+    def body(rank, comm):
+        ring = RingAllReduce(comm, 5, elastic=True)
+        comm.ready()
+        x, out = vector(rank, 5), torch.zeros(5)
+        assert ring(x, 0, members=[rank], out=out) is out
+        return torch.equal(out, x)
 
     assert run_cluster(2, body) == [True, True]
 

@@ -15,8 +15,8 @@ import pytest
 from p2ptrain.bench import peers
 from p2ptrain.bench.ddp import interface_of
 from p2ptrain.bench.hivemind_node import tree_cpu_seconds
-from p2ptrain.bench.peers import BASELINE, PeersResult, accuracy_curve, check_targets, time_to_accuracy
-from p2ptrain.train.progress import StepClock
+from p2ptrain.bench.peers import BASELINE, PeersResult, accuracy_curve, check_targets, summarize, time_to_accuracy
+from p2ptrain.train.progress import RunRecorder, StepClock
 from tests.conftest import ROOT, node_env
 
 
@@ -40,8 +40,11 @@ def test_bench_peers_runs_ddp_and_every_variant_with_ratios(tmp_path):
     assert names == [BASELINE, "allreduce", "allreduce-models", "sgp-tau1"]
     for variant in result["variants"]:
         assert variant["error"] is None, variant
-        for key in ("step_seconds", "cpu_seconds_per_step", "bytes_per_step", "test_accuracy", "wall_seconds"):
+        for key in ("step_seconds", "cpu_seconds_per_step", "bytes_per_step", "test_accuracy", "wall_seconds",
+                    "step_p50", "step_p95", "step_max", "wall_per_step"):
             assert numeric(variant[key]) and variant[key] > 0, (variant["name"], key, variant[key])
+        assert variant["step_p50"] <= variant["step_p95"] <= variant["step_max"], variant
+        assert variant["step_seconds"] <= variant["step_max"], variant
         assert [point[0] for point in variant["accuracy_curve"]] == [5, 10, 15, 20]  # every --eval-every steps
         assert all(0 <= seconds and 0 <= accuracy <= 1 for _, seconds, accuracy in variant["accuracy_curve"])
         for ratio in ("step", "cpu", "bytes"):
@@ -80,6 +83,31 @@ def test_accuracy_curve_takes_the_slowest_node_and_leaves_evaluations_out():
     assert curve == [[10, pytest.approx(2.5), pytest.approx(0.6)], [20, pytest.approx(3.0), pytest.approx(0.8)]]
     assert time_to_accuracy(curve, 0.8) == pytest.approx(3.0)
     assert time_to_accuracy(curve, 0.81) is None and time_to_accuracy(curve, None) is None
+
+
+def test_step_statistics_are_per_node_after_warm_up_and_ratios_use_the_mean(tmp_path):
+    def node(rank, tail):
+        recorder = RunRecorder(None, f"node{rank}", log_every=100)
+        for step, seconds in enumerate([5.0, 5.0] + [0.01] * 17 + [tail], start=1):  # the first 10% is warm-up
+            recorder.step_done(step, seconds, None)
+        return recorder.summary()
+
+    summaries = [node(0, 0.5), node(1, 0.01)]
+    assert summaries[0]["median_step_seconds"] == pytest.approx(0.01)
+    assert summaries[0]["steady_step_seconds"] == pytest.approx((17 * 0.01 + 0.5) / 18)
+    assert summaries[0]["p95_step_seconds"] == pytest.approx(0.01 + 0.15 * 0.49)  # between the 17th and 18th of 18
+    assert summaries[0]["max_step_seconds"] == pytest.approx(0.5)
+    result = summarize("allreduce", 2, 20, tmp_path, {"nodes": summaries, "cluster": {"wall_seconds": 9.0}})
+    assert result.step_seconds == pytest.approx(((17 * 0.01 + 0.5) / 18 + 0.01) / 2)  # mean over nodes of means
+    assert result.step_p50 == pytest.approx(0.01)
+    assert result.step_p95 == pytest.approx((0.01 + 0.15 * 0.49 + 0.01) / 2)
+    assert result.step_max == pytest.approx(0.5)  # the slowest step of any node
+    assert math.isnan(result.wall_per_step)  # no progress files: no training seconds to the last step
+    ddp = PeersResult(BASELINE, 2, 20, step_seconds=0.01, step_p50=0.01)
+    checks = {c[0]: c for c in check_targets([ddp, result], "loopback")}
+    # the median step is DDP's, but one slow step makes the mean (and the run) 2.36x slower: a MISS
+    assert checks["AllReduce-SGD (gradients) step vs DDP"][1:] == (pytest.approx(result.step_seconds / 0.01), 1.0,
+                                                                   False)
 
 
 def test_targets_are_ratios_to_ddp_of_the_same_run():

@@ -13,12 +13,13 @@ steps). `average="models"` is seed 003's Alg. 3 as written. A codec compresses e
 (seed 004); gradients tolerate it far better than models do.
 
 `overlap=1` (models only): one-step-delayed averaging, as in Overlap Local-SGD (Wang et al. 2020)
-and DaSGD (Zhou et al. 2020). The mean of step t's model is taken on a communication thread while
-step t+1 computes, and step t+1 adopts it as a correction that keeps its own local progress:
+and DaSGD (Zhou et al. 2020). The mean of step t's model is taken on the engine's communication
+worker (Comm.background) while step t+1 computes, and step t+1 adopts it as a correction that
+keeps its own local progress:
 
     x_i^{t+1/2} = x_i^t - γ ∇f_i(x_i^t)                (engine: local optimizer step)
     x_i^{t+1}   = x_i^{t+1/2} + (a^{t-1} - s_i^{t-1})  (the mean of step t-1 lands; none at t = 0)
-    s_i^t       = x_i^{t+1}                            (a snapshot: the ring reduces its buffer in place)
+    s_i^t       = x_i^{t+1}                            (a snapshot: the ring reads it while the model moves on)
     a^t         = (1/n) Σ_j s_j^t                      (ring all-reduce, while step t+1 computes)
 
 Unrolled, x_i^{t+1} = a^{t-1} + (x_i^{t+1/2} - x_i^t): the consensus of the step before plus this
@@ -112,13 +113,12 @@ class AllReduceSGD(Algorithm):
         self.allreduce = None
         self.buckets: BucketedGradients | None = None
         self._watched = None  # (parameters, next_step) from the engine, for the buckets
-        # overlap=1: s^t (the snapshot) and the ring's buffer (s^t, reduced in place into a^t), both
-        # allocated once at setup; at most one of the in-flight mean and a pending correction is held.
-        self._comm_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="allreduce-comm") \
-            if overlap else None
+        # overlap=1: s^t (the snapshot the ring reads) and a^t (the ring's output), both allocated once
+        # at setup; at most one of the in-flight mean and a pending correction is held.
         self._snapshot: torch.Tensor | None = None
         self._reduced: torch.Tensor | None = None
         self._in_flight: concurrent.futures.Future | None = None  # a^t being reduced into self._reduced
+        self._mean: torch.Tensor | None = None  # average="gradients": the ring's output (no backup of the input)
         self._pending: torch.Tensor | None = None  # a^{t-1} - s^{t-1} loaded from a checkpoint
         self.overlapped_averages = 0  # in-flight means folded in (stats, tests)
 
@@ -133,6 +133,8 @@ class AllReduceSGD(Algorithm):
                                              bucket_bytes=int(self.buckets_mb * 2**20), codec=self.codec)
         if self.overlap:
             self._snapshot, self._reduced = buffer_like(params), buffer_like(params)
+        if self.uses_gradients:
+            self._mean = buffer_like(params)
         self.comm.ready()
         return params
 
@@ -142,7 +144,7 @@ class AllReduceSGD(Algorithm):
             reduced = self.buckets.reduce(step, grads)
             if reduced is not None:
                 return reduced
-        return self.allreduce.reduce_or_keep(grads, step)
+        return self.allreduce.reduce_or_keep(grads, step, out=self._mean)  # grads itself if it cannot complete
 
     def members_changed(self, step: int, params: torch.Tensor) -> torch.Tensor:
         """A new view: one model over the re-formed ring before its first round. With overlap, the
@@ -161,9 +163,9 @@ class AllReduceSGD(Algorithm):
         correction = self._take_correction()  # a^{t-1} - s^{t-1}
         if correction is not None:
             params.add_(correction)   # x^{t+1}
-        self._snapshot.copy_(params)  # s^t
-        self._reduced.copy_(params)   # reduced in place into a^t on the comm thread
-        self._in_flight = self._comm_thread.submit(self.allreduce.reduce_or_keep, self._reduced, step)
+        self._snapshot.copy_(params)  # s^t, read by the ring on the communication worker, which writes a^t
+        self._in_flight = self.comm.background(self.allreduce.reduce_or_keep, self._snapshot, step,
+                                               out=self._reduced)
         return params
 
     def adopt_state(self, state: Received, params: torch.Tensor) -> torch.Tensor:
@@ -203,7 +205,7 @@ class AllReduceSGD(Algorithm):
         is the same bits on every member (the ring's all-gather forwards identical bytes)."""
         if self.buckets is not None:
             self.buckets.close()
-        if self._comm_thread is None:
+        if not self.overlap:
             return None
         final = None
         if self._in_flight is not None:
@@ -213,7 +215,6 @@ class AllReduceSGD(Algorithm):
         elif self._pending is not None:
             log.warning("node %d: finished before a step added the checkpoint's pending correction", self.comm.rank)
             self._pending = None
-        self._comm_thread.shutdown(wait=True)
         return final
 
     def stats(self) -> dict[str, float]:
@@ -226,13 +227,14 @@ class AllReduceSGD(Algorithm):
 
     # overlap=1 ----------------------------------------------------------------------------------
     def _take_correction(self) -> torch.Tensor | None:
-        """a^{t-1} - s^{t-1}: of the mean in flight (waited for; zero if its ring could not complete)
-        or the loaded one; None at the start. Reuses the ring's buffer: valid until the next launch."""
+        """a^{t-1} - s^{t-1}: of the mean in flight (waited for; None if its ring could not complete:
+        then it hands back s^{t-1} itself) or the loaded one; None at the start. Reuses the ring's
+        buffer: valid until the next launch."""
         if self._in_flight is not None:
             averaged = self._in_flight.result()
             self._in_flight = None
             self.overlapped_averages += 1
-            return averaged.sub_(self._snapshot)
+            return None if averaged is self._snapshot else averaged.sub_(self._snapshot)
         correction, self._pending = self._pending, None
         return correction
 

@@ -116,6 +116,11 @@ class Comm(Protocol):
     def take(self, kind: Kind, max_step: int, *, channel: str = "") -> list[Received]:
         """Messages of steps <= max_step that already arrived (late ones)."""
 
+    def background(self, fn, *args, **kwargs) -> concurrent.futures.Future:
+        """Run fn(*args, **kwargs) on the engine's communication worker, after every job submitted
+        before it (one thread per node, FIFO); a future of its result. Algorithms overlap
+        communication with compute through this and never start threads of their own."""
+
 
 class Algorithm(ABC):
     name = "algorithm"

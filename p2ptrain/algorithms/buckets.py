@@ -1,14 +1,14 @@
 """Bucketed gradient all-reduce launched from backward hooks, as DDP's reducer does: the ring
-all-reduce of the last layers' gradients runs on a communication thread while backward still
-computes the first layers'. It must never change what AllReduce-SGD computes: the result is the
-flat all-reduce's mean, cut into pieces (equal to it up to float summation order: each bucket is
-its own ring, so segment boundaries differ).
+all-reduce of the last layers' gradients runs on the engine's communication worker
+(Comm.background) while backward still computes the first layers'. It must never change what
+AllReduce-SGD computes: the result is the flat all-reduce's mean, cut into pieces (equal to it up
+to float summation order: each bucket is its own ring, so segment boundaries differ).
 
 Buckets are contiguous ranges of the flat gradient vector: parameters in reverse order (the order
 backward finishes them), grouped until `bucket_bytes`. A parameter's post-accumulate-grad hook
 copies its gradient into the bucket's slice; a bucket whose parameters all reported is launched,
-buckets strictly in index order (every node runs them in the same order on one thread, so no two
-nodes wait on different rings). Each bucket has its own RingAllReduce (tag `b<k>.`), re-formed over
+buckets strictly in index order (every node runs them in the same order on its one worker, so no
+two nodes wait on different rings). Each bucket has its own RingAllReduce (tag `b<k>.`), re-formed over
 each step's members like the flat ring (MemberRing.members_for); if any bucket fails, the whole
 step keeps the local gradient and the failure counts as one failed round (MemberRing.round_failed).
 
@@ -68,7 +68,6 @@ class BucketedGradients:
             self._offset[p] = offset
             offset += p.numel()
         self._bucket_of = {p: bucket for bucket in self.buckets for p in bucket.params}
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bucket-comm")
         self._hooks = []
         self._reset()
         if self.enabled:
@@ -130,7 +129,7 @@ class BucketedGradients:
             bucket = self.buckets[len(self._launched)]
             if not self._launched:
                 self.comm.set_step(self._step)
-            self._launched.append(self._thread.submit(self._reduce, bucket, self._step, self._members))
+            self._launched.append(self.comm.background(self._reduce, bucket, self._step, self._members))
 
     def _reduce(self, bucket: _Bucket, step: int, members: tuple[int, ...]) -> CollectiveIncomplete | None:
         try:
@@ -189,6 +188,6 @@ class BucketedGradients:
         self._hooks = []
 
     def close(self) -> None:
+        """Wait for the buckets launched (the peers take part in their rings)."""
         for future in self._launched:
             future.result()
-        self._thread.shutdown(wait=True)

@@ -13,6 +13,25 @@ Error feedback (`residual=`): every point where this node compresses (one reduce
 segment, and its owned segment) writes what it lost into the caller's residual, so the sum that
 comes out plus every node's residual is exactly the sum that went in (to float rounding).
 
+Zero-copy sends: without a lossy codec a message's payload is the tensor itself, flat[a:b], which
+the transport reads until the peer acknowledges it; nothing is copied into send buffers and no
+send buffer is kept. That is safe because the ring's causality keeps every segment unwritten until
+its send has been received. Node i (ring position) writes only on receipt, and:
+- reduce-scatter round r sends segment i-r and adds what comes in to segment i-r-1, which it sends
+  in round r+1: each of the segments i-1, ..., i-(m-1) is written once, before it is sent; segment
+  i is never written there, and the owned segment i+1 (averaged in place) is sent only after.
+- all-gather round r overwrites segment i-r, the one sent in reduce-scatter round r, with its
+  finished sum. That sum was completed after node i+1 added node i's round-r message into it, so
+  the overwrite comes after that send was received. The owned segment is not overwritten.
+- all-gather round r+1 forwards segment i-r from the tensor, written in round r; the all-gather
+  writes each segment once, so nothing rewrites it. (A compressed chunk is forwarded as received,
+  from a copy: the pooled buffer it arrived in goes back at once.)
+A retried send may read a segment again after the peer has it: that copy is answered DUPLICATE and
+dropped. With `out=`, the sums are built in `out` and the input is only read: the same argument
+holds for `out`. Before a call returns, each send has been acknowledged or, if the call failed,
+has settled (the fence, instead of copies): the caller may then write the tensor, and a peer that
+still completes its own call with a late message gets the values it was sent with.
+
 Every round has its own channel, so the receiver knows the exact size of each segment (and accepts
 only this ring's codec, in the layout compression.py gives it) and the mailbox never mixes rounds;
 the step number keeps consecutive all-reduces apart.
@@ -42,6 +61,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from p2ptrain import compression
@@ -124,7 +144,7 @@ class RingAllReduce:
         self.chunk_numel = chunk_bytes // dtype.itemsize if chunk_bytes > 0 else 0
         self._failed_at: int | None = None  # step of the last incomplete round
         self._backup: torch.Tensor | None = None  # the input, to restore on failure (one buffer, reused)
-        self._outgoing: dict[tuple, torch.Tensor] = {}  # (members, phase, round) -> reused send buffer
+        self._forward: dict[tuple, torch.Tensor] = {}  # (members, round, chunk) -> compressed all-gather forward
         self.tag, self.kind = tag, kind
         self.elastic = elastic
         self._full = _Ring(tuple(range(self.n)), self.rank, numel, self.chunk_numel)
@@ -161,16 +181,22 @@ class RingAllReduce:
     # The collective -------------------------------------------------------------------------------
     def __call__(self, tensor: torch.Tensor, step: int, *, average: bool = True, members=None,
                  residual: torch.Tensor | None = None, deadline: float | None = None,
-                 restore: bool = True) -> torch.Tensor:
-        """Sum (or mean) of `tensor` over the ring's members, written into `tensor` and returned.
+                 restore: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum (or mean) of `tensor` over the ring's members, written into `out` (default: `tensor`
+        itself, in place) and returned.
 
         `members` (elastic rings only): the ranks to reduce over, this node among them (default:
         all). `deadline`: how long each segment is waited for (default: the link deadline).
         `residual` (sums only): tensor of the same size that receives what this node's
         compressions lost (error feedback; zeros without a lossy codec).
 
-        `restore=False`: the caller keeps its own copy of the input (gradient buckets reduce a
-        scratch copy), so `tensor` is not backed up and holds partial sums after a failure.
+        `out`: the sums are built there and `tensor` is only read, so nothing needs restoring after
+        a failure (`out` then holds partial sums) and no backup of the input is taken.
+        `restore=False` (in place): the caller keeps its own copy of the input (gradient buckets
+        reduce a scratch copy), so `tensor` is not backed up and holds partial sums after a failure.
+
+        When the call returns, completed or not, the transport no longer reads `tensor` or `out`
+        (the sends are made straight from them: see "Zero-copy sends" above).
 
         Raises CollectiveIncomplete, with `tensor` and `residual` restored, when a ring neighbour's
         segment misses the link deadline or a node is dead (callers fall back to their local value
@@ -178,13 +204,17 @@ class RingAllReduce:
         if tensor.numel() != self.numel or tensor.dtype != self.dtype:
             raise ValueError(f"all-reduce declared for {self.numel} x {self.dtype}, "
                              f"got {tensor.numel()} x {tensor.dtype}")
+        if out is not None and (out.numel() != self.numel or out.dtype != self.dtype):
+            raise ValueError(f"all-reduce output must be {self.numel} x {self.dtype}, got {out.numel()} x {out.dtype}")
         if residual is not None and (average or residual.numel() != self.numel):
             raise ValueError("a residual is kept for sums (average=False) of the declared size only")
+        in_place = out is None or out is tensor
+        out = tensor if out is None else out
         ring = self._ring_of(members)
         if ring.m == 1:
             if residual is not None:
                 residual.zero_()
-            return tensor
+            return out if in_place else out.copy_(tensor)
         catching_up = self._failed_at is not None
         if catching_up or ring.members != self._last_members:
             self._discard_through(step - 1)  # segments of a failed or re-formed ring may still come
@@ -197,15 +227,17 @@ class RingAllReduce:
             raise CollectiveIncomplete(f"node {self.rank}: all-reduce of step {step} skipped: node {ring.next} "
                                        "acknowledges nothing")
         original = None
-        if restore:
+        if restore and in_place:
             if self._backup is None:
                 self._backup = buffer_like(tensor)
             original = self._backup.copy_(tensor)
         kept = residual.clone() if residual is not None else None
+        acks: list[concurrent.futures.Future] = []
         try:
-            return self._ring(tensor, step, average, ring, residual, deadline, catching_up)
+            self._ring(tensor.view(-1), out.view(-1), step, average, ring, residual, acks, deadline, catching_up)
+            return out
         except CollectiveIncomplete:
-            self._outgoing = {}  # sends of this call may still read their buffers: the next call takes new ones
+            self._fence(acks, ring)
             if original is not None:
                 tensor.copy_(original)
             if residual is not None:
@@ -213,11 +245,12 @@ class RingAllReduce:
             self._failed_at = step
             raise
 
-    def reduce_or_keep(self, tensor: torch.Tensor, step: int, *, average: bool = True) -> torch.Tensor:
-        """The all-reduce, or `tensor` unchanged when it cannot complete (a dropped link costs this
-        step's averaging, never the run)."""
+    def reduce_or_keep(self, tensor: torch.Tensor, step: int, *, average: bool = True,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """The all-reduce (into `out` if given), or `tensor` unchanged when it cannot complete (a
+        dropped link costs this step's averaging, never the run)."""
         try:
-            return self(tensor, step, average=average)
+            return self(tensor, step, average=average, out=out)
         except CollectiveIncomplete as exc:
             log.warning("%s; keeping the local value for this step", exc)
             return tensor
@@ -254,31 +287,33 @@ class RingAllReduce:
             return self.codec.encode(segment), None
         return compression.encode_with_feedback(self.codec, segment, residual)
 
-    def _ring(self, tensor: torch.Tensor, step: int, average: bool, ring: _Ring,
-              residual: torch.Tensor | None, deadline: float | None = None,
-              catching_up: bool = False) -> torch.Tensor:
-        flat = tensor.view(-1)
+    def _ring(self, source: torch.Tensor, flat: torch.Tensor, step: int, average: bool, ring: _Ring,
+              residual: torch.Tensor | None, acks: list[concurrent.futures.Future], deadline: float | None = None,
+              catching_up: bool = False) -> None:
+        """The ring on flat views: `source` is read, the sums are built in `flat` (the same tensor
+        in place); every send's future goes into `acks`."""
+        import torch  # (here, not at import: the algorithm registry loads without torch)
+
         first_deadline = ring.m * (deadline or self.comm.link_deadline) if catching_up else deadline
         lost = (lambda a, b: residual.view(-1)[a:b]) if residual is not None else (lambda a, b: None)  # noqa: E731
-        acks: list[concurrent.futures.Future] = []
 
-        def push(phase: str, r: int, segment: int, c: int, a: int, b: int) -> None:
-            """Encode flat[a:b] (with error feedback) and send it as chunk c of (phase, round r)."""
-            encoded, _ = self._encode(flat[a:b], lost(a, b))
-            payload = self._outgoing_copy(encoded, ring, phase, r, c)
-            acks.append(self._send(ring, payload, encoded.codec, encoded.params, step, phase, r, segment, c))
+        def push(values: torch.Tensor, phase: str, r: int, segment: int, c: int, a: int, b: int) -> None:
+            """Encode values[a:b] (with error feedback) and send it as chunk c of (phase, round r):
+            uncompressed, the payload is values[a:b] itself."""
+            encoded, _ = self._encode(values[a:b], lost(a, b))
+            acks.append(self._send(ring, encoded.payload, encoded.codec, encoded.params, step, phase, r, segment, c))
 
         first = ring.rs_send(0)
         for c, (a, b) in enumerate(ring.chunks[first]):
-            push("rs", 0, first, c, a, b)
+            push(source, "rs", 0, first, c, a, b)  # this node's own values, never written by the call
         for r in range(ring.m - 1):  # reduce-scatter: decompress, sum, recompress at every hop
             segment = ring.rs_recv(r)  # = rs_send(r + 1): each summed chunk goes on at once
             for c, (a, b) in enumerate(ring.chunks[segment]):
                 received = self._recv(ring, step, "rs", r, segment, c, first_deadline if r == c == 0 else deadline)
-                flat[a:b].add_(self._decode(received, b - a))
+                torch.add(source[a:b], self._decode(received, b - a), out=flat[a:b])
                 received.release()
                 if r < ring.m - 2:
-                    push("rs", r + 1, segment, c, a, b)
+                    push(flat, "rs", r + 1, segment, c, a, b)
                 else:  # a chunk of the owned segment is final: it starts the all-gather
                     self._finish_owned(flat, a, b, ring, average, lost(a, b), acks, step, c)
 
@@ -287,13 +322,13 @@ class RingAllReduce:
             for c, (a, b) in enumerate(ring.chunks[segment]):
                 received = self._recv(ring, step, "ag", r, segment, c, deadline)
                 flat[a:b].copy_(self._decode(received, b - a))
-                if r < ring.m - 2:  # out of the pooled receive buffer before it goes back
-                    payload = self._buffer(ring, "ag", r + 1, c, received.tensor).copy_(received.tensor)
+                if r < ring.m - 2:  # forward: uncompressed from flat[a:b], which nothing writes again
+                    payload = flat[a:b] if received.codec == compression.UNCOMPRESSED else \
+                        self._buffer(ring, r + 1, c, received.tensor).copy_(received.tensor)
                     acks.append(self._send(ring, payload, received.codec, received.codec_params, step, "ag",
                                            r + 1, segment, c))
                 received.release()
         self._check(acks, ring)
-        return tensor
 
     def _finish_owned(self, flat: torch.Tensor, a: int, b: int, ring: _Ring, average: bool,
                       lost: torch.Tensor | None, acks: list, step: int, c: int) -> None:
@@ -307,27 +342,32 @@ class RingAllReduce:
             if decoded is None:
                 decoded = self.codec.decode(encoded.payload, encoded.params, owned.shape, owned.dtype)
             owned.copy_(decoded)
-        payload = self._outgoing_copy(encoded, ring, "ag", 0, c)
-        acks.append(self._send(ring, payload, encoded.codec, encoded.params, step, "ag", 0, ring.owned(), c))
+        acks.append(self._send(ring, encoded.payload, encoded.codec, encoded.params, step, "ag", 0, ring.owned(), c))
 
-    def _outgoing_copy(self, encoded, ring: _Ring, phase: str, r: int, c: int) -> torch.Tensor:
-        """A payload the transport may keep until it is acknowledged: lossy encoders return fresh
-        tensors; the identity codec a view of the caller's tensor, which later rounds modify, so
-        that is copied into this round's send buffer."""
-        if encoded.codec != compression.UNCOMPRESSED:
-            return encoded.payload
-        buffer = self._buffer(ring, phase, r, c, encoded.payload)
-        return buffer.copy_(encoded.payload.view(-1))
-
-    def _buffer(self, ring: _Ring, phase: str, r: int, c: int, like: torch.Tensor) -> torch.Tensor:
-        """The send buffer of (ring, phase, round, chunk), reused from call to call: every send of a call
-        that completes is acknowledged before it returns, so the transport no longer reads it
-        (after a failed call they are all dropped). The ring allocates nothing per step."""
-        key = (ring.members, phase, r, c)
-        buffer = self._outgoing.get(key)
+    def _buffer(self, ring: _Ring, r: int, c: int, like: torch.Tensor) -> torch.Tensor:
+        """The buffer a compressed all-gather chunk is forwarded from (round r, chunk c), reused
+        from call to call (every send has settled when a call returns): its bytes must outlive the
+        pooled receive buffer they came in, which goes back at once."""
+        key = (ring.members, r, c)
+        buffer = self._forward.get(key)
         if buffer is None or buffer.numel() != like.numel() or buffer.dtype != like.dtype:
-            buffer = self._outgoing[key] = buffer_like(like.view(-1))
+            buffer = self._forward[key] = buffer_like(like.view(-1))
         return buffer
+
+    def _fence(self, acks: list[concurrent.futures.Future], ring: _Ring) -> None:
+        """A failed call waits until each of its sends has settled before anything is restored or
+        rewritten: they read the tensor itself (no copies), and a peer that still completes its
+        call with them must get the values they were sent with. Each send ends by its transport
+        deadline at the latest (a stalled neighbour: the send timeout)."""
+        pending = [future for future in acks if not future.done()]
+        if not pending:
+            return
+        began = time.monotonic()
+        concurrent.futures.wait(pending)
+        waited = time.monotonic() - began
+        if waited > self.comm.link_deadline:
+            log.warning("node %d: a failed all-reduce waited %.1f s for %d message(s) to node %d to settle",
+                        self.rank, waited, len(pending), ring.next)
 
     def _send(self, ring: _Ring, payload: torch.Tensor, codec_id: int, params: tuple[float, ...], step: int,
               phase: str, r: int, segment: int, c: int) -> concurrent.futures.Future:
@@ -390,13 +430,15 @@ class MemberRing:
         self.resyncs = 0  # model averages at view switches (stats, tests)
         self._failures = 0  # rounds failed in a row
 
-    def reduce_or_keep(self, tensor: torch.Tensor, step: int, *, average: bool = True) -> torch.Tensor:
-        """The all-reduce over the step's members, or `tensor` unchanged when it cannot complete."""
+    def reduce_or_keep(self, tensor: torch.Tensor, step: int, *, average: bool = True,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """The all-reduce over the step's members, or `tensor` unchanged when it cannot complete.
+        With `out` the mean is written there and `tensor` is only read (no backup of it is taken)."""
         members = self.members_for(step)
         if members is None:
             return tensor
         try:
-            reduced = self.ring(tensor, step, average=average, members=members)
+            reduced = self.ring(tensor, step, average=average, members=members, out=out)
         except CollectiveIncomplete as exc:
             self.round_failed(exc)
             return tensor

@@ -11,9 +11,9 @@ to the same anchor and momentum.
 Streaming DiLoCo: the flat parameters are cut into F contiguous fragments p (the paper cuts layers,
 strided; a flat vector has none), and fragment p is synced every H steps at steps t with
 (t + 1) mod H = (p + 1) H / F, so one fragment moves every H / F steps. With an outer delay τ ≥ 1 a
-fragment's all-reduce runs on a communication thread while the next τ inner steps compute (the
-outer gradient is τ steps old when it lands, as in Pipe-SGD), and the result is merged with the
-paper's mixing factor α:
+fragment's all-reduce runs on the engine's communication worker while the next τ inner steps
+compute (the outer gradient is τ steps old when it lands, as in Pipe-SGD), and the result is
+merged with the paper's mixing factor α:
     θ_{i,p}^(t+τ) ← α θ_{i,p}^(t+τ) + (1 - α) θ_p^(t)      (θ_p^(t) = OuterNesterov(θ_p^(t-H), Δ_p))
 α = 0 takes the outer parameters. A blocking sync (τ = 0) takes them too, unless mixing_at_sync
 makes it merge with α as Algorithm 1 does for every fragment update (the README says why that is
@@ -155,7 +155,6 @@ class DiLoCo(Algorithm):
         self.caught_up = 0                          # offers adopted
         self._params: torch.Tensor | None = None
         self._in_flight: list[tuple[int, int, concurrent.futures.Future]] = []  # (merge step, fragment, outcome)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="diloco-comm") if outer_delay else None
         self._last_step = -1
 
     # Hooks ------------------------------------------------------------------------------------------
@@ -197,10 +196,10 @@ class DiLoCo(Algorithm):
             # count again, in full, in the next one
             self._take_anchor(p, params, mix=True)
         if p is not None:
-            if self._pool is None:
+            if not self.tau:
                 self._merge(p, self._sync(p, delta, step), params, mix=self.mixing_at_sync)
-            else:  # its thread reads the anchor, momentum and version the merges above left
-                self._in_flight.append((step + self.tau, p, self._pool.submit(self._sync, p, delta, step)))
+            else:  # the communication worker reads the anchor, momentum and version the merges above left
+                self._in_flight.append((step + self.tau, p, self.comm.background(self._sync, p, delta, step)))
         return params
 
     def finish(self) -> torch.Tensor | None:
@@ -212,8 +211,6 @@ class DiLoCo(Algorithm):
             return None
         landed = [(p, future.result()) for _, p, future in self._in_flight]
         self._in_flight.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
         last = self._last_step
         final = [p for p in range(self.F) if self._final_sync(p, last)]
         # with τ = H the sync in flight would have landed where its fragment's next outer gradient is
@@ -287,7 +284,7 @@ class DiLoCo(Algorithm):
 
     def _sync(self, p: int, delta: torch.Tensor, step: int) -> _Outcome:
         """Agree on who is current, all-reduce Δ_p over them and take the outer step, then hand the
-        members behind their offers of the result. Runs on the communication thread when the sync
+        members behind their offers of the result. Runs on the communication worker when the sync
         overlaps inner steps: it reads fragment p's anchor, momentum and residual, which the
         training thread leaves alone until the merge, and writes only copies and the residual."""
         start, end = self.bounds[p]
@@ -318,7 +315,8 @@ class DiLoCo(Algorithm):
         else:
             residual = self.residual[start:end] if self.residual is not None else None
             try:
-                total = self.rings[p](delta, step, average=False, members=current, residual=residual)
+                # (restore=False: Δ_p is ours alone and not used again if the sync fails)
+                total = self.rings[p](delta, step, average=False, members=current, residual=residual, restore=False)
                 outcome = _Outcome(anchor.clone(), momentum.clone(), version + 1)
                 self.outer.step(outcome.anchor, total.div_(len(current)), outcome.momentum)
             except CollectiveIncomplete as exc:

@@ -1,9 +1,10 @@
 """Pipe-SGD (seed 004 Alg. 1) with pipeline width K = 2.
 
-    computation thread, step t:  g_local[t] = ∇f(w[t]);  hand g_local[t] to the comm thread;
+    computation thread, step t:  g_local[t] = ∇f(w[t]);  hand g_local[t] to the comm worker;
                                  wait for g_sum[t-1];    w[t+1] = w[t] - γ g_sum[t-1]
-    communication thread:        g_sum[t] = AllReduce(g_local[t])   (ring, optionally compressed)
+    communication worker:        g_sum[t] = AllReduce(g_local[t])   (ring, optionally compressed)
 
+(the worker is the engine's, Comm.background)
 so the all-reduce of step t runs while step t+1 computes, and every update uses the aggregated
 gradient one iteration stale (the seed's K-1 = 1). The seed starts from g_sum = 0 for the first
 K-1 iterations; we skip that update instead (a zero gradient would still apply weight decay).
@@ -16,7 +17,7 @@ import concurrent.futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from p2ptrain.algorithms.base import Algorithm, Comm
+from p2ptrain.algorithms.base import Algorithm, Comm, buffer_like
 from p2ptrain.algorithms.collectives import CHUNK_KB_HELP, DEFAULT_CHUNK_KB, MemberRing
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, option, register
 from p2ptrain.compression import CODEC_HELP, CODEC_NAMES, NEEDS_ERROR_FEEDBACK
@@ -61,21 +62,26 @@ class PipeSGD(Algorithm):
         self.codec = codec
         self.chunk_kb = chunk_kb
         self.allreduce = None
-        self._comm_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pipesgd-comm")
         self._in_flight: concurrent.futures.Future | None = None  # g_sum[t-1] being reduced
+        # the ring writes g_sum into these in turn: the engine applies g_sum[t-1] from one while
+        # g_sum[t] is reduced into the other (and the ring only reads g_local[t]: no backup of it)
+        self._sums: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._turn = 0
 
     def setup(self, params: torch.Tensor) -> torch.Tensor:
         self.allreduce = MemberRing(self.comm, params.numel(), params.dtype, codec=self.codec,
                                     resync_deadline=self.comm.peer_timeout, chunk_bytes=self.chunk_kb * 1024)
+        self._sums = (buffer_like(params), buffer_like(params))
         self.comm.ready()
         return params
 
     def reduce_gradients(self, step: int, grads: torch.Tensor) -> torch.Tensor | None:
         self.comm.set_step(step)
+        out, self._turn = self._sums[self._turn], 1 - self._turn
         if step < self.warmup:
-            return self.allreduce.reduce_or_keep(grads, step)  # synchronous warm-up
+            return self.allreduce.reduce_or_keep(grads, step, out=out)  # synchronous warm-up
         previous = self._in_flight
-        self._in_flight = self._comm_thread.submit(self.allreduce.reduce_or_keep, grads, step)
+        self._in_flight = self.comm.background(self.allreduce.reduce_or_keep, grads, step, out=out)
         return previous.result() if previous is not None else None
 
     def members_changed(self, step: int, params: torch.Tensor) -> torch.Tensor:
@@ -106,7 +112,6 @@ class PipeSGD(Algorithm):
         if self._in_flight is not None:
             self._in_flight.result()
             self._in_flight = None
-        self._comm_thread.shutdown(wait=True)
         return None
 
 

@@ -4,11 +4,14 @@ Every variant trains the same model on the same data shards with the same batch,
 learning rate and node count, as a real cluster of processes (one thread each): DDP over gloo
 (p2ptrain.bench.ddp), each chosen p2ptrain algorithm (`p2ptrain node`), and hivemind's
 DecentralizedAverager when the optional `hivemind` extra is installed
-(p2ptrain.bench.hivemind_node). Per variant: steady step time (median after warm-up, mean over
-nodes), time to a target test accuracy (default: DDP's final one, less 0.005; evaluations every --eval-every
-steps run off the step clock and are not counted), CPU seconds per step, payload bytes per step
-per node, and ratios to DDP measured in the same run. `--netns --bandwidth B` runs every variant,
-DDP included, inside the network-namespace cluster with kernel (tc tbf) caps.
+(p2ptrain.bench.hivemind_node). Per variant: step time after warm-up (mean, median, 95th
+percentile and maximum per node; mean over nodes, the maximum of all), training seconds per step
+(warm-up included), time to a target test accuracy (default: DDP's final one, less 0.005;
+evaluations every --eval-every steps run off the step clock and are not counted), CPU seconds per
+step, payload bytes per step per node, and ratios to DDP measured in the same run. Step ratios and
+the PASS/MISS lines use the mean step time: a run's wall time is the sum of its steps, so users pay
+the tail, which a median hides. `--netns --bandwidth B` runs every variant, DDP included, inside
+the network-namespace cluster with kernel (tc tbf) caps.
 """
 from __future__ import annotations
 
@@ -61,7 +64,12 @@ class PeersResult:
     name: str
     nodes: int
     steps: int
-    step_seconds: float = math.nan         # median steady step time per node, mean over nodes
+    step_seconds: float = math.nan         # mean steady step time per node, mean over nodes (what ratios use)
+    step_p50: float = math.nan             # median steady step time per node, mean over nodes
+    step_p95: float = math.nan             # 95th percentile steady step time per node, mean over nodes
+    step_max: float = math.nan             # the slowest steady step of any node
+    wall_per_step: float = math.nan        # training seconds to the last step (evaluations excluded; the
+                                           # slowest node's, warm-up included) over the steps
     cpu_seconds_per_step: float = math.nan  # steady, per node, mean over nodes
     bytes_per_step: float = math.nan       # payload sent per step per node
     test_accuracy: float = math.nan        # final, mean over nodes
@@ -237,15 +245,22 @@ def summarize(name: str, nodes: int, steps: int, run_dir: Path, report: dict) ->
 
     summaries = [s for s in report["nodes"] if s]
 
+    def values(key: str) -> list[float]:
+        return [s[key] for s in summaries if isinstance(s.get(key), (int, float))]
+
     def mean(key: str) -> float:
-        values = [s[key] for s in summaries if isinstance(s.get(key), (int, float))]
-        return sum(values) / len(values) if values else math.nan
+        found = values(key)
+        return statistics.fmean(found) if found else math.nan
 
     curve = accuracy_curve([load_progress(run_dir, rank) for rank in range(nodes)],
                            [s.get("training_started") for s in report["nodes"]])
     failed = sum(s.get("failed_rounds") or 0 for s in summaries)
     note = f"{failed} of {nodes * steps} averaging rounds failed" if failed else None
-    return PeersResult(name=name, nodes=nodes, steps=steps, step_seconds=mean("median_step_seconds"),
+    last = curve[-1] if curve and curve[-1][0] == steps else None
+    return PeersResult(name=name, nodes=nodes, steps=steps, step_seconds=mean("steady_step_seconds"),
+                       step_p50=mean("median_step_seconds"), step_p95=mean("p95_step_seconds"),
+                       step_max=max(values("max_step_seconds"), default=math.nan),
+                       wall_per_step=last[1] / steps if last else math.nan,
                        cpu_seconds_per_step=mean("cpu_seconds_per_step"), bytes_per_step=mean("bytes_sent") / steps,
                        test_accuracy=mean("test_accuracy"), accuracy_curve=curve,
                        wall_seconds=report["cluster"].get("wall_seconds", math.nan), note=note)
@@ -278,7 +293,7 @@ def time_to_accuracy(curve: list[list[float]], target: float | None) -> float | 
 
 
 def ratios(results: list[PeersResult]) -> dict[str, dict[str, float | None]]:
-    """Each variant's step time, time to target, CPU and bytes per step over DDP's."""
+    """Each variant's mean step time, time to target, CPU and bytes per step over DDP's."""
     base = next((r for r in results if r.name == BASELINE), None)
 
     def over(value, denominator):
@@ -315,6 +330,7 @@ def report(results: list[PeersResult], target: float | None, source: str, networ
     for r in results:
         ratio = table.get(r.name, {})
         rows.append([r.name, fmt(r.step_seconds * 1000, "{:.1f}"), fmt(ratio.get("step"), "{:.2f}"),
+                     *(fmt(x * 1000, "{:.1f}") for x in (r.step_p50, r.step_p95, r.step_max, r.wall_per_step)),
                      fmt(r.time_to_target, "{:.1f}"), fmt(ratio.get("time_to_target"), "{:.2f}"),
                      fmt(r.cpu_seconds_per_step * 1000, "{:.1f}"), fmt(ratio.get("cpu"), "{:.2f}"),
                      fmt(r.bytes_per_step / 1e6, "{:.2f}"), fmt(r.test_accuracy, "{:.3f}"), r.error or r.note or ""])
@@ -323,8 +339,11 @@ def report(results: list[PeersResult], target: float | None, source: str, networ
     else:
         print(f"target accuracy {target:.3f} ({source}); 's to' = training seconds until the nodes' mean test "
               "accuracy reached it (evaluations excluded)", file=stream)
-    print_table(rows, ["variant", "step ms", "x DDP", f"s to {fmt(target, '{:.3f}')}", "x DDP", "CPU ms/step",
-                       "x DDP", "MB/step/node", "test acc", "error / note"], stream)
+    print("step ms after warm-up: mean (x DDP: of the mean), p50, p95, max; wall/step: training ms per step, "
+          "warm-up included", file=stream)
+    print_table(rows, ["variant", "mean step ms", "x DDP", "p50", "p95", "max", "wall/step",
+                       f"s to {fmt(target, '{:.3f}')}", "x DDP", "CPU ms/step", "x DDP", "MB/step/node", "test acc",
+                       "error / note"], stream)
     checks = check_targets(results, network)
     if checks:
         print(file=stream)

@@ -133,6 +133,14 @@ def write_summary(out: Path | None, name: str, summary: Mapping, snapshots: Snap
     (out / f"{name}.json").write_text(json.dumps(finite_or_none(summary), indent=2))
 
 
+def percentile(values: list[float], q: int) -> float:
+    """The q-th percentile (1 <= q <= 99) of `values`, linear between order statistics (as
+    numpy's default); NaN when empty."""
+    if len(values) < 2:
+        return values[0] if values else math.nan
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
 def process_cpu_seconds() -> float:
     """CPU seconds (user + system, all threads) this process has used so far."""
     t = os.times()
@@ -234,8 +242,9 @@ class RunRecorder:
 
     def summary(self) -> dict:
         """What the run measured: the last value of every scalar, the mean of the last 10 losses,
-        step times (all, and without the first 10%: connection set-up and warm-up land there; mean
-        and median), CPU seconds per step (without the first 10%), when training began."""
+        step times (all, and without the first 10%: connection set-up and warm-up land there; mean,
+        median, 95th percentile and maximum), CPU seconds per step (without the first 10%), when
+        training began."""
         tail = self.losses[-10:]
         seconds = self.step_seconds
         skip = min(10, max(1, len(seconds) // 10)) if len(seconds) > 1 else 0
@@ -246,6 +255,8 @@ class RunRecorder:
                 "mean_step_seconds": sum(seconds) / len(seconds) if seconds else math.nan,
                 "steady_step_seconds": sum(steady) / len(steady) if steady else math.nan,
                 "median_step_seconds": statistics.median(steady) if steady else math.nan,
+                "p95_step_seconds": percentile(steady, 95),
+                "max_step_seconds": max(steady) if steady else math.nan,
                 "cpu_seconds_per_step": sum(steady_cpu) / len(steady_cpu) if steady_cpu else math.nan,
                 "training_started": self.training_started,
                 "wall_seconds": time.time() - self.started}
