@@ -101,7 +101,7 @@ def test_pipelined_ring_is_bit_identical_to_the_unpipelined_ring(n, numel, chunk
             a = plain(vector(rank, numel, salt=step), step=step, average=step == 1)
             b = piped(vector(rank, numel, salt=step), step=step, average=step == 1)
             out.append((a, b))
-        return out, piped._full.messages
+        return out, piped.messages_per_call
 
     results = run_cluster(n, body)
     for out, messages in results:
@@ -178,20 +178,23 @@ def test_ring_sends_straight_from_the_tensor_and_builds_sums_in_out_when_given(c
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
 
 
+class _AllAlive:
+    def all_alive(self):
+        return True
+
+
 class _LateAcks:
     """A Comm on a 2-ring whose neighbour never sends a segment (every gather comes back empty) and
     acknowledges each message only when the test says so."""
 
     rank, world_size, link_deadline = 0, 2, 0.05
+    membership = _AllAlive()
 
     def __init__(self):
         self.sent: list[tuple[torch.Tensor, torch.Tensor, concurrent.futures.Future]] = []
 
     def expect(self, *args, **kwargs):
         pass
-
-    def all_alive(self):
-        return True
 
     def make_room(self, peer, window):
         return True

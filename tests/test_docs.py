@@ -11,7 +11,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import re
 import unicodedata
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from p2ptrain.cli import build_parser
+from p2ptrain.cli import build_parser, command_tree, option_strings
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -41,15 +40,6 @@ def pages() -> list[Path]:
 def prose(path: Path) -> str:
     """The page without fenced code blocks (a `# comment` in a bash block is not a heading)."""
     return FENCE.sub("", path.read_text(encoding="utf-8"))
-
-
-def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
-    """(path, parser) of every command and sub-command, e.g. (("bench", "peers"), <parser>)."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                yield (*path, name), sub
-                yield from commands(sub, (*path, name))
 
 
 def mkdocs_slug(text: str) -> str:
@@ -74,12 +64,8 @@ def headings(path: Path) -> list[str]:
     return [heading_text(m.group(2)) for m in HEADING.finditer(prose(path))]
 
 
-def is_group(parser: argparse.ArgumentParser) -> bool:
-    return any(isinstance(action, argparse._SubParsersAction) for action in parser._actions)
-
-
 def leaf_commands():
-    return [(path, sub) for path, sub in commands(build_parser()) if not is_group(sub)]
+    return [(path, sub) for path, sub, group in command_tree() if not group]
 
 
 def test_every_command_has_a_heading_on_the_cli_page():
@@ -88,7 +74,7 @@ def test_every_command_has_a_heading_on_the_cli_page():
                if " ".join(("p2ptrain", *path)) not in titles]
     assert not missing, f"commands without a heading on {CLI_PAGE.relative_to(ROOT)}: {missing}"
     text = CLI_PAGE.read_text(encoding="utf-8")
-    groups = [" ".join(("p2ptrain", *path)) for path, sub in commands(build_parser()) if is_group(sub)]
+    groups = [" ".join(("p2ptrain", *path)) for path, _, group in command_tree() if group]
     assert groups and all(group in text for group in groups), groups  # `p2ptrain bench`, `p2ptrain reproduce`
 
 
@@ -102,8 +88,7 @@ def test_the_parser_has_the_commands_the_page_was_written_for():
                                       for p, s in [((), build_parser()), *leaf_commands()]])
 def test_every_flag_is_on_the_cli_page(path, sub):
     text = CLI_PAGE.read_text(encoding="utf-8")
-    missing = [option for action in sub._actions for option in action.option_strings
-               if option.startswith("--") and option != "--help"
+    missing = [option for option in option_strings(sub) if option.startswith("--") and option != "--help"
                and not re.search(r"`" + re.escape(option) + r"[ `=]", text)]
     assert not missing, f"p2ptrain {' '.join(path)}: flags missing on {CLI_PAGE.relative_to(ROOT)}: {missing}"
 

@@ -174,9 +174,10 @@ class RingAllReduce:
     def _channel(self, m: int, phase: str, r: int, segment: int, chunk: int) -> str:
         return f"{self.tag}{m}.{phase}{segment}.{chunk}" if self.elastic else f"{self.tag}{phase}{r}.{chunk}"
 
-    def owned_segment(self) -> int:
-        """The segment this node finishes in reduce-scatter on the full ring: (rank + 1) mod n."""
-        return self._full.owned()
+    @property
+    def messages_per_call(self) -> int:
+        """Messages this node sends in one call over the full ring (2 rounds x chunks per segment)."""
+        return self._full.messages
 
     # The collective -------------------------------------------------------------------------------
     def __call__(self, tensor: torch.Tensor, step: int, *, average: bool = True, members=None,

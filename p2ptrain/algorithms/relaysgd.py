@@ -132,6 +132,11 @@ class RelaySum:
         """Wait until every sent message is acknowledged."""
         self._check_acks(wait=True)
 
+    @property
+    def unacknowledged(self) -> int:
+        """Messages sent whose acknowledgement has not been looked at yet."""
+        return len(self._sends)
+
     def _check_acks(self, wait: bool) -> None:
         if wait:  # a lost message is dropped with its count: give the last ones one link deadline
             concurrent.futures.wait([f for f, _, _ in self._sends], timeout=self.comm.link_deadline)

@@ -37,6 +37,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_tree(parser: argparse.ArgumentParser | None = None, path: tuple[str, ...] = ()):
+    """(path, parser, is_group) of every command and sub-command below `parser` (default: the
+    whole `p2ptrain` parser), e.g. (("bench", "peers"), <parser>, False): what the CLI reference
+    documents. argparse has no public walk of its sub-parsers, so this is the one place that reads
+    its actions."""
+    parser = parser or build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield (*path, name), sub, _has_subcommands(sub)
+                yield from command_tree(sub, (*path, name))
+
+
+def _has_subcommands(parser: argparse.ArgumentParser) -> bool:
+    return any(isinstance(action, argparse._SubParsersAction) for action in parser._actions)
+
+
+def option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """Every option string (--flag) `parser` takes."""
+    return [option for action in parser._actions for option in action.option_strings]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -60,4 +82,5 @@ def main(argv: list[str] | None = None) -> int:
 
 # Parsed flags -> settings (config_from_args) and -> the node flags a launcher passes on
 # (node_flags_as_argv) are p2ptrain/cli/flags.py's, public here too.
-__all__ = ["COMMANDS", "build_parser", "config_from_args", "main", "node_flags_as_argv"]
+__all__ = ["COMMANDS", "build_parser", "command_tree", "config_from_args", "main", "node_flags_as_argv",
+           "option_strings"]
