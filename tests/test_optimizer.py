@@ -329,3 +329,38 @@ def test_evaluate_takes_the_users_loss_and_metric():
     _, custom = p2ptrain.evaluate(classifier, batches, loss_fn=F.cross_entropy,
                                   metric=lambda out, y: (out.argmax(1) != y).float().mean())
     assert custom == pytest.approx(1 - top1)
+
+
+@pytest.mark.parametrize("algorithm", ["allreduce", "pipesgd"])
+def test_gradient_algorithms_apply_the_exact_mean_through_the_engines_gradient_buffer(algorithm):
+    """The engine hands an algorithm its one flat gradient buffer (the .grad views); AllReduce
+    applies each step's mean, Pipe-SGD the previous step's (its ring still reads step t's gradient
+    while step t+1 rewrites that buffer). A linear loss has gradients that do not depend on the
+    model, so the final weights are known exactly: w0 - lr * Σ of the applied means."""
+    from p2ptrain.algorithms.pipesgd import PipeSGD
+
+    n, dim, steps, lr = 3, 8, 6, 0.1
+
+    def gradient(rank: int, step: int) -> torch.Tensor:
+        return torch.arange(dim, dtype=torch.float32) * (rank + 1) + step
+
+    def body(rank, comm):
+        model = nn.Linear(dim, 1, bias=False)
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+        algo = AllReduceSGD(comm) if algorithm == "allreduce" else PipeSGD(comm)
+        opt = p2ptrain.DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=lr), model=model,
+                                              algorithm=algo, comm=comm)
+        for step in range(steps):
+            model(gradient(rank, step).unsqueeze(0)).sum().backward()  # d loss / d w = gradient(rank, step)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        opt.finish()
+        return model.weight.detach().reshape(-1).clone()
+
+    results = run_cluster(n, body, options=OPTIONS)
+    applied = range(steps) if algorithm == "allreduce" else range(steps - 1)  # Pipe-SGD: one step stale
+    mean = lambda step: sum(gradient(r, step) for r in range(n)) / n  # noqa: E731
+    expected = torch.ones(dim) - lr * sum(mean(step) for step in applied)
+    for weights in results:
+        torch.testing.assert_close(weights, expected, rtol=0, atol=1e-5)

@@ -149,8 +149,9 @@ class Algorithm(ABC):
         return None
 
     def reduce_gradients(self, step: int, grads: "torch.Tensor") -> "torch.Tensor | None":
-        """Flat local gradient of `step` (a copy the algorithm may keep); returns the gradient to
-        apply, or None to skip this step's optimizer update."""
+        """Flat local gradient of `step`: the engine's gradient buffer, which it rewrites after this
+        returns (copy what you keep past the call); returns the gradient to apply, or None to skip
+        this step's optimizer update."""
         return grads
 
     def donate_state(self, peer: int, step: int, params: "torch.Tensor") -> "torch.Tensor | None":

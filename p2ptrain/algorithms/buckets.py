@@ -173,13 +173,26 @@ class BucketedGradients:
             why = "the model's floating buffers travel with the gradient"
         elif self._accumulated:
             why = "gradient accumulation (several backward passes per step)"
-        elif any(p.grad is not grad or p.grad._version != version for p, (grad, version) in self._reported.items()):
+        elif self._changed_since_backward():
             why = "gradients changed between backward and step() (clipping, GradScaler)"
         if why and self.enabled:
             self.switch_off(why)
             log.info("node %d: gradient buckets off from step %d: %s; the flat all-reduce takes over",
                      self.comm.rank, step, why)
         return self.enabled
+
+    def _changed_since_backward(self) -> bool:
+        """A gradient was replaced or written after backward reported it. Gradients that view one
+        flat buffer (the engine's, see ModelState.gradient_vector) share one version counter, so
+        theirs must still be the last version backward left on that buffer."""
+        def counter(grad) -> int:
+            return id(grad._base) if grad._base is not None else id(grad)
+
+        last: dict[int, int] = {}
+        for grad, version in self._reported.values():
+            last[counter(grad)] = max(last.get(counter(grad), -1), version)
+        return any(p.grad is not grad or p.grad._version != last[counter(grad)]
+                   for p, (grad, version) in self._reported.items())
 
     def switch_off(self, why: str) -> None:
         self.enabled, self.why_off = False, why

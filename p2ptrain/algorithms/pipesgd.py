@@ -66,22 +66,27 @@ class PipeSGD(Algorithm):
         # the ring writes g_sum into these in turn: the engine applies g_sum[t-1] from one while
         # g_sum[t] is reduced into the other (and the ring only reads g_local[t]: no backup of it)
         self._sums: tuple[torch.Tensor, torch.Tensor] | None = None
+        # g_local[t], kept while its all-reduce runs during step t+1 (the engine's buffer is rewritten)
+        self._locals: tuple[torch.Tensor, torch.Tensor] | None = None
         self._turn = 0
 
     def setup(self, params: torch.Tensor) -> torch.Tensor:
         self.allreduce = MemberRing(self.comm, params.numel(), params.dtype, codec=self.codec,
                                     resync_deadline=self.comm.peer_timeout, chunk_bytes=self.chunk_kb * 1024)
         self._sums = (buffer_like(params), buffer_like(params))
+        self._locals = (buffer_like(params), buffer_like(params))
         self.comm.ready()
         return params
 
     def reduce_gradients(self, step: int, grads: torch.Tensor) -> torch.Tensor | None:
         self.comm.set_step(step)
-        out, self._turn = self._sums[self._turn], 1 - self._turn
+        out, local = self._sums[self._turn], self._locals[self._turn]
+        self._turn = 1 - self._turn
         if step < self.warmup:
             return self.allreduce.reduce_or_keep(grads, step, out=out)  # synchronous warm-up
         previous = self._in_flight
-        self._in_flight = self.comm.background(self.allreduce.reduce_or_keep, grads, step, out=out)
+        local.copy_(grads)  # (the ring of step t-1 reads the other one until previous.result())
+        self._in_flight = self.comm.background(self.allreduce.reduce_or_keep, local, step, out=out)
         return previous.result() if previous is not None else None
 
     def members_changed(self, step: int, params: torch.Tensor) -> torch.Tensor:

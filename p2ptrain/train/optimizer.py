@@ -172,6 +172,11 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.lifecycle.request_leave()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """As the inner optimizer's; for an algorithm that reduces gradients the flat gradient
+        buffer is zeroed in place instead (every parameter gets a gradient there anyway), so the next
+        backward accumulates into it and nothing is copied or allocated (DDP's gradient_as_bucket_view)."""
+        if self.algorithm.uses_gradients and self.state_vector.zero_gradients():
+            return
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def finish(self) -> None:

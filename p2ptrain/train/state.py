@@ -69,6 +69,7 @@ class ModelState:
         self.dtype = next(iter(self._groups)) if len(self._groups) == 1 else _COMMUNICATION_DTYPE
         self.buffers = [b for _, b in _named_float_buffers(model)] if buffers else []  # the views
         self._single = len(self._groups) == 1
+        self._grads: torch.Tensor | None = None  # [gradients | buffers], .grad views into it (single dtype)
 
     @property
     def numel(self) -> int:
@@ -94,10 +95,29 @@ class ModelState:
         self._scatter(values.reshape(-1), self.params + self.buffers)
 
     def gradient_vector(self) -> torch.Tensor:
-        """[gradients | buffers]: a fresh tensor (zeros where a parameter got no gradient)."""
-        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(self.dtype)
-                 for p in self.params]
-        return torch.cat(grads + [b.detach().reshape(-1).to(self.dtype) for b in self.buffers])
+        """[gradients | buffers] (zeros where a parameter got no gradient). For a single-dtype model
+        it is one flat buffer that every .grad becomes a view of once the reduced gradient is loaded
+        (load_gradient_vector), as DDP's gradient_as_bucket_view does: a backward that accumulates
+        into those views (the optimizer's zero_grad keeps them) costs no copy here; a fresh .grad is
+        copied in (and left in place until then: hooks may still compare it). Else a fresh tensor."""
+        if not self._single:
+            grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(self.dtype)
+                     for p in self.params]
+            return torch.cat(grads + [b.detach().reshape(-1).to(self.dtype) for b in self.buffers])
+        if self._grads is None:
+            self._grads = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        offset = 0
+        for p in self.params:
+            view = self._grads[offset:offset + p.numel()].view_as(p)
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            offset += p.numel()
+        for b in self.buffers:
+            self._grads[offset:offset + b.numel()].copy_(b.detach().reshape(-1))
+            offset += b.numel()
+        return self._grads
 
     def load_gradient_vector(self, values: torch.Tensor) -> None:
         """Set every parameter's .grad (what the optimizer applies) and the buffers from
@@ -105,6 +125,17 @@ class ModelState:
         if values.numel() != self.numel:
             raise ValueError(f"flat gradient size mismatch: {values.numel()} values for {self.numel}")
         values = values.reshape(-1)
+        if self._single and self._grads is not None:
+            if values.data_ptr() != self._grads.data_ptr():
+                self._grads.copy_(values)
+            offset = 0
+            for p in self.params:  # (a .grad replaced since gradient_vector() becomes the view again)
+                view = self._grads[offset:offset + p.numel()].view_as(p)
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view
+                offset += p.numel()
+            self._scatter(self._grads[self.num_params:], self.buffers)
+            return
         offset = 0
         for p in self.params:
             chunk = values[offset:offset + p.numel()].view_as(p).to(p.dtype)
@@ -114,6 +145,20 @@ class ModelState:
                 p.grad.copy_(chunk)
             offset += p.numel()
         self._scatter(values[offset:], self.buffers)
+
+    def zero_gradients(self) -> bool:
+        """Zero the flat gradient buffer in place, keeping .grad the views into it (no new tensors
+        for the next backward); False when there is none (the caller zeroes the usual way)."""
+        if self._grads is None:
+            return False
+        self._grads.zero_()
+        offset = 0
+        for p in self.params:
+            view = self._grads[offset:offset + p.numel()].view_as(p)
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                p.grad = view
+            offset += p.numel()
+        return True
 
     def parameter_vector(self) -> torch.Tensor:
         """The parameters alone (a view for a single-dtype model)."""
