@@ -222,11 +222,11 @@ class Greetings:
         return requests
 
     # Training thread ----------------------------------------------------------------------------
-    def has_state_requests(self) -> bool:
-        return bool(self._state_requests)  # a racy peek from the training thread; take_ decides
-
     def take_state_requests(self) -> list[int]:
-        """Peers that asked (in a Hello) for our model state since the last call."""
+        """Peers that asked (in a Hello) for our model state since the last call. Called at every
+        step boundary: a racy peek first spares the hop to the loop thread when nobody asked."""
+        if not self._state_requests:
+            return []
         return self.loop.call(self._pop_state_requests)
 
     def rejoined(self) -> None:
