@@ -1,20 +1,13 @@
 """Linux network-namespace cluster: every node its own namespace, address and tbf-shaped link.
 
-Loopback has neither distinct hosts nor a bandwidth limit. Here each rank gets a namespace
-``p2p<run>n<rank>`` joined to a per-run bridge ``p2pbr<run>`` by a veth pair (``p2p<run>h<rank>`` on
-the host, ``eth0`` inside), an address of a private /24 that clashes with no route of this machine,
-and optionally a real kernel bandwidth cap: ``tc qdisc ... tbf`` on the namespace end (the node's
-upload) and on the host end (its download), like an access link. The bridge holds the subnet's last
-address, so the launcher (and Prometheus) on the host reach every node's metrics port.
-
-Delay and loss are not done here (``tc netem`` is missing on these machines): the in-process link
-emulation (``--link``) still works inside namespaces.
-
-Everything a run creates is removed when the `NetnsCluster` context exits, on success, error,
-Ctrl-C or SIGTERM. A SIGKILLed launcher leaves resources behind: a state file per run under
-STATE_DIR names its owner, and `sweep_stale()` (run at every start, or
-``python -m launcher.netns sweep``) removes runs whose owner is gone.
-Needs root (CAP_NET_ADMIN for links and qdiscs, CAP_SYS_ADMIN for ``ip netns``).
+Loopback has neither distinct hosts nor a bandwidth limit. Here each rank gets a namespace joined to
+a per-run bridge by a veth pair, an address of a private /24 that clashes with no route of this
+machine, and optionally a real kernel bandwidth cap (``tc qdisc ... tbf`` on both ends of its link,
+like an access link); delay and loss stay with the in-process link emulation (``--link``).
+Everything a run creates is removed when the `NetnsCluster` context exits, on success, error, Ctrl-C
+or SIGTERM; what a SIGKILLed launcher leaves behind is removed by `sweep_stale()` at the next start.
+Needs root (CAP_NET_ADMIN for links and qdiscs, CAP_SYS_ADMIN for ``ip netns``). Names, addresses
+and tbf settings: docs/faults.md, "How it is built".
 """
 from __future__ import annotations
 
@@ -396,7 +389,9 @@ def remove_run(run_id: str) -> None:
 
 
 def sweep_stale() -> list[str]:
-    """Remove every run whose creator is gone (a SIGKILLed launcher); returns their ids."""
+    """Remove every run whose creator is gone (a SIGKILLed launcher); returns their ids. A state file
+    per run under STATE_DIR names its owner; this runs at every start, or as
+    ``python -m launcher.netns sweep``."""
     stale = [run_id for run_id in owned_runs() if not run_is_live(run_id)]
     for run_id in stale:
         remove_run(run_id)

@@ -3,32 +3,11 @@
     x_i^{t+1/2} = x_i^t - γ ∇f_i(x_i^t)                (engine: local optimizer step)
     x_i^{t+1}   = (1/n) Σ_j x_j^{t+1/2}                (ring all-reduce of the model)
 
-The default, `average="gradients"`, takes the mean over gradients before the optimizer step instead:
-classic data-parallel SGD, what DDP does. For SGD with momentum and weight decay the two are the
-same math (the update is linear in the gradient); for a stateful, non-linear optimizer such as
-AdamW they are not: averaging models after local Adam steps normalizes each node's batch-16
-gradient by its own second moment, which trained a byte-level Transformer to perplexity 8.37
-instead of the 6.84 of one process with the same total batch (examples/char_lm.py, 4 nodes, 600
-steps). `average="models"` is seed 003's Alg. 3 as written. A codec compresses every ring hop
-(seed 004); gradients tolerate it far better than models do.
-
-`overlap=1` (models only): one-step-delayed averaging, as in Overlap Local-SGD (Wang et al. 2020)
-and DaSGD (Zhou et al. 2020). The mean of step t's model is taken on the engine's communication
-worker (Comm.background) while step t+1 computes, and step t+1 adopts it as a correction that
-keeps its own local progress:
-
-    x_i^{t+1/2} = x_i^t - γ ∇f_i(x_i^t)                (engine: local optimizer step)
-    x_i^{t+1}   = x_i^{t+1/2} + (a^{t-1} - s_i^{t-1})  (the mean of step t-1 lands; none at t = 0)
-    s_i^t       = x_i^{t+1}                            (a snapshot: the ring reads it while the model moves on)
-    a^t         = (1/n) Σ_j s_j^t                      (ring all-reduce, while step t+1 computes)
-
-Unrolled, x_i^{t+1} = a^{t-1} + (x_i^{t+1/2} - x_i^t): the consensus of the step before plus this
-node's last local update, so members differ by one step's local updates, and a^t = a^{t-1} +
-(1/n) Σ_j (x_j^{t+1/2} - x_j^t) moves by the mean update, as the synchronous average does.
-finish() waits for the last mean and returns x^T + (a^{T-1} - s^{T-1}) = a^{T-1} (the model has
-not moved since its snapshot): every member ends with the same bits. A round that cannot complete
-leaves the ring's buffer at s_i^t, a zero correction (the local model is kept). Overlapped
-gradients are pipesgd.
+`average="models"` is this rule as written; the default, `average="gradients"`, takes the mean of
+the gradients before the optimizer step instead (DDP). `overlap=1` (models only) lands the mean of
+step t at step t+1 as a correction, x_i^{t+1} = x_i^{t+1/2} + (a^{t-1} - s_i^{t-1}) (after_step).
+Invariant: every member ends each average, and finish(), with the same bits. Never: a round that
+cannot complete stops the run (the node keeps its local value for that step).
 """
 from __future__ import annotations
 
@@ -90,6 +69,16 @@ class AllReduceOptions(AlgorithmOptions):
 
 
 class AllReduceSGD(Algorithm):
+    """AllReduce-SGD on one node, over a MemberRing re-formed over each step's members.
+
+    Gradients or models: for SGD with momentum and weight decay the two are the same math (the
+    update is linear in the gradient); for a stateful, non-linear optimizer such as AdamW they are
+    not: averaging models after local Adam steps normalizes each node's batch-16 gradient by its own
+    second moment, which trained a byte-level Transformer to perplexity 8.37 instead of the 6.84 of
+    one process with the same total batch (examples/char_lm.py, 4 nodes, 600 steps). Hence the
+    default `average="gradients"`; `average="models"` is seed 003's Alg. 3 as written. A codec
+    compresses every ring hop (seed 004); gradients tolerate it far better than models do."""
+
     name = "allreduce"
     elastic = True  # the ring re-forms over each step's members (collectives.MemberRing)
 
@@ -155,6 +144,26 @@ class AllReduceSGD(Algorithm):
         return self.allreduce.resync(params, step)
 
     def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:
+        """With `average="models"`: the mean model, or with `overlap=1` the model plus the correction
+        of the step before's mean.
+
+        `overlap=1`: one-step-delayed averaging, as in Overlap Local-SGD (Wang et al. 2020) and DaSGD
+        (Zhou et al. 2020). The mean of step t's model is taken on the engine's communication worker
+        (Comm.background) while step t+1 computes, and step t+1 adopts it as a correction that keeps
+        its own local progress:
+
+            x_i^{t+1/2} = x_i^t - γ ∇f_i(x_i^t)                (engine: local optimizer step)
+            x_i^{t+1}   = x_i^{t+1/2} + (a^{t-1} - s_i^{t-1})  (the mean of step t-1 lands; none at t = 0)
+            s_i^t       = x_i^{t+1}                            (a snapshot: the ring reads it while the model moves on)
+            a^t         = (1/n) Σ_j s_j^t                      (ring all-reduce, while step t+1 computes)
+
+        Unrolled, x_i^{t+1} = a^{t-1} + (x_i^{t+1/2} - x_i^t): the consensus of the step before plus
+        this node's last local update, so members differ by one step's local updates, and a^t =
+        a^{t-1} + (1/n) Σ_j (x_j^{t+1/2} - x_j^t) moves by the mean update, as the synchronous
+        average does. finish() waits for the last mean and returns x^T + (a^{T-1} - s^{T-1}) =
+        a^{T-1} (the model has not moved since its snapshot): every member ends with the same bits.
+        A round that cannot complete leaves the ring's buffer at s_i^t, a zero correction (the local
+        model is kept). Overlapped gradients are pipesgd."""
         if self.uses_gradients:
             return params
         self.comm.set_step(step)

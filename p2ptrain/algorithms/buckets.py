@@ -4,20 +4,10 @@ all-reduce of the last layers' gradients runs on the engine's communication work
 AllReduce-SGD computes: the result is the flat all-reduce's mean, cut into pieces (equal to it up
 to float summation order: each bucket is its own ring, so segment boundaries differ).
 
-Buckets are contiguous ranges of the flat gradient vector: parameters in reverse order (the order
-backward finishes them), grouped until `bucket_bytes`. A parameter's post-accumulate-grad hook
-copies its gradient into the bucket's slice; a bucket whose parameters all reported is launched,
-buckets strictly in index order (every node runs them in the same order on its one worker, so no
-two nodes wait on different rings). Each bucket has its own RingAllReduce (tag `b<k>.`), re-formed over
-each step's members like the flat ring (MemberRing.members_for); if any bucket fails, the whole
-step keeps the local gradient and the failure counts as one failed round (MemberRing.round_failed).
-
-When hooks cannot know that this backward is the one step() follows, buckets switch off for the run
-and the flat all-reduce takes over, on every node at the same step since every node runs the same
-loop: a second backward before step() (gradient accumulation), gradients changed after backward
-(clip_grad_norm_, GradScaler's unscale: the version counter moves even when the values do not, so
-nodes agree), a model with floating buffers in the vector, or a step that re-forms the ring. Buckets
-launched on that step still complete (peers take part) and are thrown away.
+Buckets are launched strictly in index order, so no two nodes wait on different rings, and if any
+bucket fails the whole step keeps the local gradient. When hooks cannot know that this backward is
+the one step() follows, buckets switch off for the run, on every node at the same step, and the
+flat all-reduce takes over (BucketedGradients._usable says when).
 """
 from __future__ import annotations
 
@@ -44,7 +34,16 @@ class _Bucket:
 
 
 class BucketedGradients:
-    """Gradient all-reduce in buckets over `ring`'s members; declare (construct) before comm.ready()."""
+    """Gradient all-reduce in buckets over `ring`'s members; declare (construct) before comm.ready().
+
+    Buckets are contiguous ranges of the flat gradient vector: parameters in reverse order (the
+    order backward finishes them), grouped until `bucket_bytes`. A parameter's
+    post-accumulate-grad hook copies its gradient into the bucket's slice; a bucket whose
+    parameters all reported is launched, buckets strictly in index order (every node runs them in
+    the same order on its one worker, so no two nodes wait on different rings). Each bucket has its
+    own RingAllReduce (tag `b<k>.`), re-formed over each step's members like the flat ring
+    (MemberRing.members_for); if any bucket fails, the whole step keeps the local gradient and the
+    failure counts as one failed round (MemberRing.round_failed)."""
 
     def __init__(self, comm: Comm, ring: MemberRing, params: list, next_step: Callable[[], int], *,
                  bucket_bytes: int, codec=None):
@@ -167,7 +166,14 @@ class BucketedGradients:
             self._reset()
 
     def _usable(self, step: int, grads: torch.Tensor) -> bool:
-        """Whether buckets can stand for this step's gradient; the first time not, they switch off."""
+        """Whether buckets can stand for this step's gradient; the first time not, they switch off
+        for the run and the flat all-reduce takes over, on every node at the same step since every
+        node runs the same loop: a second backward before step() (gradient accumulation),
+        gradients changed after backward (clip_grad_norm_, GradScaler's unscale: the version counter
+        moves even when the values do not, so nodes agree), or a model with floating buffers in the
+        vector. (A step that re-forms the ring is left to the flat all-reduce too, that step only:
+        _plan.) Buckets launched on that step still complete (peers take part) and are thrown
+        away."""
         why = ""
         if grads.numel() != self.num_params:
             why = "the model's floating buffers travel with the gradient"

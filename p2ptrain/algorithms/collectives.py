@@ -6,56 +6,10 @@ running sum of segment (i - r) mod n to i+1 and adds what i-1 sends it, so after
 owns the full sum of segment (i+1) mod n. All-gather: n-1 more rounds pass the finished segments
 around the ring. Each node sends 2(n-1)/n of the tensor, the bandwidth-optimal amount (seed 004).
 
-With a lossy codec every reduce-scatter hop decompresses, sums and recompresses (seed 004 §3.2);
-an owner compresses its finished segment once and the all-gather forwards those bytes untouched,
-and the owner adopts the decoded value itself, so all nodes end with bit-identical results.
-Error feedback (`residual=`): every point where this node compresses (one reduce-scatter hop per
-segment, and its owned segment) writes what it lost into the caller's residual, so the sum that
-comes out plus every node's residual is exactly the sum that went in (to float rounding).
-
-Zero-copy sends: without a lossy codec a message's payload is the tensor itself, flat[a:b], which
-the transport reads until the peer acknowledges it; nothing is copied into send buffers and no
-send buffer is kept. That is safe because the ring's causality keeps every segment unwritten until
-its send has been received. Node i (ring position) writes only on receipt, and:
-- reduce-scatter round r sends segment i-r and adds what comes in to segment i-r-1, which it sends
-  in round r+1: each of the segments i-1, ..., i-(m-1) is written once, before it is sent; segment
-  i is never written there, and the owned segment i+1 (averaged in place) is sent only after.
-- all-gather round r overwrites segment i-r, the one sent in reduce-scatter round r, with its
-  finished sum. That sum was completed after node i+1 added node i's round-r message into it, so
-  the overwrite comes after that send was received. The owned segment is not overwritten.
-- all-gather round r+1 forwards segment i-r from the tensor, written in round r; the all-gather
-  writes each segment once, so nothing rewrites it. (A compressed chunk is forwarded as received,
-  from a copy: the pooled buffer it arrived in goes back at once.)
-A retried send may read a segment again after the peer has it: that copy is answered DUPLICATE and
-dropped. With `out=`, the sums are built in `out` and the input is only read: the same argument
-holds for `out`. Before a call returns, each send has been acknowledged or, if the call failed,
-has settled (the fence, instead of copies): the caller may then write the tensor, and a peer that
-still completes its own call with a late message gets the values it was sent with.
-
-Every round has its own channel, so the receiver knows the exact size of each segment (and accepts
-only this ring's codec, in the layout compression.py gives it) and the mailbox never mixes rounds;
-the step number keeps consecutive all-reduces apart.
-
-Pipelining (`chunk_bytes`): each segment is cut into chunks of about that many bytes, each its own
-message on its own channel. The segment a node receives in round r is the one it sends in round
-r+1, so it forwards chunk c as soon as chunk c has arrived and been summed, while chunk c+1 is still
-on the wire: hops overlap, and a ring of m nodes takes about (m-1 + chunks-1) chunk times per phase
-instead of (m-1) segment times. Each element is summed in the same order either way, so without a
-lossy codec the result is bit-identical to the unpipelined ring's.
-
-Re-forming the ring (`elastic=True`): a call may name its `members` (the caller passes itself and
-`comm.membership.live(...)` peers): the ring is those ranks in rank order, cut into len(members) segments.
-Channels are then named by ring size and segment, declared for every size up front, so a segment
-always arrives with its exact size whoever forwards it. Members must agree on the member list: a
-node with another view waits on channels nobody sends on and the call fails on every node (it
-never completes on a wrong ring: each segment of an m-ring is one channel). A failed call throws
-away, at the next call, the segments of earlier steps that arrive late.
-
-Falling back into step: when a round fails, each node gives up a link deadline after the one before
-it stopped sending, so the last to give up is up to (m-1) deadlines behind the first. If the next
-call waited only one deadline for its first segment, the node ahead would give up on its laggard
-predecessor, start the same cascade, and every round would fail from then on. So the first segment
-after a failed call is awaited m deadlines; later ones one.
+Invariants: all nodes end with bit-identical results, with a lossy codec too; with error feedback
+the sum that comes out plus every node's residual is exactly the sum that went in (to float
+rounding). Never: a call completes on a ring its members disagree on, or the caller writes the
+tensor before the call returns (the sends read it in place: see RingAllReduce._ring).
 """
 from __future__ import annotations
 
@@ -127,7 +81,34 @@ class _Ring:
 
 
 class RingAllReduce:
-    """All-reduce of one fixed-size flat tensor on the ring i -> i+1; declare before comm.ready()."""
+    """All-reduce of one fixed-size flat tensor on the ring i -> i+1; declare before comm.ready().
+
+    With a lossy codec every reduce-scatter hop decompresses, sums and recompresses (seed 004 §3.2);
+    an owner compresses its finished segment once and the all-gather forwards those bytes untouched,
+    and the owner adopts the decoded value itself, so all nodes end with bit-identical results.
+    Error feedback (`residual=`): every point where this node compresses (one reduce-scatter hop per
+    segment, and its owned segment) writes what it lost into the caller's residual, so the sum that
+    comes out plus every node's residual is exactly the sum that went in (to float rounding).
+
+    Every round has its own channel, so the receiver knows the exact size of each segment (and
+    accepts only this ring's codec, in the layout compression.py gives it) and the mailbox never
+    mixes rounds; the step number keeps consecutive all-reduces apart.
+
+    Pipelining (`chunk_bytes`): each segment is cut into chunks of about that many bytes, each its
+    own message on its own channel. The segment a node receives in round r is the one it sends in
+    round r+1, so it forwards chunk c as soon as chunk c has arrived and been summed, while chunk
+    c+1 is still on the wire: hops overlap, and a ring of m nodes takes about (m-1 + chunks-1) chunk
+    times per phase instead of (m-1) segment times. Each element is summed in the same order either
+    way, so without a lossy codec the result is bit-identical to the unpipelined ring's.
+
+    Re-forming the ring (`elastic=True`): a call may name its `members` (the caller passes itself
+    and `comm.membership.live(...)` peers): the ring is those ranks in rank order, cut into
+    len(members) segments. Channels are then named by ring size and segment, declared for every size
+    up front, so a segment always arrives with its exact size whoever forwards it. Members must agree
+    on the member list: a node with another view waits on channels nobody sends on and the call
+    fails on every node (it never completes on a wrong ring: each segment of an m-ring is one
+    channel). A failed call throws away, at the next call, the segments of earlier steps that arrive
+    late."""
 
     def __init__(self, comm: Comm, numel: int, dtype: torch.dtype | None = None, *,
                  codec: compression.Codec | str | None = None, tag: str = "", kind: int = KIND,
@@ -197,7 +178,7 @@ class RingAllReduce:
         reduce a scratch copy), so `tensor` is not backed up and holds partial sums after a failure.
 
         When the call returns, completed or not, the transport no longer reads `tensor` or `out`
-        (the sends are made straight from them: see "Zero-copy sends" above).
+        (the sends are made straight from them: see "Zero-copy sends" in _ring).
 
         Raises CollectiveIncomplete, with `tensor` and `residual` restored, when a ring neighbour's
         segment misses the link deadline or a node is dead (callers fall back to their local value
@@ -292,9 +273,38 @@ class RingAllReduce:
               residual: torch.Tensor | None, acks: list[concurrent.futures.Future], deadline: float | None = None,
               catching_up: bool = False) -> None:
         """The ring on flat views: `source` is read, the sums are built in `flat` (the same tensor
-        in place); every send's future goes into `acks`."""
+        in place); every send's future goes into `acks`.
+
+        Zero-copy sends: without a lossy codec a message's payload is the tensor itself, flat[a:b],
+        which the transport reads until the peer acknowledges it; nothing is copied into send
+        buffers and no send buffer is kept. That is safe because the ring's causality keeps every
+        segment unwritten until its send has been received. Node i (ring position) writes only on
+        receipt, and:
+        - reduce-scatter round r sends segment i-r and adds what comes in to segment i-r-1, which it
+          sends in round r+1: each of the segments i-1, ..., i-(m-1) is written once, before it is
+          sent; segment i is never written there, and the owned segment i+1 (averaged in place) is
+          sent only after.
+        - all-gather round r overwrites segment i-r, the one sent in reduce-scatter round r, with
+          its finished sum. That sum was completed after node i+1 added node i's round-r message
+          into it, so the overwrite comes after that send was received. The owned segment is not
+          overwritten.
+        - all-gather round r+1 forwards segment i-r from the tensor, written in round r; the
+          all-gather writes each segment once, so nothing rewrites it. (A compressed chunk is
+          forwarded as received, from a copy: the pooled buffer it arrived in goes back at once.)
+        A retried send may read a segment again after the peer has it: that copy is answered
+        DUPLICATE and dropped. With `out=`, the sums are built in `out` and the input is only read:
+        the same argument holds for `out`. Before a call returns, each send has been acknowledged
+        or, if the call failed, has settled (the fence, instead of copies): the caller may then
+        write the tensor, and a peer that still completes its own call with a late message gets the
+        values it was sent with."""
         import torch  # (here, not at import: the algorithm registry loads without torch)
 
+        # Falling back into step: when a round fails, each node gives up a link deadline after the
+        # one before it stopped sending, so the last to give up is up to (m-1) deadlines behind the
+        # first. If the next call waited only one deadline for its first segment, the node ahead
+        # would give up on its laggard predecessor, start the same cascade, and every round would
+        # fail from then on. So the first segment after a failed call is awaited m deadlines; later
+        # ones one.
         first_deadline = ring.m * (deadline or self.comm.link_deadline) if catching_up else deadline
         lost = (lambda a, b: residual.view(-1)[a:b]) if residual is not None else (lambda a, b: None)  # noqa: E731
 

@@ -4,57 +4,12 @@ with overlapping communication") over the ring all-reduce.
 DiLoCo, per node i, every H steps (see outer.py for the notation):
     Δ_i = θ - θ_i;   Δ = (1/m) Σ_{i ∈ M} Δ_i  (ring all-reduce over the m members M);
     θ ← OuterNesterov(θ, Δ);   θ_i ← θ
-Every member ends the outer step with the same bits: the all-gather forwards identical bytes
-(collectives.py), every member divides them by the same m and applies the same elementwise update
-to the same anchor and momentum.
-
-Streaming DiLoCo: the flat parameters are cut into F contiguous fragments p (the paper cuts layers,
-strided; a flat vector has none), and fragment p is synced every H steps at steps t with
-(t + 1) mod H = (p + 1) H / F, so one fragment moves every H / F steps. With an outer delay τ ≥ 1 a
-fragment's all-reduce runs on the engine's communication worker while the next τ inner steps
-compute (the outer gradient is τ steps old when it lands, as in Pipe-SGD), and the result is
-merged with the paper's mixing factor α:
+Streaming DiLoCo syncs fragment p of F at steps t with (t + 1) mod H = (p + 1) H / F; an outer delay
+τ ≥ 1 overlaps its all-reduce with the next τ inner steps and merges with the mixing factor α:
     θ_{i,p}^(t+τ) ← α θ_{i,p}^(t+τ) + (1 - α) θ_p^(t)      (θ_p^(t) = OuterNesterov(θ_p^(t-H), Δ_p))
-α = 0 takes the outer parameters. A blocking sync (τ = 0) takes them too, unless mixing_at_sync
-makes it merge with α as Algorithm 1 does for every fragment update (the README says why that is
-not the default). finish() always takes them, so every node ends with the same model. A fragment's
-sync moves 1/F of the model, so the peak bytes per sync are 1/F of DiLoCo's.
-
-Within a step, the outer gradient of the fragment due is taken before the syncs whose τ steps are
-over are merged: it measures the inner steps from the anchor they started from. That matters only
-at τ = H (F = 1), where the sync landing is the same fragment's: the whole outer step overlaps
-(Kale et al., 2025, "Eager updates ...": Streaming DiLoCo with 1-outer-step overlap, or DiLoCo with
-delayed outer gradients), each outer gradient is applied, one outer step late, to the anchor that
-just landed. Merged first, it would be α times the progress (nothing at α = 0: only the momentum
-would move the anchor). At a fragment's first sync nothing lands: its replicas merge the anchor
-they have instead, as Kale et al.'s next inner phase starts from the global parameters (else its
-next outer gradient would carry this one again, in full). Outer momentum on these one-step-late
-outer gradients diverged on the synthetic task (0.34 accuracy with the default μ = 0.9; 0.90 with
-μ = 0, blocking DiLoCo 0.915), so τ = H is refused unless outer_momentum is 0.
-
-Compressed pseudo-gradients: every ring hop decompresses, sums and recompresses (collectives.py);
-what this node's compressions lose stays on it (error feedback) and is added to its next
-pseudo-gradient of that fragment, so nothing a codec drops is lost, only delayed.
-
-Faults (the sync's deadline is the link deadline):
-- the ring is re-formed at every sync over this node and the live peers (comm.membership.live), in rank order,
-  and the mean divides by the number of pseudo-gradients summed (m);
-- a sync opens with every member announcing the version of its fragment (outer steps applied).
-  Only the members at the highest version form the ring; one behind (it missed an earlier sync, or
-  took a donor's anchor) is left out of this mean and gets, from its donor (the next member at
-  the top version in ring order), an offer of that fragment's anchor, momentum and version after
-  this outer step: it keeps its own progress, θ_i ← θ_offer + (θ_i - θ_old), which it contributes
-  at the next sync;
-- a live peer whose version misses the deadline is told so (it skips this sync rather than wait
-  for a ring that runs without it); it keeps its anchor and progress and is behind at the next;
-- a sync that cannot complete (a member missed the deadline, or members disagree on who is in it)
-  changes nothing on a node that did not complete it: it keeps its anchor and its progress, and
-  the next sync's versions tell who is behind. Members that did complete it are ahead by one;
-- a node that rejoins (restart or catch-up, through the engine) loads a donor's anchor
-  (donate_state sends the anchor, not the local model) with version unknown, so its next sync
-  brings it the outer state.
-It never opens a socket, and it never applies an outer step it has not summed over every member of
-the ring it was given.
+Invariant: every member ends an outer step with the same bits, and finish() leaves every node with
+the same model. It never opens a socket, and it never applies an outer step it has not summed over
+every member of the ring it was given.
 """
 from __future__ import annotations
 
@@ -123,6 +78,26 @@ class _Outcome:
 
 
 class DiLoCo(Algorithm):
+    """DiLoCo and Streaming DiLoCo on one node (the update rules are in the module docstring).
+
+    Every member ends the outer step with the same bits: the all-gather forwards identical bytes
+    (collectives.py), every member divides them by the same m and applies the same elementwise
+    update to the same anchor and momentum.
+
+    Streaming DiLoCo: the flat parameters are cut into F contiguous fragments (the paper cuts
+    layers, strided; a flat vector has none), so one fragment moves every H / F steps. With an outer
+    delay τ ≥ 1 a fragment's all-reduce runs on the engine's communication worker while the next τ
+    inner steps compute (the outer gradient is τ steps old when it lands, as in Pipe-SGD), and the
+    result is merged with the mixing factor α; α = 0 takes the outer parameters. A blocking sync
+    (τ = 0) takes them too, unless mixing_at_sync makes it merge with α as Algorithm 1 does for
+    every fragment update (docs/wan-diloco.md, "Mixing at blocking syncs", says why that is not the
+    default). finish() always takes them, so every node ends with the same model. A fragment's sync
+    moves 1/F of the model, so the peak bytes per sync are 1/F of DiLoCo's.
+
+    Compressed pseudo-gradients: every ring hop decompresses, sums and recompresses
+    (collectives.py); what this node's compressions lose stays on it (error feedback) and is added
+    to its next pseudo-gradient of that fragment, so nothing a codec drops is lost, only delayed."""
+
     name = "diloco"
 
     @classmethod
@@ -176,10 +151,20 @@ class DiLoCo(Algorithm):
 
     def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:
         """After an inner step: the outer gradient of the fragment due now is taken first, then the
-        syncs whose τ steps are over land, then the new sync runs (τ = 0) or is launched. The order
-        matters only when τ = H (F = 1): the sync landing now is the same fragment's, and merging it
-        first would measure the outer gradient from an anchor these inner steps never started from
-        (α times the progress: nothing with α = 0)."""
+        syncs whose τ steps are over land, then the new sync runs (τ = 0) or is launched.
+
+        Taken first, the outer gradient measures the inner steps from the anchor they started from.
+        The order matters only when τ = H (F = 1), where the sync landing now is the same
+        fragment's: the whole outer step overlaps (Kale et al., 2025, "Eager updates ...":
+        Streaming DiLoCo with 1-outer-step overlap, or DiLoCo with delayed outer gradients), and
+        each outer gradient is applied, one outer step late, to the anchor that just landed. Merged
+        first, it would be α times the progress (nothing at α = 0: only the momentum would move the
+        anchor). At a fragment's first sync nothing lands: its replicas merge the anchor they have
+        instead, as Kale et al.'s next inner phase starts from the global parameters (else its next
+        outer gradient would carry this one again, in full). Outer momentum on these one-step-late
+        outer gradients diverged on the synthetic task (0.34 accuracy with the default μ = 0.9;
+        0.90 with μ = 0, blocking DiLoCo 0.915), so τ = H is refused unless outer_momentum is 0
+        (DiLoCoOptions.validate)."""
         self.comm.set_step(step)
         self._last_step, self._params = step, params
         landed = []
@@ -225,7 +210,9 @@ class DiLoCo(Algorithm):
 
     def donate_state(self, peer: int, step: int, params: torch.Tensor) -> None:
         """A (re)joining peer loads our anchor (its pseudo-gradients are measured from it); its next
-        sync brings it our momentum and version."""
+        sync brings it our momentum and version. A node that rejoins (restart or catch-up, through
+        the engine) thus holds a donor's anchor, not its local model, with version unknown, so its
+        next sync brings it the outer state."""
         self.comm.send(peer, self.anchor.clone(), kind=Kind.STATE, step=step, ps_weight=1.0, reliable=True)
         return None
 
@@ -286,7 +273,25 @@ class DiLoCo(Algorithm):
         """Agree on who is current, all-reduce Δ_p over them and take the outer step, then hand the
         members behind their offers of the result. Runs on the communication worker when the sync
         overlaps inner steps: it reads fragment p's anchor, momentum and residual, which the
-        training thread leaves alone until the merge, and writes only copies and the residual."""
+        training thread leaves alone until the merge, and writes only copies and the residual.
+
+        Faults (the sync's deadline is the link deadline):
+        - the ring is re-formed at every sync over this node and the live peers
+          (comm.membership.live), in rank order, and the mean divides by the number of
+          pseudo-gradients summed (m);
+        - a sync opens with every member announcing the version of its fragment (outer steps
+          applied). Only the members at the highest version form the ring; one behind (it missed an
+          earlier sync, or took a donor's anchor) is left out of this mean and gets, from its donor
+          (the next member at the top version in ring order), an offer of that fragment's anchor,
+          momentum and version after this outer step: it keeps its own progress,
+          θ_i ← θ_offer + (θ_i - θ_old), which it contributes at the next sync;
+        - a live peer whose version misses the deadline is told so (it skips this sync rather than
+          wait for a ring that runs without it); it keeps its anchor and progress and is behind at
+          the next;
+        - a sync that cannot complete (a member missed the deadline, or members disagree on who is
+          in it) changes nothing on a node that did not complete it: it keeps its anchor and its
+          progress, and the next sync's versions tell who is behind. Members that did complete it
+          are ahead by one."""
         start, end = self.bounds[p]
         channel, version = self.states[p], self.versions[p]
         channel.discard_through(step - 1)

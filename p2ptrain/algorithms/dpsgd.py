@@ -3,17 +3,11 @@
     x_i^{t+1/2} = Σ_j W_ij x_j^t
     x_i^{t+1}   = x_i^{t+1/2} - γ ∇f_i(x_i^t)
 
-The gradient is taken at the node's own x_i^t, so the averaging of x^t can run while it computes
-(the seed notes this). The engine hands us x_i^t - γ d_i (its local optimizer step), hence
-
-    x_i^{t+1} = (x_i^t - γ d_i) + Σ_{j≠i} W_ij (x_j^t - x_i^t)         (rows of W sum to 1)
-
-Node i sends x_i^{t+1} to its neighbours as soon as it has it, i.e. while step t+1 computes.
-W are Metropolis weights W_ij = 1 / (1 + max(d_i, d_j)).
-
-Faults: models are sent unreliably (a lost model is not mass: nothing needs to be re-sent). A
-neighbour whose x_j^t misses the link deadline (or is dead) is left out of that step's mix, its
-weight W_ij staying on x_i (the row still sums to 1); a model that comes later is stale and dropped.
+W are Metropolis weights W_ij = 1 / (1 + max(d_i, d_j)). The gradient is taken at the node's own
+x_i^t, so the averaging of x^t runs while it computes (DPSGD.after_step). Invariant: each row of W
+sums to 1, also when a neighbour's model misses the link deadline or its node is dead (W_ij then
+stays on x_i). Models are sent unreliably: a lost model is not mass, so nothing needs to be re-sent,
+and one that comes later than its step is stale and dropped.
 """
 from __future__ import annotations
 
@@ -71,6 +65,15 @@ class DPSGD(Algorithm):
         return params
 
     def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:
+        """Mix the neighbours' x_j^t into this node's step. The gradient is taken at the node's own
+        x_i^t, so the averaging of x^t can run while it computes (the seed notes this). The engine
+        hands us x_i^t - γ d_i (its local optimizer step), hence
+
+            x_i^{t+1} = (x_i^t - γ d_i) + Σ_{j≠i} W_ij (x_j^t - x_i^t)         (rows of W sum to 1)
+
+        A neighbour whose x_j^t misses the link deadline (or is dead) is left out of that step's
+        mix, its weight W_ij staying on x_i (the row still sums to 1); a model that comes later is
+        stale and dropped."""
         self.comm.set_step(step)
         mixed = params.clone()
         weights = self.graph.metropolis_weights(self.rank, step)
@@ -103,6 +106,8 @@ class DPSGD(Algorithm):
         return None
 
     def _share(self, step: int) -> None:
+        """Send x^step to the live neighbours as soon as it is known, i.e. while step `step` computes;
+        unreliably: a lost model is not mass, nothing needs to be re-sent."""
         self._check_acks(wait=False)
         self._next_step = step
         snapshot = self.x.clone()  # read-only from here on, shared by all sends

@@ -7,21 +7,9 @@ topology (p_j = 1 / (out-degree_j + 1)) and overlap τ,
     ψ^(0) = 1,
 
 and every node knows the schedule, so each one can run this recursion for all nodes and read its own
-entry. SGP scales its local update by min(1, w / ψ_self) (`scale`): in a run where nothing
-is missing w = ψ_self and the factor is exactly 1 on every graph (irregular in- and out-degrees,
-nodes that push to nobody at some steps, any τ), so the update is the seed's x ← x − γ∇f(z); where a
-crashed node took mass away, or a frozen one holds shares, w < ψ_self and the update shrinks with it.
-(A w_steady computed from a node's own out-degree is exact only on regular graphs: elsewhere it made
-Σ x move by γ Σ s_i ∇f_i with unequal s_i, a weighted objective.)
-
-It mirrors the node's own bookkeeping step for step (SGP's after_step, _flush and resume), and at a
-view switch a joiner starts with one unit, a leaver's weight goes, and the members' weights are
-scaled so that they sum to the member count again, as the real Σ w does (welcome / take_over). The
-weights it then predicts are those of a run that started at the switch with today's profile: exact
-on regular graphs, a transient that decays with the graph's mixing elsewhere.
-
-It never sends anything and never touches x; it costs O(arcs) per step (numpy), nothing per model
-parameter.
+entry. SGP scales its local update by min(1, w / ψ_self) (`scale`): exactly 1 in a run where nothing
+is missing, on every graph. It never sends anything and never touches x; it costs O(arcs) per step
+(numpy), nothing per model parameter.
 """
 from __future__ import annotations
 
@@ -35,7 +23,9 @@ ROUNDING = 1e-9  # w and ψ add the same shares in another order: relative diffe
 
 
 class FaultFreeWeights:
-    """ψ of every rank of `topology`, advanced on demand to the step a node asks about."""
+    """ψ of every rank of `topology`, advanced on demand to the step a node asks about. It mirrors
+    the node's own bookkeeping step for step (SGP's after_step, _flush and resume), view switches
+    included (_switch)."""
 
     def __init__(self, topology: Topology, overlap: int):
         if overlap < 0:
@@ -57,7 +47,14 @@ class FaultFreeWeights:
         """min(1, w / ψ): exactly 1 when w is ψ up to float rounding. A node that trains while the
         schedule has it outside the members (ψ = 0: a joiner whose view came late, a node the others
         finished without) pushes to nobody and holds its own unit at most: ψ = 1 for it, so a
-        drained w cannot multiply its learning rate by 1 / w (a joiner left at w = 1/96 diverged)."""
+        drained w cannot multiply its learning rate by 1 / w (a joiner left at w = 1/96 diverged).
+
+        In a run where nothing is missing w = ψ_self and the factor is exactly 1 on every graph
+        (irregular in- and out-degrees, nodes that push to nobody at some steps, any τ), so the
+        update is the seed's x ← x − γ∇f(z); where a crashed node took mass away, or a frozen one
+        holds shares, w < ψ_self and the update shrinks with it. (A w_steady computed from a node's
+        own out-degree is exact only on regular graphs: elsewhere it made Σ x move by γ Σ s_i ∇f_i
+        with unequal s_i, a weighted objective.)"""
         psi = self.at_update(rank, step)
         if psi <= 0.0:
             psi = 1.0
@@ -102,7 +99,10 @@ class FaultFreeWeights:
 
     def _switch(self, members: set[int]) -> None:
         """A view switch: joiners start with one unit, leavers' weight (and what was on its way to
-        them) goes, and the members' weights are scaled to sum to the member count."""
+        them) goes, and the members' weights are scaled to sum to the member count, as the real Σ w
+        does (welcome / take_over). The weights it then predicts are those of a run that started at
+        the switch with today's profile: exact on regular graphs, a transient that decays with the
+        graph's mixing elsewhere."""
         for rank in members - self._members:
             self.psi[rank] = 1.0
         gone = np.array(sorted(self._members - members), dtype=np.int64)

@@ -1,27 +1,15 @@
 """Gradient Energy Matching (seed 001): the worker's update rule Ψ and the baselines it is compared to.
 
-A worker of the parameter server (p2ptrain.ps.worker) runs Algorithm 1:
-
+A worker of the parameter server (p2ptrain.ps.worker) runs Algorithm 1, with Ψ one of the rules below:
     Δθ ← −η ∇L(s);   θ ← Pull();   Commit(Ψ(Δθ));   s ← θ
-
-and Ψ is one of the rules below. This module is the math only: it never opens a socket and knows
-nothing of the wire format; the server applies `staleness_scale` for the adaptive-staleness
-baseline because only the server knows a commit's staleness τ exactly when it applies it.
-
     gem                 m ← μ m + Δθ;  π = (κ|m| − |θ − s|) / (|Δθ| + ε)  (Alg. 1 with eq. 27 of App. B);
-                        commit π ⊙ Δθ, π optionally clamped to [lo, hi]
+                        commit π ⊙ Δθ, π optionally clamped to [lo, hi] (default [0, 5]: DEFAULT_CLAMP)
     downpour            π = 1 (Dean et al. 2012)
     adaptive-staleness  the worker commits Δθ, the server applies Δθ / (τ + 1)
     proxy               not a rule: the target dynamics, synchronous momentum SGD (μ, η) on one
                         process (p2ptrain.ps.worker.run_proxy)
-
-Clamping π: Algorithm 1 writes π unclamped; the authors' code (github.com/montefiore-ai/
-gradient-energy-matching) clamps it to [0, 5] "for numerical stability", and so does p2ptrain's
-default (`--gem-clamp 0,5`; `none` = the formula as printed). The lower bound is what matters: where
-the drift |θ − s| exceeds κ|m|, an unclamped π is negative and the worker commits −sign(Δθ)·(|θ − s|
-− κ|m|), a step whose size grows with the other workers' steps; with several workers that feedback
-diverges (3 workers, MLP, η = 0.05: loss 2.3 -> 1e22 in 100 steps unclamped; 2.3 -> 0.9 with [0, 5],
-better than DOWNPOUR's 1.2 on the same run). `gem_pi` itself clamps only when asked.
+This module is the math only: it never opens a socket and knows nothing of the wire format; π is
+finite for finite inputs (DEFAULT_EPSILON).
 """
 from __future__ import annotations
 
@@ -36,7 +24,14 @@ if TYPE_CHECKING:
 
 POLICIES = ("gem", "downpour", "adaptive-staleness", "proxy")
 DEFAULT_KAPPA = 1.0
-DEFAULT_CLAMP = "0,5"  # the authors' code's clamp of π (see the module docstring); "none" for none
+# Clamping π: Algorithm 1 writes π unclamped; the authors' code (github.com/montefiore-ai/
+# gradient-energy-matching) clamps it to [0, 5] "for numerical stability", and so does p2ptrain's default
+# (`--gem-clamp 0,5`; `none` = the formula as printed). The lower bound is what matters: where the drift
+# |θ − s| exceeds κ|m|, an unclamped π is negative and the worker commits −sign(Δθ)·(|θ − s| − κ|m|), a step
+# whose size grows with the other workers' steps; with several workers that feedback diverges (3 workers, MLP,
+# η = 0.05: loss 2.3 -> 1e22 in 100 steps unclamped; 2.3 -> 0.9 with [0, 5], better than DOWNPOUR's 1.2 on the
+# same run). `gem_pi` itself clamps only when asked.
+DEFAULT_CLAMP = "0,5"  # the authors' code's clamp of π; "none" for none
 # Algorithm 1's ε. It is kept at the paper's value and π is computed in float32:
 #  * 1e-16 is a normal float32 (smallest normal ≈ 1.18e-38), so it is not flushed to zero;
 #  * it only matters where the update (nearly) vanishes: for |Δθ| > ~1.7e-9, |Δθ| + 1e-16 == |Δθ| in
@@ -84,7 +79,8 @@ def gem_pi(m: torch.Tensor, delta: torch.Tensor, theta: torch.Tensor, s: torch.T
 
 
 def staleness_scale(tau: int) -> float:
-    """Adaptive staleness: the factor 1 / (τ + 1) the server applies to a commit of staleness τ."""
+    """Adaptive staleness: the factor 1 / (τ + 1) the server applies to a commit of staleness τ (the
+    server, because only it knows a commit's staleness τ exactly when it applies it)."""
     if tau < 0:
         raise ValueError(f"staleness must be >= 0, got {tau}")
     return 1.0 / (tau + 1)

@@ -1,6 +1,5 @@
 """gossip-DiLoCo (in no paper): DiLoCo whose outer averaging is push-sum gossip over a time-varying
-directed graph instead of an all-reduce, so it needs no global collective and keeps SGP's
-guarantees: bounded delay, dropped links, stalled and dead peers, no push-sum mass lost.
+directed graph instead of an all-reduce: no global collective, and SGP's fault rules.
 
 Per node i, every H inner steps, at the s-th outer step (notation of outer.py and pushsum.py):
     x_i ← w_i [θ_i^anchor ; Δ_i],   Δ_i = θ_i^anchor - θ_i      (+ what the codec lost earlier)
@@ -9,21 +8,8 @@ Per node i, every H inner steps, at the s-th outer step (notation of outer.py an
     [z_i^anchor ; z_i^Δ] = x_i / w_i    (de-biased means of the neighbourhood's anchors and
                                          pseudo-gradients)
     θ_i^anchor ← OuterNesterov(z_i^anchor, z_i^Δ);   θ_i ← θ_i^anchor
-With exact mixing this is DiLoCo's outer step. The anchors are averaged by plain push-sum (a
-contraction) and only the pseudo-gradients go through the momentum, so the anchors stay together:
-mixing pseudo-gradients alone lets them drift apart (each node then trains on little more than its
-own shard: 0.75 accuracy instead of 0.92 on the reproduction's task), and an outer step on
-θ^anchor - z^θ (mixing only models) puts the anchors' disagreement through the momentum too (0.80).
-A share is two model sizes, about what a ring all-reduce sends per node. Re-basing x keeps w:
-Σ_i w_i = n (with the shares in flight) at every outer step. A share that misses the link deadline
-is folded into a later outer step, never lost; one that is refused or cannot be delivered is
-re-absorbed by its sender; a peer that acknowledges nothing (it stalled) is skipped (pushsum.py has
-the rules). A codec compresses a share whole, scaled by the anchors' magnitudes: 16-bit or int8
-(with error feedback) serve; int4 and top-k would drown the pseudo-gradients and are refused.
-
-A (re)joining node takes a donor's anchor and half of its push-sum weight (the donor keeps z),
-then asks the donor for its momentum with an offer request (outer.py), answered at the donor's
-next step. It never opens a socket and never lets a share count twice.
+With exact mixing this is DiLoCo's outer step. Re-basing x keeps w: Σ_i w_i = n (with the shares in
+flight) at every outer step. It never opens a socket and never lets a share count twice.
 """
 from __future__ import annotations
 
@@ -55,6 +41,8 @@ class GossipDiLoCoOptions(OuterOptions):
         super().validate(settings)
         if self.peers_per_step < 1:
             raise ValueError("peers_per_step must be >= 1")
+        # A codec compresses a share whole, scaled by the anchors' magnitudes: 16-bit or int8 (with error
+        # feedback) serve; int4 and top-k would drown the pseudo-gradients.
         if self.compression in NEEDS_ERROR_FEEDBACK + ("int4",):
             raise ValueError(f"gossip-diloco pushes anchors with its pseudo-gradients, and compression "
                              f"{self.compression} scaled by the anchors would drown them: use none, trunc16, fp16, "
@@ -62,6 +50,15 @@ class GossipDiLoCoOptions(OuterOptions):
 
 
 class GossipDiLoCo(Algorithm):
+    """gossip-DiLoCo on one node. It keeps SGP's guarantees: bounded delay, dropped links, stalled
+    and dead peers, no push-sum mass lost. A share that misses the link deadline is folded into a
+    later outer step, never lost; one that is refused or cannot be delivered is re-absorbed by its
+    sender; a peer that acknowledges nothing (it stalled) is skipped (pushsum.py has the rules).
+
+    A (re)joining node takes a donor's anchor and half of its push-sum weight (the donor keeps z),
+    then asks the donor for its momentum with an offer request (outer.py), answered at the donor's
+    next step (_serve)."""
+
     name = "gossip-diloco"
 
     @classmethod
@@ -157,6 +154,15 @@ class GossipDiLoCo(Algorithm):
 
     # The outer step ---------------------------------------------------------------------------------
     def _outer_step(self, step: int, s: int, params: torch.Tensor) -> None:
+        """The s-th outer step: push-sum of x = w [θ^anchor ; Δ], then the outer step from the
+        de-biased mean anchor with the de-biased mean pseudo-gradient.
+
+        The anchors are averaged by plain push-sum (a contraction) and only the pseudo-gradients go
+        through the momentum, so the anchors stay together: mixing pseudo-gradients alone lets them
+        drift apart (each node then trains on little more than its own shard: 0.75 accuracy instead
+        of 0.92 on the reproduction's task), and an outer step on θ^anchor - z^θ (mixing only
+        models) puts the anchors' disagreement through the momentum too (0.80). A share is two model
+        sizes, about what a ring all-reduce sends per node."""
         mass = self.mass
         n = self.anchor.numel()
         mass.x[:n].copy_(self.anchor)

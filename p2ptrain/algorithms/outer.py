@@ -5,16 +5,10 @@ DiLoCo (Douillard et al., 2023), per worker i and outer step t, from the anchor 
     θ_i ← θ^(t-1);  H inner steps of the node's own optimizer (AdamW):  θ_i ← InnerOpt(θ_i, ∇f_i)
     Δ_i = θ^(t-1) - θ_i                  (the pseudo-gradient; its mean over workers is Δ^(t))
     θ^(t) = OuterOpt(θ^(t-1), Δ^(t))     (SGD with Nesterov momentum, lr 0.7, momentum 0.9)
-OuterNesterov is torch.optim.SGD(nesterov=True, dampening=0)'s update, written out so that it is
-plain elementwise arithmetic: nodes that hold the same anchor, momentum and Δ end with the same bits.
-
-The outer state of a node is (anchor, momentum, version), version = outer steps applied to it
-(-1: unknown, after taking a donor's anchor). A node lacking it gets an *offer* from a peer that
-has it: [anchor, momentum, version] in one float32 message (versions are exact in float32 up to
-2^24 outer steps). Versions travel alone (one float32) on a second channel: DiLoCo's sync opens
-with them, gossip-DiLoCo's rejoining nodes ask with theirs; a third tells a node that came too late
-that a sync runs without it. Never opens a socket; imports no torch
-at module level.
+Invariant: nodes that hold the same anchor, momentum and Δ end an outer step with the same bits
+(OuterNesterov is plain elementwise arithmetic). The outer state of a node is (anchor, momentum,
+version), version = outer steps applied to it (-1: unknown); a node lacking it gets an offer from a
+peer that has it (OuterStateChannel). Never opens a socket; imports no torch at module level.
 """
 from __future__ import annotations
 
@@ -68,7 +62,10 @@ class OuterOptions(AlgorithmOptions):
 
 
 class OuterNesterov:
-    """θ ← θ - lr (Δ + μ b), b ← μ b + Δ first: SGD with Nesterov momentum, Δ the (mean) pseudo-gradient."""
+    """θ ← θ - lr (Δ + μ b), b ← μ b + Δ first: SGD with Nesterov momentum, Δ the (mean) pseudo-gradient.
+
+    It is torch.optim.SGD(nesterov=True, dampening=0)'s update, written out so that it is plain
+    elementwise arithmetic: nodes that hold the same anchor, momentum and Δ end with the same bits."""
 
     def __init__(self, lr: float = 0.7, momentum: float = 0.9):
         self.lr, self.momentum = lr, momentum
@@ -93,7 +90,13 @@ class Offer:
 
 class OuterStateChannel:
     """The version, left-out and offer messages of one slice of `numel` parameters (channels
-    `{tag}v`, `{tag}out`, `{tag}offer`); declare before comm.ready()."""
+    `{tag}v`, `{tag}out`, `{tag}offer`); declare before comm.ready().
+
+    An *offer* is [anchor, momentum, version] in one float32 message (versions are exact in float32
+    up to 2^24 outer steps), sent by a peer that has the outer state to a node that lacks it
+    (version -1: unknown, after taking a donor's anchor). Versions travel alone (one float32) on a
+    second channel: DiLoCo's sync opens with them, gossip-DiLoCo's rejoining nodes ask with theirs;
+    a third tells a node that came too late that a sync runs without it."""
 
     def __init__(self, comm: Comm, numel: int, dtype: torch.dtype, *, tag: str, kind: Kind = Kind.ALLREDUCE):
         self.comm, self.numel, self.dtype = comm, numel, dtype

@@ -4,25 +4,11 @@ z = x / w converges to the network average, and every rule that keeps Σ_i w_i =
     push:  keep p x, p w and send (p x, p w) to each out-neighbour,   p = 1 / (out-degree + 1)
     mix:   x += Σ received x-shares,   w += Σ received w-shares;   z = x / w
 
-What the algorithms built on it (SGP, gossip-DiLoCo) add is what x holds and when they push and
-mix; the mass bookkeeping is here, once (it is what tests/test_fault_tolerance.py's ledger checks):
-- a share is waited for at most the link deadline; one that comes later is folded in at the next
-  mix (and awaited once more in finish());
-- the transport retransmits a lost share with the same message id (the receiver drops a
-  duplicate), so a share is delivered at most once;
-- a share the receiver definitively refuses, voids when settling, or cannot take because it is
-  dead is re-absorbed by the sender; a sent share stays in the outbox until its Ack says which;
-- a share that would make w exceed n (mass never does) or whose de-biased values are absurd is
-  dropped, so a hostile or broken peer cannot poison the model;
-- a (re)joining peer gets half of a donor's (x, w), which keeps Σ w and the donor's z unchanged,
-  and a node that catches up merges the donor's half into its own mass.
-With a lossy codec a share travels encoded; the sender keeps what the encoding lost in `residual`
-(x units) and re-absorbs the decoded share, so Σ x + Σ residual is conserved as well; the residual
-goes back into x before the next push (error feedback), and whenever x is saved or handed over
-(fold_residual).
-
-It never picks peers (the caller's graph does), never decides what x means and never touches the
-model the engine trains.
+Invariant: Σ_i w_i = n counting the shares in flight, and with a lossy codec Σ x + Σ residual is
+conserved as well (tests/test_fault_tolerance.py's ledger checks the mass). The rules that keep it
+are PushSum's, stated once here for SGP and gossip-DiLoCo. Never: a share counted twice or lost, or
+one folded in that would make w exceed n. It never picks peers (the caller's graph does), never
+decides what x means and never touches the model the engine trains.
 """
 from __future__ import annotations
 
@@ -45,7 +31,27 @@ SPARE_SHARES = 8  # share buffers kept for reuse once acknowledged (τ + 1 steps
 
 
 class PushSum:
-    """(x, w) of one node, its shares in flight (`outbox`) and the shares it still waits for."""
+    """(x, w) of one node, its shares in flight (`outbox`) and the shares it still waits for.
+
+    What the algorithms built on it (SGP, gossip-DiLoCo) add is what x holds and when they push and
+    mix; the mass bookkeeping is here, once:
+    - a share is waited for at most the link deadline; one that comes later is folded in at the
+      next mix (and awaited once more in finish());
+    - the transport retransmits a lost share with the same message id (the receiver drops a
+      duplicate), so a share is delivered at most once;
+    - a share the receiver definitively refuses, voids when settling, or cannot take because it is
+      dead is re-absorbed by the sender; a sent share stays in the outbox until its Ack says which.
+      A share whose send failed after bytes left is settled with the receiver before it is
+      re-absorbed (the transport asks which it delivered; the rest it voids), so a stalled peer
+      that wakes up with our shares in its socket never lets the same mass count twice;
+    - a share that would make w exceed n (mass never does) or whose de-biased values are absurd is
+      dropped, so a hostile or broken peer cannot poison the model;
+    - a (re)joining peer gets half of a donor's (x, w), which keeps Σ w and the donor's z unchanged,
+      and a node that catches up merges the donor's half into its own mass.
+    With a lossy codec a share travels encoded; the sender keeps what the encoding lost in
+    `residual` (x units) and re-absorbs the decoded share, so Σ x + Σ residual is conserved as
+    well; the residual goes back into x before the next push (error feedback), and whenever x is
+    saved or handed over (fold_residual)."""
 
     def __init__(self, comm: Comm, *, kind: Kind = Kind.PUSH_SUM, channel: str = "",
                  codec: compression.Codec | None = None, log: logging.Logger | None = None):

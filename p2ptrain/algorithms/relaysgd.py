@@ -6,30 +6,10 @@ Per node i, step t and tree, in the seed's notation (m^{(-1)} = 0, c^{(-1)} = 0)
                                 c_{i→j}^{(t)} = 1 + Σ_{k∈N_i\\j} c_{k→i}^{(t-1)}
                            receive m_{j→i}^{(t)}, c_{j→i}^{(t)}
     n̄_i^{(t+1)} = 1 + Σ_j c_{j→i}^{(t)},   x_i^{(t+1)} = (x_i^{(t+1/2)} + Σ_j m_{j→i}^{(t)}) / n̄_i^{(t+1)}
-Relaying without weights delivers node j's model to node i unscaled, τ_ij steps late, so every
-node averages all n models uniformly (once t ≥ its eccentricity, n̄_i = n): no gossip
-matrix, hence no dependence on data heterogeneity. Because the averaged model is what is relayed
-next, x itself converges to consensus rather than hitting the exact average in finite time; the
-relay mechanism (RelaySum) alone is exact for fixed inputs after `diameter` steps.
-
-With several trees (double binary trees) each relays its own contiguous coordinate range on its
-own channel; counters travel in the header's relay_count.
-
-Normalization (`--relay-normalization`). The seed divides by n̄_i, the models the sum holds
-("counters", the default). Until t reaches node i's eccentricity, and for a step whose relay
-message was lost, n̄_i < n and node i weights the models it has heard of by 1/n̄_i > 1/n: its own
-fresh update, and its near neighbours', count for more than the far ones'. "world-size" is the
-reference code's rule instead (epfml/relaysgd, normalization_mode "world_size" with the reference
-state updated every step): divide by n and fill the n - n̄_i models not received with the node's
-own model of the step before, x_i^{(t)},
-    x_i^{(t+1)} = (x_i^{(t+1/2)} + Σ_j m_{j→i}^{(t)} + (n - n̄_i^{(t+1)}) x_i^{(t)}) / n.
-Every received x_k^{(s+1/2)} then counts 1/n at every node, so every node's local update enters
-every average with the same weight 1/n, and a lost message leaves the node's model where it was
-for that part rather than re-weighting what arrived. Filling with x_i^{(t)} rather than
-x_i^{(t+1/2)} keeps the node's own fresh update at 1/n too; at t = 0 it is x^{(0)}, the reference
-code's default fill, which is the same on every node (common initialization). Once n̄_i = n both rules are the
-same division. Neither keeps the nodes' mean model fixed on a pure averaging problem beyond the
-first step: a model reaches the other nodes with different delays (tests/test_relaysgd.py).
+("counters"; "world-size" divides by n and fills in the models not received: see RelaySGD).
+Invariant: n̄_i counts exactly the models the sum holds (a lost message is dropped with its count),
+so once t ≥ node i's eccentricity every node averages all n models uniformly, with no gossip matrix.
+Never: a relayed model scaled by a weight, or a count kept for a model that was not summed.
 """
 from __future__ import annotations
 
@@ -53,6 +33,12 @@ log = logging.getLogger(__name__)
 
 class RelaySum:
     """The relay mechanism of one node on one tree: messages m_{k→i} and counters c_{k→i}.
+
+    Relaying without weights delivers node j's model to node i unscaled, τ_ij steps late, so every
+    node averages all n models uniformly (once t ≥ its eccentricity, n̄_i = n): no gossip matrix,
+    hence no dependence on data heterogeneity. Because the averaged model is what is relayed next,
+    x itself converges to consensus rather than hitting the exact average in finite time; the relay
+    mechanism (RelaySum) alone is exact for fixed inputs after `diameter` steps.
 
     `post(t, x)` sends m_{i→j}^{(t)} built from `x` and the step t-1 messages kept from the last
     `collect`; `collect(t)` receives step t's and keeps them; `average(x)` is
@@ -159,7 +145,7 @@ class RelaySum:
 @dataclass(frozen=True)
 class RelaySGDOptions(AlgorithmOptions):
     """The trees (--topology) fix what is relayed where; the normalization, what a node divides
-    the relayed sum by (see the module docstring)."""
+    the relayed sum by (see RelaySGD)."""
 
     relay_normalization: str = option(
         "counters", "counters: x = (x + Σ m) / n̄, n̄ = 1 + Σ c the models received (seed 003 Alg. 2); world-size: "
@@ -168,6 +154,27 @@ class RelaySGDOptions(AlgorithmOptions):
 
 
 class RelaySGD(Algorithm):
+    """RelaySGD on one node: one RelaySum per tree. With several trees (double binary trees) each
+    relays its own contiguous coordinate range on its own channel; counters travel in the header's
+    relay_count.
+
+    Normalization (`--relay-normalization`). The seed divides by n̄_i, the models the sum holds
+    ("counters", the default). Until t reaches node i's eccentricity, and for a step whose relay
+    message was lost, n̄_i < n and node i weights the models it has heard of by 1/n̄_i > 1/n: its
+    own fresh update, and its near neighbours', count for more than the far ones'. "world-size" is
+    the reference code's rule instead (epfml/relaysgd, normalization_mode "world_size" with the
+    reference state updated every step): divide by n and fill the n - n̄_i models not received with
+    the node's own model of the step before, x_i^{(t)},
+        x_i^{(t+1)} = (x_i^{(t+1/2)} + Σ_j m_{j→i}^{(t)} + (n - n̄_i^{(t+1)}) x_i^{(t)}) / n.
+    Every received x_k^{(s+1/2)} then counts 1/n at every node, so every node's local update enters
+    every average with the same weight 1/n, and a lost message leaves the node's model where it was
+    for that part rather than re-weighting what arrived. Filling with x_i^{(t)} rather than
+    x_i^{(t+1/2)} keeps the node's own fresh update at 1/n too; at t = 0 it is x^{(0)}, the
+    reference code's default fill, which is the same on every node (common initialization). Once
+    n̄_i = n both rules are the same division. Neither keeps the nodes' mean model fixed on a pure
+    averaging problem beyond the first step: a model reaches the other nodes with different delays
+    (tests/test_relaysgd.py)."""
+
     name = "relaysgd"
 
     @classmethod

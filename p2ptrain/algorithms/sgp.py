@@ -5,39 +5,10 @@ Per node i and step k, in the seed's notation:
     send (p x_i^{k+1/2}, p w_i^k) to each out-neighbour,  p = 1 / (out-degree + 1)
     x_i^{k+1} = p x_i^{k+1/2} + Σ_j received x-shares,   w_i^{k+1} = p w_i^k + Σ_j received w-shares
     z_i^{k+1} = x_i^{k+1} / w_i^{k+1}
-With overlap τ ≥ 1 the shares sent at step k are mixed in at step k+τ (the loop waits only if they
-are not there by then); τ = 0 is synchronous. Push-sum mass is never lost (Σ_i w_i = n, counting
-the shares in flight, is what makes the de-biased z_i converge to the average):
-- a share is waited for at most the link deadline; one that comes later is folded in at the next mix
-  (and awaited once more in finish());
-- the transport retransmits a lost share with the same message id (the receiver drops a duplicate),
-  so a share is delivered at most once;
-- a share the receiver definitively refuses, or that cannot be delivered because the receiver is
-  dead, is re-absorbed by the sender;
-- dead peers are skipped (p = 1 / (live out-degree + 1)); a rejoining peer gets half of a donor's
-  (x, w), which keeps Σ w and z of the donor unchanged;
-- a peer that acknowledges none of our last τ + 1 shares within a link deadline (it stalled: GC
-  pause, swap, a stopped VM) gets no further share until it does, and a peer that lags more than
-  the lag limit behind gets none at all: nobody keeps pushing mass into a node that cannot push
-  back (its w would drain everyone else's towards 0, and z = x / w with it);
-- a share whose send failed after bytes left is *settled* with the receiver before it is
-  re-absorbed (the transport asks which it delivered; the rest it voids), so a stalled peer that
-  wakes up with our shares in its socket never lets the same mass count twice;
-- the local update is scaled by min(1, w / ψ_i), where ψ_i is the w node i has at that point in a
-  run where no mass is missing: the push-sum recursion of the weights alone over the known
-  schedule, with the same τ (fault_free_weights.py). With the seed's unscaled update z steps
-  γ / w, so once mass is gone with a crashed node, or held by a frozen one until it answers, every
-  node's learning rate grows with the mass missing (3.4x seen, and the models diverged). Without
-  a fault w = ψ_i and the factor is exactly 1 on every graph: the seed's update;
-- a node that stalled and was excluded catches up by merging half of a donor's (x, w) into its own
-  (adopt_state): its own mass is not thrown away;
-- a share that would make w exceed n (mass never does) or whose de-biased values are absurd is
-  dropped, so a hostile or broken peer cannot poison the model.
-
-The engine computes with z and applies the optimizer there; the resulting change z' - z is applied
-to x, which is exactly x - γ d for any optimizer direction d (momentum included). The mass rules
-live in p2ptrain/algorithms/pushsum.py (PushSum, shared with gossip-DiLoCo); this file is the
-schedule: which peers at which step, and the τ-overlap.
+With overlap τ ≥ 1 the shares sent at step k are mixed in at step k+τ; τ = 0 is synchronous. This
+file is the schedule (which peers at which step, the τ-overlap) and the step guard; the mass rules
+and their invariant Σ_i w_i = n are pushsum.py's (PushSum, shared with gossip-DiLoCo). Never: push
+into a peer that cannot push back, or step by γ / w while mass is missing (SGP.after_step).
 """
 from __future__ import annotations
 
@@ -84,6 +55,12 @@ class SGPOptions(AlgorithmOptions):
 
 
 class SGP(Algorithm):
+    """SGP on one node: which peers get a share at which step, when shares are mixed in (τ steps
+    later; the loop waits only if they are not there by then, at most the link deadline), and the
+    step guard. Dead peers are skipped (p = 1 / (live out-degree + 1)); a rejoining peer gets half of
+    a donor's (x, w), and a node that stalled and was excluded catches up by merging half of a
+    donor's (x, w) into its own (adopt_state): its own mass is not thrown away."""
+
     name = "sgp"
     elastic = True  # joins, leaves (SIGTERM) and view switches: topology over each step's members
 
@@ -134,6 +111,18 @@ class SGP(Algorithm):
         return z
 
     def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:
+        """Push, re-absorb refusals, mix the shares of step - τ, and return z.
+
+        The engine computes with z and applies the optimizer there; the resulting change z' - z is
+        applied to x, which is exactly x - γ d for any optimizer direction d (momentum included).
+
+        The step guard: the local update is scaled by min(1, w / ψ_i), where ψ_i is the w node i has
+        at that point in a run where no mass is missing: the push-sum recursion of the weights alone
+        over the known schedule, with the same τ (fault_free_weights.py). With the seed's unscaled
+        update z steps γ / w, so once mass is gone with a crashed node, or held by a frozen one until
+        it answers, every node's learning rate grows with the mass missing (3.4x seen, and the
+        models diverged). Without a fault w = ψ_i and the factor is exactly 1 on every graph: the
+        seed's update."""
         self.comm.set_step(step)
         # x^{k+1/2} = x^k + (z' - z), scaled by min(1, w / ψ) (1 unless mass is missing), then pushed
         self._push(step, update=(params, self.fault_free.scale(self.mass.w, self.rank, step)))
@@ -202,6 +191,11 @@ class SGP(Algorithm):
 
     # The seed's steps --------------------------------------------------------------------------
     def _push(self, step: int, update: tuple[torch.Tensor, float]) -> None:
+        """Push to the live out-peers of `step` that have room. A peer that acknowledges none of our
+        last τ + 1 shares within a link deadline (it stalled: GC pause, swap, a stopped VM) gets no
+        further share until it does, and a peer that lags more than the lag limit behind gets none
+        at all: nobody keeps pushing mass into a node that cannot push back (its w would drain
+        everyone else's towards 0, and z = x / w with it)."""
         self._last_step = step
         window = self.tau + 1  # a share per step of the bounded delay may be on its way
         peers = [peer for peer in self.comm.membership.live(self.topology.out_peers(self.rank, step))

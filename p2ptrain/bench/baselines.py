@@ -1,25 +1,15 @@
 """Reference baselines for the point-to-point transport benchmark.
 
-Both baselines move the same float32 payload (``size_bytes`` bytes) from one
-OS process to another over 127.0.0.1:
+Both move the same float32 payload (``size_bytes`` bytes) from one OS process to another over 127.0.0.1:
 
 * :func:`bench_gloo` -- ``torch.distributed`` gloo ``send``/``recv``.
 * :func:`bench_tcp`  -- a raw TCP socket (``sendall`` / ``recv_into``), i.e.
   the practical ceiling for any TCP based transport on this host.
 
-Timing scheme (identical for both): one untimed warm-up transfer, a
-synchronisation point, then ``reps`` timed transfers; the clock (on the
-sender) stops once the receiver has confirmed receipt of the last transfer.
-
-Processes are started with the ``spawn`` start method.  Every child reports
-its result (or its traceback) through a pipe; the parent raises
-``RuntimeError`` (with the child's exit code) if a child dies or the run
-exceeds ``timeout``, and never leaves child processes behind.
-
-The harness is public so that other measurements time themselves the same way:
-:func:`run_pair` (spawn a sender and a receiver, relay a port, collect results),
-:func:`check_transfer_args` and :func:`cpu_seconds`. It is benchmark code and is
-never used at training time.
+Both are timed the same way (see :class:`TransferResult`). The harness is public so that
+other measurements time themselves alike: :func:`run_pair` (spawn a sender and a receiver, relay
+a port, collect results; no child outlives it), :func:`check_transfer_args` and
+:func:`cpu_seconds`. It is benchmark code and is never used at training time.
 """
 
 from __future__ import annotations
@@ -50,6 +40,10 @@ _HOST = "127.0.0.1"
 
 @dataclass
 class TransferResult:
+    """One baseline's timing. The scheme, identical for both: one untimed warm-up transfer, a
+    synchronisation point, then ``reps`` timed transfers; the clock (on the sender) stops once the
+    receiver has confirmed receipt of the last transfer."""
+
     name: str  # "gloo" / "tcp"
     size_bytes: int  # payload size of one transfer
     reps: int

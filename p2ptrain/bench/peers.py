@@ -5,13 +5,10 @@ learning rate and node count, as a real cluster of processes (one thread each): 
 (p2ptrain.bench.ddp), each chosen p2ptrain algorithm (`p2ptrain node`), and hivemind's
 DecentralizedAverager when the optional `hivemind` extra is installed
 (p2ptrain.bench.hivemind_node). Per variant: step time after warm-up (mean, median, 95th
-percentile and maximum per node; mean over nodes, the maximum of all), training seconds per step
-(warm-up included), time to a target test accuracy (default: DDP's final one, less 0.005;
-evaluations every --eval-every steps run off the step clock and are not counted), CPU seconds per
-step, payload bytes per step per node, and ratios to DDP measured in the same run. Step ratios and
-the PASS/MISS lines use the mean step time: a run's wall time is the sum of its steps, so users pay
-the tail, which a median hides. `--netns --bandwidth B` runs every variant, DDP included, inside
-the network-namespace cluster with kernel (tc tbf) caps.
+percentile and maximum), training seconds per step, time to a target test accuracy (default:
+DDP's final one, less 0.005), CPU seconds and payload bytes per step per node, and ratios to DDP
+measured in the same run on the mean step time. `--netns --bandwidth B` runs every variant, DDP
+included, inside the network-namespace cluster with kernel (tc tbf) caps.
 """
 from __future__ import annotations
 
@@ -286,14 +283,17 @@ def accuracy_curve(progress: list[list[dict]], started: list[float | None]) -> l
 
 
 def time_to_accuracy(curve: list[list[float]], target: float | None) -> float | None:
-    """Training seconds at the first evaluation whose mean accuracy reached `target`."""
+    """Training seconds at the first evaluation whose mean accuracy reached `target` (evaluations
+    every --eval-every steps run off the step clock and are not counted: accuracy_curve)."""
     if target is None:
         return None
     return next((seconds for _, seconds, accuracy in curve if accuracy >= target - 1e-9), None)
 
 
 def ratios(results: list[PeersResult]) -> dict[str, dict[str, float | None]]:
-    """Each variant's mean step time, time to target, CPU and bytes per step over DDP's."""
+    """Each variant's mean step time, time to target, CPU and bytes per step over DDP's. Step ratios
+    and the PASS/MISS lines use the mean step time: a run's wall time is the sum of its steps, so
+    users pay the tail, which a median hides."""
     base = next((r for r in results if r.name == BASELINE), None)
 
     def over(value, denominator):

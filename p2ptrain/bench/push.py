@@ -6,13 +6,9 @@ data plane) of a float32 tensor, acknowledged once the receiver has the whole te
 (it also opens the TCP window and drains a shaped link's token bucket), then ``reps`` timed ones; the
 clock is the sender's and stops at the last acknowledgement, so the figure is payload goodput.
 
-* :func:`push_endpoint` -- one end (rank 0 sends, rank 1 receives), in the calling process.
-* :func:`bench_p2ptrain_between` -- both ends as two commands, each behind an optional argv prefix
-  (``ip netns exec NS`` puts it in a network namespace: ``python -m p2ptrain.bench.netns_link``).
-  ``python -m p2ptrain.bench.push`` is that command; it prints one JSON line.
-* :func:`bench_p2ptrain` -- the loopback case that ``p2ptrain bench transport`` compares with gloo
-  and a raw TCP socket.
-
+:func:`bench_p2ptrain` is the loopback case that ``p2ptrain bench transport`` compares with gloo
+and a raw TCP socket; :func:`bench_p2ptrain_between` runs the two ends as commands (``python -m
+p2ptrain.bench.push``, one :func:`push_endpoint` each), each behind an optional argv prefix.
 Benchmark code: nothing here runs during training.
 """
 from __future__ import annotations
@@ -83,9 +79,10 @@ def bench_p2ptrain_between(peers: Sequence[str], size_bytes: int, reps: int, tim
     """Time ``reps`` pushes from ``peers[0]`` to ``peers[1]`` ("host:port" each, where that end listens).
 
     Each end runs as ``[*argv_prefixes[i], python, -m, p2ptrain.bench.push, ...]``; a prefix places
-    it (``["ip", "netns", "exec", NS]``: in a namespace whose address is ``peers[i]``'s host). Raises
-    ``RuntimeError`` with the failing end's stderr if either exits non-zero or the run takes longer
-    than ``timeout`` plus STARTUP_GRACE_S; both processes are gone when this returns.
+    it (``["ip", "netns", "exec", NS]``: in a namespace whose address is ``peers[i]``'s host, as
+    ``python -m p2ptrain.bench.netns_link`` does). Raises ``RuntimeError`` with the failing end's
+    stderr if either exits non-zero or the run takes longer than ``timeout`` plus STARTUP_GRACE_S;
+    both processes are gone when this returns.
     """
     check_transfer_args(size_bytes, reps, timeout)
     if len(peers) != 2 or len(argv_prefixes) != 2:

@@ -1,22 +1,14 @@
 """`p2ptrain reproduce diloco`: issue 15's WAN comparison at a size that runs here in minutes.
 
 The synthetic task with the MLP on 8 node processes whose links are emulated at 100 Mbit/s with
-50 ms latency (`--link bandwidth=100mbit,latency=50ms`): AllReduce every step (gradients averaged
-before the inner optimizer, AdamW like DiLoCo's inner steps, so only the communication differs),
-DiLoCo with H ∈ {10, 50, 100}, DiLoCo H = 50 whose blocking syncs keep α = 0.5 of the local model
-(`--mixing-at-sync`: Streaming DiLoCo's merge at every sync), Streaming DiLoCo (F fragments, τ = 1,
-α = 0.5 as in the paper and α = 0), DiLoCo H = 50 with int8 / int4 / top-k pseudo-gradients,
-gossip-DiLoCo (two out-peers per outer step), and gossip-DiLoCo with 20% of messages dropped and
-one node frozen (`launch --stall`).
-
-The table holds the final validation loss and accuracy (mean over nodes, worst node), MB sent per
-node, MB per sync (bytes per node over the number of syncs of the schedule: the peak, since every
-sync of a variant moves the same amount), wall-clock seconds since launch, bytes relative to
-AllReduce, and the seconds a variant took to reach AllReduce's final accuracy. Every node's model
-snapshots are evaluated on the validation set afterwards, against the time its progress file
-gives for that step, for the plot of validation loss against wall-clock time (OUT/diloco.png).
-Ratios are against runs of the same invocation; the targets of the issue are checked and printed
-with their numbers.
+50 ms latency (`--link bandwidth=100mbit,latency=50ms`): AllReduce every step against DiLoCo
+(H = 10, 50, 100, and mixing at sync), Streaming DiLoCo (F fragments, τ = 1), DiLoCo with int8 /
+int4 / top-k pseudo-gradients and gossip-DiLoCo (also with 20% of messages dropped and one node
+frozen). The table holds the final validation loss and accuracy (mean over nodes, worst node), MB
+sent per node and per sync, wall-clock seconds, bytes relative to AllReduce and the seconds a
+variant took to reach AllReduce's final accuracy; OUT/diloco.png plots validation loss against
+wall-clock time. Ratios are against runs of the same invocation; the targets of the issue are
+checked and printed with their numbers.
 """
 from __future__ import annotations
 
@@ -37,7 +29,13 @@ STALL = "3@60:8"
 
 
 def variants(fragments: int, topk_fraction: float) -> dict[str, tuple[str, list[str]]]:
-    """key -> (row name, node flags)."""
+    """key -> (row name, node flags). AllReduce every step (gradients averaged before the inner
+    optimizer, AdamW like DiLoCo's inner steps, so only the communication differs), DiLoCo with
+    H ∈ {10, 50, 100}, DiLoCo H = 50 whose blocking syncs keep α = 0.5 of the local model
+    (`--mixing-at-sync`: Streaming DiLoCo's merge at every sync), Streaming DiLoCo (F fragments,
+    τ = 1, α = 0.5 as in the paper and α = 0), DiLoCo H = 50 with int8 / int4 / top-k
+    pseudo-gradients, gossip-DiLoCo (two out-peers per outer step), and gossip-DiLoCo with 20% of
+    messages dropped and one node frozen (`launch --stall`)."""
     diloco = ["--algorithm", "diloco"]
     h50 = [*diloco, "--inner-steps", "50"]
     # two out-peers per outer step (one: 0.84 accuracy here; three: 0.90); gossip keeps nodes in
@@ -154,6 +152,9 @@ def main(args) -> int:
 
 
 def report(rows: dict[str, Row], stream) -> None:
+    """The table, then the targets. MB per sync is the bytes per node over the number of syncs of
+    the schedule (_syncs): the peak, since every sync of a variant moves the same amount; wall-clock
+    seconds count from launch."""
     base = rows.get("allreduce")
     usable = base is not None and not base.run.error
     headers = ["variant", "val loss", "val acc (worst)", "MB sent/node", "MB/sync", "wall s", "x fewer bytes",
@@ -277,6 +278,9 @@ class _Evaluator:
 
 
 def _measure(row: Row, folder: Path, nodes: int, launched: float, evaluator: _Evaluator, *, keep: bool) -> None:
+    """The row's numbers from the run's files. Every node's model snapshots are evaluated on the
+    validation set, against the time its progress file gives for that step: the curve of
+    validation loss against wall-clock time (OUT/diloco.png)."""
     import torch
 
     summaries = [json.loads((folder / f"node{r}.json").read_text()) for r in range(nodes)

@@ -2,22 +2,12 @@
 of the DiLoCo family (OpenDiLoCo / INTELLECT-1: 16-bit and int8; Streaming DiLoCo: 4 bits;
 DeMo / SparseLoCo: top-k with error feedback).
 
-Seed 004 compresses the exchanged tensors with "16-bit truncation (drop low mantissa bits)" and
-"8-bit scalar quantization with range from the max |value|". A codec turns a float32 tensor into
-a payload (the bytes that travel as TensorChunk data) plus a few doubles (`codec_params` of the
-TensorHeader, e.g. the int8 scale); `header.codec` carries the codec's `wire_id` (pb.CODEC_*).
-Every codec's payload size is an exact function of the element count (`payload_bytes`), which is
-what a receiver declares per channel; top-k's depends on its kept fraction, so one codec object
-per fraction (`make_codec`), while decoding reads k off the payload and needs none.
-
-Error feedback (`encode_with_feedback`): the part of a tensor an encoding loses is handed back to
-the caller, who keeps it on the node and adds it to what it encodes next; transmitted + residual
-== input, exactly for top-k (every element is in exactly one of the two).
-
-Everything is plain vectorized torch so it runs on whatever device the tensor lives on; the only
-host syncs are the finiteness check and reading the int8 scale, which must go into the header.
-Imports nothing from the project but the generated proto enum. Its names are listed, without
-importing torch, in p2ptrain.compression.CODEC_NAMES (a test keeps the two in step).
+A codec turns a float32 tensor into a payload (the bytes that travel as TensorChunk data) plus a few
+doubles (`codec_params` of the TensorHeader, e.g. the int8 scale); `header.codec` carries the codec's
+`wire_id` (pb.CODEC_*). Every payload size is an exact function of the element count
+(`payload_bytes`), which is what a receiver declares per channel; with error feedback, transmitted +
+residual == input (`encode_with_feedback`). A NaN/Inf tensor is never encoded. Imports nothing from
+the project but the generated proto enum; CODEC_NAMES lists the names without torch (see Codec).
 """
 from __future__ import annotations
 
@@ -76,7 +66,14 @@ def _reinterpret(payload: torch.Tensor, dtype: torch.dtype, expected_bytes: int,
 
 
 class Codec(ABC):
-    """Encode a tensor for the wire and decode it back; stateless, so one instance is shared."""
+    """Encode a tensor for the wire and decode it back; stateless, so one instance is shared.
+
+    Seed 004 compresses the exchanged tensors with "16-bit truncation (drop low mantissa bits)"
+    (Trunc16) and "8-bit scalar quantization with range from the max |value|" (Int8Quantize).
+    Everything is plain vectorized torch so it runs on whatever device the tensor lives on; the
+    only host syncs are the finiteness check and reading the int8 scale, which must go into the
+    header. The codec names are listed, without importing torch, in
+    p2ptrain.compression.CODEC_NAMES (a test keeps the two in step)."""
 
     wire_id: int
     name: str
@@ -455,7 +452,8 @@ def get_codec(name_or_wire_id: str | int) -> Codec:
 
 def make_codec(name: str, *, topk_fraction: float | None = None) -> Codec:
     """The codec `name`; for "topk", one keeping `topk_fraction` of the entries (default
-    DEFAULT_TOPK_FRACTION)."""
+    DEFAULT_TOPK_FRACTION). Top-k's payload size depends on its kept fraction, so one codec object
+    per fraction, while decoding reads k off the payload and needs none."""
     if name.strip().lower() == "topk" and topk_fraction is not None:
         return TopK(topk_fraction)
     return get_codec(name)
@@ -464,7 +462,8 @@ def make_codec(name: str, *, topk_fraction: float | None = None) -> Codec:
 def encode_with_feedback(codec: Codec, tensor: torch.Tensor, residual: torch.Tensor) -> tuple[Encoded, torch.Tensor]:
     """Encode `tensor` and write into `residual` (same shape) what the encoding lost:
     residual = tensor - decoded. Returns (encoded, decoded); decoded + residual == tensor, exactly
-    where the codec keeps an element or drops it whole (top-k), to float rounding otherwise."""
+    where the codec keeps an element or drops it whole (top-k), to float rounding otherwise. The
+    caller keeps the residual on the node and adds it to what it encodes next (error feedback)."""
     encoded = codec.encode(tensor)
     if encoded.codec == NoCompression.wire_id:
         residual.zero_()

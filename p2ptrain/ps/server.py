@@ -4,22 +4,10 @@ Pull streams a consistent snapshot of θ with its version; Commit receives a wor
 buffer and applies it only once the stream is complete and valid, in one synchronous step on the
 server's event loop: commits are applied one at a time, never torn, never lost, and each is recorded
 with its staleness τ = (version when applied) − (version its gradient was computed at).
-
-A commit header passes the same validator as a node's messages (transport/validation.py: same
-defect, same reason code) plus the server's own checks (kind, worker id, scaling, version). A commit
-is applied exactly once: streams carrying the same commit may overlap (a retry over a connection
-not yet noticed as broken), the first complete one is applied and later ones are answered
-DUPLICATE with its record. A commit that would make θ non-finite is refused whole
-(`non_finite_result`), θ untouched.
-
-Done ends the run once every worker said it, so it counts only from a worker id that has pulled θ
-from this server (anything else is refused with FAILED_PRECONDITION). That stops stray or mistaken
-calls, not an attacker: on a plaintext server anyone who can reach the port can Pull as worker k and
-then say Done for it. With a token (transport/security.py) only holders of the shared secret can
-call Pull, Commit or Done at all.
-
-Everything of grpc.aio lives on one dedicated event-loop thread (transport/loop_thread.py, like the node
-Transport); the owning thread talks to it through ParameterServer's blocking methods.
+A commit is applied exactly once (a retry is answered DUPLICATE), and one that would make θ
+non-finite is refused whole. Done ends the run once every worker that pulled θ has said it.
+Everything of grpc.aio lives on one dedicated event-loop thread (transport/loop_thread.py, like the
+node Transport); the owning thread talks to it through ParameterServer's blocking methods.
 """
 from __future__ import annotations
 
@@ -152,7 +140,9 @@ class CentralVariable:
     # Commit -----------------------------------------------------------------------------------
     def open_commit(self, header: pb.TensorHeader) -> Reception:
         """Validate a commit header and start its reception (the buffer comes with the first data
-        chunk); raises Rejection, with reason `duplicate` for a commit applied already."""
+        chunk); raises Rejection, with reason `duplicate` for a commit applied already. The header
+        passes the same validator as a node's messages (transport/validation.py: same defect, same
+        reason code) plus the server's own checks (kind, worker id, scaling, version)."""
         self.last_activity = time.monotonic()
         if header.kind != pb.MESSAGE_KIND_PS_COMMIT:
             raise Rejection("unexpected_kind", f"a commit must be of kind MESSAGE_KIND_PS_COMMIT, got {header.kind}")
@@ -289,6 +279,11 @@ class ParameterServerService:
             self.metrics.on_pull(request.worker, len(payload))
 
     async def commit(self, requests, context) -> pb.CommitReply:
+        """Receive one commit and apply it once it is complete and valid. A commit is applied exactly
+        once: streams carrying the same commit may overlap (a retry over a connection not yet
+        noticed as broken), the first complete one is applied and later ones are answered DUPLICATE
+        with its record. A commit that would make θ non-finite is refused whole
+        (`non_finite_result`), θ untouched."""
         state = self.state
         reception = pending = None
         header: pb.TensorHeader | None = None
@@ -337,6 +332,11 @@ class ParameterServerService:
             raise
 
     async def done(self, request: pb.DoneRequest, context) -> pb.DoneReply:
+        """Done ends the run once every worker said it, so it counts only from a worker id that has
+        pulled θ from this server (anything else is refused with FAILED_PRECONDITION). That stops
+        stray or mistaken calls, not an attacker: on a plaintext server anyone who can reach the port
+        can Pull as worker k and then say Done for it. With a token (transport/security.py) only
+        holders of the shared secret can call Pull, Commit or Done at all."""
         state = self.state
         state.last_activity = time.monotonic()
         try:

@@ -5,18 +5,9 @@
 
 Ψ is p2ptrain.algorithms.gem's rule for `--ps-policy` gem | downpour | adaptive-staleness. Each
 commit carries the version of s (the θ its gradient was computed at), so the server's staleness τ
-counts every commit applied since then, including this worker's own previous one (s was pulled
-before it was applied: with one worker τ = 1). The authors' code instead evaluates the next
-gradient at θ + the worker's own update; we follow Algorithm 1 as written.
-
-`--ps-policy proxy` is the target dynamics the workers are matched to (§3.1, eq. 14): synchronous
-momentum SGD, torch.optim.SGD(lr=η, momentum=μ), on one process with batch --batch-size (the
-worker batch b the proxy energy is estimated from, eq. 23; pass --batch-size n·b for the paper's
-large-batch comparison B = n·b). It needs no parameter server and writes the same files.
-
-Both write what `p2ptrain node` writes: OUT/node{rank}.progress.jsonl (step, time, loss, bytes,
-plus staleness = mean τ and pi_median over the last log_every steps), OUT/node{rank}.json and
-OUT/node{rank}.snapshots.pt (the worker's s every log_every steps).
+counts every commit applied since then, this worker's own previous one included (run_worker).
+`--ps-policy proxy` is the target dynamics the workers are matched to (run_proxy). Both write what
+`p2ptrain node` writes, plus the mean staleness τ and median π (_Report).
 """
 from __future__ import annotations
 
@@ -51,7 +42,10 @@ def _training_setup(config):
 
 class _Report:
     """Progress lines, summary and snapshots in the launcher's format (p2ptrain.train.progress),
-    plus the worker's own: mean staleness τ and median π over the last log_every steps."""
+    plus the worker's own: mean staleness τ and median π over the last log_every steps. Written
+    like `p2ptrain node`'s: OUT/node{rank}.progress.jsonl (step, time, loss, bytes, plus staleness
+    = mean τ and pi_median over the last log_every steps), OUT/node{rank}.json and
+    OUT/node{rank}.snapshots.pt (the worker's s every log_every steps)."""
 
     def __init__(self, config):
         self.config = config
@@ -92,7 +86,12 @@ class _Report:
 
 def run_worker(config) -> dict:
     """Worker `rank` of `world_size` against the parameter server at `ps_address` (Algorithm 1);
-    `--ps-policy proxy` runs run_proxy instead. Returns (and writes) the summary."""
+    `--ps-policy proxy` runs run_proxy instead. Returns (and writes) the summary.
+
+    Each commit carries the version of s, so the server's staleness τ counts every commit applied
+    since then, including this worker's own previous one (s was pulled before it was applied: with
+    one worker τ = 1). The authors' code instead evaluates the next gradient at θ + the worker's
+    own update; we follow Algorithm 1 as written."""
     options = config.algorithm_options
     if options.ps_policy == "proxy":
         return run_proxy(config)
@@ -193,7 +192,12 @@ def run_worker(config) -> dict:
 
 
 def run_proxy(config) -> dict:
-    """The target proxy: momentum SGD (η = lr, μ = momentum) on this one process, no server."""
+    """The target proxy: momentum SGD (η = lr, μ = momentum) on this one process, no server.
+
+    It is the target dynamics the workers are matched to (§3.1, eq. 14): synchronous momentum SGD,
+    torch.optim.SGD(lr=η, momentum=μ), on one process with batch --batch-size (the worker batch b
+    the proxy energy is estimated from, eq. 23; pass --batch-size n·b for the paper's large-batch
+    comparison B = n·b). It needs no parameter server and writes the same files."""
     from p2ptrain.metrics import NodeMetrics
 
     report = _Report(config)

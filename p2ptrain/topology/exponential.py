@@ -8,14 +8,8 @@ sends to r + the k entries starting at entry t k (mod the book's length), so the
 entries a step, wrapping around. With k = 1 the book is 2^0, 2^1, ..., 2^floor(log2(n-1)), one
 offset per step: the seed's graph.
 
-Where FAIR and this graph differ:
-- n dividing j (k+1)^i puts offset 0, the node itself, in FAIR's book (e.g. n = 6, k = 2: 1, 2,
-  3, 0). FAIR then "sends" to itself over a one-member group and the share is lost; here that
-  slot sends nothing, the node keeps the share (push weight 1/(out-degree + 1) with one peer fewer
-  that step), and every other slot, hence every edge between nodes, is FAIR's.
-- FAIR takes floor(log_{k+1}(n-1)) in floating point, which comes out one short when n-1 is a
-  power of k+1 that the division rounds down (n = 244 with k = 2, n = 1001 with k = 9); here it
-  is exact. Up to n = 243 the two agree.
+Every edge between nodes is FAIR's; a slot holding the node itself sends nothing (FAIR loses that
+share), and the book's length is computed exactly (ExponentialGraph says where FAIR's is not).
 """
 from __future__ import annotations
 
@@ -47,6 +41,17 @@ def max_peers_per_step(world_size: int) -> int:
 
 
 class ExponentialGraph(Topology):
+    """The exponential graph with `peers_per_step` = k out-peers per step.
+
+    Where FAIR and this graph differ:
+    - n dividing j (k+1)^i puts offset 0, the node itself, in FAIR's book (e.g. n = 6, k = 2: 1, 2,
+      3, 0). FAIR then "sends" to itself over a one-member group and the share is lost; here that
+      slot sends nothing, the node keeps the share (push weight 1/(out-degree + 1) with one peer
+      fewer that step), and every other slot, hence every edge between nodes, is FAIR's.
+    - FAIR takes floor(log_{k+1}(n-1)) in floating point, which comes out one short when n-1 is a
+      power of k+1 that the division rounds down (n = 244 with k = 2, n = 1001 with k = 9); here it
+      is exact. Up to n = 243 the two agree."""
+
     name = "exponential"
 
     def __init__(self, world_size: int, peers_per_step: int = 1):

@@ -1,29 +1,11 @@
 """p2ptrain.DecentralizedOptimizer: any torch optimizer, made decentralized.
 
-    node = p2ptrain.init()
-    opt = p2ptrain.DecentralizedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4), model=model, node=node)
-    for step, (x, y) in enumerate(loader):
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step(); scheduler.step(); opt.zero_grad(set_to_none=True)
-    opt.finish()
-
 `step()` runs the wrapped optimizer's local step between the algorithm's hooks (the engine's job;
 the algorithm owns the math, Bagua style): gradient reduction before it (all-reduce of gradients,
-Pipe-SGD), model mixing after it (SGP, D-PSGD, RelaySGD, model all-reduce). The wrapper is itself a
-torch Optimizer sharing the inner one's param_groups and state, so LR schedulers (on either),
-clip_grad_norm_, gradient accumulation (step every k micro-batches), zero_grad(set_to_none=True),
-parameter groups and optimizers with state keep working. With a GradScaler, `scaler.step(opt)`
-always reaches step() (`_step_supports_amp_scaling`): an overflowed step skips the local update but
-not the communication peers wait for (with gradient averaging the node contributes zeros and
-applies the same average as everyone, so models stay identical).
-
-The model's parameters and floating buffers (BatchNorm statistics) travel as one flat vector
-(p2ptrain.train.state.ModelState). The wrapper also does what a node needs around the algorithm:
-it resumes a restarted node from a live peer, gives its state to joiners at step boundaries, catches
-up after a stall, refuses to go on with a non-finite model, and checkpoints (state_dict: the inner
-optimizer, the step and the algorithm's own state, e.g. SGP's x and w).
+Pipe-SGD), model mixing after it (SGP, D-PSGD, RelaySGD, model all-reduce). The model's parameters
+and floating buffers (BatchNorm statistics) travel as one flat vector (p2ptrain.train.state.ModelState).
+Never: a step that skips the communication its peers wait for (an overflowed GradScaler step still
+reaches step()), or a run that goes on with a non-finite model. Usage: DecentralizedOptimizer.
 """
 from __future__ import annotations
 
@@ -53,7 +35,27 @@ CHECKPOINT_FORMAT = "p2ptrain.DecentralizedOptimizer/1"
 class DecentralizedOptimizer(torch.optim.Optimizer):
     """Wraps `optimizer` (any torch.optim.Optimizer over `model`'s parameters) for the node's
     algorithm. `node`: a node from p2ptrain.init() (default: the one init() made); or pass the
-    `algorithm` and `comm` yourself. `sync_buffers=False` keeps buffers local."""
+    `algorithm` and `comm` yourself. `sync_buffers=False` keeps buffers local.
+
+        node = p2ptrain.init()
+        opt = p2ptrain.DecentralizedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4), model=model, node=node)
+        for step, (x, y) in enumerate(loader):
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step(); scheduler.step(); opt.zero_grad(set_to_none=True)
+        opt.finish()
+
+    The wrapper is itself a torch Optimizer sharing the inner one's param_groups and state, so LR
+    schedulers (on either), clip_grad_norm_, gradient accumulation (step every k micro-batches),
+    zero_grad(set_to_none=True), parameter groups and optimizers with state keep working. With a
+    GradScaler, `scaler.step(opt)` always reaches step() (`_step_supports_amp_scaling`): an
+    overflowed step skips the local update but not the communication peers wait for (with gradient
+    averaging the node contributes zeros and applies the same average as everyone, so models stay
+    identical). It also does what a node needs around the algorithm: it resumes a restarted node
+    from a live peer, gives its state to joiners at step boundaries, catches up after a stall,
+    refuses to go on with a non-finite model, and checkpoints (state_dict: the inner optimizer, the
+    step and the algorithm's own state, e.g. SGP's x and w)."""
 
     _step_supports_amp_scaling = True  # GradScaler.step(opt) calls step() even on overflow (see step)
 

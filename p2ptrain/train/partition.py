@@ -1,16 +1,14 @@
 """Non-IID (Dirichlet) partitions of a labelled data set over nodes.
 
-Decentralized algorithms behave very differently when nodes see different
-class mixes, so the RelaySGD thesis (seed 003, section 4.1) evaluates them on
-a Dirichlet(alpha) partition: for every class ``c`` draw node proportions
-``p_c ~ Dir(alpha * 1_n)`` and split that class's samples among the ``n``
-nodes according to ``p_c``. Small ``alpha`` gives each node a few classes
-(very skewed); large ``alpha`` approaches the IID split of
-:func:`p2ptrain.train.data.shard_indices`.
+Decentralized algorithms behave very differently when nodes see different class mixes, so the
+RelaySGD thesis (seed 003, section 4.1) evaluates them on a Dirichlet(alpha) partition: for every
+class ``c`` draw node proportions ``p_c ~ Dir(alpha * 1_n)`` and split that class's samples among
+the ``n`` nodes according to ``p_c``. Small ``alpha`` gives each node a few classes (very skewed);
+large ``alpha`` approaches the IID split of :func:`p2ptrain.train.data.shard_indices`.
 
-Like the IID sharding, everything is derived from a seed with a private numpy
-Generator, so every node rebuilds the same partition without coordination and
-without touching torch's or numpy's global RNG.
+Like the IID sharding, everything is derived from a seed with a private numpy Generator, so every
+node rebuilds the same partition without coordination and without touching torch's or numpy's
+global RNG.
 """
 
 from __future__ import annotations

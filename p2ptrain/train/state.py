@@ -1,21 +1,11 @@
 """A model's state as the one flat vector the algorithms exchange: its parameters, then (unless
 left out) its floating-point buffers, such as BatchNorm's running statistics.
 
-Why buffers: a BatchNorm model whose weights are averaged but whose running statistics are not
-evaluates with statistics that belong to no model (all-reduce runs ended at 0.30 / 0.08 / 0.08 test
-accuracy with identical weights). With buffers in the vector, averaging algorithms average them
-with the model (SGP weighted by push-sum, like the parameters) and all-reduce algorithms make them
-identical. Integer buffers (BatchNorm's num_batches_tracked) stay local: they count this node's
-steps and only matter when a BatchNorm has no momentum.
-
 Layout: vector() = [parameters (P) | buffers (B)]; gradient_vector() = [gradients (P) | buffers (B)],
-so algorithms that average gradients make the buffers identical in the same collective.
-
-When every tensor shares one dtype and device (the common case), parameters and buffers become
-views into a single contiguous buffer: vector() is that buffer and costs nothing, and load() is one
-copy. With several floating dtypes (e.g. float32 with bfloat16), each dtype keeps its own flat
-buffer of views and the vector is a float32 copy made on demand. Anything else (parameters on
-several devices, complex or integer parameters, sparse tensors) is refused at construction.
+so algorithms that average gradients make the buffers identical in the same collective. Buffers
+travel because a BatchNorm model whose weights are averaged but whose running statistics are not
+evaluates with statistics that belong to no model (ModelState). Integer buffers stay local.
+Parameters on several devices, complex, integer or sparse ones are refused at construction.
 """
 from __future__ import annotations
 
@@ -28,6 +18,21 @@ _COMMUNICATION_DTYPE = torch.float32  # mixed-dtype models exchange a float32 ve
 
 
 class ModelState:
+    """The flat [parameters | buffers] of `model` (`buffers=False`: the parameters alone).
+
+    Why buffers: a BatchNorm model whose weights are averaged but whose running statistics are not
+    evaluates with statistics that belong to no model (all-reduce runs ended at 0.30 / 0.08 / 0.08
+    test accuracy with identical weights). With buffers in the vector, averaging algorithms average
+    them with the model (SGP weighted by push-sum, like the parameters) and all-reduce algorithms
+    make them identical. Integer buffers (BatchNorm's num_batches_tracked) stay local: they count
+    this node's steps and only matter when a BatchNorm has no momentum.
+
+    When every tensor shares one dtype and device (the common case), parameters and buffers become
+    views into a single contiguous buffer: vector() is that buffer and costs nothing, and load() is
+    one copy. With several floating dtypes (e.g. float32 with bfloat16), each dtype keeps its own
+    flat buffer of views and the vector is a float32 copy made on demand. Anything else (parameters
+    on several devices, complex or integer parameters, sparse tensors) is refused here."""
+
     def __init__(self, model: nn.Module, *, buffers: bool = True):
         self.params = [p for p in model.parameters()]
         if not self.params:

@@ -3,24 +3,9 @@
 Decentralized algorithms are meant for slow, lossy links; loopback is neither. A LinkTable says
 what each directed link (src rank -> dst rank) looks like, and the Transport of node `src` runs
 every message to `dst` through that link's LinkEmulator before the real gRPC push. Off by default:
-with no table (or an all-default one) the send path is untouched.
-
-Spec text (``--link``, ``--link-override``, TOML, env): comma-separated ``key=value`` with keys
-
-  bandwidth  ``200mbit``, ``1gbit``, ``500kbit``, ``64bit`` (bits/s, SI: 10^3 / 10^6 / 10^9);
-             ``25MB/s``, ``1GB/s``, ``512KB/s`` (bytes/s, SI) or ``KiB/s``, ``MiB/s``, ``GiB/s``
-             (bytes/s, binary); a plain number is bytes/s; ``unlimited`` lifts a cap
-  latency    one-way delay added to every message: ``5ms``, ``0.5s``, ``200us``; a plain number
-             is seconds
-  jitter     the added delay varies uniformly in latency ± jitter (never below 0)
-  drop       probability in [0, 1) that a message is lost, e.g. ``0.01`` or ``1%``
-  block      (no value, or ``blocked=true``) the link is down, as behind a firewall or NAT: every
-             send fails at once with LinkUnreachable, which the send path treats like a refused
-             connect (it goes through a relay, see paths/router.py); ``blocked=false`` lifts it
-
-Per-link entries are ``SRC->DST:SPEC`` (one direction) or ``SRC<->DST:SPEC`` (both); each applies
-on top of what the link had so far (the default spec, then earlier entries), so
-``0->1:latency=50ms`` keeps the default bandwidth cap.
+with no table (or an all-default one) the send path is untouched. A blocked link fails every send
+at once with LinkUnreachable, which the send path treats like a refused connect. The spec text
+(``--link``, ``--link-override``, TOML, env) is described by LinkSpec and LinkTable.parse.
 """
 from __future__ import annotations
 
@@ -114,7 +99,20 @@ def _parse_bool(text: str) -> bool:
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """What one directed link does to a message. bandwidth in bytes/s (None = no cap), times in s."""
+    """What one directed link does to a message. bandwidth in bytes/s (None = no cap), times in s.
+
+    Spec text (``--link``, ``--link-override``, TOML, env): comma-separated ``key=value`` with keys
+
+      bandwidth  ``200mbit``, ``1gbit``, ``500kbit``, ``64bit`` (bits/s, SI: 10^3 / 10^6 / 10^9);
+                 ``25MB/s``, ``1GB/s``, ``512KB/s`` (bytes/s, SI) or ``KiB/s``, ``MiB/s``, ``GiB/s``
+                 (bytes/s, binary); a plain number is bytes/s; ``unlimited`` lifts a cap
+      latency    one-way delay added to every message: ``5ms``, ``0.5s``, ``200us``; a plain number
+                 is seconds
+      jitter     the added delay varies uniformly in latency ± jitter (never below 0)
+      drop       probability in [0, 1) that a message is lost, e.g. ``0.01`` or ``1%``
+      block      (no value, or ``blocked=true``) the link is down, as behind a firewall or NAT: every
+                 send fails at once with LinkUnreachable, which the send path treats like a refused
+                 connect (it goes through a relay, see paths/router.py); ``blocked=false`` lifts it"""
 
     bandwidth: float | None = None
     latency: float = 0.0
@@ -179,7 +177,9 @@ class LinkTable:
     def parse(cls, default: str | None = None, per_link: Iterable[str] | Mapping[str, str] = (),
               seed: int = 0) -> "LinkTable":
         """From ``--link`` text and ``--link-override`` entries (``SRC->DST:SPEC`` / ``SRC<->DST:SPEC``,
-        or a mapping ``{"SRC->DST": SPEC}`` as in a TOML table). Entries apply in order."""
+        or a mapping ``{"SRC->DST": SPEC}`` as in a TOML table). Entries apply in order: each applies
+        on top of what the link had so far (the default spec, then earlier entries), so
+        ``0->1:latency=50ms`` keeps the default bandwidth cap."""
         base = LinkSpec.parse(default or "")
         overrides: dict[tuple[int, int], LinkSpec] = {}
         for entry in link_entries(per_link):

@@ -1,18 +1,15 @@
 """The standard gRPC health service (grpc.health.v1.Health) of nodes and the parameter server, and
 the client behind `p2ptrain health`.
 
-Orchestrators ask it whether a process is worth sending work to: docker-compose healthchecks,
-Kubernetes `grpc:` probes, grpc_health_probe. The answer is SERVING or NOT_SERVING, for the whole
+Orchestrators ask it whether a process is worth sending work to (docker-compose healthchecks,
+Kubernetes `grpc:` probes, grpc_health_probe). The answer is SERVING or NOT_SERVING, for the whole
 server ("") and for its own service (p2ptrain.v1.Peer / p2ptrain.v1.ParameterServer):
-
 - a node is NOT_SERVING until its algorithm is set up (Transport.mark_ready), SERVING afterwards,
   and NOT_SERVING for good once it starts draining (the start of Transport.stop);
 - the parameter server is SERVING once started and NOT_SERVING once it stops.
-
-The token interceptor lets Health calls through without the token, since a native Kubernetes probe
-cannot send metadata and the answer reveals nothing but that status (security.py); TLS still
-applies to them. The servicer is the official grpcio-health-checking one; this module never imports
-it at module level, so `import p2ptrain` and `p2ptrain --help` stay light.
+Health calls need no token (security.py says why, at TOKEN_EXEMPT_PREFIX); TLS still applies. The
+servicer is the official grpcio-health-checking one, never imported at module level, so
+`import p2ptrain` and `p2ptrain --help` stay light.
 """
 from __future__ import annotations
 

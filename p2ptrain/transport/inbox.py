@@ -3,19 +3,10 @@
 Everything here except `BufferPool.release` runs on the node's event-loop thread. A tensor message
 goes through `open()` (validate the header, count the reception), `Reception.write()` per chunk
 (straight into a pooled buffer, taken at the first data chunk; the TCP lane reads into
-`Reception.space()` instead), then `deliver()`; any failure
-rejects the whole message and leaves mailbox state untouched, so a broken or hostile stream can
-never half-apply.
-
-Exactly once: a message id counts as received only when `deliver()` has put it in the mailbox.
-Several streams may carry the same id at once (a sender retrying over a connection that has not yet
-been noticed as broken); each fills its own buffer, the first to complete is delivered, later ones
-are answered DUPLICATE, and one that breaks off releases its buffer and marks nothing. DUPLICATE
-tells a sender its message *was* delivered (it stops retrying), so it is never said of an id that
-is merely in flight.
-
-Streams are not free: open receptions are capped per claimed sender and in buffered bytes, and the
-server (streams.py) cuts a stream that sends nothing for `stream_idle_timeout` seconds.
+`Reception.space()` instead), then `deliver()`; any failure rejects the whole message and leaves
+mailbox state untouched, so a broken or hostile stream can never half-apply. Exactly once: a
+message id counts as received only when `deliver()` has put it in the mailbox, and DUPLICATE is
+never said of an id that is merely in flight (Inbox.deliver). Open receptions are capped (Inbox).
 """
 from __future__ import annotations
 
@@ -140,6 +131,8 @@ class Senders(Protocol):
 class Inbox:
     """Validates incoming headers and keeps delivered messages until an algorithm takes them.
 
+    Streams are not free: open receptions are capped per claimed sender and in buffered bytes, and
+    the server (streams.py) cuts a stream that sends nothing for `stream_idle_timeout` seconds.
     Limits on what open (not yet delivered) receptions may hold, against half-open streams:
       stream_idle_timeout        seconds a stream may go without a chunk before the server cuts it
                                  (server.py; must exceed chunk size / slowest link bandwidth)
@@ -263,7 +256,13 @@ class Inbox:
         second message for an occupied (kind, channel, step, sender) slot, which would otherwise
         overwrite and destroy the first one's push-sum mass (`duplicate_slot`: checked after the
         id, so a late copy of a delivered share is never refused, which would make its sender
-        re-absorb mass that was delivered); a float payload holding NaN or Inf (`non_finite`)."""
+        re-absorb mass that was delivered); a float payload holding NaN or Inf (`non_finite`).
+
+        Exactly once: several streams may carry the same id at once (a sender retrying over a
+        connection that has not yet been noticed as broken); each fills its own buffer, the first
+        to complete is delivered, later ones are answered DUPLICATE, and one that breaks off
+        releases its buffer and marks nothing. DUPLICATE tells a sender its message *was* delivered
+        (it stops retrying), so it is never said of an id that is merely in flight."""
         header = reception.header
         try:
             if not reception.complete():

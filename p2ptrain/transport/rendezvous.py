@@ -1,23 +1,11 @@
 """Rendezvous: how a node given no peer list learns every peer's gRPC address (and, when no launcher
 gave it one, its rank) through a c10d key-value store, torch.distributed.TCPStore, that every node of
-the run reaches: torchrun's own store (MASTER_ADDR:MASTER_PORT in its workers' environment), one
-someone started at the address named by --rendezvous, or else one a node hosts there when the
-address is its own and nothing answers at it yet: the rank-0 node (torch's env:// convention; a Slurm
-script points MASTER_ADDR at the first host, where task 0 runs) or a node whose rank the store will
-assign (the first to bind the port wins, as torchrun's c10d backend does).
+the run reaches: torchrun's own store, one someone started at the address named by --rendezvous, or
+one a node hosts there when the address is its own and nothing answers at it yet (_connect).
 
-Keys, under p2ptrain/<run id>/ (torchrun's agent keeps its own keys in the same store):
-  world_size      the run's node count, set by the first node; a node that says otherwise fails
-  next_rank       a counter (store.add): ranks for nodes given none, in arrival order
-  next_joiner     a counter: ranks world_size, world_size + 1, ... for nodes that join an elastic run later
-  address/<rank>  HOST:PORT of node <rank>, set once (compare_set): a second claim of a rank fails
-  joined          a counter of nodes that have read every address: nobody goes on before all have,
-                  so the process hosting the store never takes it away from a node still reading
-
-A node publishes the address its peers reach it at: --advertise, else the host of --listen, else
-the local address of the interface that routes to the store (a UDP connect(), which sends nothing,
-then getsockname()), never a loopback address when the store is on another machine.
-
+Keys live under p2ptrain/<run id>/ (listed above KEY_PREFIX). A rank's address is set once (a second
+claim of a rank fails), the nodes agree on world_size, and nobody goes on before every node has read
+every address, so the process hosting the store never takes it away from a node still reading.
 This module only discovers the peer list. It never trains and never talks gRPC: node.py hands the
 addresses to the Transport (Transport.set_peer_addresses) once its server is bound, so the port
 published is the one the OS picked.
@@ -40,6 +28,13 @@ from p2ptrain.transport.errors import PeerError
 
 log = logging.getLogger(__name__)
 
+# Keys, under p2ptrain/<run id>/ (torchrun's agent keeps its own keys in the same store):
+#   world_size      the run's node count, set by the first node; a node that says otherwise fails
+#   next_rank       a counter (store.add): ranks for nodes given none, in arrival order
+#   next_joiner     a counter: ranks world_size, world_size + 1, ... for nodes that join an elastic run later
+#   address/<rank>  HOST:PORT of node <rank>, set once (compare_set): a second claim of a rank fails
+#   joined          a counter of nodes that have read every address: nobody goes on before all have,
+#                   so the process hosting the store never takes it away from a node still reading
 KEY_PREFIX = "p2ptrain"   # then /<run id>/...
 ANY_PORT_LISTEN = "[::]:0"  # a rendezvous node's default bind address: every interface, a port the OS picks
 POLL_SECONDS = 0.05
@@ -131,7 +126,9 @@ def exchange_addresses(config: RendezvousSettings, port: int) -> list[str]:
 
 
 def advertised_address(config: RendezvousSettings, port: int) -> str:
-    """HOST:PORT peers reach this node at (see the module docstring)."""
+    """HOST:PORT peers reach this node at: --advertise, else the host of --listen, else the local
+    address of the interface that routes to the store (a UDP connect(), which sends nothing, then
+    getsockname()), never a loopback address when the store is on another machine."""
     host, advertised_port = split_optional_port(config.advertise) if config.advertise is not None else (None, None)
     if host is None:
         listen_host = host_of(listen_address(config))
@@ -218,6 +215,12 @@ def _store(config: RendezvousSettings) -> dist.Store:
 
 
 def _connect(config: RendezvousSettings, host: str, port: int) -> dist.Store:
+    """A connection to the store at host:port: torchrun's own (MASTER_ADDR:MASTER_PORT in its
+    workers' environment) or one someone started there; or else this node hosts it, when the
+    address is its own and nothing answers at it yet and this node is the rank-0 node (torch's
+    env:// convention; a Slurm script points MASTER_ADDR at the first host, where task 0 runs) or a
+    node whose rank the store will assign (the first to bind the port wins, as torchrun's c10d
+    backend does)."""
     timeout = datetime.timedelta(seconds=config.peer_timeout)
     may_host = config.rank == 0 or not config.rank_given  # never a node whose rank says it is not first
     if may_host and _is_local(host) and not _answers(host, port):

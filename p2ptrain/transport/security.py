@@ -6,16 +6,8 @@ carry `authorization: Bearer <token>` or is aborted with UNAUTHENTICATED before 
 a stranger can neither push tensors nor commit to θ. With TLS (server cert + key, clients trusting
 `tls_ca`) the token and the tensors are also encrypted and the server is authenticated; with
 `require_client_cert` the server also demands a client certificate signed by `tls_ca` (mutual TLS).
-
-The one exception to the token is the standard health service (grpc.health.v1.Health, health.py):
-its Check and Watch need none. Kubernetes' native gRPC probe cannot send metadata, and the answer
-reveals nothing but SERVING / NOT_SERVING (up and set up, or not): no tensor, setting or peer. TLS
-and mutual TLS still apply to it.
-
-One `Security` value describes a process: its server side (cert, key, client-cert policy) and its
-client side (trusted CA, optional client cert, target-name override, token to send). The TCP lane
-(lane.py) uses the same files through `lane_server_context` / `lane_client_context` (ssl module), and
-the token through a challenge-response (laneframes.auth_proof): it never sends the token itself.
+The one exception to the token is the standard health check (TOKEN_EXEMPT_PREFIX). The token is
+never printed, and the TCP lane never sends it (a challenge-response; see Security).
 """
 from __future__ import annotations
 
@@ -37,7 +29,9 @@ _BEARER = "Bearer "
 # A refused client stream is read (up to this many bytes, for at most this long) before the refusal.
 DRAIN_BYTES = 8 << 20
 DRAIN_SECONDS = 2.0
-# Methods callable without the token: exactly the standard health check (see the module docstring).
+# Methods callable without the token: exactly the standard health check (grpc.health.v1.Health, health.py): its
+# Check and Watch need none. Kubernetes' native gRPC probe cannot send metadata, and the answer reveals nothing
+# but SERVING / NOT_SERVING (up and set up, or not): no tensor, setting or peer. TLS and mutual TLS still apply.
 TOKEN_EXEMPT_PREFIX = f"/{HEALTH_SERVICE_NAME}/"
 
 
@@ -74,7 +68,13 @@ def _read(path: str, what: str) -> bytes:
 
 @dataclass(frozen=True)
 class Security:
-    """TLS files and token of one process; the default (all None) is plaintext without a token."""
+    """TLS files and token of one process; the default (all None) is plaintext without a token.
+
+    One `Security` value describes a process: its server side (cert, key, client-cert policy) and
+    its client side (trusted CA, optional client cert, target-name override, token to send). The
+    TCP lane (lane.py) uses the same files through `lane_server_context` / `lane_client_context`
+    (ssl module), and the token through a challenge-response (laneframes.auth_proof): it never sends
+    the token itself."""
 
     tls_cert: str | None = None          # PEM certificate chain this process presents (server; client under mTLS)
     tls_key: str | None = None           # its PEM private key

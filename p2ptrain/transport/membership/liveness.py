@@ -1,26 +1,11 @@
 """Liveness: which peers a node considers alive, how far along they are, and who must rejoin.
 
-A crashed or stalled peer must not stall the others, and must not corrupt them when it comes back:
-- **Dead.** A node that fails to reach a peer (its connect is refused, or it misses a deadline and
-  then does not answer a Hello probe) declares it dead: the algorithms neither send to it nor wait
-  for it. Its messages are still accepted (push-sum mass must land somewhere), but every reply
-  tells it that it is excluded (`Ack.sender_excluded`, `HelloReply.caller_excluded`).
-- **Back only through a rejoin.** A dead peer is alive again only when it announces a *new
-  incarnation* (HelloRequest.incarnation): a restarted process, or a stalled one that took a state
-  transfer to catch up. A stalled process that simply resumes keeps its old incarnation and stays
-  dead until it has rejoined, so nobody pushes mass into a node that is hundreds of steps behind.
-- **Lagging.** Every message, Ack and Hello carries its sender's step. A peer that was last seen
-  more than `max_lag` steps behind us (compared with our step *when we saw it*: knowledge is never
-  extrapolated, so a peer we rarely hear from is not judged on old news) is treated like a dead one
-  for sending and waiting (a bounded delay never lets a healthy peer fall that far behind); the
-  lagging node sees the same gap from its side and catches up through a state transfer.
-- **Rejoining.** A node that rejoins resumes at the cluster's step (the furthest step the announce
-  replies name): the steps it skips carry no messages for it, since nobody knew it was back. It
-  waits for a peer from the step after the one that peer's reply names (or, without a reply, from
-  the peer's first message); the peers wait for it from its first message. Earlier messages are
-  folded in whenever they come.
-- **Donating.** A node hands its state only to a peer it saw leave (declared dead, lagging, or a new
-  incarnation of it asked), never to a Hello(want_state) from a peer that never went away.
+A crashed or stalled peer must not stall the others, and must not corrupt them when it comes back.
+A peer is dead once a node fails to reach it (a refused connect, or a missed deadline and no answer
+to a Hello probe); it is alive again only as a new incarnation (a rejoin: a restarted process, or a
+stalled one that took a state transfer), never by simply resuming. A peer last seen more than
+max_lag steps behind is treated as dead for sending and waiting. Never: mass pushed into a node
+hundreds of steps behind, or state handed to a peer that never went away (Liveness has each rule).
 
 Written on the transport's loop thread, read from the training thread: every set and dict is
 replaced, never mutated, so a reader always sees a consistent snapshot.
@@ -42,7 +27,28 @@ DEFAULT_MAX_LAG = 16  # steps; see TransportOptions.max_lag
 
 class Liveness:
     """Node `rank`'s judgement of its peers. A member (of `views`' latest view) may be judged
-    lagging; one that joined at a view switch is awaited from the step it announces."""
+    lagging; one that joined at a view switch is awaited from the step it announces.
+
+    - **Dead.** A node that fails to reach a peer (its connect is refused, or it misses a deadline and
+      then does not answer a Hello probe) declares it dead: the algorithms neither send to it nor wait
+      for it. Its messages are still accepted (push-sum mass must land somewhere), but every reply
+      tells it that it is excluded (`Ack.sender_excluded`, `HelloReply.caller_excluded`).
+    - **Back only through a rejoin.** A dead peer is alive again only when it announces a *new
+      incarnation* (HelloRequest.incarnation): a restarted process, or a stalled one that took a state
+      transfer to catch up. A stalled process that simply resumes keeps its old incarnation and stays
+      dead until it has rejoined, so nobody pushes mass into a node that is hundreds of steps behind.
+    - **Lagging.** Every message, Ack and Hello carries its sender's step. A peer that was last seen
+      more than `max_lag` steps behind us (compared with our step *when we saw it*: knowledge is never
+      extrapolated, so a peer we rarely hear from is not judged on old news) is treated like a dead one
+      for sending and waiting (a bounded delay never lets a healthy peer fall that far behind); the
+      lagging node sees the same gap from its side and catches up through a state transfer.
+    - **Rejoining.** A node that rejoins resumes at the cluster's step (the furthest step the announce
+      replies name): the steps it skips carry no messages for it, since nobody knew it was back. It
+      waits for a peer from the step after the one that peer's reply names (or, without a reply, from
+      the peer's first message); the peers wait for it from its first message. Earlier messages are
+      folded in whenever they come.
+    - **Donating.** A node hands its state only to a peer it saw leave (declared dead, lagging, or a new
+      incarnation of it asked), never to a Hello(want_state) from a peer that never went away."""
 
     def __init__(self, rank: int, world_size: int, views: Views, metrics=None, *, max_lag: int = DEFAULT_MAX_LAG):
         if max_lag < 1:

@@ -1,16 +1,10 @@
 """Elastic membership views: which nodes train together from which step on.
 
-Nodes join a running cluster and leave it without anyone restarting, so the set of members (the
-ranks the topology or the ring is built over) changes while training runs. Every change is a
-*view* (epoch, proposer, switch_step, members), proposed by the node that causes or notices it (a
-donor admitting a joiner, a node leaving, a ring member that found a peer dead) and sent to every
-member in a Hello. `switch_step` lies a margin ahead of every step the proposer knows of, so each
-node learns of it before it gets there and all of them switch at the same step boundary.
-
-Views are ordered by (epoch, proposer): a node adopts any view greater than the greatest it holds,
-and a later epoch replaces every view of its epoch or after (two concurrent proposals: the greater
-wins everywhere; its loser proposes again on top of it if its change is still missing). So once
-the nodes have heard of the same views they answer `members_at(step)` the same way for every step.
+Every change of the members (the ranks the topology or the ring is built over) is a *view* (epoch,
+proposer, switch_step, members), proposed by the node that causes or notices it and sent to every
+member in a Hello. `switch_step` lies a margin ahead of every step the proposer knows of, so all
+nodes switch at the same step boundary. Views are ordered by (epoch, proposer) (Views.adopt), so
+once the nodes have heard of the same views they answer `members_at(step)` the same way for every step.
 
 Plain data: nothing here sends or waits; greetings.py carries views in Hellos, liveness.py judges
 who is alive (a dead member stays a member until a view without it takes effect).
@@ -29,6 +23,13 @@ DEFAULT_VIEW_MARGIN = 8  # steps between the furthest step a proposer knows of a
 
 @dataclass(frozen=True)
 class View:
+    """One change of the members. Nodes join a running cluster and leave it without anyone
+    restarting, so the set of members changes while training runs. A view is proposed by the node
+    that causes or notices the change (a donor admitting a joiner, a node leaving, a ring member
+    that found a peer dead) and sent to every member in a Hello. `switch_step` lies a margin ahead
+    of every step the proposer knows of, so each node learns of it before it gets there and all of
+    them switch at the same step boundary."""
+
     epoch: int
     proposer: int
     switch_step: int
@@ -119,7 +120,13 @@ class Views:
         return view
 
     def adopt(self, view: View) -> bool:
-        """Take `view` if it is greater than every view held; True if it was."""
+        """Take `view` if it is greater than every view held; True if it was.
+
+        Views are ordered by (epoch, proposer): a node adopts any view greater than the greatest it
+        holds, and a later epoch replaces every view of its epoch or after (two concurrent
+        proposals: the greater wins everywhere; its loser proposes again on top of it if its change
+        is still missing). So once the nodes have heard of the same views they answer
+        `members_at(step)` the same way for every step."""
         if view.order <= self.latest.order:
             return False
         kept = tuple(v for v in self._history if v.epoch < view.epoch)
