@@ -42,8 +42,8 @@ class RelaySum:
 
     `post(t, x)` sends m_{i→j}^{(t)} built from `x` and the step t-1 messages kept from the last
     `collect`; `collect(t)` receives step t's and keeps them; `average(x)` is
-    (x + Σ_j m_{j→i}) / n̄_i. A relayed sum cannot survive a lost message, so any refused or failed
-    send raises (fault tolerance is a later concern).
+    (x + Σ_j m_{j→i}) / n̄_i. A message that is refused, lost or late is dropped together with its
+    count (m = 0, c = 0 for that step), so n̄_i still counts exactly the models summed.
     """
 
     def __init__(self, comm, tree: Tree, channel: str):
