@@ -119,14 +119,14 @@ class Router:
             raise SendFailure(FailureKind.TIMEOUT, f"node {self.rank}: {IN_FLIGHT_PER_PEER} messages to node "
                                                    f"{peer} in flight for {timeout:.3g} s") from None
         try:
-            unavailable = PathUnavailable(f"node {self.rank}: no path to node {peer}")
+            unavailable = None
             for path in self.paths:
                 try:
                     return await path.push(peer, header, payload, max(0.05, deadline - time.monotonic()),
                                            wait_for_ready)
                 except PathUnavailable as exc:
                     unavailable = exc  # nothing was sent: the next path may carry it
-            raise unavailable
+            raise unavailable or PathUnavailable(f"node {self.rank}: no path to node {peer}")
         finally:
             slots.release()
 
