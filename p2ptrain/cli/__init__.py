@@ -1,4 +1,4 @@
-"""The `p2ptrain` command: node, ps, launch, compose, kubernetes, report, health, bench, reproduce.
+"""The `p2ptrain` command: node, ps, launch, compose, kubernetes, report, health, pki, bench, reproduce.
 
   p2ptrain node    run one node (flags, env RANK/WORLD_SIZE/P2PTRAIN_*, or --config FILE.toml);
                    --role worker --ps HOST:PORT: an asynchronous parameter-server worker (GEM)
@@ -8,6 +8,7 @@
   p2ptrain kubernetes  write Kubernetes manifests: StatefulSet (or parameter server + workers), Services, ...
   p2ptrain report  (re)build a run's report.json and plot.png from its folder, or merge one folder per host
   p2ptrain health  ask a node or parameter server whether it is serving (grpc.health.v1); exit 0 if so
+  p2ptrain pki     make a run's CA and per-node certificates (mutual TLS: a node speaks only as itself)
   p2ptrain bench   benchmarks (transport, algorithms, peers)
   p2ptrain reproduce  re-run a figure of the source documents (relaysgd, gem, diloco)
 """
@@ -17,14 +18,14 @@ import argparse
 import logging
 import sys
 
-from p2ptrain.cli import bench, compose, health, kubernetes, launch, node, ps, report, reproduce
+from p2ptrain.cli import bench, compose, health, kubernetes, launch, node, pki, ps, report, reproduce
 from p2ptrain.cli.flags import config_from_args, node_flags_as_argv
 from p2ptrain.exit_codes import EXIT_CONFIG
 from p2ptrain.settings import ConfigError
 
 # One module per subcommand: add_parser(subparsers) declares it, its run(args) runs it (importing
 # torch-heavy modules only there, so that `p2ptrain --help` stays fast).
-COMMANDS = (node, ps, launch, compose, kubernetes, report, health, bench, reproduce)
+COMMANDS = (node, ps, launch, compose, kubernetes, report, health, pki, bench, reproduce)
 
 
 def build_parser() -> argparse.ArgumentParser:
