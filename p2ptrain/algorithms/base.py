@@ -71,6 +71,9 @@ class Members(Protocol):
     def live(self, peers: Iterable[int]) -> list[int]:
         """The peers neither dead nor lagging: send to and wait for these only."""
 
+    def accept_leave(self, peer: int, weight: float) -> str:
+        """"" if the mass `weight` that leaving `peer` hands over may be absorbed (once), else why not."""
+
     def all_alive(self) -> bool: ...
 
     def drop_dead_members(self) -> None:

@@ -306,6 +306,8 @@ class PushSum:
         our z (what the leaver counted as one member): Σ w stays the member count. A unit is retired
         only as far as w stays at least a quarter of its value, so w never nears 0."""
         for share in self.comm.take(Kind.LEAVE, 2 ** 62):
+            if self.comm.membership.accept_leave(share.sender, share.ps_weight):
+                continue  # not a member that leaves, a second hand-over, or more mass than there is
             at, sender, before = max(now, share.step), share.sender, self.w
             self.fold([share], at)
             if self.w <= before:  # dropped as implausible: nothing absorbed, nothing to retire

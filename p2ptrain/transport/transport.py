@@ -80,7 +80,8 @@ class Transport:
         views = Views(rank, tuple(initial), world_size)
         liveness = Liveness(rank, world_size, views, metrics, max_lag=options.max_lag)
         greetings = Greetings(Identity(rank, world_size, config_fingerprint), self.loop, self.grpc, liveness, views,
-                              self.routes, probe_timeout=options.probe_timeout, lane_ports=self.lane_ports)
+                              self.routes, probe_timeout=options.probe_timeout, lane_ports=self.lane_ports,
+                              metrics=metrics)
         self.membership = Membership(views, liveness, greetings, view_margin=options.view_margin,
                                      view_notice=options.view_notice)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.errors import PeerError, SendFailure, describe
 from p2ptrain.transport.loop_thread import LoopThread
+from p2ptrain.transport.membership import vetting
 from p2ptrain.transport.membership.identity import Identity
 from p2ptrain.transport.membership.liveness import Liveness
 from p2ptrain.transport.membership.views import View, Views
@@ -70,7 +71,7 @@ class Greetings:
     Blocking methods are for the training thread; coroutines and `on_hello` run on the loop thread."""
 
     def __init__(self, identity: Identity, loop: LoopThread, grpc: GrpcPath, liveness: Liveness, views: Views,
-                 routes: RouteTable, *, probe_timeout: float, lane_ports: LanePorts | None = None):
+                 routes: RouteTable, *, probe_timeout: float, lane_ports: LanePorts | None = None, metrics=None):
         self.identity = identity
         self.lane_ports = lane_ports  # where the peers' TCP lanes listen, from their Hellos; None: gRPC only
         self.lane_port = 0  # our own lane's port, advertised in our Hellos (0: none)
@@ -91,6 +92,10 @@ class Greetings:
         self._probing: set[int] = set()
         self._state_requests: list[int] = []  # peers that asked for our model state (Hello want_state)
         self.pace = StepPace()
+        self.metrics = metrics
+        self.announced: set[int] = set()      # peers that greeted us, or answered our Hello as themselves
+        self._vetting: set[tuple[int, int]] = set()  # views whose claims are being confirmed
+        self.refused_views = 0
 
     def others(self) -> list[int]:
         """The peers to greet: the members of the latest view (every node, in a static run), and
@@ -104,12 +109,35 @@ class Greetings:
             log.info("node %d: node %d is at %s", self.rank, peer, address)
 
     def adopt_view(self, message: pb.View, sender: int) -> bool:
-        """A view a peer sent (Hello or reply); True if it is new here. An invalid one is ignored."""
+        """A view a peer sent (Hello or reply); True if it was adopted now. One out of bounds is
+        refused; one asserting what this node has not seen for itself is adopted once the nodes it
+        names confirm it (vetting.py), in the background."""
         try:
             view = View.from_proto(message, self.world_size)
         except ValueError as exc:
-            log.warning("node %d: ignored node %d's view: %s", self.rank, sender, exc)
+            self._refuse_view(sender, str(exc))
             return False
+        if view.order <= self.views.latest.order:
+            return False
+        furthest = max([self.liveness.step, self.resume_step] +
+                       [s for s in map(self.liveness.peer_step, range(self.world_size)) if s is not None])
+        reason = vetting.refusal(view, self.views.latest, furthest)
+        if reason:
+            self._refuse_view(sender, reason, view)
+            return False
+        doubts = vetting.doubts(view, sender, self.views.latest, rank=self.rank, announced=self.announced,
+                                live=self._live_members)
+        if doubts:
+            if view.order not in self._vetting:
+                self._vetting.add(view.order)
+                self.loop.spawn(self._confirm(view, sender, doubts))
+            return False
+        return self._adopt(view, sender)
+
+    def _live_members(self, ranks) -> list[int]:
+        return [p for p in self.liveness.live(ranks) if p in self.views.latest.members]
+
+    def _adopt(self, view: View, sender: int) -> bool:
         for member, address in zip(view.members, view.addresses):
             if member != self.rank:
                 self.learn_address(member, address)
@@ -121,6 +149,56 @@ class Greetings:
         for peer in sorted(p for p in others if self.addresses[p]):
             self.loop.spawn(self._pass_on(peer))
         return True
+
+    def _refuse_view(self, sender: int, reason: str, view: View | None = None) -> None:
+        self.refused_views += 1
+        if self.metrics is not None:
+            self.metrics.on_rejected("view")
+        if self.refused_views <= 10 or self.refused_views % 100 == 0:
+            what = f"view {view.epoch} of node {view.proposer}" if view else "a view"
+            log.warning("node %d: refused %s from node %d: %s (%d refused)", self.rank, what, sender,
+                        reason[:300], self.refused_views)
+
+    async def _confirm(self, view: View, sender: int, doubts: vetting.Doubts) -> None:
+        """Adopt `view` once every node it makes a claim about confirms it (see vetting.py)."""
+        try:
+            reason = await self._doubt_reason(view, doubts)
+            if reason:
+                self._refuse_view(sender, reason, view)
+            elif view.order > self.views.latest.order:
+                self._adopt(view, sender)
+        finally:
+            self._vetting.discard(view.order)
+
+    async def _doubt_reason(self, view: View, doubts: vetting.Doubts) -> str:
+        if doubts.passed_on:  # its proposer's own latest view must be this one (or a later one)
+            if not self.addresses[view.proposer]:
+                return f"passed on, and its proposer {view.proposer} cannot be asked (no address)"
+            try:
+                reply = await self.greet(view.proposer, self.hello_request(), self.probe_timeout,
+                                         wait_for_ready=False)
+            except SendFailure as exc:
+                return f"passed on, and its proposer did not confirm it ({describe(exc)})"
+            try:
+                theirs = View.from_proto(reply.view, self.world_size) if reply.HasField("view") else None
+            except ValueError:
+                theirs = None
+            if theirs is None or theirs.order < view.order:
+                return "passed on, but its proposer never proposed it"
+            if theirs.order == view.order and theirs != view:
+                return "passed on, but it differs from what its proposer proposed"
+        for member in sorted(doubts.newcomers):
+            try:
+                reply = await self.greet(member, self.hello_request(), self.probe_timeout, wait_for_ready=False)
+            except SendFailure as exc:
+                return f"new member {member} does not answer ({describe(exc)})"
+            if not reply.compatible or reply.node_id != member:
+                return f"new member {member} does not answer as itself"
+            self.announced.add(member)
+        for member in sorted(doubts.dropped_live):
+            if await self.probe(member):
+                return f"it drops node {member}, which is alive here and did not leave"
+        return ""
 
     async def _pass_on(self, peer: int) -> None:
         try:
@@ -142,6 +220,7 @@ class Greetings:
         """Hello `peer` and note what its reply says about it and us."""
         reply = await self.grpc.client(peer).hello(request, timeout, wait_for_ready=wait_for_ready)
         if reply.compatible and reply.node_id == peer:
+            self.announced.add(peer)
             if self.lane_ports is not None:
                 self.lane_ports.learn(peer, reply.lane_port)
             self.liveness.note_step(peer, reply.step)
@@ -192,6 +271,7 @@ class Greetings:
     def on_hello(self, request: pb.HelloRequest) -> str:
         """Membership news from a Hello; returns why a want_state request is refused ("" = served)."""
         peer = request.node_id
+        self.announced.add(peer)
         self.learn_address(peer, request.address)
         if request.HasField("view"):
             self.adopt_view(request.view, peer)

@@ -41,6 +41,8 @@ class Membership:
         self.wants_in = True     # stands for itself as a member (a joiner: once set up to receive)
         self.leaving = False     # stands for a view without itself
         self.drop_dead = False   # stands for views without the peers it declared dead (rings)
+        self._leaves_taken: frozenset[tuple[int, int]] = frozenset()  # (leaver, epoch of the view that dropped it)
+        self.refused_leaves = 0
 
     # Who trains together (views) ------------------------------------------------------------------
     @property
@@ -73,6 +75,30 @@ class Membership:
         """`peer` is not a member of the latest view: it joins (or comes back after leaving, or
         after being dropped), and holds no push-sum mass (see Algorithm.welcome)."""
         return peer not in self.views.latest.members
+
+    def accept_leave(self, peer: int, weight: float) -> str:
+        """Whether to absorb push-sum mass `weight` that `peer` hands over as it leaves: "" (yes,
+        once) or why not. Only a member that the current or a pending view drops may hand over,
+        once per time it was a member, and no more than all the mass of its last members (Σ w of
+        push-sum is the member count). A refusal is logged and counted (rejected_messages, "leave")."""
+        dropping = self.views.dropping_view(peer)
+        if dropping is None:
+            reason = (f"node {peer} is a member of the latest view" if peer in self.views.latest.members
+                      else f"node {peer} never was a member")
+        elif (peer, dropping.epoch) in self._leaves_taken:
+            reason = f"node {peer} already handed over its mass when view {dropping.epoch} dropped it"
+        else:
+            held = len(self.views.view_at(max(dropping.switch_step - 1, 0)).members)
+            reason = "" if 0.0 < weight <= held else \
+                f"weight {weight:.4g} is not in (0, {held}] (the mass its {held} members hold)"
+        if not reason:
+            self._leaves_taken = self._leaves_taken | {(peer, dropping.epoch)}
+            return ""
+        self.refused_leaves += 1
+        if self.liveness.metrics is not None:
+            self.liveness.metrics.on_rejected("leave")
+        log.warning("node %d: refused a LEAVE of node %d: %s", self.rank, peer, reason)
+        return reason
 
     # Who is alive (liveness) ----------------------------------------------------------------------
     def live(self, peers: Iterable[int]) -> list[int]:

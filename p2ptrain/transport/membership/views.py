@@ -19,6 +19,15 @@ from p2ptrain._proto import p2ptrain_pb2 as pb
 log = logging.getLogger(__name__)
 
 DEFAULT_VIEW_MARGIN = 8  # steps between the furthest step a proposer knows of and the switch
+MAX_COUNTER = 1 << 53    # epochs and steps stay below this (exact in a double, far from uint64's end)
+MAX_ADDRESS = 255        # characters of a member's address in a view
+
+
+def brief(values, limit: int = 8) -> str:
+    """A peer-sent list for a log line: at most `limit` items (a hostile view may hold millions)."""
+    values = list(values[:limit + 1]) if hasattr(values, "__getitem__") else list(values)
+    shown = ", ".join(str(v)[:40] for v in values[:limit])
+    return f"[{shown}{', ...' if len(values) > limit else ''}]"
 
 
 @dataclass(frozen=True)
@@ -46,12 +55,22 @@ class View:
 
     @classmethod
     def from_proto(cls, message: pb.View, capacity: int) -> "View":
-        """The view a peer sent; ValueError for one no honest node proposes."""
+        """The view a peer sent; ValueError (a short reason) for one no honest node proposes."""
+        if len(message.members) > capacity:
+            raise ValueError(f"view names {len(message.members)} members, more than the {capacity} ranks there are")
         members = tuple(message.members)
         if not members or list(members) != sorted(set(members)) or members[-1] >= capacity:
-            raise ValueError(f"view members {list(members)} must be distinct sorted ranks below {capacity}")
+            raise ValueError(f"view members {brief(members)} must be distinct sorted ranks below {capacity}")
         if message.addresses and len(message.addresses) != len(members):
             raise ValueError(f"view names {len(message.addresses)} addresses for {len(members)} members")
+        if any(len(a) > MAX_ADDRESS or not a.isprintable() for a in message.addresses):
+            raise ValueError(f"view holds an address longer than {MAX_ADDRESS} characters or unprintable")
+        if message.proposer >= capacity:
+            raise ValueError(f"view proposer {message.proposer} is no rank below {capacity}")
+        if message.epoch >= MAX_COUNTER or message.switch_step >= MAX_COUNTER or \
+                (message.epoch > 0 and message.switch_step == 0):  # (only the initial view switches at 0)
+            raise ValueError(f"view epoch {message.epoch} / switch step {message.switch_step} out of range "
+                             f"(1 .. 2^53)")
         return cls(message.epoch, message.proposer, message.switch_step, members, tuple(message.addresses))
 
 
@@ -110,6 +129,16 @@ class Views:
         candidates = sorted({from_step} | {v.switch_step for v in self._history if v.switch_step > from_step})
         return next((step for step in candidates if rank not in self.members_at(step)), None)
 
+    def dropping_view(self, rank: int) -> View | None:
+        """The view that ended `rank`'s latest time as a member (the current or a pending one); None
+        while the latest view holds it, or if it never was a member."""
+        if rank in self.latest.members:
+            return None
+        for before, after in zip(reversed(self._history[:-1]), reversed(self._history[1:])):
+            if rank in before.members:
+                return after
+        return None
+
     def propose(self, members, switch_step: int, addresses: dict[int, str] | None = None) -> View:
         """A new view of this node's (adopted here first): `members` from `switch_step` on."""
         members = tuple(sorted(set(members)))
@@ -137,4 +166,4 @@ class Views:
         return True
 
 
-__all__ = ["View", "Views", "DEFAULT_VIEW_MARGIN"]
+__all__ = ["View", "Views", "DEFAULT_VIEW_MARGIN", "MAX_COUNTER", "brief"]

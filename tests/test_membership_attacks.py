@@ -1,0 +1,193 @@
+"""Membership nobody can forge (issue 23): forged views and LEAVE messages sent with the project's
+own raw gRPC clients to real Transports on loopback are refused with a reason and counted, change
+nothing, and never crash a node; the honest protocol still goes through.
+
+World of 4 with nodes 0-2 as the initial members: rank 3 never joined (a ghost's rank).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+
+import grpc
+import pytest
+import torch
+from torch import nn
+
+from launcher.ports import free_ports
+from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.algorithms.sgp import SGP
+from p2ptrain.metrics import NodeMetrics
+from p2ptrain.topology import member_topology
+from p2ptrain.train.optimizer import DecentralizedOptimizer
+from p2ptrain.transport import Transport, TransportOptions
+from p2ptrain.transport.framing import encode_data, encode_header, serialize_identity
+from p2ptrain.transport.membership.views import View
+from p2ptrain.transport.server import HELLO_METHOD, PROTOCOL_VERSION, PUSH_METHOD
+from tests.cluster import run_cluster
+from tests.test_transport import wait_until
+
+WORLD = 4
+_ids = itertools.count(1 << 40)
+
+
+@pytest.fixture
+def trio():
+    peers = [f"127.0.0.1:{p}" for p in free_ports(WORLD)]
+    options = TransportOptions(probe_timeout=1.0, initial_members=3, send_timeout=5.0)
+    transports = [Transport(r, WORLD, peers, listen=peers[r], metrics=NodeMetrics(r), options=options).start()
+                  for r in range(3)]
+    channels = [grpc.insecure_channel(p) for p in peers[:3]]
+    hellos = [c.unary_unary(HELLO_METHOD, request_serializer=pb.HelloRequest.SerializeToString,
+                            response_deserializer=pb.HelloReply.FromString) for c in channels]
+
+    def hello(to: int, as_node: int, view: pb.View) -> pb.HelloReply:
+        request = pb.HelloRequest(node_id=as_node, world_size=WORLD, protocol_version=PROTOCOL_VERSION, view=view)
+        return hellos[to](request, timeout=10)
+
+    yield transports, hello
+    for channel in channels:
+        channel.close()
+    for transport in transports:
+        transport.stop()
+
+
+def _refused(transport: Transport) -> float:
+    return transport.metrics.rejected_messages.labels(transport.rank, "view")._value.get()
+
+
+def _expect_refusal(transport: Transport, before: float, timeout: float = 30.0) -> None:
+    wait_until(lambda: _refused(transport) > before, timeout, "the view's refusal")
+    assert transport.membership.latest == View(0, 0, 0, (0, 1, 2)), transport.membership.latest
+
+
+def test_a_view_naming_a_ghost_member_is_refused(trio):
+    """Before: adopted, and every node spent a probe timeout per ghost. Now: the ghost must answer a
+    Hello as itself (it never greeted anyone), so the view is refused."""
+    transports, hello = trio
+    for address in ("", f"127.0.0.1:{free_ports(1)[0]}"):  # no address, or one where nobody listens
+        before = _refused(transports[0])
+        view = pb.View(epoch=1, proposer=1, switch_step=20, members=[0, 1, 2, 3],
+                       addresses=["", "", "", address] if address else [])
+        hello(0, 1, view)
+        _expect_refusal(transports[0], before)
+
+
+def test_a_view_forged_as_another_nodes_is_confirmed_with_it_and_refused(trio):
+    """Node "2" passes on a view "of node 0" that drops live node 2 (switch step 1): node 1 asks
+    node 0, which never proposed it."""
+    transports, hello = trio
+    before = _refused(transports[1])
+    hello(1, 2, pb.View(epoch=1, proposer=0, switch_step=1, members=[0, 1]))
+    _expect_refusal(transports[1], before)
+
+
+def test_a_view_that_evicts_a_live_member_is_refused(trio):
+    """Its claimed proposer sends it itself: node 1 probes node 2, which answers: it did not leave."""
+    transports, hello = trio
+    before = _refused(transports[1])
+    hello(1, 0, pb.View(epoch=1, proposer=0, switch_step=5, members=[0, 1]))
+    _expect_refusal(transports[1], before)
+    assert transports[1].membership.liveness.alive(2)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(epoch=2 ** 64 - 1, proposer=2 ** 32 - 1, switch_step=2 ** 63),  # the reported one
+    dict(epoch=2 ** 60, proposer=0, switch_step=10),   # out of range
+    dict(epoch=5000, proposer=0, switch_step=10),      # jumps too far past the latest epoch
+    dict(epoch=1, proposer=0, switch_step=2 ** 40),    # switches absurdly far ahead
+    dict(epoch=1, proposer=0, switch_step=0),          # only the initial view switches at 0
+])
+def test_out_of_range_views_are_refused_and_leaving_still_works(trio, fields):
+    """Before: the huge view was adopted everywhere (no later proposal could win) and a normal leave
+    then crashed the leaver in View.to_proto. Now: refused at once; node 2 leaves normally after."""
+    transports, hello = trio
+    before = _refused(transports[1])
+    hello(1, 0, pb.View(members=[0, 1, 2], **fields))
+    _expect_refusal(transports[1], before, timeout=5)
+    transports[2].membership.leave()  # proposes (0, 1) and tells the others: to_proto must not fail
+    for transport in transports:
+        wait_until(lambda t=transport: t.membership.latest.members == (0, 1), 30, "the leave's view")
+    assert transports[0].membership.latest.epoch == 1
+
+
+def test_a_huge_view_is_refused_with_a_short_log_line(trio, caplog):
+    """Before: a 10^6-member view was refused but logged in full (~7.8 MB per Hello)."""
+    transports, hello = trio
+    before = _refused(transports[0])
+    with caplog.at_level(logging.WARNING):
+        hello(0, 1, pb.View(epoch=1, proposer=1, switch_step=10, members=range(10 ** 6)))
+        _expect_refusal(transports[0], before, timeout=5)
+    lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert lines and max(map(len, lines)) < 500, [len(line) for line in lines]
+
+
+def test_a_passed_on_view_its_proposer_confirms_is_adopted(trio):
+    """The honest path still goes through: node 0 proposes (locally), node "2" passes it on to node
+    1, node 1 asks node 0 and adopts it."""
+    transports, hello = trio
+    view = transports[0].run_on_loop(transports[0].membership.views.propose, (0, 1, 2), 40)
+    hello(1, 2, view.to_proto())
+    wait_until(lambda: transports[1].membership.latest == view, 30, "the confirmed view")
+    assert _refused(transports[1]) == 0
+
+
+# LEAVE --------------------------------------------------------------------------------------------
+
+def _leave_refusals(transport: Transport) -> float:
+    return transport.metrics.rejected_messages.labels(transport.rank, "leave")._value.get()
+
+
+def test_leave_is_accepted_once_from_a_member_the_view_drops_and_within_its_mass(trio):
+    transports, _ = trio
+    membership = transports[0].membership
+    assert "member of the latest view" in membership.accept_leave(1, 1.0)   # node 1 is not leaving
+    assert "never was a member" in membership.accept_leave(3, 1.0)
+    transports[1].membership.leave()
+    wait_until(lambda: membership.latest.members == (0, 2), 30, "node 1's leave")
+    assert "not in (0, 3]" in membership.accept_leave(1, 3.5)               # more than 3 members hold
+    assert "not in (0, 3]" in membership.accept_leave(1, float("nan"))
+    assert membership.accept_leave(1, 1.25) == ""
+    assert "already handed over" in membership.accept_leave(1, 1.0)         # once per time it was a member
+    assert _leave_refusals(transports[0]) == 5
+
+
+def test_forged_leaves_in_a_static_sgp_run_are_refused_and_mass_is_exact():
+    """Before: two LEAVEs (w = 1.5, x = 0) "from member 1", which is not leaving, were both absorbed:
+    Σ w went from 2.000 to 2.667 and every model was pulled toward 0. Now both are refused."""
+    dim, steps, forged_at = 8, 40, 10
+
+    def body(rank, comm):
+        torch.manual_seed(rank)
+        model = nn.Linear(dim, 1, bias=False).double()
+        with torch.no_grad():
+            model.weight.fill_(3.0)
+        sgp = SGP(comm, member_topology("exponential", comm.world_size, comm.membership.members), overlap=1)
+        opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model=model, algorithm=sgp,
+                                     comm=comm)
+        while opt.local_step < steps:
+            if rank == 0 and opt.local_step == forged_at:
+                _forge_leaves(comm.transport.grpc.addresses[1], dim, opt.local_step)
+            loss = model(torch.ones(4, dim, dtype=torch.float64)).pow(2).mean() * 0  # keeps the model: no drift
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        opt.finish()
+        return sgp.w, model.weight.detach().clone(), _leave_refusals(comm.transport)
+
+    results = run_cluster(2, body, options=TransportOptions(send_timeout=30.0), metrics=True, timeout=120)
+    assert sum(w for w, _, _ in results) == pytest.approx(2.0, abs=1e-9)
+    for _, weight, _ in results:
+        assert torch.allclose(weight, torch.full_like(weight, 3.0)), weight  # nothing pulled toward 0
+    assert results[1][2] == 2  # node 1 refused both, and counted them
+
+
+def _forge_leaves(address: str, dim: int, step: int) -> None:
+    with grpc.insecure_channel(address) as channel:
+        push = channel.stream_unary(PUSH_METHOD, request_serializer=serialize_identity,
+                                    response_deserializer=pb.Ack.FromString)
+        for at in (step, step + 1):  # (two of one step: the inbox refuses the second as a duplicate)
+            header = pb.TensorHeader(sender=0, receiver=1, step=at, kind=pb.MESSAGE_KIND_LEAVE,
+                                     dtype=pb.DTYPE_FLOAT64, numel=dim, payload_bytes=8 * dim, ps_weight=1.5,
+                                     message_id=next(_ids))
+            push(iter([encode_header(header), encode_data(bytes(8 * dim))]), timeout=10)
