@@ -53,7 +53,12 @@ def trio():
 
 
 def _refused(transport: Transport) -> float:
-    return transport.metrics.rejected_messages.labels(transport.rank, "view")._value.get()
+    return _rejected(transport, "view")
+
+
+def _rejected(transport: Transport, reason: str) -> float:
+    return transport.metrics.registry.get_sample_value(
+        "p2ptrain_rejected_messages_total", {"node": str(transport.rank), "reason": reason}) or 0.0
 
 
 def _expect_refusal(transport: Transport, before: float, timeout: float = 30.0) -> None:
@@ -135,7 +140,7 @@ def test_a_passed_on_view_its_proposer_confirms_is_adopted(trio):
 # LEAVE --------------------------------------------------------------------------------------------
 
 def _leave_refusals(transport: Transport) -> float:
-    return transport.metrics.rejected_messages.labels(transport.rank, "leave")._value.get()
+    return _rejected(transport, "leave")
 
 
 def test_leave_is_accepted_once_from_a_member_the_view_drops_and_within_its_mass(trio):

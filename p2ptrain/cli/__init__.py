@@ -1,7 +1,6 @@
 """The `p2ptrain` command: node, ps, launch, compose, kubernetes, report, health, pki, bench, reproduce.
 
-  p2ptrain node    run one node (flags, env RANK/WORLD_SIZE/P2PTRAIN_*, or --config FILE.toml);
-                   --role worker --ps HOST:PORT: an asynchronous parameter-server worker (GEM)
+  p2ptrain node    run one node (flags, env RANK/WORLD_SIZE/P2PTRAIN_*, or --config FILE.toml; a GEM worker)
   p2ptrain ps      run a parameter server for --world-size workers (GEM, seed 001)
   p2ptrain launch  run a local cluster of N node processes with live progress and a report
   p2ptrain compose write a docker-compose file: N nodes (+ parameter server), Prometheus, Grafana

@@ -21,7 +21,7 @@ from p2ptrain.transport.loop_thread import LoopThread
 from p2ptrain.transport.membership import vetting
 from p2ptrain.transport.membership.identity import Identity
 from p2ptrain.transport.membership.liveness import Liveness
-from p2ptrain.transport.membership.views import View, Views
+from p2ptrain.transport.membership.views import MAX_ADDRESS, View, Views
 from p2ptrain.transport.paths.grpc_path import GrpcPath
 from p2ptrain.transport.paths.lane_path import LanePorts
 from p2ptrain.transport.routes import RouteTable
@@ -105,6 +105,9 @@ class Greetings:
                 if peer != self.rank and (peer in latest or (peer in self.views.members_ever and self.addresses[peer]))]
 
     def learn_address(self, peer: int, address: str) -> None:
+        if len(address) > MAX_ADDRESS or not address.isprintable():
+            log.warning("node %d: ignored an unusable address for node %d (%r...)", self.rank, peer, address[:40])
+            return
         if 0 <= peer < self.world_size and self.grpc.learn_address(peer, address):
             log.info("node %d: node %d is at %s", self.rank, peer, address)
 
@@ -336,7 +339,7 @@ class Greetings:
                     continue
                 if reply.compatible and reply.ready and not reply.reason:
                     return peer
-                problems[peer] = reply.reason or "not ready"
+                problems[peer] = reply.reason[:200] or "not ready"
             if time.monotonic() >= deadline:
                 raise PeerError(f"node {self.rank}: no peer can give its state: {problems}")
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
@@ -456,7 +459,7 @@ class Greetings:
                 except FAILED as exc:
                     last_problem[peer] = f"unreachable: {describe(exc)}"
                     continue
-                reason = reply.reason or self.identity.compatibility(
+                reason = reply.reason[:200] or self.identity.compatibility(
                     reply.world_size, reply.protocol_version, reply.config_fingerprint)
                 if not reply.compatible or reason:
                     raise PeerError(f"node {self.rank}: node {peer} at {self.addresses[peer]} incompatible: "

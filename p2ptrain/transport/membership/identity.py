@@ -17,12 +17,12 @@ class Identity:
 
     def compatibility(self, other_world: int, other_protocol: str, other_fingerprint: str) -> str:
         """Empty string when compatible, else the reason."""
-        if other_protocol != self.protocol_version:
-            return f"protocol {other_protocol!r} != {self.protocol_version!r}"
+        if other_protocol != self.protocol_version:  # (a peer's strings, shortened for logs)
+            return f"protocol {other_protocol[:40]!r} != {self.protocol_version!r}"
         if other_world != self.world_size:
             return f"world size {other_world} != {self.world_size}"
         if other_fingerprint and self.config_fingerprint and other_fingerprint != self.config_fingerprint:
-            return f"config fingerprint {other_fingerprint} != {self.config_fingerprint}"
+            return f"config fingerprint {other_fingerprint[:40]} != {self.config_fingerprint}"
         return ""
 
 

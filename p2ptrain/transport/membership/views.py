@@ -166,4 +166,4 @@ class Views:
         return True
 
 
-__all__ = ["View", "Views", "DEFAULT_VIEW_MARGIN", "MAX_COUNTER", "brief"]
+__all__ = ["View", "Views", "DEFAULT_VIEW_MARGIN", "MAX_ADDRESS", "MAX_COUNTER", "brief"]
