@@ -63,7 +63,8 @@ def new_incarnation() -> int:
     return secrets.randbits(63) | 1  # never 0 (0 = an old peer that sends none)
 
 
-FAILED = (SendFailure, concurrent.futures.TimeoutError)  # a Hello that got no answer (TimeoutError: ours)
+# A Hello that got no answer (TimeoutError: ours; CancelledError: the loop cancelled it, e.g. at a stop).
+FAILED = (SendFailure, concurrent.futures.TimeoutError, concurrent.futures.CancelledError)
 
 
 class Greetings:
