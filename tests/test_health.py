@@ -146,7 +146,7 @@ def test_health_needs_no_token_everything_else_does():
         assert check(address) == "SERVING" and check(address, SERVICE_NAME) == "SERVING"
         assert _unauthenticated_hello(address) == grpc.StatusCode.UNAUTHENTICATED
         assert _unauthenticated_push(address) == grpc.StatusCode.UNAUTHENTICATED
-        assert node.options.security.server_interceptors()  # (the token is really on)
+        assert node.options.security.server_interceptors(name="0")  # (the token is really on)
     finally:
         node.stop()
     with ParameterServer(torch.zeros(4), 1, listen="127.0.0.1:0", shutdown_grace=0.2,

@@ -80,14 +80,14 @@ def _rejected(metrics: NodeMetrics, reason: str) -> float:
 
 
 def _hello(address: str, credentials: grpc.ChannelCredentials | None, token: str | None, options=()):
-    """One raw Hello, failing fast (no wait_for_ready): returns the status code."""
+    """One raw Hello to node 0 as node 1, failing fast (no wait_for_ready): returns the status code."""
     channel = (grpc.secure_channel(address, credentials, options=list(options)) if credentials
                else grpc.insecure_channel(address))
     try:
         call = channel.unary_unary(HELLO_METHOD, request_serializer=pb.HelloRequest.SerializeToString,
                                    response_deserializer=pb.HelloReply.FromString)
         call(pb.HelloRequest(node_id=1, world_size=2, protocol_version=PROTOCOL_VERSION), timeout=5,
-             metadata=(("authorization", f"Bearer {token}"),) if token else None)
+             metadata=Security(token=token).call_metadata(HELLO_METHOD, "1", "0") if token else None)
         return grpc.StatusCode.OK
     except grpc.RpcError as exc:
         return exc.code()
@@ -167,8 +167,12 @@ def test_reflection_requires_the_token(pki):
         with pytest.raises(grpc.RpcError) as refused:
             list(stub.ServerReflectionInfo(iter([request]), timeout=5))
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        method = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+        with pytest.raises(grpc.RpcError) as refused:  # the token itself is no longer accepted
+            list(stub.ServerReflectionInfo(iter([request]), timeout=5, metadata=(("authorization", f"Bearer {TOKEN}"),)))
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         replies = list(stub.ServerReflectionInfo(iter([request]), timeout=5,
-                                                 metadata=(("authorization", f"Bearer {TOKEN}"),)))
+                                                 metadata=Security(token=TOKEN).call_metadata(method, "cli", "0")))
         names = {s.name for s in replies[0].list_services_response.service}
         assert "p2ptrain.v1.Peer" in names
     finally:
@@ -376,5 +380,11 @@ def test_security_object_checks():
         Security(tls_cert="a.pem")
     with pytest.raises(SecurityError, match="empty"):
         Security(token="")
-    assert Security(token="t").call_metadata() == (("authorization", "Bearer t"),)
-    assert Security().call_metadata() is None and not Security().tls
+    ((key, value),) = Security(token="t0ken").call_metadata(HELLO_METHOD, "1", "0")
+    scheme, version, sender, receiver, window, nonce, mac = value.split(" ")
+    assert (key, scheme, version, sender, receiver) == ("authorization", "P2P-HMAC", "1", "1", "0")
+    assert "t0ken" not in value and len(nonce) == 32 and len(mac) == 64 and window.isdigit()
+    assert Security(token="t0ken").call_metadata(HELLO_METHOD, "1", "0") != ((key, value),)  # a fresh nonce
+    assert Security().call_metadata(HELLO_METHOD, "1", "0") is None and not Security().tls
+    with pytest.raises(SecurityError, match="its own name"):
+        Security(token="t").server_interceptors()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+import time
 
 import grpc
 import torch
@@ -27,8 +28,9 @@ from p2ptrain.transport.framing import (
     serialize_identity,
     tensor_bytes,
 )
-from p2ptrain.transport.security import PLAINTEXT, Security
+from p2ptrain.transport.security import PLAINTEXT, PS_NAME, Security
 from p2ptrain.transport.server import PROTOCOL_VERSION
+from p2ptrain.transport.tokenauth import WINDOW_SECONDS
 
 _RETRY_CODES = (grpc.StatusCode.UNAVAILABLE,)
 
@@ -55,7 +57,7 @@ class PsClient:
         self.timeout = timeout
         self.retries = retries
         self.channel = security.channel(address, grpc_options())
-        self.metadata = security.call_metadata()  # the auth token, sent with every call
+        self.security = security
         self._pull = self.channel.unary_stream(PULL_METHOD, request_serializer=pb.PullRequest.SerializeToString,
                                                response_deserializer=deserialize_chunk)
         self._commit = self.channel.stream_unary(COMMIT_METHOD, request_serializer=serialize_identity,
@@ -64,12 +66,36 @@ class PsClient:
                                               response_deserializer=pb.DoneReply.FromString)
         self._ids = itertools.count((secrets.randbits(31) << 32) | 1)  # unique across restarts
 
+    def _metadata(self, method: str):
+        """A fresh proof of the token for one call (None without one): never the token itself."""
+        return self.security.call_metadata(method, str(self.worker), PS_NAME)
+
+    def _expired(self, exc: grpc.RpcError, sent: float) -> bool:
+        """A proof refused after the call waited a time window or more for the server (it came up
+        late): retried once with a fresh one."""
+        return bool(self.security.token) and exc.code() == grpc.StatusCode.UNAUTHENTICATED \
+            and time.monotonic() - sent >= WINDOW_SECONDS
+
     def pull(self, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         """(θ, its version). θ lands in `out` (CPU float32, contiguous, of θ's size) when given;
         waits for the server to come up, until the client's timeout."""
+        sent = time.monotonic()
+        try:
+            return self._pull_once(out)
+        except grpc.RpcError as exc:
+            if not self._expired(exc, sent):
+                raise PsError(f"Pull from the parameter server at {self.address} failed: {_describe(exc)}",
+                              exc.code().name) from None
+        try:
+            return self._pull_once(out)
+        except grpc.RpcError as exc:
+            raise PsError(f"Pull from the parameter server at {self.address} failed: {_describe(exc)}",
+                          exc.code().name) from None
+
+    def _pull_once(self, out: torch.Tensor | None) -> tuple[torch.Tensor, int]:
         request = pb.PullRequest(worker=self.worker, protocol_version=PROTOCOL_VERSION,
                                  config_fingerprint=self.fingerprint)
-        call = self._pull(request, timeout=self.timeout, wait_for_ready=True, metadata=self.metadata)
+        call = self._pull(request, timeout=self.timeout, wait_for_ready=True, metadata=self._metadata(PULL_METHOD))
         try:
             header, view, received = None, None, 0
             for chunk in call:
@@ -87,9 +113,6 @@ class PsClient:
                         raise PsError("Pull stream carries more bytes than announced", "malformed")
                     view[received:end] = chunk.data
                     received = end
-        except grpc.RpcError as exc:
-            raise PsError(f"Pull from the parameter server at {self.address} failed: {_describe(exc)}",
-                          exc.code().name) from None
         finally:
             call.cancel()  # no-op once the stream ended; stops it when we bail out early
         if header is None or received != header.payload_bytes:
@@ -130,22 +153,29 @@ class PsClient:
             yield from iter_data_chunks(payload, chunk_bytes)
 
         for attempt in itertools.count():
+            sent = time.monotonic()
             try:
-                return self._commit(chunks(), timeout=self.timeout, wait_for_ready=True, metadata=self.metadata)
+                return self._commit(chunks(), timeout=self.timeout, wait_for_ready=True,
+                                    metadata=self._metadata(COMMIT_METHOD))
             except grpc.RpcError as exc:
-                if exc.code() in _RETRY_CODES and attempt < self.retries:
+                if (exc.code() in _RETRY_CODES or self._expired(exc, sent)) and attempt < self.retries:
                     continue
                 raise PsError(f"Commit to the parameter server at {self.address} failed: {_describe(exc)}",
                               exc.code().name) from None
         raise AssertionError("unreachable")
 
     def done(self, steps: int) -> pb.DoneReply:
-        try:
-            return self._done(pb.DoneRequest(worker=self.worker, steps=steps), timeout=self.timeout,
-                              wait_for_ready=True, metadata=self.metadata)
-        except grpc.RpcError as exc:
-            raise PsError(f"Done to the parameter server at {self.address} failed: {_describe(exc)}",
-                          exc.code().name) from None
+        for attempt in range(2):
+            sent = time.monotonic()
+            try:
+                return self._done(pb.DoneRequest(worker=self.worker, steps=steps), timeout=self.timeout,
+                                  wait_for_ready=True, metadata=self._metadata(DONE_METHOD))
+            except grpc.RpcError as exc:
+                if attempt == 0 and self._expired(exc, sent):
+                    continue
+                raise PsError(f"Done to the parameter server at {self.address} failed: {_describe(exc)}",
+                              exc.code().name) from None
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         self.channel.close()

@@ -40,7 +40,7 @@ from p2ptrain.transport.health import ServingStatus
 from p2ptrain.transport.inbox import BufferPool, Reception
 from p2ptrain.transport.loop_thread import LoopThread
 from p2ptrain.transport.options import TransportOptions
-from p2ptrain.transport.security import PLAINTEXT, Security
+from p2ptrain.transport.security import PLAINTEXT, PS_NAME, Security
 from p2ptrain.transport.server import PROTOCOL_VERSION, serve
 from p2ptrain.transport.streams import REFUSAL_STATUS, MessageStream, wait_for_cancel
 from p2ptrain.transport.validation import ChannelSpec, Rejection, all_finite, check_finite, validate_header
@@ -402,7 +402,7 @@ class ParameterServer:
                                          stream_idle_timeout=self.stream_idle_timeout)
         self._server, self.health, port = await serve(
             service.handler(), PS_SERVICE_NAME, listen=self.listen, options=grpc_options() + [("grpc.so_reuseport", 0)],
-            security=self.security, metrics=self.metrics, serving=True)
+            security=self.security, metrics=self.metrics, serving=True, name=PS_NAME)
         if port == 0:
             raise OSError(f"parameter server could not listen on {self.listen}")
         self.port = port

@@ -1,18 +1,17 @@
 """Optional TLS and a shared-secret token for every gRPC server and channel of p2ptrain.
 
 Without settings everything stays plaintext and open (a trusted LAN, a laptop). With a token, every
-RPC (PushTensor, Hello, the parameter server's Pull / Commit / Done, and server reflection) must
-carry `authorization: Bearer <token>` or is aborted with UNAUTHENTICATED before any handler runs, so
-a stranger can neither push tensors nor commit to θ. With TLS (server cert + key, clients trusting
-`tls_ca`) the token and the tensors are also encrypted and the server is authenticated; with
-`require_client_cert` the server also demands a client certificate signed by `tls_ca` (mutual TLS).
-The one exception to the token is the standard health check (TOKEN_EXEMPT_PREFIX). The token is
-never printed, and the TCP lane never sends it (a challenge-response; see Security).
+RPC (PushTensor, Hello, Settle, the parameter server's Pull / Commit / Done, server reflection) must
+carry `authorization: P2P-HMAC ...`, a one-call proof of the token for this method, sender, receiver
+and time (tokenauth.py), or is aborted with UNAUTHENTICATED before any handler runs: the token itself
+never travels, and a captured value opens nothing else. With TLS (server cert + key, clients trusting
+`tls_ca`) the tensors are also encrypted and the server is authenticated; with `require_client_cert`
+the server also demands a client certificate signed by `tls_ca` (mutual TLS). The one exception to
+the token is the standard health check (TOKEN_EXEMPT_PREFIX). The token is never printed or logged.
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import ssl
 from dataclasses import dataclass, field
@@ -21,11 +20,12 @@ from pathlib import Path
 import grpc
 
 from p2ptrain.transport.health import HEALTH_SERVICE_NAME
+from p2ptrain.transport.tokenauth import CallRefused, CallVerifier, authorization, check_name
 
 log = logging.getLogger(__name__)
 
 TOKEN_METADATA_KEY = "authorization"  # gRPC metadata keys are lower case
-_BEARER = "Bearer "
+PS_NAME = "ps"  # the parameter server's name in call authorization (nodes and workers: their rank)
 # A refused client stream is read (up to this many bytes, for at most this long) before the refusal.
 DRAIN_BYTES = 8 << 20
 DRAIN_SECONDS = 2.0
@@ -73,8 +73,8 @@ class Security:
     One `Security` value describes a process: its server side (cert, key, client-cert policy) and
     its client side (trusted CA, optional client cert, target-name override, token to send). The
     TCP lane (lane.py) uses the same files through `lane_server_context` / `lane_client_context`
-    (ssl module), and the token through a challenge-response (laneframes.auth_proof): it never sends
-    the token itself."""
+    (ssl module), and the token through a challenge-response (laneframes.auth_proof). Neither gRPC
+    nor the lane ever sends the token itself."""
 
     tls_cert: str | None = None          # PEM certificate chain this process presents (server; client under mTLS)
     tls_key: str | None = None           # its PEM private key
@@ -112,8 +112,13 @@ class Security:
             return server.add_secure_port(address, self.server_credentials())
         return server.add_insecure_port(address)
 
-    def server_interceptors(self, metrics=None) -> list:
-        return [TokenInterceptor(self.token, metrics)] if self.token else []
+    def server_interceptors(self, metrics=None, name: str = "") -> list:
+        """The token check of a server whose callers address it as `name` (its rank, PS_NAME)."""
+        if not self.token:
+            return []
+        if not name:
+            raise SecurityError("a server with an auth token needs its own name (rank or 'ps')")
+        return [TokenInterceptor(self.token, name, metrics)]
 
     # Client side --------------------------------------------------------------------------------
     def channel_credentials(self) -> grpc.ChannelCredentials:
@@ -173,9 +178,13 @@ class Security:
         """The name a lane server's certificate must hold: tls_server_name, else the address host."""
         return self.tls_server_name or host
 
-    def call_metadata(self) -> tuple[tuple[str, str], ...] | None:
-        """Metadata every call carries: the token, when one is set."""
-        return ((TOKEN_METADATA_KEY, _BEARER + self.token),) if self.token else None
+    def call_metadata(self, method: str, sender: str, receiver: str) -> tuple[tuple[str, str], ...] | None:
+        """Metadata of one call of `method` from `sender` to `receiver` (names: ranks, PS_NAME): a
+        fresh proof of the token (never the token), when one is set. Make it just before the call
+        goes out: the receiver accepts it for about a minute (tokenauth.WINDOW_SECONDS), once."""
+        if not self.token:
+            return None
+        return ((TOKEN_METADATA_KEY, authorization(self.token, method, str(sender), str(receiver))),)
 
 
 PLAINTEXT = Security()
@@ -193,47 +202,54 @@ def security_from_settings(settings) -> Security:
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Aborts every RPC (reflection included) whose `authorization` metadata is not the token,
-    with UNAUTHENTICATED, before the handler (and so before any state) is reached. Health checks
-    (TOKEN_EXEMPT_PREFIX) pass without it, so that probes which cannot send metadata work."""
+    """Aborts every RPC (reflection included) whose `authorization` metadata does not prove the
+    token for this method, to this server (`name`), now, for the first time (tokenauth.CallVerifier)
+    with UNAUTHENTICATED, before the handler (and so before any state) is reached; a full replay
+    cache answers RESOURCE_EXHAUSTED (retry later). Health checks (TOKEN_EXEMPT_PREFIX) pass without
+    it, so that probes which cannot send metadata work. Runs on the server's event loop."""
 
-    DETAILS = "missing or wrong auth token (send metadata 'authorization: Bearer <token>')"
+    DETAILS = "missing or wrong auth token"
 
-    def __init__(self, token: str, metrics=None):
-        self._expected = (_BEARER + check_token(token)).encode()
+    def __init__(self, token: str, name: str, metrics=None):
+        self.verifier = CallVerifier(check_token(token), check_name(name))
         self.metrics = metrics
         self.refused = 0
 
-    def _authorized(self, metadata) -> bool:
-        for key, value in metadata or ():
+    def _refusal(self, handler_call_details) -> str | None:
+        value = None
+        for key, given in handler_call_details.invocation_metadata or ():
             if key == TOKEN_METADATA_KEY:
-                given = value.encode() if isinstance(value, str) else bytes(value)
-                return hmac.compare_digest(given, self._expected)
-        return False
+                value = given.decode("ascii", "replace") if isinstance(given, bytes) else given
+                break
+        try:
+            self.verifier.verify(handler_call_details.method, value)
+        except CallRefused as refused:
+            return refused.reason
+        return None
 
     async def intercept_service(self, continuation, handler_call_details):
-        if handler_call_details.method.startswith(TOKEN_EXEMPT_PREFIX) or \
-                self._authorized(handler_call_details.invocation_metadata):
+        if handler_call_details.method.startswith(TOKEN_EXEMPT_PREFIX):
+            return await continuation(handler_call_details)
+        reason = self._refusal(handler_call_details)
+        if reason is None:
             return await continuation(handler_call_details)
         self.refused += 1
         if self.metrics is not None:
             self.metrics.on_rejected("unauthenticated")
         if self.refused == 1 or self.refused % 100 == 0:
-            log.warning("refused %d call(s) without the right auth token (latest: %s)", self.refused,
-                        handler_call_details.method)
+            log.warning("refused %d call(s) without a valid proof of the auth token (latest: %s, %s)", self.refused,
+                        handler_call_details.method, reason)
+        status = grpc.StatusCode.RESOURCE_EXHAUSTED if reason == "replay_cache_full" else \
+            grpc.StatusCode.UNAUTHENTICATED
         # Answer with a handler of the method's own shape, so gRPC reads the call the way it was made.
         handler = await continuation(handler_call_details)
-        return _refusing_handler(handler)
+        return _refusing_handler(handler, status, f"{self.DETAILS} ({reason})")
 
 
-async def _abort(request, context):
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, TokenInterceptor.DETAILS)
-
-
-async def _abort_after_reading(requests, context):
-    """Refuse a client stream once the caller has finished writing it (at most DRAIN_BYTES, for at
-    most DRAIN_SECONDS): a call ended while the caller still writes can reach it as a broken stream
-    (INTERNAL) instead of this refusal."""
+async def _drain(requests) -> None:
+    """Read a refused client stream until the caller has finished writing it (at most DRAIN_BYTES,
+    for at most DRAIN_SECONDS): a call ended while the caller still writes can reach it as a broken
+    stream (INTERNAL) instead of the refusal."""
     drained = 0
     try:
         async with asyncio.timeout(DRAIN_SECONDS):
@@ -243,25 +259,30 @@ async def _abort_after_reading(requests, context):
                     break
     except (TimeoutError, grpc.RpcError):
         pass
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, TokenInterceptor.DETAILS)
 
 
-async def _abort_streaming(request, context):
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, TokenInterceptor.DETAILS)
-    yield  # pragma: no cover - makes this an async generator, as response-streaming handlers are
+def _refusing_handler(handler, status: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
+    async def abort(request, context):
+        await context.abort(status, details)
 
+    async def abort_after_reading(requests, context):
+        await _drain(requests)
+        await context.abort(status, details)
 
-def _refusing_handler(handler) -> grpc.RpcMethodHandler:
+    async def abort_streaming(request, context):
+        await context.abort(status, details)
+        yield  # pragma: no cover - makes this an async generator, as response-streaming handlers are
+
     request_streaming = bool(handler and handler.request_streaming)
     response_streaming = bool(handler and handler.response_streaming)
     if request_streaming and response_streaming:
-        return grpc.stream_stream_rpc_method_handler(_abort_streaming)
+        return grpc.stream_stream_rpc_method_handler(abort_streaming)
     if request_streaming:
-        return grpc.stream_unary_rpc_method_handler(_abort_after_reading)
+        return grpc.stream_unary_rpc_method_handler(abort_after_reading)
     if response_streaming:
-        return grpc.unary_stream_rpc_method_handler(_abort_streaming)
-    return grpc.unary_unary_rpc_method_handler(_abort)
+        return grpc.unary_stream_rpc_method_handler(abort_streaming)
+    return grpc.unary_unary_rpc_method_handler(abort)
 
 
-__all__ = ["Security", "SecurityError", "TokenInterceptor", "PLAINTEXT", "TOKEN_METADATA_KEY",
+__all__ = ["Security", "SecurityError", "TokenInterceptor", "PLAINTEXT", "PS_NAME", "TOKEN_METADATA_KEY",
            "TOKEN_EXEMPT_PREFIX", "check_token", "read_token_file"]

@@ -97,11 +97,12 @@ class PeerService:
 
 async def serve(handler: grpc.GenericRpcHandler, service_name: str, *, listen: str,
                 options: list[tuple[str, object]], security: Security, metrics=None,
-                serving: bool) -> tuple[grpc.aio.Server, ServingStatus, int]:
+                serving: bool, name: str) -> tuple[grpc.aio.Server, ServingStatus, int]:
     """Start a grpc.aio server on `listen` with `handler`, grpc.health.v1 (SERVING per `serving`) and
     reflection; returns it, its health status and the bound port. Port 0: it could not bind, and
-    the server was not started. Call on the loop thread that will own the server."""
-    server = grpc.aio.server(options=options, interceptors=security.server_interceptors(metrics))
+    the server was not started. `name`: the server's name in callers' auth proofs (rank, "ps").
+    Call on the loop thread that will own the server."""
+    server = grpc.aio.server(options=options, interceptors=security.server_interceptors(metrics, name))
     server.add_generic_rpc_handlers((handler,))
     health = await add_standard_services(server, service_name, serving=serving)
     port = security.add_port(server, listen)

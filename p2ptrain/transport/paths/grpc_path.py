@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import grpc
 
@@ -17,6 +18,7 @@ from p2ptrain.addresses import split_address
 from p2ptrain.transport.errors import FailureKind, SendFailure
 from p2ptrain.transport.framing import encode_header, iter_data_chunks, serialize_identity
 from p2ptrain.transport.security import PLAINTEXT, Security
+from p2ptrain.transport.tokenauth import WINDOW_SECONDS
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Peer"].full_name  # "p2ptrain.v1.Peer"
 PUSH_METHOD = f"/{SERVICE_NAME}/PushTensor"
@@ -77,14 +79,17 @@ async def nothing_listens(address: str) -> bool:
 
 
 class PeerClient:
-    """The channel to one peer; every call raises SendFailure on failure."""
+    """The channel from node `sender` to one peer, node `receiver`; every call raises SendFailure on
+    failure. With a token each call carries its own proof of it (Security.call_metadata), made when
+    the call goes out: a call that may wait for the peer first waits for the channel to be ready."""
 
     def __init__(self, address: str, options: list[tuple[str, object]], chunk_bytes: int,
-                 security: Security = PLAINTEXT):
+                 security: Security = PLAINTEXT, *, sender: int | str = 0, receiver: int | str = 0):
         self.address = address
         self.chunk_bytes = chunk_bytes
         self.channel = security.aio_channel(address, options)
-        self.metadata = security.call_metadata()  # the auth token, sent with every call
+        self.security = security
+        self.sender, self.receiver = str(sender), str(receiver)
         self._push = self.channel.stream_unary(PUSH_METHOD, request_serializer=serialize_identity,
                                                response_deserializer=pb.Ack.FromString)
         self._hello = self.channel.unary_unary(HELLO_METHOD,
@@ -93,6 +98,22 @@ class PeerClient:
         self._settle = self.channel.unary_unary(SETTLE_METHOD,
                                                 request_serializer=pb.SettleRequest.SerializeToString,
                                                 response_deserializer=pb.SettleReply.FromString)
+
+    def metadata(self, method: str):
+        """A fresh authorization for one call of `method` (None without a token)."""
+        return self.security.call_metadata(method, self.sender, self.receiver)
+
+    async def ready(self, timeout: float | None, wait_for_ready: bool) -> float | None:
+        """With a token, wait (within `timeout`) for the channel to connect before a call that would
+        wait for the peer, so that its proof is fresh when sent; the time left of `timeout`."""
+        if not (wait_for_ready and self.security.token):
+            return timeout
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), timeout)
+        except asyncio.TimeoutError:
+            pass  # the call itself fails as it would have
+        return None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
 
     async def push(self, header: pb.TensorHeader, payload: memoryview, timeout: float | None,
                    wait_for_ready: bool = True) -> pb.Ack:
@@ -104,64 +125,98 @@ class PeerClient:
             yield encode_header(header)
             yield from iter_data_chunks(payload, chunk_bytes)
 
+        timeout = await self.ready(timeout, wait_for_ready)
+        sent = time.monotonic()
         try:
-            return await self._push(chunks(), timeout=timeout, wait_for_ready=wait_for_ready, metadata=self.metadata)
+            return await self._push(chunks(), timeout=timeout, wait_for_ready=wait_for_ready,
+                                    metadata=self.metadata(PUSH_METHOD))
         except grpc.aio.AioRpcError as exc:
-            failure = await failure_of(exc, self.address)
+            failure = await self.failure(exc, sent)
         raise failure
 
     def open_push(self, timeout: float | None, wait_for_ready: bool = True) -> "PushCall":
         """A PushTensor call to write pre-encoded chunks into one by one (relay forwarding)."""
-        return PushCall(self._push(timeout=timeout, wait_for_ready=wait_for_ready, metadata=self.metadata),
-                        self.address)
+        return PushCall(self, timeout, wait_for_ready)
 
     async def hello(self, request: pb.HelloRequest, timeout: float | None,
                     wait_for_ready: bool = True) -> pb.HelloReply:
+        timeout = await self.ready(timeout, wait_for_ready)
+        sent = time.monotonic()
         try:
-            return await self._hello(request, timeout=timeout, wait_for_ready=wait_for_ready, metadata=self.metadata)
+            return await self._hello(request, timeout=timeout, wait_for_ready=wait_for_ready,
+                                     metadata=self.metadata(HELLO_METHOD))
         except grpc.aio.AioRpcError as exc:
-            raise await failure_of(exc, self.address) from None
+            raise await self.failure(exc, sent) from None
 
     async def settle(self, request: pb.SettleRequest, timeout: float | None) -> pb.SettleReply:
         """Ask the peer which of our messages it delivered (it voids the rest); fails fast if down."""
+        sent = time.monotonic()
         try:
-            return await self._settle(request, timeout=timeout, wait_for_ready=False, metadata=self.metadata)
+            return await self._settle(request, timeout=timeout, wait_for_ready=False,
+                                      metadata=self.metadata(SETTLE_METHOD))
         except grpc.aio.AioRpcError as exc:
-            raise await failure_of(exc, self.address) from None
+            raise await self.failure(exc, sent) from None
+
+    async def failure(self, exc: grpc.aio.AioRpcError, sent: float) -> SendFailure:
+        """failure_of; but a refused proof made a window or more ago (the call waited for a peer
+        that went away and came back) is a timeout, which the sender retries with a fresh one."""
+        if exc.code() == grpc.StatusCode.UNAUTHENTICATED and self.security.token \
+                and time.monotonic() - sent >= WINDOW_SECONDS:
+            return SendFailure(FailureKind.TIMEOUT, f"the call's auth proof expired while it waited "
+                                                    f"({failure_from(exc).detail})")
+        return await failure_of(exc, self.address)
 
     async def close(self) -> None:
         await self.channel.close()
 
 
 class PushCall:
-    """An open PushTensor call (forwarding.py pipes a relayed stream into it chunk by chunk)."""
+    """An open PushTensor call (forwarding.py pipes a relayed stream into it chunk by chunk). The
+    call starts with the first write (after the channel is ready, with a token: PeerClient.ready)."""
 
-    def __init__(self, call, address: str):
-        self._call = call
-        self.address = address
+    def __init__(self, client: PeerClient, timeout: float | None, wait_for_ready: bool):
+        self.client = client
+        self.address = client.address
+        self._timeout, self._wait_for_ready = timeout, wait_for_ready
+        self._call = None
+        self._sent = 0.0
+        self._cancelled = False
+
+    async def _started(self):
+        if self._call is None:
+            client = self.client
+            timeout = await client.ready(self._timeout, self._wait_for_ready)
+            self._sent = time.monotonic()
+            self._call = client._push(timeout=timeout, wait_for_ready=self._wait_for_ready,
+                                      metadata=client.metadata(PUSH_METHOD))
+            if self._cancelled:
+                self._call.cancel()
+        return self._call
 
     async def write(self, chunk: bytes) -> bool:
         """Write one encoded chunk; False once the call has ended (answered early, or failed):
         `result()` then says how."""
         try:
-            await self._call.write(chunk)
+            await (await self._started()).write(chunk)
         except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
             return False
         return True
 
     async def done_writing(self) -> None:
         with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):
-            await self._call.done_writing()
+            await (await self._started()).done_writing()
 
     async def result(self) -> pb.Ack:
         """The next hop's Ack; SendFailure if the call failed."""
         try:
-            return await self._call
+            return await (await self._started())
         except grpc.aio.AioRpcError as exc:
-            raise await failure_of(exc, self.address) from None
+            raise await self.client.failure(exc, self._sent) from None
 
     def cancel(self) -> None:
-        self._call.cancel()
+        self._cancelled = True
+        if self._call is not None:
+            self._call.cancel()
 
 
 class GrpcPath:
@@ -171,7 +226,8 @@ class GrpcPath:
     name = "grpc"
 
     def __init__(self, addresses: list[str], options: list[tuple[str, object]], chunk_bytes: int,
-                 security: Security = PLAINTEXT):
+                 security: Security = PLAINTEXT, rank: int = 0):
+        self.rank = rank  # this node: the sender named in every call's auth proof
         self.addresses = addresses  # shared with the node (rank order; "" until a joiner is heard of)
         self.options = options
         self.chunk_bytes = chunk_bytes
@@ -198,7 +254,7 @@ class GrpcPath:
         client = self._clients.get(peer)
         if client is None:
             client = self._clients[peer] = PeerClient(self.addresses[peer], self.options, self.chunk_bytes,
-                                                      self.security)
+                                                      self.security, sender=self.rank, receiver=peer)
         return client
 
     async def push(self, peer: int, header: pb.TensorHeader, payload: memoryview, timeout: float,
