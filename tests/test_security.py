@@ -169,7 +169,8 @@ def test_reflection_requires_the_token(pki):
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         method = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
         with pytest.raises(grpc.RpcError) as refused:  # the token itself is no longer accepted
-            list(stub.ServerReflectionInfo(iter([request]), timeout=5, metadata=(("authorization", f"Bearer {TOKEN}"),)))
+            list(stub.ServerReflectionInfo(iter([request]), timeout=5,
+                                           metadata=(("authorization", f"Bearer {TOKEN}"),)))
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         replies = list(stub.ServerReflectionInfo(iter([request]), timeout=5,
                                                  metadata=Security(token=TOKEN).call_metadata(method, "cli", "0")))
