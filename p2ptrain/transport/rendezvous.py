@@ -6,9 +6,10 @@ one a node hosts there when the address is its own and nothing answers at it yet
 Keys live under p2ptrain/<run id>/ (listed above KEY_PREFIX). A rank's address is set once (a second
 claim of a rank fails), the nodes agree on world_size, and nobody goes on before every node has read
 every address, so the process hosting the store never takes it away from a node still reading.
-This module only discovers the peer list. It never trains and never talks gRPC: node.py hands the
-addresses to the Transport (Transport.set_peer_addresses) once its server is bound, so the port
-published is the one the OS picked.
+With a token every value is signed (tokenauth.sign_value) and an unsigned one is never used; without
+one the store is unauthenticated. A hosted store listens on the --rendezvous host only. This module
+never trains and never talks gRPC: node.py hands the addresses to the Transport once its server is
+bound (Transport.set_peer_addresses), so the port published is the one the OS picked.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ import torch.distributed as dist
 
 from p2ptrain.addresses import host_of, is_wildcard, join_address, split_address, split_optional_port
 from p2ptrain.transport.errors import PeerError
+from p2ptrain.transport.security import read_token_file
+from p2ptrain.transport.tokenauth import STORE_TAG, open_value, sign_value
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,8 @@ log = logging.getLogger(__name__)
 #   next_rank       a counter (store.add): ranks for nodes given none, in arrival order
 #   next_joiner     a counter: ranks world_size, world_size + 1, ... for nodes that join an elastic run later
 #   address/<rank>  HOST:PORT of node <rank>, set once (compare_set): a second claim of a rank fails
+# With a token, world_size and address/<rank> hold "p2ptrain-signed-v1 <mac> <value>" (the counters,
+# store.add integers, cannot be signed: a stranger can disturb them, never name an address).
 #   joined          a counter of nodes that have read every address: nobody goes on before all have,
 #                   so the process hosting the store never takes it away from a node still reading
 KEY_PREFIX = "p2ptrain"   # then /<run id>/...
@@ -53,6 +58,8 @@ class RendezvousSettings(Protocol):
     rejoin: bool
     join: bool             # joins a running elastic run (a rank from world_size on)
     slots: int             # ranks the run may have: max_nodes in an elastic run, else world_size
+    auth_token: str | None       # the run's shared secret: store values are signed with it
+    auth_token_file: str | None
 
     def replace(self, **changes: Any) -> "RendezvousSettings":
         """A copy with `changes` (NodeConfig.replace)."""
@@ -73,7 +80,7 @@ def assign_rank(config: RendezvousSettings) -> RendezvousSettings:
     if config.rank_given:
         return config
     store = _run_store(config)
-    _agree_on_world_size(store, config)
+    _agree_on_world_size(StoreEntries(store, config), config)
     if config.join:
         rank = config.world_size + store.add("next_joiner", 1) - 1
         if rank >= config.slots:
@@ -97,32 +104,119 @@ def exchange_addresses(config: RendezvousSettings, port: int) -> list[str]:
     Hello names its address when it does)."""
     deadline = time.monotonic() + config.peer_timeout
     store = _run_store(config)
-    _agree_on_world_size(store, config)
+    entries = StoreEntries(store, config)
+    _agree_on_world_size(entries, config)
     me = advertised_address(config, port)
     key = f"address/{config.rank}"
     if config.rejoin or config.join:  # a restarted node takes its rank back, at its new address
-        store.set(key, me)
+        entries.set(key, me)
     else:
-        holder = store.compare_set(key, "", me).decode()
+        holder = entries.claim(key, me)
         if holder != me:
             raise RendezvousError(f"rendezvous {config.rendezvous} run {config.run_id!r}: rank {config.rank} claimed "
                                   f"twice: {holder} has it, so this node ({me}) cannot; give every node its own rank "
                                   "(--rank, RANK, SLURM_PROCID) or none at all, or a new --run-id for a new run")
     keys = [f"address/{rank}" for rank in range(config.world_size)]
-    _wait(lambda: store.check(keys), deadline, lambda: (
-        f"rendezvous {config.rendezvous} run {config.run_id!r}: after {config.peer_timeout:g}s no address from "
-        f"rank(s) {[r for r, k in enumerate(keys) if not store.check([k])]} of {config.world_size}"))
-    addresses = [store.get(k).decode() for k in keys]
-    addresses += [store.get(k).decode() if store.check([k]) else ""
-                  for k in (f"address/{rank}" for rank in range(config.world_size, config.slots))]
+    found: dict[str, str] = {}
+
+    def read_all() -> bool:
+        entries.read(key, own=me)  # (puts this node's entry back if a stranger overwrote it)
+        for k in keys:
+            if k not in found and (value := entries.read(k)) is not None:
+                found[k] = value
+        return len(found) == len(keys)
+
+    _wait(read_all, deadline, lambda: _missing(config, keys, found, entries))
+    addresses = [found[k] for k in keys]
+    addresses += [entries.read(f"address/{rank}") or "" for rank in range(config.world_size, config.slots)]
     if not (config.rejoin or config.join):
         store.add("joined", 1)
-        _wait(lambda: store.add("joined", 0) >= config.world_size, deadline, lambda: (
+
+        def all_joined() -> bool:
+            entries.read(key, own=me)
+            return store.add("joined", 0) >= config.world_size
+
+        _wait(all_joined, deadline, lambda: (
             f"rendezvous {config.rendezvous} run {config.run_id!r}: after {config.peer_timeout:g}s only "
             f"{store.add('joined', 0)} of {config.world_size} nodes read the addresses"))
     log.info("node %d: rendezvous %s run %r: this node at %s; peers %s", config.rank, config.rendezvous,
              config.run_id, me, ",".join(addresses))
     return addresses
+
+
+def _missing(config: RendezvousSettings, keys: list[str], found: dict[str, str], entries: "StoreEntries") -> str:
+    absent = [r for r, k in enumerate(keys) if k not in found and k not in entries.refused]
+    refused = [r for r, k in enumerate(keys) if k not in found and k in entries.refused]
+    problem = f"rendezvous {config.rendezvous} run {config.run_id!r}: after {config.peer_timeout:g}s "
+    if refused:
+        problem += (f"the address of rank(s) {refused} in the store is not signed with this node's auth token "
+                    "(a stranger wrote it, or that node has another token)")
+    if absent:
+        problem += ("; " if refused else "") + f"no address from rank(s) {absent} of {config.world_size}"
+    return problem
+
+
+class StoreEntries:
+    """The values p2ptrain writes to the run's store: signed with the token when one is set (and
+    checked on every read: an unsigned or wrongly signed value is refused with a warning and never
+    used), plain otherwise."""
+
+    def __init__(self, store: dist.Store, config: RendezvousSettings):
+        self.store = store
+        self.config = config
+        file = getattr(config, "auth_token_file", None)
+        self._token = read_token_file(file) if file else getattr(config, "auth_token", None)
+        self.refused: set[str] = set()  # keys whose value was refused (warned once each)
+
+    def _seal(self, key: str, value: str) -> bytes:
+        return sign_value(self._token, self.config.run_id, key, value) if self._token else value.encode()
+
+    def _open(self, key: str, raw: bytes) -> str | None:
+        """The value `raw` holds; None (with one warning per key) when it is not to be used."""
+        if self._token:
+            value = open_value(self._token, self.config.run_id, key, raw)
+        elif raw.startswith(STORE_TAG + b" "):
+            raise RendezvousError(f"rendezvous {self.config.rendezvous} run {self.config.run_id!r}: the store's "
+                                  "entries are signed with an auth token: give this node the run's token")
+        else:
+            value = raw.decode(errors="replace")
+        if value is None and key not in self.refused:
+            self.refused.add(key)
+            log.warning("rendezvous %s run %r: refused the store's %s: not signed with this node's auth token (a "
+                        "stranger wrote it, or that node has another token)", self.config.rendezvous,
+                        self.config.run_id, key)
+        elif value is not None:
+            self.refused.discard(key)
+        return value
+
+    def set(self, key: str, value: str) -> None:
+        self.store.set(key, self._seal(key, value))
+
+    def claim(self, key: str, value: str) -> str:
+        """Set `key` to `value` unless it holds a valid value already; the value it holds after.
+        A value that fails the check is no claim: it is replaced (atomically, compare_set)."""
+        sealed, expected = self._seal(key, value), b""
+        for _ in range(16):  # a stranger racing to rewrite it wins only this many times
+            holder = self.store.compare_set(key, expected, sealed)
+            if holder == sealed:
+                return value
+            held = self._open(key, holder)
+            if held is not None:
+                return held
+            expected = holder
+        raise RendezvousError(f"rendezvous {self.config.rendezvous} run {self.config.run_id!r}: the store's {key} "
+                              "keeps being rewritten with values not signed with this node's auth token")
+
+    def read(self, key: str, own: str | None = None) -> str | None:
+        """The valid value of `key`; None if it has none yet. `own`: this node's value of a key it
+        claimed: an invalid value found there is replaced with it."""
+        if not self.store.check([key]):
+            return None
+        raw = self.store.get(key)
+        value = self._open(key, raw)
+        if value is None and own is not None:
+            self.store.compare_set(key, raw, self._seal(key, own))
+        return value
 
 
 def advertised_address(config: RendezvousSettings, port: int) -> str:
@@ -225,10 +319,13 @@ def _connect(config: RendezvousSettings, host: str, port: int) -> dist.Store:
     may_host = config.rank == 0 or not config.rank_given  # never a node whose rank says it is not first
     if may_host and _is_local(host) and not _answers(host, port):
         try:  # rank 0 (torch's env:// convention) or the first unranked node hosts, unless a store runs there
-            store = dist.TCPStore(host, port, is_master=True, timeout=timeout, wait_for_workers=False)
-            log.info("%s: hosting the rendezvous store on port %d",
-                     f"node {config.rank}" if config.rank_given else "this node", port)
+            store = _host_store(host, port, timeout)
+            log.info("%s: hosting the rendezvous store on %s",
+                     f"node {config.rank}" if config.rank_given else "this node", join_address(host, port))
             return store
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise RendezvousError(f"cannot host the rendezvous store on {host}:{port}: {exc}") from None
         except RuntimeError as exc:
             if "EADDRINUSE" not in str(exc) and errno.errorcode[errno.EADDRINUSE] not in str(exc):
                 raise RendezvousError(f"cannot host the rendezvous store on {host}:{port}: "
@@ -241,8 +338,35 @@ def _connect(config: RendezvousSettings, host: str, port: int) -> dist.Store:
                               "hosts it when the address is its own") from None
 
 
-def _agree_on_world_size(store: dist.Store, config: RendezvousSettings) -> None:
-    said = store.compare_set("world_size", "", str(config.world_size)).decode()
+def _host_store(host: str, port: int, timeout: datetime.timedelta) -> dist.Store:
+    """A TCPStore server listening on `host` only (torch's own binds every interface): a socket
+    bound here and handed over (master_listen_fd); a wildcard host listens everywhere, as asked."""
+    if is_wildcard(host):
+        return dist.TCPStore(host, port, is_master=True, timeout=timeout, wait_for_workers=False)
+    error: OSError | None = None
+    for family, kind, proto, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            error = exc if error is None or exc.errno == errno.EADDRINUSE else error
+            continue
+        try:
+            store = dist.TCPStore(host, port, is_master=True, timeout=timeout, wait_for_workers=False,
+                                  master_listen_fd=sock.fileno())
+        except BaseException:
+            sock.close()
+            raise
+        sock.detach()  # the store's server owns the socket from here
+        return store
+    raise error or OSError(errno.EADDRNOTAVAIL, f"no address of {host} can be bound")
+
+
+def _agree_on_world_size(entries: StoreEntries, config: RendezvousSettings) -> None:
+    said = entries.claim("world_size", str(config.world_size))
     if said != str(config.world_size):
         raise RendezvousError(f"rendezvous {config.rendezvous} run {config.run_id!r}: world size mismatch: this node "
                               f"says {config.world_size}, the run's first node said {said}")
