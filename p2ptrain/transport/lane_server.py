@@ -4,11 +4,12 @@ Reception.space()). Everything else is PushTensor's: the same TensorHeader, chec
 Inbox (open / deliver), answered with the same Ack by the same Answers (reception.py), under the same
 message ids, so retries, DUPLICATE answers and settling work unchanged. Frames: laneframes.py.
 
-Bounds against broken or hostile clients: a connection silent for the Inbox's stream_idle_timeout
-inside a message or its handshake is cut and its reception dropped (`idle_stream`); one silent
-between messages for KEEPALIVE seconds is closed; at most MAX_HANDSHAKES connections may be
-unauthenticated at once, and each sender gets at most twice the Inbox's max_receptions_per_sender
-connections. A malformed frame is refused and its connection closed. Runs on the node's loop thread.
+Bounds against broken or hostile clients: from accept, a handshake (TLS, then the token's proof)
+must end within HANDSHAKE_SECONDS however its bytes trickle; at most MAX_HANDSHAKES connections (TLS
+ones included) may be in it at once, MAX_HANDSHAKES_PER_SOURCE from one address; a connection silent
+for the Inbox's stream_idle_timeout inside a message is cut (`idle_stream`), one silent between
+messages for KEEPALIVE seconds closed; each sender gets at most twice the Inbox's
+max_receptions_per_sender connections. A malformed frame is refused and its connection closed.
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ from p2ptrain.transport.validation import Rejection
 log = logging.getLogger(__name__)
 
 MAX_HANDSHAKES = 64          # unauthenticated connections at once; more are closed on arrival
+MAX_HANDSHAKES_PER_SOURCE = 32  # of them from one source address (nodes on one host share it)
+HANDSHAKE_SECONDS = 5.0      # from accept to an accepted proof (TLS handshake included), however bytes trickle
 DISCARD_BYTES = 256 * 1024   # scratch into which a refused message's payload is read and dropped
 SCAN_BYTES = 4 << 20         # payload bytes checked for NaN / Inf at a time while more arrive (Inbox.scan)
 
@@ -88,9 +91,14 @@ class LaneServer:
         self.port = 0
         self.connections: set[LaneReceiver] = set()
         self.per_sender: Counter[int] = Counter()  # authenticated connections per sender
-        self.handshaking = 0
+        self.handshaking = 0                        # connections accepted and not yet authenticated
+        self.handshaking_from: Counter[str] = Counter()  # of them, per source address
+        self.handshake_seconds = HANDSHAKE_SECONDS
+        self.turned_away = 0  # connections closed on arrival: too many handshakes
+        self.admissions: set[Admission] = set()
         self.scratch = memoryview(bytearray(DISCARD_BYTES))  # shared: what lands here is dropped
-        self._server: asyncio.AbstractServer | None = None
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
 
     async def start(self, host: str, port: int, avoid: frozenset[int] = frozenset()) -> int:
         """Listen on host:port; returns the port. Port 0: one the OS picks, never one of `avoid`
@@ -104,11 +112,44 @@ class LaneServer:
         for held in taken:
             held.close()
         self.port = sock.getsockname()[1]
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: LaneReceiver(self), sock=sock, ssl=self.ssl,
-            ssl_handshake_timeout=self.inbox.stream_idle_timeout if self.ssl else None)
+        self._listener = sock
+        self._accepting = asyncio.get_running_loop().create_task(self._accept(sock))
         return self.port
+
+    async def _accept(self, sock: socket.socket) -> None:
+        """Accept plain TCP connections, count each among the handshakes, then start its TLS (when
+        set) under the handshake's deadline: a silent TLS client holds a counted slot, never more."""
+        loop = asyncio.get_running_loop()
+        failures = 0
+        while True:
+            try:
+                conn, peer = await loop.sock_accept(sock)
+            except OSError as exc:  # out of descriptors, ...: try again shortly
+                failures += 1
+                if failures == 1 or failures % 100 == 0:
+                    log.warning("node %d: the lane could not accept a connection: %s", self.rank, exc)
+                await asyncio.sleep(0.05)
+                continue
+            source = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+            if self.handshaking >= MAX_HANDSHAKES or self.handshaking_from[source] >= MAX_HANDSHAKES_PER_SOURCE:
+                self.turned_away += 1
+                if self.turned_away == 1 or self.turned_away % 100 == 0:
+                    log.warning("node %d: %d lane connections await their handshake (%d from %s); turned away %d so "
+                                "far", self.rank, self.handshaking, self.handshaking_from[source], source,
+                                self.turned_away)
+                conn.close()
+                continue
+            admission = Admission(self, source)
+            admission.task = loop.create_task(self._connect(conn, admission))
+
+    async def _connect(self, conn: socket.socket, admission: "Admission") -> None:
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(
+                lambda: LaneReceiver(self, admission), conn, ssl=self.ssl,
+                ssl_handshake_timeout=self.handshake_seconds if self.ssl else None)
+        except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - it costs this connection only
+            log.debug("node %d: a lane handshake from %s failed: %r", self.rank, admission.source, exc)
+            admission.release()  # (the loop closed the socket it was handed)
 
     @property
     def max_connections_per_sender(self) -> int:
@@ -116,15 +157,54 @@ class LaneServer:
 
     async def stop(self) -> None:
         """Stop listening and cut every connection (an open reception is dropped)."""
-        if self._server is not None:
-            self._server.close()
+        if self._accepting is not None:
+            self._accepting.cancel()
+        if self._listener is not None:
+            self._listener.close()
+        for admission in list(self.admissions):
+            admission.expire()
         for connection in list(self.connections):
             connection.transport.abort()
-        if self._server is not None:
-            try:
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)
-            except asyncio.TimeoutError:
-                pass
+        await asyncio.sleep(0)  # (lets the cut connections and handshakes clean up)
+
+
+class Admission:
+    """An accepted connection's place among the handshakes (counted from accept, TLS included) and
+    its absolute deadline: at it, a connection not yet authenticated is cut, however it trickles."""
+
+    def __init__(self, server: LaneServer, source: str):
+        self.server, self.source = server, source
+        self.receiver: LaneReceiver | None = None  # once connected (after TLS)
+        self.task: asyncio.Task | None = None       # the TLS handshake / connect
+        self.done = False
+        server.handshaking += 1
+        server.handshaking_from[source] += 1
+        server.admissions.add(self)
+        self._timer = asyncio.get_running_loop().call_later(server.handshake_seconds, self.expire)
+
+    def release(self) -> None:
+        """The handshake ended (authenticated, refused or cut): its slot is free."""
+        if self.done:
+            return
+        self.done = True
+        self._timer.cancel()
+        server = self.server
+        server.handshaking -= 1
+        server.handshaking_from[self.source] -= 1
+        if not server.handshaking_from[self.source]:
+            del server.handshaking_from[self.source]
+        server.admissions.discard(self)
+
+    def expire(self) -> None:
+        if self.done:
+            return
+        if self.receiver is not None:
+            log.debug("node %d: a lane connection from %s did not finish its handshake within %g s",
+                      self.server.rank, self.source, self.server.handshake_seconds)
+            self.receiver.transport.abort()
+        elif self.task is not None:
+            self.task.cancel()  # TLS still under way: the loop closes the socket
+        self.release()
 
 
 _FRAME, _PAYLOAD, _DISCARD = "frame", "payload", "discard"
@@ -134,8 +214,9 @@ class LaneReceiver(asyncio.BufferedProtocol):
     """One incoming lane connection. Reads exactly what the current part needs (frame prefix, frame
     body, payload, skipped payload), so payload bytes land in the reception's buffer and nowhere else."""
 
-    def __init__(self, server: LaneServer):
+    def __init__(self, server: LaneServer, admission: Admission):
         self.server = server
+        self.admission = admission
         self.answers = server.answers
         self.transport: asyncio.BaseTransport | None = None
         self.sender: int | None = None  # authenticated peer: every header must name it
@@ -158,12 +239,10 @@ class LaneReceiver(asyncio.BufferedProtocol):
         self.transport = transport
         server = self.server
         server.connections.add(self)
-        if server.handshaking >= MAX_HANDSHAKES:
-            log.warning("node %d: %d lane connections await their handshake; refusing another", server.rank,
-                        server.handshaking)
+        self.admission.receiver = self
+        if self.admission.done:  # (its deadline passed as TLS finished)
             transport.abort()
             return
-        server.handshaking += 1
         self._handshaking = True
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -216,9 +295,7 @@ class LaneReceiver(asyncio.BufferedProtocol):
         server.connections.discard(self)
         if self._timer is not None:
             self._timer.cancel()
-        if self._handshaking:
-            self._handshaking = False
-            server.handshaking -= 1
+        self._end_handshake()
         if self.sender is not None:
             server.per_sender[self.sender] -= 1
             if not server.per_sender[self.sender]:
@@ -238,10 +315,13 @@ class LaneReceiver(asyncio.BufferedProtocol):
                 return
         self._handler(self._frame)
 
+    def _end_handshake(self) -> None:
+        self._handshaking = False
+        self.admission.release()
+
     def _on_auth(self, body: bytearray) -> None:
         server = self.server
-        self._handshaking = False
-        server.handshaking -= 1
+        self._end_handshake()
         auth = decode(pb.LaneAuth, body)
         refusal = self._check_auth(auth)
         if refusal is not None:
@@ -358,4 +438,5 @@ class LaneReceiver(asyncio.BufferedProtocol):
         self.transport.close()
 
 
-__all__ = ["LaneServer", "listening_socket", "KEEPALIVE", "MAX_HANDSHAKES"]
+__all__ = ["Admission", "LaneServer", "listening_socket", "HANDSHAKE_SECONDS", "KEEPALIVE", "MAX_HANDSHAKES",
+           "MAX_HANDSHAKES_PER_SOURCE"]
