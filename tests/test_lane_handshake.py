@@ -154,3 +154,21 @@ def test_an_honest_node_pair_still_uses_the_lane(pki, tls):  # noqa: F811
     finally:
         for t in pair:
             t.stop()
+
+
+def test_silent_plain_sockets_from_one_source_leave_room_for_others():
+    """The per-source cap without TLS: silent sockets from 127.0.0.2 hold at most their share, and a
+    node connecting from 127.0.0.1 meanwhile is authenticated at once."""
+    t = node(Security(token=TOKEN))
+    flood: list[socket.socket] = []
+    try:
+        flood = [connect(t.lane_port, source="127.0.0.2") for _ in range(MAX_HANDSHAKES_PER_SOURCE + 12)]
+        wait_until(lambda: on_loop(t, lambda: t.lane_server.turned_away) >= 12, 10, "the surplus turned away")
+        assert handshaking(t)[1] == {"127.0.0.2": MAX_HANDSHAKES_PER_SOURCE}
+        with RawLane(t.lane_port, sender=1, receiver=0, token=TOKEN) as friend:
+            assert friend.verdict.accepted
+        wait_until(lambda: handshaking(t) == (0, {}), 30, "the deadline freed every slot")
+    finally:
+        for sock in flood:
+            sock.close()
+        t.stop()
