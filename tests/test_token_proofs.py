@@ -27,6 +27,7 @@ from p2ptrain.transport.tokenauth import (
     ReplayCache,
     authorization,
 )
+from tests.test_relay import forwarded
 
 TOKEN = "a-shared-secret-for-the-proof-tests"
 
@@ -193,3 +194,23 @@ def test_parameter_server_calls_carry_proofs_for_ps():
                 done(pb.DoneRequest(worker=0, steps=1), timeout=10,
                      metadata=Security(token=TOKEN).call_metadata(DONE_METHOD, "0", "0"))
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_relayed_push_carries_a_proof_per_hop():
+    """A relay authenticates to the next hop as itself (its own proof for that hop): 0 -> 1 -> 2."""
+    peers = [f"127.0.0.1:{p}" for p in free_ports(3)]
+    options = TransportOptions(send_timeout=10.0, shutdown_grace=0.2, security=Security(token=TOKEN),
+                               data_plane="grpc", relay_routes=["0->2:1"])
+    cluster = [Transport(r, 3, peers, listen=peers[r], metrics=NodeMetrics(r), options=options).start()
+               for r in range(3)]
+    try:
+        cluster[2].expect(pb.MESSAGE_KIND_GOSSIP, torch.float32, 4)
+        x = torch.arange(4, dtype=torch.float32)
+        assert cluster[0].sender.send(2, x, kind=pb.MESSAGE_KIND_GOSSIP, step=0).result(15).status == \
+            pb.Ack.STATUS_ACCEPTED
+        assert torch.equal(cluster[2].recv(pb.MESSAGE_KIND_GOSSIP, 0, [0], timeout=10)[0].tensor, x)
+        assert [_rejected(t) for t in cluster] == [0, 0, 0]
+        assert forwarded(cluster[1]) == 1  # it did go through node 1
+    finally:
+        for t in cluster:
+            t.stop()
