@@ -157,8 +157,9 @@ class LaneServer:
 
     async def stop(self) -> None:
         """Stop listening and cut every connection (an open reception is dropped)."""
-        if self._accepting is not None:
+        if self._accepting is not None:  # stop accepting before the socket goes (the loop still watches it)
             self._accepting.cancel()
+            await asyncio.wait([self._accepting], timeout=1.0)
         if self._listener is not None:
             self._listener.close()
         for admission in list(self.admissions):
