@@ -5,6 +5,7 @@ one receiver, once, and the token is not in it. Raw clients against real Transpo
 from __future__ import annotations
 
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -16,7 +17,7 @@ from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.metrics import NodeMetrics
 from p2ptrain.ps.client import PsClient
 from p2ptrain.ps.server import DONE_METHOD, ParameterServer
-from p2ptrain.transport import SendFailure, Transport, TransportOptions
+from p2ptrain.transport import SendFailure, Transport, TransportOptions, tokenauth
 from p2ptrain.transport.framing import encode_header, serialize_identity
 from p2ptrain.transport.security import Security
 from p2ptrain.transport.server import HELLO_METHOD, PROTOCOL_VERSION, PUSH_METHOD, SERVICE_NAME
@@ -214,3 +215,28 @@ def test_a_relayed_push_carries_a_proof_per_hop():
     finally:
         for t in cluster:
             t.stop()
+
+
+def test_a_call_that_waits_for_its_peer_sends_a_fresh_proof(monkeypatch):
+    """A Hello made while its peer is still down waits for the channel first and makes its proof
+    when it goes out: with 1 s windows it outlives the window it was started in, and is accepted."""
+    monkeypatch.setattr(tokenauth, "WINDOW_SECONDS", 1)  # (both sides of this process use it)
+    peers = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    options = TransportOptions(send_timeout=20.0, shutdown_grace=0.2, security=Security(token=TOKEN),
+                               data_plane="grpc")
+    node0 = Transport(0, 2, peers, listen=peers[0], options=options).start()
+    node1 = None
+    answered: list = []
+    waiter = threading.Thread(target=lambda: answered.append(node0.membership.hello(1, timeout=20)))
+    try:
+        waiter.start()
+        time.sleep(3.5)  # more than the ±1 window a proof made at the start would be accepted in
+        node1 = Transport(1, 2, peers, listen=peers[1], metrics=NodeMetrics(1), options=options).start()
+        waiter.join(30)
+        assert answered and answered[0].node_id == 1
+        assert _rejected(node1) == 0
+    finally:
+        waiter.join(30)
+        for t in (node0, node1):
+            if t is not None:
+                t.stop()

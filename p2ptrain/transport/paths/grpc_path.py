@@ -106,7 +106,8 @@ class PeerClient:
     async def ready(self, timeout: float | None, wait_for_ready: bool) -> float | None:
         """With a token, wait (within `timeout`) for the channel to connect before a call that would
         wait for the peer, so that its proof is fresh when sent; the time left of `timeout`."""
-        if not (wait_for_ready and self.security.token):
+        if not (wait_for_ready and self.security.token) or \
+                self.channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
             return timeout
         started = time.monotonic()
         try:
