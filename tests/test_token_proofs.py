@@ -240,3 +240,18 @@ def test_a_call_that_waits_for_its_peer_sends_a_fresh_proof(monkeypatch):
         for t in (node0, node1):
             if t is not None:
                 t.stop()
+
+
+def test_a_worker_that_waits_for_the_parameter_server_retries_with_a_fresh_proof(monkeypatch):
+    monkeypatch.setattr(tokenauth, "WINDOW_SECONDS", 1)
+    port = free_ports(1)[0]
+    theta0 = torch.arange(4, dtype=torch.float32)
+    pulled: list = []
+    with PsClient(f"127.0.0.1:{port}", 0, timeout=20, security=Security(token=TOKEN)) as worker:
+        waiter = threading.Thread(target=lambda: pulled.append(worker.pull()))
+        waiter.start()
+        time.sleep(3.5)  # the Pull's proof is stale by the time the server answers
+        with ParameterServer(theta0, 1, listen=f"127.0.0.1:{port}", shutdown_grace=0.2,
+                             security=Security(token=TOKEN)):
+            waiter.join(30)
+    assert pulled and torch.equal(pulled[0][0], theta0)

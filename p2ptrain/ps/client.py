@@ -18,6 +18,7 @@ import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.ps.server import COMMIT_METHOD, DONE_METHOD, PULL_METHOD, grpc_options
+from p2ptrain.transport import tokenauth
 from p2ptrain.transport.framing import (
     DEFAULT_CHUNK_BYTES,
     FramingError,
@@ -30,7 +31,6 @@ from p2ptrain.transport.framing import (
 )
 from p2ptrain.transport.security import PLAINTEXT, PS_NAME, Security
 from p2ptrain.transport.server import PROTOCOL_VERSION
-from p2ptrain.transport.tokenauth import WINDOW_SECONDS
 
 _RETRY_CODES = (grpc.StatusCode.UNAVAILABLE,)
 
@@ -74,7 +74,7 @@ class PsClient:
         """A proof refused after the call waited a time window or more for the server (it came up
         late): retried once with a fresh one."""
         return bool(self.security.token) and exc.code() == grpc.StatusCode.UNAUTHENTICATED \
-            and time.monotonic() - sent >= WINDOW_SECONDS
+            and time.monotonic() - sent >= tokenauth.WINDOW_SECONDS
 
     def pull(self, out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
         """(θ, its version). θ lands in `out` (CPU float32, contiguous, of θ's size) when given;

@@ -15,10 +15,10 @@ import grpc
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.addresses import split_address
+from p2ptrain.transport import tokenauth
 from p2ptrain.transport.errors import FailureKind, SendFailure
 from p2ptrain.transport.framing import encode_header, iter_data_chunks, serialize_identity
 from p2ptrain.transport.security import PLAINTEXT, Security
-from p2ptrain.transport.tokenauth import WINDOW_SECONDS
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Peer"].full_name  # "p2ptrain.v1.Peer"
 PUSH_METHOD = f"/{SERVICE_NAME}/PushTensor"
@@ -162,7 +162,7 @@ class PeerClient:
         """failure_of; but a refused proof made a window or more ago (the call waited for a peer
         that went away and came back) is a timeout, which the sender retries with a fresh one."""
         if exc.code() == grpc.StatusCode.UNAUTHENTICATED and self.security.token \
-                and time.monotonic() - sent >= WINDOW_SECONDS:
+                and time.monotonic() - sent >= tokenauth.WINDOW_SECONDS:
             return SendFailure(FailureKind.TIMEOUT, f"the call's auth proof expired while it waited "
                                                     f"({failure_from(exc).detail})")
         return await failure_of(exc, self.address)
