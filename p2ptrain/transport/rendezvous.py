@@ -341,10 +341,15 @@ def _connect(config: RendezvousSettings, host: str, port: int) -> dist.Store:
 def _host_store(host: str, port: int, timeout: datetime.timedelta) -> dist.Store:
     """A TCPStore server listening on `host` only (torch's own binds every interface): a socket
     bound here and handed over (master_listen_fd); a wildcard host listens everywhere, as asked."""
-    if is_wildcard(host):
+    infos = [] if is_wildcard(host) else socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    if not infos or (not _names_loopback(host) and all(_is_loopback(info[4][0]) for info in infos)):
+        # A wildcard; or a machine name that resolves to loopback only here (a hosts file mapping it
+        # to 127.0.1.1) while other machines reach it by that name: every interface, as asked / needed.
+        if infos:
+            log.warning("rendezvous store %s resolves to loopback here: hosting it on every interface", host)
         return dist.TCPStore(host, port, is_master=True, timeout=timeout, wait_for_workers=False)
     error: OSError | None = None
-    for family, kind, proto, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+    for family, kind, proto, _, sockaddr in infos:
         sock = socket.socket(family, kind, proto)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -410,6 +415,13 @@ def _names_loopback(host: str) -> bool:
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
     except ValueError:
         return False
 
