@@ -191,7 +191,20 @@ class NodeConfig:
             need(not self.tls_ca or bool(self.tls_cert),
                  f"a TLS {'parameter server' if self.role == 'ps' else 'node'} needs --tls-cert and --tls-key "
                  "besides --tls-ca")
+        if self.tls_require_client_cert and self.tls_cert:
+            self._validate_identity()
         return self
+
+    def _validate_identity(self) -> None:
+        """Mutual TLS: a certificate that names a p2ptrain node (`p2ptrain pki issue`) must name this
+        one (its rank, or "ps"), of this run (run_id)."""
+        from p2ptrain.transport.peer_identity import own_identity  # reads the certificate
+        from p2ptrain.transport.security import security_from_settings
+
+        try:
+            own_identity(security_from_settings(self.security), "ps" if self.role == "ps" else self.rank, self.run_id)
+        except ValueError as exc:  # SecurityError
+            raise ConfigError(str(exc)) from None
 
     def _validate_algorithm(self) -> None:
         spec = self.algorithm_spec
