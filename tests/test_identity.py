@@ -110,30 +110,31 @@ class RawPeer:
 
     def __init__(self, certs: Path, address: str, holder: int):
         self.channel = grpc.secure_channel(address, credentials(certs, holder))
-        self._push = self.channel.stream_unary(PUSH_METHOD, request_serializer=serialize_identity,
-                                               response_deserializer=pb.Ack.FromString)
-        self._hello = self.channel.unary_unary(HELLO_METHOD, request_serializer=pb.HelloRequest.SerializeToString,
-                                               response_deserializer=pb.HelloReply.FromString)
-        self._settle = self.channel.unary_unary(SETTLE_METHOD, request_serializer=pb.SettleRequest.SerializeToString,
-                                                response_deserializer=pb.SettleReply.FromString)
+        self.push_call = self.channel.stream_unary(PUSH_METHOD, request_serializer=serialize_identity,
+                                                   response_deserializer=pb.Ack.FromString)
+        self.hello_call = self.channel.unary_unary(HELLO_METHOD, request_serializer=pb.HelloRequest.SerializeToString,
+                                                   response_deserializer=pb.HelloReply.FromString)
+        self.settle_call = self.channel.unary_unary(SETTLE_METHOD,
+                                                    request_serializer=pb.SettleRequest.SerializeToString,
+                                                    response_deserializer=pb.SettleReply.FromString)
 
     def push(self, header: pb.TensorHeader, data: bytes):
         """The Ack, or the status code of the refused call."""
         try:
-            return self._push(iter([encode_header(header), encode_data(data)]), timeout=10)
+            return self.push_call(iter([encode_header(header), encode_data(data)]), timeout=10)
         except grpc.RpcError as exc:
             return exc.code()
 
     def hello(self, node_id: int, **fields):
         try:
-            return self._hello(pb.HelloRequest(node_id=node_id, world_size=3, protocol_version=PROTOCOL_VERSION,
+            return self.hello_call(pb.HelloRequest(node_id=node_id, world_size=3, protocol_version=PROTOCOL_VERSION,
                                                **fields), timeout=10)
         except grpc.RpcError as exc:
             return exc.code()
 
     def settle(self, sender: int, ids: list[int]):
         try:
-            return self._settle(pb.SettleRequest(sender=sender, message_ids=ids), timeout=10)
+            return self.settle_call(pb.SettleRequest(sender=sender, message_ids=ids), timeout=10)
         except grpc.RpcError as exc:
             return exc.code()
 
