@@ -29,7 +29,7 @@ from p2ptrain.topology import member_topology
 from p2ptrain.train.optimizer import DecentralizedOptimizer
 from p2ptrain.transport import Transport, TransportOptions
 from p2ptrain.transport.framing import encode_data, encode_header, serialize_identity, tensor_bytes
-from p2ptrain.transport.peer_identity import identity_check, same_run
+from p2ptrain.transport.peer_identity import identity_check, same_run, server_problem
 from p2ptrain.transport.security import Security, SecurityError
 from p2ptrain.transport.server import HELLO_METHOD, PROTOCOL_VERSION, PUSH_METHOD, SETTLE_METHOD
 from tests.cluster import run_cluster
@@ -273,6 +273,33 @@ def test_a_worker_cannot_pull_commit_or_say_done_as_another(certs):
         assert torch.equal(server.theta()[1], torch.ones(N))
     finally:
         server.stop()
+
+
+def test_a_worker_does_not_commit_to_a_server_that_is_not_the_parameter_server(certs):
+    """A server holding node 1's certificate (serving TLS without asking for client certificates,
+    so that it starts) passes for the parameter server at the CA and host-name check: the worker
+    pulls, then finds the server's certificate names node 1 and neither commits nor says Done."""
+    impostor = ParameterServer(torch.zeros(N), 3, listen="127.0.0.1:0", shutdown_grace=0.2,
+                               security=security(certs, 1, mutual=False)).start()
+    real = ParameterServer(torch.zeros(N), 3, listen="127.0.0.1:0", shutdown_grace=0.2,
+                           security=security(certs, "ps")).start()
+    try:
+        address = f"127.0.0.1:{impostor.port}"
+        assert server_problem(security(certs, 0), f"127.0.0.1:{real.port}") is None
+        assert "names p2ptrain://run-23/1" in server_problem(security(certs, 0), address)
+        assert server_problem(security(certs, 0, mutual=False), address) is None  # identity not in force
+        with PsClient(address, 0, security=security(certs, 0), timeout=10, retries=0) as worker:
+            with pytest.raises(PsError, match="not the parameter server of run 'run-23'") as refused:
+                worker.pull()
+            assert refused.value.reason == "identity"
+            for call in (lambda: worker.commit(torch.ones(N), 0), lambda: worker.done(1)):
+                with pytest.raises(PsError, match="identity"):
+                    call()
+        assert impostor.stats()["commits_per_worker"] == [0, 0, 0]
+        assert torch.equal(impostor.theta()[1], torch.zeros(N))
+    finally:
+        impostor.stop()
+        real.stop()
 
 
 # -- start-up -------------------------------------------------------------------------------------------------------

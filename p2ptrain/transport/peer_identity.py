@@ -6,16 +6,20 @@ peer's claim to be node r (a header's sender, a Hello's node_id, a worker id) is
 connection whose certificate names r of the same run; a relayed message is judged by the hop that
 brought it (TensorHeader.via). `identity_check` returns None otherwise: nothing is checked.
 `IdentityCheck` reads the peer's certificate from a grpc.aio ServicerContext or a lane's TLS
-transport and decides; the servers refuse and count (reason IDENTITY). No gRPC types here.
+transport and decides; the servers refuse and count (reason IDENTITY). `server_problem`: a client's
+look at the certificate of the server it calls (the parameter server's workers). No gRPC types here.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import re
+import socket
+import ssl
 import time
 from pathlib import Path
 
+from p2ptrain.addresses import split_address
 from p2ptrain.pki import PS_NAME, CertIdentity, PkiError, certificate_identities, certificate_identity
 from p2ptrain.transport.security import DRAIN_BYTES, DRAIN_SECONDS, Security, SecurityError
 
@@ -27,9 +31,8 @@ _CACHE_SIZE = 256          # peer certificates whose identity is remembered (one
 _SHOWN = 40                # characters of a peer-controlled string that reach a log line or an answer
 
 
-def own_identity(security: Security, name: int | str, run_id: str | None = None) -> CertIdentity | None:
-    """The identity this process's own certificate names, checked against its own `name` (rank or
-    "ps") and, when given, the run id of its settings; None when identity is not in force (no mutual
+def certified_identity(security: Security) -> CertIdentity | None:
+    """The node this process's own certificate names; None when identity is not in force (no mutual
     TLS, or a certificate naming no p2ptrain node). Raises SecurityError with a one-line reason."""
     if not (security.require_client_cert and security.tls_cert):
         return None
@@ -45,7 +48,16 @@ def own_identity(security: Security, name: int | str, run_id: str | None = None)
     if len(found) > 1:
         raise SecurityError(f"the TLS certificate {path} names {len(found)} p2ptrain nodes "
                             f"({', '.join(i.uri for i in found)[:200]}); a node's certificate names one")
-    identity = found[0]
+    return found[0]
+
+
+def own_identity(security: Security, name: int | str, run_id: str | None = None) -> CertIdentity | None:
+    """certified_identity, checked against this process's own `name` (rank or "ps") and, when
+    given, the run id of its settings. Raises SecurityError with a one-line reason."""
+    identity = certified_identity(security)
+    if identity is None:
+        return None
+    path = security.tls_cert
     expected = str(name)
     if identity.name != expected:
         what = "the parameter server" if expected == PS_NAME else f"node {expected}"
@@ -143,6 +155,37 @@ class IdentityCheck:
         return detail
 
 
+def server_problem(security: Security, address: str, expected: int | str = PS_NAME,
+                   timeout: float = 10.0) -> str | None:
+    """Why the server at `address` ("host:port") is not node `expected` of this process's run;
+    None if it is, or when identity is not in force here. gRPC shows a client no certificate, so
+    this opens one TLS connection of its own (CA and host name checked as the lane does) and reads
+    the server's. Raises OSError when the server cannot be reached."""
+    own = certified_identity(security)
+    context = security.lane_client_context()
+    if own is None or context is None:
+        return None
+    split = split_address(address)
+    if split is None:
+        return None  # (unix sockets and the like: nothing to look at)
+    host, port = split
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as raw, \
+                context.wrap_socket(raw, server_hostname=security.lane_server_name(host)) as tls:
+            certificate = tls.getpeercert(binary_form=True)
+    except ssl.SSLError as exc:
+        return f"the TLS handshake with {_shown(address)} failed: {exc.reason or exc}"
+    try:
+        identity = certificate_identity(certificate, own.run_id) if certificate else None
+    except (PkiError, ValueError):
+        identity = None
+    if identity is not None and identity.name == str(expected):
+        return None
+    what = "the parameter server" if str(expected) == PS_NAME else f"node {expected}"
+    return (f"the server at {_shown(address)} is not {what} of run {own.run_id!r}: its certificate names "
+            f"{identity.uri if identity is not None else 'no node of this run'}")
+
+
 async def drain(chunks, max_bytes: int = DRAIN_BYTES, seconds: float = DRAIN_SECONDS) -> None:
     """Read and drop what is left of a refused client stream (at most `max_bytes`, for at most
     `seconds`): a call ended while its caller still writes can reach it as a broken stream instead
@@ -168,4 +211,5 @@ def _who(peer: str | None) -> str:
     return f"node {_shown(peer)}" if peer is not None else "no node of this run"
 
 
-__all__ = ["IDENTITY", "LOG_INTERVAL", "IdentityCheck", "drain", "identity_check", "own_identity", "same_run"]
+__all__ = ["IDENTITY", "LOG_INTERVAL", "IdentityCheck", "certified_identity", "drain", "identity_check",
+           "own_identity", "same_run", "server_problem"]
