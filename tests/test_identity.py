@@ -151,8 +151,8 @@ def test_a_certified_node_cannot_push_hello_or_settle_as_another(certs, caplog):
         raw = RawPeer(certs, node.peers[0], holder=1)
         try:
             with caplog.at_level(logging.WARNING):
-                forged, data = message(sender=2)
-                assert raw.push(forged, data) == grpc.StatusCode.PERMISSION_DENIED
+                forged, forged_data = message(sender=2)
+                assert raw.push(forged, forged_data) == grpc.StatusCode.PERMISSION_DENIED
                 assert raw.hello(2, ready=True, lane_port=4242, address="10.9.9.9:1") == \
                     grpc.StatusCode.PERMISSION_DENIED
                 assert raw.settle(2, [forged.message_id]) == grpc.StatusCode.PERMISSION_DENIED
@@ -175,6 +175,15 @@ def test_a_certified_node_cannot_push_hello_or_settle_as_another(certs, caplog):
             wait_until(lambda: 1 in greetings.announced, 5, "node 1's Hello")
             assert isinstance(raw.settle(1, [honest.message_id]), pb.SettleReply)
             assert rejected(node.metrics) == 3
+
+            # the refused Settle voided nothing: node 2 itself delivers the message it named
+            real = RawPeer(certs, node.peers[0], holder=2)
+            try:
+                ack = real.push(forged, forged_data)
+                assert isinstance(ack, pb.Ack) and ack.status == pb.Ack.STATUS_ACCEPTED, ack
+                assert [(m.sender, m.tensor[0].item()) for m in node.take(KIND, 2 ** 40)] == [(2, 3.0)]
+            finally:
+                real.close()
         finally:
             raw.close()
 
