@@ -335,6 +335,23 @@ def test_a_node_whose_certificate_names_another_node_or_run_does_not_start(certs
     assert same_run(RUN, RUN) and not same_run(RUN, "run-2") and not same_run(RUN, f"{RUN}-restartx")
 
 
+def test_a_node_given_no_rank_takes_the_one_its_certificate_names(certs):
+    """Under a rendezvous no source need give a rank (the store would hand out one in arrival order,
+    which would not be the certified one): the certificate gives it."""
+    def flags(cert: str, **kw) -> dict:
+        return {"world_size": 4, "rendezvous": "127.0.0.1:29999", "run_id": RUN, "tls_cert": str(certs / f"{cert}.crt"),
+                "tls_key": str(certs / f"{cert}.key"), "tls_ca": str(certs / "ca.crt"),
+                "tls_require_client_cert": True, **kw}
+
+    config = NodeConfig.from_sources(env={}, flags=flags("node-2"))
+    assert config.rank == 2 and config.rank_given
+    assert NodeConfig.from_sources(env={}, flags=flags("node-2", rank=2)).rank == 2
+    with pytest.raises(ConfigError, match="this process is node 1, but"):  # a rank given is never overridden
+        NodeConfig.from_sources(env={}, flags=flags("node-2", rank=1))
+    plain = NodeConfig.from_sources(env={}, flags=flags("node-2", tls_require_client_cert=False))
+    assert plain.rank == 0 and not plain.rank_given  # without mutual TLS: as before, the store assigns it
+
+
 # -- a cluster ------------------------------------------------------------------------------------------------------
 def test_an_identified_mutual_tls_cluster_trains_normally(certs):
     """Three nodes, each with its own certificate, run SGP (models start at 0, 3, 6; no gradient):
