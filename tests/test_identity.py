@@ -188,6 +188,23 @@ def test_a_certified_node_cannot_push_hello_or_settle_as_another(certs, caplog):
             raw.close()
 
 
+def test_a_forged_stream_still_being_written_gets_the_refusal_not_a_broken_stream(certs):
+    """The refusal comes after the header, while 16 MiB are still on their way: the caller sees
+    PERMISSION_DENIED (not a broken stream, which a sender would retry), and nothing arrives."""
+    with nodes(certs, 3, [0]) as t:
+        raw = RawPeer(certs, t[0].peers[0], holder=1)
+        try:
+            forged, _ = message(sender=2)
+            forged.payload_bytes = 16 << 20
+            chunks = [encode_header(forged), *(encode_data(bytes(1 << 20)) for _ in range(16))]
+            with pytest.raises(grpc.RpcError) as refused:
+                raw.push_call(iter(chunks), timeout=20)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value
+            assert rejected(t[0].metrics) == 1 and t[0].take(KIND, 2 ** 40) == []
+        finally:
+            raw.close()
+
+
 def test_without_mutual_tls_nothing_is_checked(certs):
     """The same certificates without require_client_cert: identity is not in force, and the node
     behaves exactly as before (the claim is taken as it is)."""
