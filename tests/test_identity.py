@@ -205,11 +205,16 @@ def test_a_forged_stream_still_being_written_gets_the_refusal_not_a_broken_strea
             raw.close()
 
 
-def test_without_mutual_tls_nothing_is_checked(certs):
+def test_without_mutual_tls_nothing_is_checked(certs, tmp_path):
     """The same certificates without require_client_cert: identity is not in force, and the node
     behaves exactly as before (the claim is taken as it is)."""
     assert identity_check(security(certs, 0, mutual=False), 0) is None
     assert identity_check(security(certs, 0), 0) is not None
+    # a certificate that is none (TLS reports it when it loads it, as it always did) names no node either
+    (tmp_path / "cert.pem").write_text("not a certificate\n")
+    garbage = Security(tls_cert=str(tmp_path / "cert.pem"), tls_key=str(tmp_path / "cert.pem"),
+                       tls_ca=str(certs / "ca.crt"), require_client_cert=True)
+    assert identity_check(garbage, 0) is None
     with nodes(certs, 3, [0], mutual=False) as t:
         raw = RawPeer(certs, t[0].peers[0], holder=1)
         try:

@@ -33,16 +33,16 @@ _SHOWN = 40                # characters of a peer-controlled string that reach a
 
 def certified_identity(security: Security) -> CertIdentity | None:
     """The node this process's own certificate names; None when identity is not in force (no mutual
-    TLS, or a certificate naming no p2ptrain node). Raises SecurityError with a one-line reason."""
+    TLS, or a certificate naming no p2ptrain node; one that cannot be read or parsed names none, and
+    TLS says what is wrong with it when it loads it, as without identity). Raises SecurityError with
+    a one-line reason for a certificate naming several nodes."""
     if not (security.require_client_cert and security.tls_cert):
         return None
     path = security.tls_cert
     try:
         found = certificate_identities(Path(path).read_bytes())
-    except OSError as exc:
-        raise SecurityError(f"cannot read the TLS certificate {path}: {exc.strerror or exc}") from None
-    except PkiError as exc:
-        raise SecurityError(f"the TLS certificate {path}: {exc}") from None
+    except (OSError, PkiError, ValueError):
+        return None
     if not found:
         return None
     if len(found) > 1:
