@@ -25,6 +25,7 @@ from typing import Any, Mapping
 import tomllib
 import yaml
 
+from launcher import certificates
 from p2ptrain.addresses import join_address
 from p2ptrain.algorithms import registry
 
@@ -241,30 +242,19 @@ def pki_secrets(objects: list[dict], shared: Mapping[str, Any], o: KubernetesOpt
     issued. Never the CA key."""
     from p2ptrain import pki
 
-    run_id = pki.ca_run_id(o.pki)
-    ca = _read(Path(o.pki) / pki.CA_CERT)
+    ca = certificates.read(certificates.ca_certificate(o.pki))
     secrets = []
     for obj in objects:
         if obj["kind"] not in ("StatefulSet", "Deployment"):
             continue
-        pod = obj["spec"]["template"]
-        name = pod["metadata"]["labels"].get(RANK_LABEL, pki.PS_NAME)
+        name = obj["spec"]["template"]["metadata"]["labels"].get(RANK_LABEL, pki.PS_NAME)
         hosts = [_pod_host(obj, o), *([server_name] if (server_name := shared.get("tls_server_name")) else [])]
-        cert_path, key_path = pki.node_files(o.pki, name)
-        if not cert_path.exists() and not key_path.exists():
-            pki.issue(o.pki, name, hosts=hosts)
-        cert = _read(cert_path)
-        identity = pki.certificate_identity(cert, run_id)
-        if identity is None or identity.name != str(name):
-            raise ValueError(f"{cert_path} does not name node {name} of run {run_id} (the CA's): issue it again "
-                             f"(p2ptrain pki issue --dir {o.pki} --force ...) or delete it")
-        if missing := sorted(set(hosts) - _dns_names(cert)):
-            raise ValueError(f"{cert_path} is not valid for {', '.join(missing)}, the name its peers use: delete it "
-                             "(it is issued again) or issue it with those --host names")
+        cert, key = certificates.node_certificate(o.pki, name, hosts)
         component = obj["metadata"]["labels"]["app.kubernetes.io/component"]
         secrets.append({"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
                         "metadata": _meta(tls_secret_name(obj["metadata"]["name"]), o, component),
-                        "data": {"tls.crt": _b64(cert), "tls.key": _b64(_read(key_path)), "ca.crt": _b64(ca)}})
+                        "data": {"tls.crt": _b64(certificates.read(cert)), "tls.key": _b64(certificates.read(key)),
+                                 "ca.crt": _b64(ca)}})
     return secrets
 
 
@@ -276,25 +266,8 @@ def _pod_host(workload: dict, o: KubernetesOptions) -> str:
     return f"{name}-0.{workload['spec']['serviceName']}.{o.namespace}.svc.cluster.local"
 
 
-def _read(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
-
-
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
-
-
-def _dns_names(cert: bytes) -> set[str]:
-    from cryptography import x509
-
-    try:
-        san = x509.load_pem_x509_certificate(cert).extensions.get_extension_for_class(x509.SubjectAlternativeName)
-    except (ValueError, x509.ExtensionNotFound):
-        return set()
-    return set(san.value.get_values_for_type(x509.DNSName))
 
 
 # --- objects -----------------------------------------------------------------------------------------

@@ -242,6 +242,34 @@ def test_healthchecks_speak_tls_like_the_peers(tmp_path, capsys, monkeypatch):
     assert _flag(named["services"]["node0"]["healthcheck"]["test"], "--tls-server-name") == "p2p.internal"
 
 
+def test_pki_mounts_only_each_containers_own_certificate(tmp_path, capsys, monkeypatch):
+    """--pki: mutual TLS under the CA's run id; each container mounts its own certificate and key
+    (naming its rank, or ps, valid for its service name) and ca.crt, nobody else's, never ca.key."""
+    from p2ptrain import pki
+
+    pki_dir = tmp_path / "pki"
+    pki.init_ca(pki_dir, "compose-run")
+    spec = yaml.safe_load(generate(capsys, monkeypatch, "--nodes", "3", "--ps", "--pki", "pki", cwd=tmp_path))
+    configs = check_compose(spec, tmp_path)
+    assert len(configs) == 7
+    for name, config in configs.items():
+        service = spec["services"][name]
+        assert config.tls_require_client_cert and config.run_id == "compose-run"
+        own = "ps" if config.role == "ps" else str(config.rank)
+        cert, key = pki.node_files(pki_dir.resolve(), own)
+        ca = pki_dir.resolve() / "ca.crt"
+        assert (config.tls_cert, config.tls_key, config.tls_ca) == (str(cert), str(key), str(ca))
+        files = sorted(v.split(":")[0] for v in service["volumes"] if v.startswith(str(pki_dir.resolve())))
+        assert files == sorted([str(cert), str(key), config.tls_ca])  # its own, and the CA certificate
+        identity = pki.certificate_identity(cert.read_bytes(), "compose-run")
+        assert identity is not None and identity.name == own
+        assert f"'{name}'" in pki.describe(cert)  # valid for the name the others dial (and health checks)
+    assert "ca.key" not in yaml.safe_dump(spec)
+    with pytest.raises(SystemExit) as exc:  # shared TLS files and per-node ones do not mix
+        generate(capsys, monkeypatch, "--nodes", "2", "--pki", "pki", "--tls-cert", "pki/node-0.crt", cwd=tmp_path)
+    assert exc.value.code == 2 and "--pki gives every container its own certificate" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--nodes", "2", "--auth-token", "s3cret"], "does not write secrets"),
     (["--nodes", "0"], "nodes must be >= 1"),
