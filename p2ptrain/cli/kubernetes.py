@@ -54,8 +54,8 @@ def add_parser(subcommands) -> None:
                       help="NetworkPolicy: labels of the Prometheus pods allowed to scrape /metrics "
                            "(default app.kubernetes.io/name=prometheus)")
     kube.add_argument("--no-network-policy", dest="network_policy", action="store_false",
-                      help="leave out the NetworkPolicy (only the run's pods reach gRPC and lanes, only Prometheus "
-                           "/metrics)")
+                      help="leave out the NetworkPolicy (which admits only the run's own pods to gRPC and lanes, "
+                           "only Prometheus to /metrics)")
     kube.add_argument("--no-service-monitor", dest="service_monitor", action="store_false",
                       help="leave out the ServiceMonitor (for clusters without the Prometheus Operator)")
     add_node_arguments(kube, cluster_flags=False)
