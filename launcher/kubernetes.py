@@ -49,6 +49,9 @@ CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem
 RUNS = "/runs"
 IMAGE_UID = 1000  # the Dockerfile's user p2ptrain
 NODE_ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# HOME on the emptyDir too: the image's home is on the read-only root, and libraries keep caches there
+# (torch, CUDA's JIT cache ~/.nv); the node itself writes only its run folder.
+POD_ENV = {**NODE_ENV, "HOME": TMP_DIR}
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # Kubernetes >= 1.28; read into RANK by the downward API
 RANK_LABEL = "p2ptrain/rank"  # with --pki: the rank of a per-rank StatefulSet's one pod
 # Settings that say who a pod is in the cluster: its command line sets them, a ConfigMap never does.
@@ -411,7 +414,7 @@ def _container(name: str, args: list[str], shared: Mapping[str, Any], o: Kuberne
                rank_from_pod: bool = True, lanes: bool = False, rank: int | None = None) -> dict:
     """The container; `rank` given: that rank's (the pod of a per-rank StatefulSet), else the pod
     ordinal's (RANK from the pod-index label). Under --pki it also names the CA's run (--run-id)."""
-    env = [{"name": k, "value": v} for k, v in NODE_ENV.items()]
+    env = [{"name": k, "value": v} for k, v in POD_ENV.items()]
     if rank is not None:
         env.append({"name": "RANK", "value": str(rank)})
     elif rank_from_pod:  # pod ordinal = rank (RANK is what torchrun sets too)

@@ -180,6 +180,7 @@ def check_locked_down(pod: dict, *, cpu_limit: str) -> None:
     assert security["runAsNonRoot"] is True
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"] and "emptyDir" in volumes["tmp"]
+    assert {"name": "HOME", "value": "/tmp"} in container["env"]  # caches of libraries: not on the read-only root
     assert container["resources"]["limits"]["cpu"] == cpu_limit and container["resources"]["requests"]["cpu"]
 
 
