@@ -30,7 +30,10 @@ PROMETHEUS_IMAGE = "prom/prometheus:v2.55.1"
 GRAFANA_IMAGE = "grafana/grafana:11.3.0"
 RUNS = "/runs"                      # named volume `runs`: every process writes its files here
 PS_PROFILE = "ps"
-NODE_ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+NODE_ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HOME": "/tmp"}
+# p2ptrain containers cannot gain privileges or capabilities, nor write outside `runs` and a /tmp
+# tmpfs (also HOME: libraries' caches); the image's user is uid 1000.
+LOCKED_DOWN = {"read_only": True, "tmpfs": ["/tmp"], "cap_drop": ["ALL"], "security_opt": ["no-new-privileges:true"]}
 # Node flags naming host files or folders: mounted read-only at the same absolute path in every
 # container, so the command is the same inside as outside (and validates here).
 HOST_PATH_FLAGS = ("--config", "--data-dir", "--tls-cert", "--tls-key", "--tls-ca", "--auth-token-file")
@@ -186,7 +189,7 @@ def render(spec: dict, command: str) -> str:
 
 
 def _build(base_dir: str | Path, image: str) -> dict:
-    return {"build": {"context": _relative(REPO, base_dir)}, "image": image}
+    return {"build": {"context": _relative(REPO, base_dir)}, "image": image, **LOCKED_DOWN}
 
 
 def _relative(path: Path, base_dir: str | Path) -> str:

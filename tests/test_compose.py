@@ -82,6 +82,8 @@ def check_compose(spec: dict, base_dir: Path) -> dict[str, NodeConfig]:
                                          flags={**flags_from_args(args), **overrides})
         configs[name] = config
         assert service["image"] == compose.IMAGE and service["restart"] in ("on-failure", "no")
+        assert service["read_only"] is True and service["tmpfs"] == ["/tmp"]  # writes: runs and /tmp only
+        assert service["cap_drop"] == ["ALL"] and service["security_opt"] == ["no-new-privileges:true"]
         assert (base_dir / service["build"]["context"] / "Dockerfile").exists()
         assert f"runs:{config.out}" in service["volumes"] or config.out.startswith(compose.RUNS + "/")
         assert config.metrics_port is not None, f"{name} serves no /metrics"
