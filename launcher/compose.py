@@ -63,7 +63,8 @@ def compose_spec(nodes: int, node_args: list[str] = (), *, ps: bool = False, por
         raise ValueError(f"--pki gives every container its own certificate, key and CA: drop {' '.join(given)}")
     node_args, mounts = _host_paths(node_args)
     server = registry.runs_parameter_server(_flag_value(node_args, "--algorithm"))
-    own = _own_certificates(pki, nodes, peers=not server, ps=server or ps) if pki else {}
+    own = _own_certificates(pki, nodes, peers=not server, ps=server or ps,
+                            server_name=_flag_value(node_args, "--tls-server-name")) if pki else {}
     base = _build(base_dir, image)
     volumes = [f"runs:{RUNS}", *mounts]
     services: dict[str, dict] = {}
@@ -153,10 +154,12 @@ def healthcheck(service: str, port: int, node_args: list[str]) -> dict:
     return {"test": _Command(test), **HEALTHCHECK_TIMING}
 
 
-def _own_certificates(pki: str | Path, nodes: int, *, peers: bool, ps: bool) -> dict[int | str, tuple[list, list]]:
+def _own_certificates(pki: str | Path, nodes: int, *, peers: bool, ps: bool, server_name: str | None = None
+                      ) -> dict[int | str, tuple[list, list]]:
     """Per rank (and "ps"): the TLS flags of mutual TLS with its own certificate, and the read-only
     mounts of its certificate, key and the CA certificate. A rank's certificate names every service
-    that runs it (node<r>, and worker<r> in the ps profile): the names the others dial."""
+    that runs it (node<r>, and worker<r> in the ps profile): the names the others dial; and
+    `server_name` (--tls-server-name), which peers and healthchecks then expect instead."""
     from p2ptrain.pki import ca_run_id
 
     directory = Path(pki).expanduser().resolve()
@@ -166,6 +169,8 @@ def _own_certificates(pki: str | Path, nodes: int, *, peers: bool, ps: bool) -> 
         rank: [*([f"node{rank}"] if peers else []), *([f"worker{rank}"] if ps else [])] for rank in range(nodes)}
     if ps:
         names["ps"] = ["ps"]
+    if server_name:
+        names = {name: [*hosts, server_name] for name, hosts in names.items()}
     own = {}
     for name, hosts in names.items():
         cert, key = certificates.node_certificate(directory, name, hosts)

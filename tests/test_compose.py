@@ -272,6 +272,46 @@ def test_pki_mounts_only_each_containers_own_certificate(tmp_path, capsys, monke
     assert exc.value.code == 2 and "--pki gives every container its own certificate" in capsys.readouterr().err
 
 
+def test_pki_refuses_certificates_of_another_node_run_or_name(tmp_path, capsys, monkeypatch):
+    """An existing certificate is used only if it names its node of the CA's run and holds the names
+    the others dial (the service name, and --tls-server-name when given); the CA must exist. Missing
+    ones are issued for --tls-server-name too (the name peers and healthchecks then expect)."""
+    from p2ptrain import pki
+
+    monkeypatch.chdir(tmp_path)
+    pki_dir = tmp_path / "pki"
+    pki.init_ca(pki_dir, "job7")
+
+    def refused(*argv: str) -> str:
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["compose", "--nodes", "2", "--pki", "pki", *argv])
+        assert exc.value.code == 2
+        return capsys.readouterr().err
+
+    pki.issue(pki_dir, 1, hosts=["node0"])
+    for suffix in ("crt", "key"):  # rank 1's certificate where rank 0's belongs
+        (pki_dir / f"node-1.{suffix}").rename(pki_dir / f"node-0.{suffix}")
+    assert "does not name node 0 of run job7" in refused()
+    pki.issue(pki_dir, 0, hosts=["elsewhere.example"], force=True)
+    assert "not valid for node0" in refused()
+    pki.issue(pki_dir, 0, hosts=["node0"], force=True)
+    assert "not valid for p2p.internal" in refused("--tls-server-name", "p2p.internal")
+    other = tmp_path / "other"
+    pki.init_ca(other, "job8")
+    pki.issue(other, 0, hosts=["node0"])
+    (pki_dir / "node-0.crt").write_bytes((other / "node-0.crt").read_bytes())
+    assert "does not name node 0 of run job7" in refused()
+    assert "p2ptrain pki init" in refused("--pki", "nowhere")
+    named = tmp_path / "named"
+    pki.init_ca(named, "job9")
+    spec = yaml.safe_load(generate(capsys, monkeypatch, "--nodes", "2", "--ps", "--pki", "named",
+                                   "--tls-server-name", "p2p.internal", cwd=tmp_path))
+    configs = check_compose(spec, tmp_path)
+    for name, config in configs.items():
+        assert config.tls_server_name == "p2p.internal"
+        assert "'p2p.internal'" in pki.describe(config.tls_cert), name
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--nodes", "2", "--auth-token", "s3cret"], "does not write secrets"),
     (["--nodes", "0"], "nodes must be >= 1"),
