@@ -5,15 +5,19 @@ Peers (default): a StatefulSet of N pods `NAME-0..NAME-{N-1}`, pod ordinal = ran
 Service `NAME` whose stable DNS names make the static --peers list; with --ps, a parameter-server
 Deployment + Service `NAME-ps` and a worker StatefulSet `NAME-worker` (GEM, seed 001). The training
 settings go into the ConfigMap `NAME-config` as node.toml; a pod's command line only says who it is.
-Never: a secret in a manifest (TLS files and the token come from a Secret the user creates, referenced
-by name and mounted at SECRET_DIR; a token given on the command line is refused), or a pod that trains
-twice (RUN_ONCE). What each object holds, and why: docs/several-machines.md, "Kubernetes".
+Never: a shared secret in a manifest (the shared TLS files and token come from a Secret the user
+creates; a token on the command line is refused), a CA key anywhere (with --pki each rank is its own
+single-pod StatefulSet mounting only its own certificate Secret), or a pod that trains twice (RUN_ONCE).
+What each object holds, and why: docs/several-machines.md, "Kubernetes".
 """
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import math
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -21,23 +25,38 @@ from typing import Any, Mapping
 import tomllib
 import yaml
 
+from launcher import certificates
 from p2ptrain.addresses import join_address
 from p2ptrain.algorithms import registry
 
 IMAGE = "p2ptrain:latest"
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9100
+DEFAULT_LANE_PORT = 50052
+# Where the NetworkPolicy admits /metrics scrapes from: a namespace and the scraper's pod labels.
+DEFAULT_METRICS_NAMESPACE = "monitoring"
+DEFAULT_METRICS_PODS = "app.kubernetes.io/name=prometheus"
 CONFIG_DIR = "/etc/p2ptrain"
 CONFIG_FILE = f"{CONFIG_DIR}/node.toml"
 SECRET_DIR = "/etc/p2ptrain/secret"
 SECRET_KEYS = {"tls_cert": "tls.crt", "tls_key": "tls.key", "tls_ca": "ca.crt", "auth_token_file": "token"}
+TLS_KEYS = ("tls_cert", "tls_key", "tls_ca")
+TLS_DIR = "/etc/p2ptrain/tls"  # with --pki: the pod's own kubernetes.io/tls Secret (its certificate, key, CA)
+TMP_DIR = "/tmp"  # an emptyDir: the root filesystem is read-only
+# The container may not gain privileges or capabilities, nor write outside its volumes.
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+                      "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
 RUNS = "/runs"
 IMAGE_UID = 1000  # the Dockerfile's user p2ptrain
 NODE_ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# HOME on the emptyDir too: the image's home is on the read-only root, and libraries keep caches there
+# (torch, CUDA's JIT cache ~/.nv); the node itself writes only its run folder.
+POD_ENV = {**NODE_ENV, "HOME": TMP_DIR}
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # Kubernetes >= 1.28; read into RANK by the downward API
+RANK_LABEL = "p2ptrain/rank"  # with --pki: the rank of a per-rank StatefulSet's one pod
 # Settings that say who a pod is in the cluster: its command line sets them, a ConfigMap never does.
 PER_POD_SETTINGS = ("rank", "world_size", "peers", "listen", "role", "ps_address", "rendezvous", "advertise",
-                    "run_id", "rejoin", "metrics_port", "metrics_host", "out")
+                    "run_id", "rejoin", "metrics_port", "metrics_host", "out", "lane_port")
 # `p2ptrain health` imports torch (about 2 s of CPU): exec probes are rare and slow ones tolerated.
 EXEC_PROBE_TIMING = {"periodSeconds": 30, "timeoutSeconds": 20, "failureThreshold": 3}
 GRPC_PROBE_TIMING = {"periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 3}
@@ -60,20 +79,28 @@ class KubernetesOptions:
     image: str = IMAGE
     gpus: int = 0                      # nvidia.com/gpu per pod
     cpu: str = "1"                     # requested CPU per pod
+    cpu_limit: str | None = None       # CPU limit per pod (None: the request)
     memory: str = "2Gi"                # requested (and limit of) memory per pod
     storage: str = "1Gi"               # each pod's volume for its run files
     secret: str = "p2ptrain-secret"    # Secret holding SECRET_KEYS files (TLS, token), when used
     port: int = DEFAULT_PORT
     metrics_port: int = DEFAULT_METRICS_PORT
+    lane_port: int = DEFAULT_LANE_PORT  # the peers' TCP lane (data_plane auto / tcp)
     service_monitor: bool = True
+    network_policy: bool = True
+    metrics_namespace: str = DEFAULT_METRICS_NAMESPACE  # NetworkPolicy: who may scrape /metrics
+    metrics_pods: str = DEFAULT_METRICS_PODS
+    pki: str | None = None             # `p2ptrain pki` folder: a certificate per pod, mutual TLS
 
     def as_flags(self) -> list[str]:
         """The `p2ptrain kubernetes` flags that differ from the defaults (for the files' header)."""
         default = KubernetesOptions()
-        flags = [a for name in ("name", "namespace", "image", "gpus", "cpu", "memory", "storage", "secret", "port",
-                                "metrics_port") if getattr(self, name) != getattr(default, name)
+        flags = [a for name in ("name", "namespace", "image", "gpus", "cpu", "cpu_limit", "memory", "storage",
+                                "secret", "port", "metrics_port", "lane_port", "metrics_namespace", "metrics_pods",
+                                "pki") if getattr(self, name) != getattr(default, name)
                  for a in (f"--{name.replace('_', '-')}", str(getattr(self, name)))]
-        return flags + ([] if self.service_monitor else ["--no-service-monitor"])
+        return flags + ([] if self.service_monitor else ["--no-service-monitor"]) + (
+            [] if self.network_policy else ["--no-network-policy"])
 
 
 def load_settings(config_file: str | None, flags: Mapping[str, Any]) -> dict[str, Any]:
@@ -97,13 +124,20 @@ def manifests(nodes: int, settings: Mapping[str, Any], *, ps: bool = False,
     if nodes < 1:
         raise ValueError(f"nodes must be >= 1, got {nodes}")
     o = options
-    for what, value in (("port", o.port), ("metrics port", o.metrics_port)):
+    for what, value in (("port", o.port), ("metrics port", o.metrics_port), ("lane port", o.lane_port)):
         if not 0 < value < 65536:
             raise ValueError(f"{what} must be within 1..65535, got {value}")
     if o.port == o.metrics_port:
         raise ValueError(f"the gRPC port and the metrics port must differ (both {o.port})")
+    if o.lane_port in (o.port, o.metrics_port):
+        raise ValueError(f"the lane port must differ from the gRPC and metrics ports (all {o.lane_port})")
     if o.gpus < 0:
         raise ValueError(f"gpus must be >= 0, got {o.gpus}")
+    if _cpu_millis(o.cpu_limit or o.cpu) < _cpu_millis(o.cpu):
+        raise ValueError(f"the CPU limit {o.cpu_limit} is below the CPU request {o.cpu}")
+    _selector(o.metrics_pods)
+    if o.pki and (given := [f"--{n.replace('_', '-')}" for n in TLS_KEYS if settings.get(n)]):
+        raise ValueError(f"--pki gives every pod its own certificate, key and CA: drop {' '.join(given)}")
     if settings.get("auth_token") is not None:
         raise ValueError("p2ptrain kubernetes writes no secret into a manifest: put the token in the Secret "
                          f"{o.secret!r} (key {SECRET_KEYS['auth_token_file']!r}) and give --auth-token-file FILE")
@@ -111,15 +145,26 @@ def manifests(nodes: int, settings: Mapping[str, Any], *, ps: bool = False,
     if server and settings.get("algorithm") is not None and not registry.runs_parameter_server(settings["algorithm"]):
         raise ValueError(f"--ps runs a parameter server and its workers: --algorithm {settings['algorithm']} "
                          "does not apply (drop it, or drop --ps)")
-    shared = pod_settings(settings, server=server)
+    if o.pki:
+        settings = {**settings, "tls_require_client_cert": True}
+    shared = pod_settings(settings, server=server, pki=bool(o.pki))
     objects: list[dict] = [config_map(shared, o)]
     if server:
         objects += parameter_server(nodes, shared, o)
     else:
         objects += peers(nodes, shared, o)
+    if o.pki:  # each pod's own Secret, before the pods that mount it
+        objects[1:1] = pki_secrets(objects, shared, o)
+    if o.network_policy:
+        objects.append(network_policy(o, lanes=not server and uses_lanes(shared)))
     if o.service_monitor:
         objects.append(service_monitor(o))
     return objects
+
+
+def uses_lanes(shared: Mapping[str, Any]) -> bool:
+    """Do the peers open TCP lanes (every data plane but grpc)?"""
+    return shared.get("data_plane", "auto") != "grpc"
 
 
 def runs_parameter_server(settings: Mapping[str, Any], ps: bool) -> bool:
@@ -127,21 +172,28 @@ def runs_parameter_server(settings: Mapping[str, Any], ps: bool) -> bool:
     return ps or registry.runs_parameter_server(settings.get("algorithm"))
 
 
-def check_pods(objects: list[dict], settings: Mapping[str, Any], parser, *, ps: bool) -> None:
+def check_pods(objects: list[dict], settings: Mapping[str, Any], parser, *, ps: bool, pki: str | None = None) -> None:
     """Every pod's command as the pod will run it, through `parser` (the p2ptrain CLI's) and NodeConfig
-    validation, with the user's own TLS / token files where the pods mount the Secret's; ValueError
-    (ConfigError) naming the first pod whose command fails."""
+    validation, with the user's own TLS / token files where the pods mount the Secret's (with `pki`,
+    the pod's own certificate and key from that folder); ValueError (ConfigError) naming the first pod
+    whose command fails."""
     import tempfile
 
+    from p2ptrain import pki as certificates
     from p2ptrain.cli.flags import flags_from_args
     from p2ptrain.settings import ConfigError, NodeConfig
 
-    local = {**pod_settings(settings, server=runs_parameter_server(settings, ps)),
+    local = {**pod_settings(settings, server=runs_parameter_server(settings, ps), pki=bool(pki)),
              **{name: settings[name] for name in SECRET_KEYS if settings.get(name)}}
     with tempfile.TemporaryDirectory() as tmp:
         toml = Path(tmp) / Path(CONFIG_FILE).name
         toml.write_text(to_toml(local))
         for pod, args, env in pod_commands(objects):
+            if pki:  # the pod's own files where its Secret is mounted
+                cert, key = certificates.node_files(pki, "ps" if args[0] == "ps" else env["RANK"])
+                own = {"tls_cert": str(cert), "tls_key": str(key), "tls_ca": str(Path(pki) / "ca.crt")}
+                toml = Path(tmp) / f"{pod}.toml"
+                toml.write_text(to_toml({**local, **own}))
             parsed = parser.parse_args([str(toml) if a == CONFIG_FILE else a for a in args])
             try:
                 NodeConfig.from_sources(toml_path=parsed.config_file, env=env, flags={
@@ -152,24 +204,73 @@ def check_pods(objects: list[dict], settings: Mapping[str, Any], parser, *, ps: 
 
 def secret_command(settings: Mapping[str, Any], o: KubernetesOptions) -> str | None:
     """The `kubectl create secret` the pods need, from the user's files; None when they need none."""
-    files = [f"--from-file={key}={settings[name]}" for name, key in SECRET_KEYS.items() if settings.get(name)]
+    files = [f"--from-file={key}={settings[name]}" for name, key in SECRET_KEYS.items()
+             if settings.get(name) and not (o.pki and name in TLS_KEYS)]
     return f"kubectl create secret generic {o.secret} -n {o.namespace} {' '.join(files)}" if files else None
 
 
-def pod_settings(settings: Mapping[str, Any], *, server: bool) -> dict[str, Any]:
-    """What goes into the ConfigMap: shared settings, secret files at their mount paths; a
-    parameter-server cluster names the algorithm its workers run."""
+def pod_settings(settings: Mapping[str, Any], *, server: bool, pki: bool = False) -> dict[str, Any]:
+    """What goes into the ConfigMap: shared settings, secret files at their mount paths (with `pki`,
+    TLS files at TLS_DIR, where each pod mounts its own); a parameter-server cluster names the
+    algorithm its workers run."""
     shared = {k: v for k, v in settings.items() if k not in PER_POD_SETTINGS}
     for name, key in SECRET_KEYS.items():
         if shared.get(name):
             shared[name] = f"{SECRET_DIR}/{key}"
+    if pki:
+        shared.update({name: f"{TLS_DIR}/{SECRET_KEYS[name]}" for name in TLS_KEYS})
     if server:
         shared.setdefault("algorithm", registry.algorithm_for_role("worker"))
     return shared
 
 
 def uses_secret(shared: Mapping[str, Any]) -> bool:
-    return any(shared.get(name) for name in SECRET_KEYS)
+    """Do the pods mount the shared Secret (some file setting points into SECRET_DIR)?"""
+    return any(str(shared.get(name) or "").startswith(f"{SECRET_DIR}/") for name in SECRET_KEYS)
+
+
+def uses_pki(shared: Mapping[str, Any]) -> bool:
+    """Does each pod mount its own TLS Secret (--pki)?"""
+    return str(shared.get("tls_cert") or "").startswith(f"{TLS_DIR}/")
+
+
+def tls_secret_name(workload: str) -> str:
+    """The kubernetes.io/tls Secret of the one pod of (per-rank) workload `workload`."""
+    return f"{workload}-tls"
+
+
+def pki_secrets(objects: list[dict], shared: Mapping[str, Any], o: KubernetesOptions) -> list[dict]:
+    """A kubernetes.io/tls Secret (tls.crt, tls.key, ca.crt) per pod, from the `p2ptrain pki` folder:
+    existing certificates are checked (they must name the pod's rank and its DNS name), missing ones
+    issued. Never the CA key."""
+    from p2ptrain import pki
+
+    ca = certificates.read(certificates.ca_certificate(o.pki))
+    secrets = []
+    for obj in objects:
+        if obj["kind"] not in ("StatefulSet", "Deployment"):
+            continue
+        name = obj["spec"]["template"]["metadata"]["labels"].get(RANK_LABEL, pki.PS_NAME)
+        hosts = [_pod_host(obj, o), *([server_name] if (server_name := shared.get("tls_server_name")) else [])]
+        cert, key = certificates.node_certificate(o.pki, name, hosts)
+        component = obj["metadata"]["labels"]["app.kubernetes.io/component"]
+        secrets.append({"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+                        "metadata": _meta(tls_secret_name(obj["metadata"]["name"]), o, component),
+                        "data": {"tls.crt": _b64(certificates.read(cert)), "tls.key": _b64(certificates.read(key)),
+                                 "ca.crt": _b64(ca)}})
+    return secrets
+
+
+def _pod_host(workload: dict, o: KubernetesOptions) -> str:
+    """The DNS name the peers reach the (one) pod of a per-rank StatefulSet, or the Deployment's Service, at."""
+    name = workload["metadata"]["name"]
+    if workload["kind"] == "Deployment":
+        return f"{name}.{o.namespace}.svc.cluster.local"
+    return f"{name}-0.{workload['spec']['serviceName']}.{o.namespace}.svc.cluster.local"
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
 
 
 # --- objects -----------------------------------------------------------------------------------------
@@ -180,15 +281,26 @@ def config_map(shared: Mapping[str, Any], o: KubernetesOptions) -> dict:
 
 
 def peers(nodes: int, shared: Mapping[str, Any], o: KubernetesOptions) -> list[dict]:
-    service = o.name
-    addresses = ",".join(f"{o.name}-{i}.{service}.{o.namespace}.svc.cluster.local:{o.port}" for i in range(nodes))
+    """The headless Service and the peers: one StatefulSet of N pods, or (each pod mounting its own
+    certificate, --pki) a single-pod StatefulSet `NAME-r` per rank r, pod `NAME-r-0`."""
+    service, per_rank = o.name, uses_pki(shared)
+    pods = [f"{o.name}-{i}-0" if per_rank else f"{o.name}-{i}" for i in range(nodes)]
+    addresses = ",".join(f"{pod}.{service}.{o.namespace}.svc.cluster.local:{o.port}" for pod in pods)
+    lanes = uses_lanes(shared)
     args = ["node", "--config", CONFIG_FILE, "--world-size", str(nodes), "--peers", addresses,
-            "--listen", f"0.0.0.0:{o.port}", "--metrics-port", str(o.metrics_port), "--metrics-host", "0.0.0.0",
-            "--out", RUNS]
-    probe_name = shared.get("tls_server_name") or f"{o.name}-0.{service}.{o.namespace}.svc.cluster.local"
-    container = _container("node", args, shared, o, probes=_grpc_probes(shared, o, probe_name))
-    return [_service(service, "node", o, headless=True),
-            _stateful_set(o.name, service, nodes, "node", container, shared, o)]
+            "--listen", f"0.0.0.0:{o.port}", *(["--lane-port", str(o.lane_port)] if lanes else []),
+            "--metrics-port", str(o.metrics_port), "--metrics-host", "0.0.0.0", "--out", RUNS]
+    objects = [_service(service, "node", o, headless=True, lanes=lanes)]
+    if not per_rank:
+        probe_name = shared.get("tls_server_name") or f"{pods[0]}.{service}.{o.namespace}.svc.cluster.local"
+        container = _container("node", args, shared, o, probes=_grpc_probes(shared, o, probe_name), lanes=lanes)
+        return objects + [_stateful_set(o.name, service, nodes, "node", container, shared, o)]
+    for rank, pod in enumerate(pods):
+        probe_name = shared.get("tls_server_name") or f"{pod}.{service}.{o.namespace}.svc.cluster.local"
+        container = _container("node", args, shared, o, probes=_grpc_probes(shared, o, probe_name), lanes=lanes,
+                               rank=rank)
+        objects.append(_stateful_set(f"{o.name}-{rank}", service, 1, "node", container, shared, o, rank=rank))
+    return objects
 
 
 def parameter_server(nodes: int, shared: Mapping[str, Any], o: KubernetesOptions) -> list[dict]:
@@ -208,7 +320,8 @@ def parameter_server(nodes: int, shared: Mapping[str, Any], o: KubernetesOptions
             "strategy": {"type": "Recreate"},  # never two servers: a second θ would split the workers
             "selector": {"matchLabels": ps_labels},
             "template": {"metadata": {"labels": ps_labels, "annotations": _scrape_annotations(o)},
-                         "spec": _pod_spec(ps_container, shared, o, runs_claim=f"{ps_name}-runs")},
+                         "spec": _pod_spec(ps_container, shared, o, runs_claim=f"{ps_name}-runs",
+                                           tls_secret=tls_secret_name(ps_name))},
         },
     }
     claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": _meta(f"{ps_name}-runs", o, "ps"),
@@ -216,10 +329,29 @@ def parameter_server(nodes: int, shared: Mapping[str, Any], o: KubernetesOptions
     worker_args = ["node", "--config", CONFIG_FILE, "--role", "worker", "--world-size", str(nodes),
                    "--ps-address", ps_address, "--metrics-port", str(o.metrics_port), "--metrics-host", "0.0.0.0",
                    "--out", RUNS]
-    worker = _container("worker", worker_args, shared, o, probes=_metrics_probes(o))
-    return [_service(ps_name, "ps", o, headless=False), claim, deployment,
-            _service(workers, "worker", o, headless=True),
-            _stateful_set(workers, workers, nodes, "worker", worker, shared, o)]
+    objects = [_service(ps_name, "ps", o, headless=False), claim, deployment,
+               _service(workers, "worker", o, headless=True)]
+    if not uses_pki(shared):
+        worker = _container("worker", worker_args, shared, o, probes=_metrics_probes(o))
+        return objects + [_stateful_set(workers, workers, nodes, "worker", worker, shared, o)]
+    for rank in range(nodes):  # --pki: a single-pod StatefulSet per worker, mounting its own certificate
+        worker = _container("worker", worker_args, shared, o, probes=_metrics_probes(o), rank=rank)
+        objects.append(_stateful_set(f"{workers}-{rank}", workers, 1, "worker", worker, shared, o, rank=rank))
+    return objects
+
+
+def network_policy(o: KubernetesOptions, *, lanes: bool) -> dict:
+    """Ingress to this cluster's pods: gRPC (and the TCP lane) from its own pods only, /metrics from
+    the Prometheus pods `metrics_pods` in namespace `metrics_namespace`. Kubelet probes are not
+    subject to it on the usual network plugins; egress is left open (DNS, the peers)."""
+    own = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "p2ptrain", "app.kubernetes.io/instance": o.name}}}
+    ports = [{"protocol": "TCP", "port": o.port}, *([{"protocol": "TCP", "port": o.lane_port}] if lanes else [])]
+    scraper = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": o.metrics_namespace}},
+               "podSelector": {"matchLabels": _selector(o.metrics_pods)}}
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _meta(o.name, o, "network"),
+            "spec": {"podSelector": own["podSelector"], "policyTypes": ["Ingress"],
+                     "ingress": [{"from": [own], "ports": ports},
+                                 {"from": [scraper], "ports": [{"protocol": "TCP", "port": o.metrics_port}]}]}}
 
 
 def service_monitor(o: KubernetesOptions) -> dict:
@@ -230,12 +362,12 @@ def service_monitor(o: KubernetesOptions) -> dict:
                      "endpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s", "honorLabels": True}]}}
 
 
-def _service(name: str, component: str, o: KubernetesOptions, *, headless: bool) -> dict:
-    spec: dict[str, Any] = {
-        "selector": _labels(o, component),
-        "ports": [{"name": "grpc", "port": o.port, "targetPort": "grpc", "protocol": "TCP"},
-                  {"name": "metrics", "port": o.metrics_port, "targetPort": "metrics", "protocol": "TCP"}],
-    }
+def _service(name: str, component: str, o: KubernetesOptions, *, headless: bool, lanes: bool = False) -> dict:
+    ports = [{"name": "grpc", "port": o.port, "targetPort": "grpc", "protocol": "TCP"},
+             {"name": "metrics", "port": o.metrics_port, "targetPort": "metrics", "protocol": "TCP"}]
+    if lanes:
+        ports.append({"name": "lane", "port": o.lane_port, "targetPort": "lane", "protocol": "TCP"})
+    spec: dict[str, Any] = {"selector": _labels(o, component), "ports": ports}
     if headless:  # stable per-pod DNS names, published before the pods are ready (peers wait for each other)
         spec.update({"clusterIP": "None", "publishNotReadyAddresses": True})
     metadata = _meta(name, o, component)
@@ -244,8 +376,9 @@ def _service(name: str, component: str, o: KubernetesOptions, *, headless: bool)
 
 
 def _stateful_set(name: str, service: str, nodes: int, component: str, container: dict, shared: Mapping[str, Any],
-                  o: KubernetesOptions) -> dict:
-    labels = _labels(o, component)
+                  o: KubernetesOptions, rank: int | None = None) -> dict:
+    """N pods, ordinal = rank; or (`rank` given) the one pod of that rank, selected by RANK_LABEL too."""
+    labels = _labels(o, component) if rank is None else {**_labels(o, component), RANK_LABEL: str(rank)}
     return {
         "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(name, o, component),
         "spec": {
@@ -254,39 +387,59 @@ def _stateful_set(name: str, service: str, nodes: int, component: str, container
             "podManagementPolicy": "Parallel",  # rank 0 is not ready before the others are up: start all at once
             "selector": {"matchLabels": labels},
             "template": {"metadata": {"labels": labels, "annotations": _scrape_annotations(o)},
-                         "spec": _pod_spec(container, shared, o)},
+                         "spec": _pod_spec(container, shared, o,
+                                           tls_secret=tls_secret_name(name) if rank is not None else None)},
             "volumeClaimTemplates": [{"metadata": {"name": "runs"}, "spec": _claim_spec(o)}],
         },
     }
 
 
-def _pod_spec(container: dict, shared: Mapping[str, Any], o: KubernetesOptions, runs_claim: str | None = None) -> dict:
-    volumes: list[dict] = [{"name": "config", "configMap": {"name": f"{o.name}-config"}}]
+def _pod_spec(container: dict, shared: Mapping[str, Any], o: KubernetesOptions, runs_claim: str | None = None,
+              tls_secret: str | None = None) -> dict:
+    volumes: list[dict] = [{"name": "config", "configMap": {"name": f"{o.name}-config"}},
+                           {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}]
     if uses_secret(shared):
         volumes.append({"name": "secret", "secret": {"secretName": o.secret, "defaultMode": 0o440}})
+    if uses_pki(shared):  # this pod's own certificate and key (and the CA certificate), nobody else's
+        volumes.append({"name": "tls", "secret": {"secretName": tls_secret, "defaultMode": 0o440}})
     if runs_claim:
         volumes.append({"name": "runs", "persistentVolumeClaim": {"claimName": runs_claim}})
     return {"securityContext": {"runAsUser": IMAGE_UID, "runAsGroup": IMAGE_UID, "fsGroup": IMAGE_UID,
-                                "runAsNonRoot": True},
+                                "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+            "automountServiceAccountToken": False,  # a node never talks to the Kubernetes API
             "containers": [container], "volumes": volumes}
 
 
 def _container(name: str, args: list[str], shared: Mapping[str, Any], o: KubernetesOptions, *, probes: dict,
-               rank_from_pod: bool = True) -> dict:
-    env = [{"name": k, "value": v} for k, v in NODE_ENV.items()]
-    if rank_from_pod:  # pod ordinal = rank (RANK is what torchrun sets too)
+               rank_from_pod: bool = True, lanes: bool = False, rank: int | None = None) -> dict:
+    """The container; `rank` given: that rank's (the pod of a per-rank StatefulSet), else the pod
+    ordinal's (RANK from the pod-index label). Under --pki it also names the CA's run (--run-id)."""
+    env = [{"name": k, "value": v} for k, v in POD_ENV.items()]
+    if rank is not None:
+        env.append({"name": "RANK", "value": str(rank)})
+    elif rank_from_pod:  # pod ordinal = rank (RANK is what torchrun sets too)
         env.append({"name": "RANK", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}})
-    resources: dict[str, dict] = {"requests": {"cpu": o.cpu, "memory": o.memory}, "limits": {"memory": o.memory}}
+    if uses_pki(shared):
+        from p2ptrain.pki import ca_run_id
+
+        args = [*args, "--run-id", ca_run_id(o.pki)]
+    resources: dict[str, dict] = {"requests": {"cpu": o.cpu, "memory": o.memory},
+                                  "limits": {"cpu": o.cpu_limit or o.cpu, "memory": o.memory}}
     if o.gpus:
         resources["requests"]["nvidia.com/gpu"] = resources["limits"]["nvidia.com/gpu"] = str(o.gpus)
-    mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}, {"name": "runs", "mountPath": RUNS}]
+    mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}, {"name": "runs", "mountPath": RUNS},
+              {"name": "tmp", "mountPath": TMP_DIR}]
     if uses_secret(shared):
         mounts.append({"name": "secret", "mountPath": SECRET_DIR, "readOnly": True})
+    if uses_pki(shared):
+        mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
+    ports = [{"name": "grpc", "containerPort": o.port, "protocol": "TCP"},
+             {"name": "metrics", "containerPort": o.metrics_port, "protocol": "TCP"}]
+    if lanes:
+        ports.append({"name": "lane", "containerPort": o.lane_port, "protocol": "TCP"})
     return {"name": name, "image": o.image, "imagePullPolicy": "IfNotPresent",
-            "command": ["/bin/sh", "-c", RUN_ONCE, "p2ptrain"], "args": args, "env": env,
-            "ports": [{"name": "grpc", "containerPort": o.port, "protocol": "TCP"},
-                      {"name": "metrics", "containerPort": o.metrics_port, "protocol": "TCP"}],
-            "resources": resources, "volumeMounts": mounts, **probes}
+            "command": ["/bin/sh", "-c", RUN_ONCE, "p2ptrain"], "args": args, "env": env, "ports": ports,
+            "resources": resources, "securityContext": dict(CONTAINER_SECURITY), "volumeMounts": mounts, **probes}
 
 
 def _grpc_probes(shared: Mapping[str, Any], o: KubernetesOptions, server_name: str) -> dict:
@@ -325,6 +478,22 @@ def _until_done(check: str, timing: dict) -> dict:
     """A liveness probe: `check` while the run goes on; always alive once it is done (RUN_ONCE)."""
     return {"exec": {"command": ["/bin/sh", "-c", f"[ -e {DONE_MARKER} ] || {check}"]}, **timing,
             "periodSeconds": max(30, timing["periodSeconds"])}
+
+
+def _cpu_millis(quantity: str) -> float:
+    """A CPU quantity (2, 1.5, 500m) in millicores."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(m?)", str(quantity))
+    if not match:
+        raise ValueError(f"{quantity!r} is no CPU quantity (e.g. 2, 1.5, 500m)")
+    return float(match[1]) * (1 if match[2] else 1000)
+
+
+def _selector(text: str) -> dict[str, str]:
+    """`key=value[,key=value]` as matchLabels."""
+    pairs = [part.partition("=") for part in text.split(",") if part.strip()]
+    if not pairs or any(not key.strip() or sep != "=" or not value.strip() for key, sep, value in pairs):
+        raise ValueError(f"--metrics-pods {text!r}: give labels as key=value[,key=value]")
+    return {key.strip(): value.strip() for key, _, value in pairs}
 
 
 def _claim_spec(o: KubernetesOptions) -> dict:
@@ -392,7 +561,7 @@ def file_name(index: int, obj: dict) -> str:
 
 def write(objects: list[dict], out_dir: str | Path, command: str) -> list[Path]:
     """One YAML file per object, numbered in apply order; files an earlier run of the generator
-    wrote there are replaced, nothing else is touched."""
+    wrote there are replaced, nothing else is touched. Secrets (--pki: a pod's key) are written 0600."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.yaml"):
@@ -403,8 +572,14 @@ def write(objects: list[dict], out_dir: str | Path, command: str) -> list[Path]:
     paths = []
     for index, obj in enumerate(objects):
         path = out / file_name(index, obj)
-        path.write_text(header + yaml.dump(obj, Dumper=_Dumper, sort_keys=False, default_flow_style=False,
-                                           width=4096))
+        text = header + yaml.dump(obj, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=4096)
+        if obj["kind"] == "Secret":
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.chmod(path, 0o600)
+        else:
+            path.write_text(text)
         paths.append(path)
     return paths
 
@@ -421,5 +596,6 @@ def _literal(dumper: yaml.SafeDumper, value: str):  # multi-line strings (node.t
 
 _Dumper.add_representer(str, _literal)
 
-__all__ = ["KubernetesOptions", "SECRET_KEYS", "check_pods", "load_settings", "manifests", "pod_commands",
-           "pod_settings", "runs_parameter_server", "secret_command", "to_toml", "write"]
+__all__ = ["KubernetesOptions", "SECRET_KEYS", "TLS_DIR", "check_pods", "load_settings", "manifests", "network_policy",
+           "pod_commands", "pod_settings", "runs_parameter_server", "secret_command", "tls_secret_name", "to_toml",
+           "uses_lanes", "write"]

@@ -2,7 +2,7 @@
 
 `init_ca` makes a CA for one run; `issue` signs a node's certificate whose SAN URI
 `p2ptrain://<run-id>/<rank>` (or `.../ps` for the parameter server) names the node. A peer's claim to be
-node r is believed only on a connection whose client certificate names r (transport/identity.py), so
+node r is believed only on a connection whose client certificate names r (transport/peer_identity.py), so
 a certified node cannot speak for another. Keys are EC P-256, written 0600; nothing is overwritten
 without `force`.
 """

@@ -82,6 +82,8 @@ def check_compose(spec: dict, base_dir: Path) -> dict[str, NodeConfig]:
                                          flags={**flags_from_args(args), **overrides})
         configs[name] = config
         assert service["image"] == compose.IMAGE and service["restart"] in ("on-failure", "no")
+        assert service["read_only"] is True and service["tmpfs"] == ["/tmp"]  # writes: runs and /tmp only
+        assert service["cap_drop"] == ["ALL"] and service["security_opt"] == ["no-new-privileges:true"]
         assert (base_dir / service["build"]["context"] / "Dockerfile").exists()
         assert f"runs:{config.out}" in service["volumes"] or config.out.startswith(compose.RUNS + "/")
         assert config.metrics_port is not None, f"{name} serves no /metrics"
@@ -240,6 +242,74 @@ def test_healthchecks_speak_tls_like_the_peers(tmp_path, capsys, monkeypatch):
                                     cwd=tmp_path))
     check_compose(named, tmp_path)
     assert _flag(named["services"]["node0"]["healthcheck"]["test"], "--tls-server-name") == "p2p.internal"
+
+
+def test_pki_mounts_only_each_containers_own_certificate(tmp_path, capsys, monkeypatch):
+    """--pki: mutual TLS under the CA's run id; each container mounts its own certificate and key
+    (naming its rank, or ps, valid for its service name) and ca.crt, nobody else's, never ca.key."""
+    from p2ptrain import pki
+
+    pki_dir = tmp_path / "pki"
+    pki.init_ca(pki_dir, "compose-run")
+    spec = yaml.safe_load(generate(capsys, monkeypatch, "--nodes", "3", "--ps", "--pki", "pki", cwd=tmp_path))
+    configs = check_compose(spec, tmp_path)
+    assert len(configs) == 7
+    for name, config in configs.items():
+        service = spec["services"][name]
+        assert config.tls_require_client_cert and config.run_id == "compose-run"
+        own = "ps" if config.role == "ps" else str(config.rank)
+        cert, key = pki.node_files(pki_dir.resolve(), own)
+        ca = pki_dir.resolve() / "ca.crt"
+        assert (config.tls_cert, config.tls_key, config.tls_ca) == (str(cert), str(key), str(ca))
+        files = sorted(v.split(":")[0] for v in service["volumes"] if v.startswith(str(pki_dir.resolve())))
+        assert files == sorted([str(cert), str(key), config.tls_ca])  # its own, and the CA certificate
+        identity = pki.certificate_identity(cert.read_bytes(), "compose-run")
+        assert identity is not None and identity.name == own
+        assert f"'{name}'" in pki.describe(cert)  # valid for the name the others dial (and health checks)
+    assert "ca.key" not in yaml.safe_dump(spec)
+    with pytest.raises(SystemExit) as exc:  # shared TLS files and per-node ones do not mix
+        generate(capsys, monkeypatch, "--nodes", "2", "--pki", "pki", "--tls-cert", "pki/node-0.crt", cwd=tmp_path)
+    assert exc.value.code == 2 and "--pki gives every container its own certificate" in capsys.readouterr().err
+
+
+def test_pki_refuses_certificates_of_another_node_run_or_name(tmp_path, capsys, monkeypatch):
+    """An existing certificate is used only if it names its node of the CA's run and holds the names
+    the others dial (the service name, and --tls-server-name when given); the CA must exist. Missing
+    ones are issued for --tls-server-name too (the name peers and healthchecks then expect)."""
+    from p2ptrain import pki
+
+    monkeypatch.chdir(tmp_path)
+    pki_dir = tmp_path / "pki"
+    pki.init_ca(pki_dir, "job7")
+
+    def refused(*argv: str) -> str:
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["compose", "--nodes", "2", "--pki", "pki", *argv])
+        assert exc.value.code == 2
+        return capsys.readouterr().err
+
+    pki.issue(pki_dir, 1, hosts=["node0"])
+    for suffix in ("crt", "key"):  # rank 1's certificate where rank 0's belongs
+        (pki_dir / f"node-1.{suffix}").rename(pki_dir / f"node-0.{suffix}")
+    assert "does not name node 0 of run job7" in refused()
+    pki.issue(pki_dir, 0, hosts=["elsewhere.example"], force=True)
+    assert "not valid for node0" in refused()
+    pki.issue(pki_dir, 0, hosts=["node0"], force=True)
+    assert "not valid for p2p.internal" in refused("--tls-server-name", "p2p.internal")
+    other = tmp_path / "other"
+    pki.init_ca(other, "job8")
+    pki.issue(other, 0, hosts=["node0"])
+    (pki_dir / "node-0.crt").write_bytes((other / "node-0.crt").read_bytes())
+    assert "does not name node 0 of run job7" in refused()
+    assert "p2ptrain pki init" in refused("--pki", "nowhere")
+    named = tmp_path / "named"
+    pki.init_ca(named, "job9")
+    spec = yaml.safe_load(generate(capsys, monkeypatch, "--nodes", "2", "--ps", "--pki", "named",
+                                   "--tls-server-name", "p2p.internal", cwd=tmp_path))
+    configs = check_compose(spec, tmp_path)
+    for name, config in configs.items():
+        assert config.tls_server_name == "p2p.internal"
+        assert "'p2p.internal'" in pki.describe(config.tls_cert), name
 
 
 @pytest.mark.parametrize("argv, message", [

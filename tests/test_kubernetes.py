@@ -3,9 +3,11 @@ the Kubernetes OpenAPI schemas (kubernetes-validate, strict: no unknown fields),
 (a CRD those schemas lack) structurally; every pod's command parses with the real CLI and validates as
 a NodeConfig with the ConfigMap's node.toml and the Secret's files in place; Services, selectors,
 peer DNS names, probes and ports fit together. N = 1, 4, 16; plaintext and TLS + token; peers and
-parameter server."""
+parameter server; the pods locked down (securityContext, no service-account token, CPU limit,
+NetworkPolicy); with --pki, each pod mounting only its own certificate, which names its rank."""
 from __future__ import annotations
 
+import base64
 import re
 import shlex
 import subprocess
@@ -16,7 +18,7 @@ import pytest
 import yaml
 
 from launcher import kubernetes
-from p2ptrain import cli
+from p2ptrain import cli, pki
 from p2ptrain.cli.flags import flags_from_args
 from p2ptrain.settings import NodeConfig
 
@@ -46,7 +48,8 @@ def by_kind(objects: list[dict], kind: str) -> list[dict]:
 
 
 def check_manifests(objects: list[dict], tmp_path: Path, nodes: int, *, tls: bool, ps: bool, gpus: int = 0,
-                    name: str = "p2ptrain", namespace: str = "default") -> None:
+                    name: str = "p2ptrain", namespace: str = "default", pki_dir: Path | None = None,
+                    cpu_limit: str = "1") -> None:
     for obj in objects:
         if obj["kind"] == "ServiceMonitor":
             check_service_monitor(obj, objects)
@@ -63,13 +66,17 @@ def check_manifests(objects: list[dict], tmp_path: Path, nodes: int, *, tls: boo
         (secret_dir / key).write_text("s3cret-token\n" if key == "token" else "not read here\n")
     local_toml = tmp_path / "node.toml"
     local_toml.write_text(toml.replace(kubernetes.SECRET_DIR, str(secret_dir)))
+    owned: dict[str, str] = {}  # --pki: pod name -> whom its mounted certificate names
 
     parser = cli.build_parser()
     services = {s["metadata"]["name"]: s for s in by_kind(objects, "Service")}
+    secrets = {s["metadata"]["name"]: s for s in by_kind(objects, "Secret")}
+    assert bool(secrets) == bool(pki_dir)
     configs: dict[str, NodeConfig] = {}
     for workload in by_kind(objects, "StatefulSet") + by_kind(objects, "Deployment"):
         spec = workload["spec"]
         pod = spec["template"]
+        check_locked_down(pod["spec"], cpu_limit=cpu_limit)
         assert spec["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
         assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
         [container] = pod["spec"]["containers"]
@@ -78,7 +85,9 @@ def check_manifests(objects: list[dict], tmp_path: Path, nodes: int, *, tls: boo
         claims = {c["metadata"]["name"] for c in spec.get("volumeClaimTemplates", [])}
         assert set(mounts) <= set(volumes) | claims and mounts["config"] == kubernetes.CONFIG_DIR
         assert volumes["config"]["configMap"]["name"] == config_map["metadata"]["name"]
-        assert ("secret" in volumes) == tls and (not tls or volumes["secret"]["secret"]["secretName"] == "p2ptrain-tls")
+        assert ("secret" in volumes) == tls and (  # with --pki: the token only
+            "secret" not in volumes or volumes["secret"]["secret"]["secretName"] == "p2ptrain-tls")
+        assert ("tls" in volumes) == bool(pki_dir)
         resources = container["resources"]
         trains = workload["kind"] == "StatefulSet"  # the parameter server's Deployment does not
         assert resources["requests"].get("nvidia.com/gpu") == (str(gpus) if gpus and trains else None)
@@ -88,19 +97,31 @@ def check_manifests(objects: list[dict], tmp_path: Path, nodes: int, *, tls: boo
             assert spec["podManagementPolicy"] == "Parallel"
             service = services[spec["serviceName"]]
             assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
-            assert service["spec"]["selector"] == spec["selector"]["matchLabels"]
+            assert service["spec"]["selector"].items() <= spec["selector"]["matchLabels"].items()
             replicas = range(spec["replicas"])
-            assert spec["replicas"] == nodes
+            assert spec["replicas"] == (1 if pki_dir else nodes)  # --pki: one single-pod StatefulSet per rank
         else:
             replicas = [0]
+        if pki_dir:  # the pod's own Secret: its certificate names its rank (or ps), under the CA's run id
+            secret = secrets[volumes["tls"]["secret"]["secretName"]]
+            pod_name = f"{workload['metadata']['name']}-0" if workload["kind"] == "StatefulSet" else "ps"
+            owned[pod_name] = check_pod_certificate(secret, pki_dir)
         for index in replicas:
             args = [str(local_toml) if a == kubernetes.CONFIG_FILE else a for a in container["args"]]
             assert all(isinstance(a, str) for a in container["args"])
             env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
-            if workload["kind"] == "StatefulSet":
+            if workload["kind"] == "StatefulSet" and not pki_dir:
                 [rank] = [e for e in container["env"] if e["name"] == "RANK"]
                 assert rank["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
                 env["RANK"] = str(index)
+            if pki_dir:  # the pod's Secret as it sees it
+                own = tmp_path / "own" / workload["metadata"]["name"]
+                own.mkdir(parents=True, exist_ok=True)
+                for key, value in secret["data"].items():
+                    (own / key).write_bytes(base64.b64decode(value))
+                pod_toml = own / "node.toml"
+                pod_toml.write_text(local_toml.read_text().replace(kubernetes.TLS_DIR, str(own)))
+                args = [str(pod_toml) if a == str(local_toml) else a for a in args]
             parsed = parser.parse_args(args)  # SystemExit (a failed test) on an unknown flag
             config = NodeConfig.from_sources(toml_path=parsed.config_file, env=env, flags={
                 **flags_from_args(parsed), **({"role": "ps"} if parsed.command == "ps" else {})})
@@ -108,30 +129,100 @@ def check_manifests(objects: list[dict], tmp_path: Path, nodes: int, *, tls: boo
             configs[pod_name] = config
             assert config.metrics_port == ports["metrics"] and config.metrics_bind_host == "0.0.0.0"
             assert config.out == mounts["runs"]
-            assert bool(config.tls_cert) == tls and bool(config.auth_token_file) == tls
+            assert bool(config.tls_cert) == (tls or bool(pki_dir)) and bool(config.auth_token_file) == tls
+            if pki_dir:  # mutual TLS, the CA's run, and the certificate of this very rank
+                assert config.tls_require_client_cert and config.run_id == pki.ca_run_id(pki_dir)
+                assert owned[pod_name] == ("ps" if config.role == "ps" else str(config.rank))
+            lanes = config.role == "peer" and config.data_plane != "grpc"
+            assert ("lane" in ports) == lanes and (not lanes or config.lane_port == ports["lane"])
+            if lanes:
+                assert {"name": "lane", "port": ports["lane"], "targetPort": "lane", "protocol": "TCP"} in \
+                    services[spec["serviceName"]]["spec"]["ports"]
             if config.role in ("peer", "ps"):
                 assert int(config.listen.rpartition(":")[2]) == ports["grpc"]
-            check_probes(container, config, parser, tls=tls)
+            check_probes(container, config, parser, tls=tls or bool(pki_dir),
+                         own_host=_pod_host(workload, namespace) if pki_dir else None)
     peers = {n: c for n, c in configs.items() if c.role == "peer"}
     workers = {n: c for n, c in configs.items() if c.role == "worker"}
     assert (len(workers), len(peers)) == ((nodes, 0) if ps else (0, nodes))
-    for pod_name, config in peers.items():  # pod NAME-i is rank i, at the DNS name of pod i
-        assert pod_name == f"{name}-{config.rank}" and config.world_size == nodes
+    for pod_name, config in peers.items():  # pod NAME-i (--pki: NAME-i-0) is rank i, at the DNS name of pod i
+        assert pod_name == f"{name}-{config.rank}{'-0' if pki_dir else ''}" and config.world_size == nodes
         host = config.peers[config.rank].rpartition(":")[0]
         assert host == f"{pod_name}.{name}.{namespace}.svc.cluster.local"
         assert host.split(".")[1] in services
     for pod_name, config in workers.items():
         server = configs["ps"]
-        assert pod_name == f"{name}-worker-{config.rank}" and config.algorithm == server.algorithm == "gem"
+        assert pod_name == f"{name}-worker-{config.rank}{'-0' if pki_dir else ''}"
+        assert config.algorithm == server.algorithm == "gem"
         assert config.world_size == server.world_size == nodes
         service, ps_namespace = config.ps_address.split(".")[:2]
         assert ps_namespace == namespace
         assert services[service]["spec"]["selector"]["app.kubernetes.io/component"] == "ps"
         assert config.ps_address.endswith(f":{server.listen.rpartition(':')[2]}")
     assert sorted(c.rank for c in (workers or peers).values()) == list(range(nodes))
+    if pki_dir:
+        assert len(secrets) == len(owned) == nodes + ps  # one Secret per pod, each mounted by its pod only
+        dumped = yaml.safe_dump(objects)
+        ca_key = (pki_dir / "ca.key").read_bytes()
+        assert base64.b64encode(ca_key).decode() not in dumped and "PRIVATE KEY" not in dumped
+    check_network_policy(objects, lanes=any(c.data_plane != "grpc" for c in peers.values()))
 
 
-def check_probes(container: dict, config: NodeConfig, parser, *, tls: bool) -> None:
+def check_locked_down(pod: dict, *, cpu_limit: str) -> None:
+    """No service-account token, a non-root user, and a container that cannot gain privileges or
+    write outside its volumes (/tmp is an emptyDir), with a CPU limit."""
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == kubernetes.IMAGE_UID
+    [container] = pod["containers"]
+    security = container["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True and security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]} and security["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert security["runAsNonRoot"] is True
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"] and "emptyDir" in volumes["tmp"]
+    assert {"name": "HOME", "value": "/tmp"} in container["env"]  # caches of libraries: not on the read-only root
+    assert container["resources"]["limits"]["cpu"] == cpu_limit and container["resources"]["requests"]["cpu"]
+
+
+def check_pod_certificate(secret: dict, pki_dir: Path) -> str:
+    """A kubernetes.io/tls Secret holding one node's certificate and key and the CA certificate;
+    returns whom the certificate names."""
+    assert secret["type"] == "kubernetes.io/tls" and set(secret["data"]) == {"tls.crt", "tls.key", "ca.crt"}
+    cert, ca = (base64.b64decode(secret["data"][k]) for k in ("tls.crt", "ca.crt"))
+    assert ca == (pki_dir / "ca.crt").read_bytes()
+    identity = pki.certificate_identity(cert, pki.ca_run_id(pki_dir))
+    assert identity is not None
+    cert_file, key_file = pki.node_files(pki_dir, identity.name)
+    assert cert == cert_file.read_bytes() and base64.b64decode(secret["data"]["tls.key"]) == key_file.read_bytes()
+    return identity.name
+
+
+def check_network_policy(objects: list[dict], *, lanes: bool) -> None:
+    """gRPC (and the lane) only from the run's own pods, /metrics only from the scraper; it selects every pod."""
+    [policy] = by_kind(objects, "NetworkPolicy")
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    for workload in by_kind(objects, "StatefulSet") + by_kind(objects, "Deployment"):
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert spec["podSelector"]["matchLabels"].items() <= labels.items()
+    [container] = by_kind(objects, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    own, scraper = spec["ingress"]
+    assert own["from"] == [{"podSelector": spec["podSelector"]}]
+    assert sorted(p["port"] for p in own["ports"]) == sorted([ports["grpc"], *([ports["lane"]] if lanes else [])])
+    assert scraper["ports"] == [{"protocol": "TCP", "port": ports["metrics"]}]
+    [source] = scraper["from"]
+    assert set(source) == {"namespaceSelector", "podSelector"}
+
+def _pod_host(workload: dict, namespace: str) -> str:
+    name = workload["metadata"]["name"]
+    if workload["kind"] == "Deployment":
+        return f"{name}.{namespace}.svc.cluster.local"
+    return f"{name}-0.{workload['spec']['serviceName']}.{namespace}.svc.cluster.local"
+
+
+def check_probes(container: dict, config: NodeConfig, parser, *, tls: bool, own_host: str | None = None) -> None:
+    """The probes; `own_host`: each pod has its own certificate (--pki), so TLS probes expect its own name."""
     assert container["command"] == ["/bin/sh", "-c", kubernetes.RUN_ONCE, "p2ptrain"]  # args are p2ptrain's
     liveness = container["livenessProbe"]["exec"]["command"]
     assert liveness[:2] == ["/bin/sh", "-c"]
@@ -142,7 +233,7 @@ def check_probes(container: dict, config: NodeConfig, parser, *, tls: bool) -> N
         assert f"http://127.0.0.1:{config.metrics_port}/metrics" in alive
         return
     port = int(config.listen.rpartition(":")[2])
-    secret = kubernetes.SECRET_DIR
+    secret = kubernetes.TLS_DIR if own_host else kubernetes.SECRET_DIR
     for kind in ("startupProbe", "readinessProbe", None):
         command = shlex.split(alive) if kind is None else container[kind].get("exec", {}).get("command")
         if kind and not tls:
@@ -154,7 +245,7 @@ def check_probes(container: dict, config: NodeConfig, parser, *, tls: bool) -> N
         if tls:  # grpc probes speak no TLS: p2ptrain health with the TLS flags
             assert (health.tls_ca, health.tls_cert, health.tls_key) == (f"{secret}/ca.crt", f"{secret}/tls.crt",
                                                                          f"{secret}/tls.key")
-            assert health.tls_server_name
+            assert health.tls_server_name and health.tls_server_name == (own_host or health.tls_server_name)
     assert container["startupProbe"]["periodSeconds"] * container["startupProbe"]["failureThreshold"] >= \
         config.peer_timeout
 
@@ -224,7 +315,8 @@ def test_manifests_are_schema_valid_and_every_command_parses(tmp_path, capsys, m
     check_manifests(objects, tmp_path, nodes, tls=tls, ps=ps, gpus=gpus)
     kinds = [o["kind"] for o in objects]
     assert kinds == (["ConfigMap", "Service", "PersistentVolumeClaim", "Deployment", "Service", "StatefulSet",
-                      "ServiceMonitor"] if ps else ["ConfigMap", "Service", "StatefulSet", "ServiceMonitor"])
+                      "NetworkPolicy", "ServiceMonitor"] if ps else
+                     ["ConfigMap", "Service", "StatefulSet", "NetworkPolicy", "ServiceMonitor"])
 
 
 def test_config_file_and_flags_meet_in_the_config_map(tmp_path, capsys, monkeypatch):
@@ -237,7 +329,7 @@ def test_config_file_and_flags_meet_in_the_config_map(tmp_path, capsys, monkeypa
     toml = objects[0]["data"]["node.toml"]
     assert "steps = 70" in toml and 'model = "mlp"' in toml and '"0->1" = "latency=5ms"' in toml
     assert "peers" not in toml  # a pod's place in the cluster is on its command line
-    assert [o["kind"] for o in objects] == ["ConfigMap", "Service", "StatefulSet"]
+    assert [o["kind"] for o in objects] == ["ConfigMap", "Service", "StatefulSet", "NetworkPolicy"]
     [stateful] = by_kind(objects, "StatefulSet")
     peers = stateful["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "job7-1.job7.train.svc.cluster.local:50051" in peers[peers.index("--peers") + 1]
@@ -261,6 +353,10 @@ def test_regenerating_replaces_only_generated_files(tmp_path, capsys):
     (["--overlap", "-3"], "pod p2ptrain-0: sgp: overlap τ must be >= 0"),
     (["--port", "9100"], "the gRPC port and the metrics port must differ"),
     (["--nodes", "0"], "nodes must be >= 1"),
+    (["--cpu", "2", "--cpu-limit", "1500m"], "the CPU limit 1500m is below the CPU request 2"),
+    (["--cpu-limit", "lots"], "'lots' is no CPU quantity"),
+    (["--lane-port", "50051"], "the lane port must differ"),
+    (["--metrics-pods", "prometheus"], "give labels as key=value"),
 ])
 def test_bad_input_is_a_configuration_error(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exited:
@@ -269,3 +365,79 @@ def test_bad_input_is_a_configuration_error(tmp_path, capsys, argv, message):
     err = capsys.readouterr().err
     assert exited.value.code == 2 and "p2ptrain: configuration error: " in err and message in err, err
     assert not (tmp_path / "k8s").exists()
+
+
+@pytest.mark.parametrize("ps", [False, True], ids=["peers", "ps"])
+@pytest.mark.parametrize("nodes", [1, 3])
+def test_pki_gives_every_pod_only_its_own_certificate(tmp_path, capsys, monkeypatch, nodes, ps):
+    """--pki: a kubernetes.io/tls Secret per pod (issued for the pod's DNS name where missing), each
+    pod mounting only its own, mutual TLS under the CA's run id; the CA key enters no manifest."""
+    monkeypatch.chdir(tmp_path)
+    pki_dir = tmp_path / "pki"
+    pki.init_ca(pki_dir, "job-7")
+    pki.issue(pki_dir, 0, hosts=[f"p2ptrain-{'worker-' if ps else ''}0-0.p2ptrain{'-worker' if ps else ''}"
+                                 ".default.svc.cluster.local"])  # one made before, by hand: used as it is
+    before = (pki_dir / "node-0.crt").read_bytes()
+    files = secret_files(tmp_path)
+    argv = ["--nodes", str(nodes), "--pki", str(pki_dir), "--steps", "50", "--peer-timeout", "300",
+            "--auth-token-file", str(files["--auth-token-file"]), "--secret", "p2ptrain-tls", *(["--ps"] if ps else [])]
+    objects = generate(tmp_path, capsys, *argv)
+    check_manifests(objects, tmp_path, nodes, tls=True, ps=ps, pki_dir=pki_dir)
+    assert (pki_dir / "node-0.crt").read_bytes() == before
+    assert sorted(p.name for p in pki_dir.glob("*.crt")) == sorted(
+        ["ca.crt", *(f"node-{r}.crt" for r in range(nodes)), *(["ps.crt"] if ps else [])])
+    for path in (tmp_path / "k8s").glob("*-secret-*.yaml"):
+        assert path.stat().st_mode & 0o077 == 0  # private keys: the owner's only
+    for workload in by_kind(objects, "StatefulSet"):  # the certificate is valid for the name the peers dial
+        host = f"{workload['metadata']['name']}-0.{workload['spec']['serviceName']}.default.svc.cluster.local"
+        rank = workload["spec"]["template"]["metadata"]["labels"]["p2ptrain/rank"]
+        assert host in pki.describe(pki_dir / f"node-{rank}.crt")
+
+
+def test_pki_refuses_shared_tls_files_and_foreign_certificates(tmp_path, capsys):
+    pki_dir = tmp_path / "pki"
+    pki.init_ca(pki_dir, "job-7")
+    files = secret_files(tmp_path)
+    for argv, message in [
+        (["--tls-cert", str(files["--tls-cert"])], "--pki gives every pod its own certificate, key and CA: drop "
+                                                   "--tls-cert"),
+        ([], "node-1.crt is not valid for p2ptrain-1-0.p2ptrain.default.svc.cluster.local"),
+    ]:
+        pki.issue(pki_dir, 1, hosts=["elsewhere.example"], force=True)
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["kubernetes", "--out", str(tmp_path / "k8s"), "--nodes", "2", "--pki", str(pki_dir), *argv])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and message in err, err
+        assert not (tmp_path / "k8s").exists()
+    other = tmp_path / "other"
+    pki.init_ca(other, "job-8")
+    pki.issue(other, 0)
+    for name in ("node-0.crt", "node-0.key"):  # a certificate of another run's CA
+        (pki_dir / name).write_bytes((other / name).read_bytes())
+    (pki_dir / "node-1.crt").unlink()
+    (pki_dir / "node-1.key").unlink()
+    with pytest.raises(SystemExit):
+        cli.main(["kubernetes", "--out", str(tmp_path / "k8s"), "--nodes", "2", "--pki", str(pki_dir)])
+    assert "does not name node 0 of run job-7" in capsys.readouterr().err
+
+
+def test_cpu_limit_lane_port_and_network_policy_flags(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    objects = generate(tmp_path, capsys, "--nodes", "2", "--cpu", "500m", "--cpu-limit", "2", "--lane-port", "7000",
+                       "--metrics-namespace", "observability", "--metrics-pods", "app=prom,team=ml")
+    check_manifests(objects, tmp_path, 2, tls=False, ps=False, cpu_limit="2")
+    [policy] = by_kind(objects, "NetworkPolicy")
+    own, scraper = policy["spec"]["ingress"]
+    assert {"protocol": "TCP", "port": 7000} in own["ports"]
+    assert scraper["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}},
+                                "podSelector": {"matchLabels": {"app": "prom", "team": "ml"}}}]
+    header = (tmp_path / "k8s" / "00-configmap-p2ptrain-config.yaml").read_text().splitlines()[0]
+    assert "--cpu-limit 2" in header and "--lane-port 7000" in header and "--metrics-pods app=prom,team=ml" in header
+    # gRPC only: no lane to declare or admit; and no NetworkPolicy when asked
+    objects = generate(tmp_path, capsys, "--nodes", "2", "--data-plane", "grpc", "--no-network-policy")
+    assert not by_kind(objects, "NetworkPolicy")
+    [stateful] = by_kind(objects, "StatefulSet")
+    [container] = stateful["spec"]["template"]["spec"]["containers"]
+    assert "lane" not in {p["name"] for p in container["ports"]} and "--lane-port" not in container["args"]
+    check_manifests(objects + [kubernetes.network_policy(kubernetes.KubernetesOptions(), lanes=False)], tmp_path, 2,
+                    tls=False, ps=False)

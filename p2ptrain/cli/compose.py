@@ -26,6 +26,10 @@ def add_parser(subcommands) -> None:
     compose.add_argument("--port", type=int, default=50051, help="gRPC port of every container (default 50051)")
     compose.add_argument("--metrics-port", type=int, default=9100,
                          help="/metrics port of every container (default 9100)")
+    compose.add_argument("--pki", metavar="DIR", default=None,
+                         help="folder of `p2ptrain pki init` (ca.crt, ca.key): mutual TLS, each container mounting "
+                              "only its own certificate and key (node-R, ps; issued there when missing, for the "
+                              "service names) and ca.crt, --run-id the CA's run id")
     add_node_arguments(compose, cluster_flags=False)
     compose.set_defaults(func=run)
 
@@ -42,11 +46,12 @@ def run(args: argparse.Namespace) -> int:
     node_args = node_flags_as_argv(args)
     canonical = ["--nodes", str(args.nodes), *(["--ps"] if args.ps else []),
                  *([] if args.port == 50051 else ["--port", str(args.port)]),
-                 *([] if args.metrics_port == 9100 else ["--metrics-port", str(args.metrics_port)]), *node_args]
+                 *([] if args.metrics_port == 9100 else ["--metrics-port", str(args.metrics_port)]),
+                 *(["--pki", args.pki] if args.pki else []), *node_args]
     base_dir = Path(args.out).parent if args.out else Path.cwd()
     try:
         spec = compose.compose_spec(args.nodes, node_args, ps=args.ps, port=args.port,
-                                    metrics_port=args.metrics_port, base_dir=base_dir)
+                                    metrics_port=args.metrics_port, base_dir=base_dir, pki=args.pki)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     parser = build_parser()

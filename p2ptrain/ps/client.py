@@ -5,7 +5,9 @@ Transport does): a worker makes exactly one call at a time, from its training th
 each answer before going on (Algorithm 1 is pull, then commit, then compute), so there is nothing
 to overlap and an event loop would only add a thread hop per call. The sync channel is thread-safe,
 so several workers in one process (tests) may also share one. Framing is the transport's: the
-same hand-encoded data chunks, decoded zero-copy into a preallocated buffer.
+same hand-encoded data chunks, decoded zero-copy into a preallocated buffer. Under mutual TLS with
+identity certificates the client also checks, once, that the server's certificate names the
+parameter server of its run (transport/peer_identity.py) before it commits or reports Done.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from p2ptrain.transport.framing import (
     serialize_identity,
     tensor_bytes,
 )
+from p2ptrain.transport.peer_identity import IDENTITY, certified_identity, server_problem
 from p2ptrain.transport.security import PLAINTEXT, PS_NAME, Security
 from p2ptrain.transport.server import PROTOCOL_VERSION
 
@@ -56,8 +59,10 @@ class PsClient:
         self.fingerprint = fingerprint
         self.timeout = timeout
         self.retries = retries
-        self.channel = security.channel(address, grpc_options())
         self.security = security
+        # Under mutual TLS with identity certificates: is the server the parameter server? (checked once)
+        self.server_checked = certified_identity(security) is None
+        self.channel = security.channel(address, grpc_options())
         self._pull = self.channel.unary_stream(PULL_METHOD, request_serializer=pb.PullRequest.SerializeToString,
                                                response_deserializer=deserialize_chunk)
         self._commit = self.channel.stream_unary(COMMIT_METHOD, request_serializer=serialize_identity,
@@ -117,7 +122,21 @@ class PsClient:
             call.cancel()  # no-op once the stream ended; stops it when we bail out early
         if header is None or received != header.payload_bytes:
             raise PsError(f"Pull stream from {self.address} ended early ({received} bytes)", "truncated")
+        self.check_server()  # (the server is up now: the Pull waited for it)
         return out, header.step
+
+    def check_server(self) -> None:
+        """Under mutual TLS with identity certificates, once: the server's certificate must name the
+        parameter server of this worker's run (PsError with reason `identity` otherwise)."""
+        if self.server_checked:
+            return
+        try:
+            problem = server_problem(self.security, self.address, timeout=self.timeout or 10.0)
+        except OSError as exc:
+            raise PsError(f"cannot check the parameter server at {self.address}: {exc}", "UNAVAILABLE") from None
+        if problem is not None:
+            raise PsError(f"{IDENTITY}: {problem}", IDENTITY)
+        self.server_checked = True
 
     def _check_params_header(self, header: pb.TensorHeader | None, out: torch.Tensor | None) -> torch.Tensor:
         if header is None:
@@ -139,6 +158,7 @@ class PsClient:
         """Stream `update` (CPU float32) computed at θ's version `base_version`; returns the reply,
         whose ack says accepted / duplicate / rejected (with reason). A retry after a lost
         connection reuses the message id, so the server never applies one commit twice."""
+        self.check_server()
         flat = update.detach().reshape(-1)
         if flat.dtype != torch.float32:
             raise ValueError(f"updates are float32, got {flat.dtype}")
@@ -165,6 +185,7 @@ class PsClient:
         raise AssertionError("unreachable")
 
     def done(self, steps: int) -> pb.DoneReply:
+        self.check_server()
         for attempt in range(2):
             sent = time.monotonic()
             try:

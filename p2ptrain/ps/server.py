@@ -25,6 +25,7 @@ import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.algorithms.gem import staleness_scale
+from p2ptrain.pki import PS_NAME
 from p2ptrain.train.progress import SnapshotSeries
 from p2ptrain.transport.framing import (
     DEFAULT_CHUNK_BYTES,
@@ -40,7 +41,8 @@ from p2ptrain.transport.health import ServingStatus
 from p2ptrain.transport.inbox import BufferPool, Reception
 from p2ptrain.transport.loop_thread import LoopThread
 from p2ptrain.transport.options import TransportOptions
-from p2ptrain.transport.security import PLAINTEXT, PS_NAME, Security
+from p2ptrain.transport.peer_identity import IDENTITY, IdentityCheck, drain, identity_check
+from p2ptrain.transport.security import PLAINTEXT, Security
 from p2ptrain.transport.server import PROTOCOL_VERSION, serve
 from p2ptrain.transport.streams import REFUSAL_STATUS, MessageStream, wait_for_cancel
 from p2ptrain.transport.validation import ChannelSpec, Rejection, all_finite, check_finite, validate_header
@@ -232,11 +234,15 @@ class CentralVariable:
 class ParameterServerService:
     """gRPC handlers. A bad commit ends in a rejecting CommitReply (the server keeps serving); a bad
     Pull / Done request is aborted with INVALID_ARGUMENT or FAILED_PRECONDITION. A commit stream that
-    sends nothing for `stream_idle_timeout` seconds is cut (DEADLINE_EXCEEDED, `idle_stream`)."""
+    sends nothing for `stream_idle_timeout` seconds is cut (DEADLINE_EXCEEDED, `idle_stream`). With
+    `identity` (transport/peer_identity.py) a Pull, Commit or Done for a worker id that the caller's
+    client certificate does not name is refused with PERMISSION_DENIED before anything else."""
 
     def __init__(self, state: CentralVariable, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, fingerprint: str = "",
-                 metrics=None, on_all_done=lambda: None, stream_idle_timeout: float = 30.0):
+                 metrics=None, on_all_done=lambda: None, stream_idle_timeout: float = 30.0,
+                 identity: IdentityCheck | None = None):
         self.state = state
+        self.identity = identity
         self.chunk_bytes = check_chunk_bytes(chunk_bytes)
         self.fingerprint = fingerprint
         self.metrics = metrics
@@ -249,7 +255,18 @@ class ParameterServerService:
             self.metrics.on_rejected(rejection.reason)
         await context.abort(code, f"{rejection.reason}: {rejection.detail}")
 
+    async def _deny(self, context, problem: str | None, rest=None) -> None:
+        """Refuse a call whose worker id the caller's certificate does not name (nothing changes);
+        `rest`: what is left of a commit stream, read first so that the worker sees the refusal."""
+        if problem is not None:
+            if rest is not None:
+                await drain(rest)
+            await self._refuse(context, Rejection(IDENTITY, problem), grpc.StatusCode.PERMISSION_DENIED)
+
     async def pull(self, request: pb.PullRequest, context):
+        if self.identity is not None:
+            await self._deny(context, self.identity.claim_problem(self.identity.grpc_peer(context), request.worker,
+                                                                  "a Pull"))
         state = self.state
         state.last_activity = time.monotonic()
         try:
@@ -290,6 +307,9 @@ class ParameterServerService:
         try:
             stream = MessageStream(requests, self.stream_idle_timeout, "commit")
             header = await stream.header()
+            if header is not None and self.identity is not None:
+                await self._deny(context, self.identity.header_problem(self.identity.grpc_peer(context), header,
+                                                                       relayed=False), stream.chunks)
             if header is not None:
                 reception = state.open_commit(header)
                 await stream.fill(reception)
@@ -336,7 +356,11 @@ class ParameterServerService:
         pulled θ from this server (anything else is refused with FAILED_PRECONDITION). That stops
         stray or mistaken calls, not an attacker: on a plaintext server anyone who can reach the port
         can Pull as worker k and then say Done for it. With a token (transport/security.py) only
-        holders of the shared secret can call Pull, Commit or Done at all."""
+        holders of the shared secret can call Pull, Commit or Done at all; under mutual TLS with
+        identity certificates only worker k itself can speak for worker k."""
+        if self.identity is not None:
+            await self._deny(context, self.identity.claim_problem(self.identity.grpc_peer(context), request.worker,
+                                                                  "a Done"))
         state = self.state
         state.last_activity = time.monotonic()
         try:
@@ -378,6 +402,7 @@ class ParameterServer:
                  snapshot_every: int = 0, keep_log: bool = False, shutdown_grace: float = 2.0,
                  security: Security = PLAINTEXT, stream_idle_timeout: float = 30.0):
         self.security = security  # TLS / auth token (transport/security.py)
+        self.identity = identity_check(security, PS_NAME)  # mTLS with identity certificates: who is which worker
         self.state = CentralVariable(theta, workers, snapshot_every=snapshot_every, keep_log=keep_log)
         self.listen = listen
         self.chunk_bytes = check_chunk_bytes(chunk_bytes)
@@ -399,7 +424,7 @@ class ParameterServer:
     async def _start_server(self) -> None:
         service = ParameterServerService(self.state, chunk_bytes=self.chunk_bytes, fingerprint=self.fingerprint,
                                          metrics=self.metrics, on_all_done=self.all_done.set,
-                                         stream_idle_timeout=self.stream_idle_timeout)
+                                         stream_idle_timeout=self.stream_idle_timeout, identity=self.identity)
         self._server, self.health, port = await serve(
             service.handler(), PS_SERVICE_NAME, listen=self.listen, options=grpc_options() + [("grpc.so_reuseport", 0)],
             security=self.security, metrics=self.metrics, serving=True, name=PS_NAME)

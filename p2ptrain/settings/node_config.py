@@ -100,6 +100,8 @@ class NodeConfig:
                          rank_given=found.rank_given)
         except (TypeError, ValueError) as exc:
             raise ConfigError(str(exc)) from None
+        if not config.rank_given and config.tls_require_client_cert and config.tls_cert:
+            config = config._rank_from_certificate()
         return config.validate()
 
     # -- derived values ---------------------------------------------------------------------------
@@ -191,7 +193,34 @@ class NodeConfig:
             need(not self.tls_ca or bool(self.tls_cert),
                  f"a TLS {'parameter server' if self.role == 'ps' else 'node'} needs --tls-cert and --tls-key "
                  "besides --tls-ca")
+        if self.tls_require_client_cert and self.tls_cert:
+            self._validate_identity()
         return self
+
+    def _rank_from_certificate(self) -> "NodeConfig":
+        """No source gave a rank (a rendezvous would hand one out): under mutual TLS, a certificate
+        that names a node rank (`p2ptrain pki issue`) gives it, so that the rank is the certified one."""
+        from p2ptrain.transport.peer_identity import certified_identity  # reads the certificate
+        from p2ptrain.transport.security import security_from_settings
+
+        try:
+            identity = certified_identity(security_from_settings(self.security))
+        except ValueError:  # SecurityError, an unreadable file: validate() says what is wrong
+            return self
+        if identity is None or identity.rank is None or self.role == "ps":
+            return self
+        return self.replace(rank=identity.rank, rank_given=True)
+
+    def _validate_identity(self) -> None:
+        """Mutual TLS: a certificate that names a p2ptrain node (`p2ptrain pki issue`) must name this
+        one (its rank, or "ps"), of this run (run_id)."""
+        from p2ptrain.transport.peer_identity import own_identity  # reads the certificate
+        from p2ptrain.transport.security import security_from_settings
+
+        try:
+            own_identity(security_from_settings(self.security), "ps" if self.role == "ps" else self.rank, self.run_id)
+        except ValueError as exc:  # SecurityError
+            raise ConfigError(str(exc)) from None
 
     def _validate_algorithm(self) -> None:
         spec = self.algorithm_spec

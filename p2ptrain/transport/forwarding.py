@@ -2,8 +2,8 @@
 
 A node that cannot reach peer j directly sends through relay r (paths/router.py): the header says
 `receiver = j, route = [r, ...]`. r checks the header, opens a stream to the next hop with route[0]
-popped, and pipes the chunks through as they arrive: it holds one chunk at a time, never the whole
-tensor. The Ack is end to end (r returns what j answered), so the sender's retries and the
+popped and `via = r`, and pipes the chunks through as they arrive: it holds one chunk at a time, never
+the whole tensor. The Ack is end to end (r returns what j answered), so the sender's retries and the
 receiver's dedup by (sender, message_id) work unchanged: a message is applied exactly once, whichever
 way (and however often) it went. Part of the gRPC path: the server (server.py) calls `forward`.
 """
@@ -80,6 +80,7 @@ class Forwarder:
         downstream = pb.TensorHeader()
         downstream.CopyFrom(header)
         del downstream.route[0]
+        downstream.via = self.rank  # the hop the next one sees (peer_identity.py checks it under mTLS)
         try:  # the relay's own outgoing link, as emulated; a lost attempt is re-sent (costs time)
             if self.links is not None:
                 await self.links.emulate(next_hop, header.payload_bytes, True)

@@ -33,6 +33,7 @@ from p2ptrain.transport.laneframes import (
     frame_length,
     proof_matches,
 )
+from p2ptrain.transport.peer_identity import IDENTITY, IdentityCheck
 from p2ptrain.transport.reception import Answers
 from p2ptrain.transport.security import Security
 from p2ptrain.transport.validation import Rejection
@@ -81,12 +82,13 @@ class LaneServer:
     """Node `answers.rank`'s lane (of a cluster of `world_size` ranks): accepts connections and
     feeds what they carry into the Inbox through `answers`."""
 
-    def __init__(self, answers: Answers, world_size: int, security: Security):
+    def __init__(self, answers: Answers, world_size: int, security: Security, identity: IdentityCheck | None = None):
         self.answers = answers
         self.inbox = answers.inbox
         self.rank = answers.rank
         self.world_size = world_size
         self.token = security.token
+        self.identity = identity  # under mTLS with identity certificates: LaneAuth.sender must be the peer's
         self.ssl = security.lane_server_context()
         self.port = 0
         self.connections: set[LaneReceiver] = set()
@@ -328,7 +330,8 @@ class LaneReceiver(asyncio.BufferedProtocol):
         if refusal is not None:
             reason, detail = refusal
             self.answers.count_refusal(reason)
-            log.warning("node %d refused a lane connection: %s: %s", server.rank, reason, detail)
+            if reason != IDENTITY:  # (IdentityCheck logged it, rate-limited)
+                log.warning("node %d refused a lane connection: %s: %s", server.rank, reason, detail)
             self.transport.write(encode(pb.LaneAuthReply(accepted=False, reason=reason, detail=detail)))
             self.transport.close()
             return
@@ -347,6 +350,11 @@ class LaneReceiver(asyncio.BufferedProtocol):
             return "wrong_receiver", f"connection for node {auth.receiver} reached node {server.rank}"
         if not 0 <= auth.sender < server.world_size or auth.sender == server.rank:
             return "unknown_sender", f"node {auth.sender} is not a peer of node {server.rank}"
+        identity = server.identity
+        if identity is not None:
+            problem = identity.claim_problem(identity.lane_peer(self.transport), auth.sender, "a lane connection")
+            if problem is not None:
+                return IDENTITY, problem
         if server.per_sender[auth.sender] >= server.max_connections_per_sender:
             return "too_many_connections", (f"node {auth.sender} holds {server.per_sender[auth.sender]} lane "
                                             f"connections already (at most {server.max_connections_per_sender})")
@@ -361,6 +369,8 @@ class LaneReceiver(asyncio.BufferedProtocol):
             if header.sender != self.sender:
                 raise Rejection("wrong_sender", f"the lane connection of node {self.sender} carries a message "
                                                 f"from node {header.sender}")
+            if self.server.identity is not None and header.HasField("via"):  # (a lane carries no relayed message)
+                raise Rejection(IDENTITY, self.server.identity.header_problem(str(self.sender), header, relayed=False))
             self.reception = self.server.inbox.open(header)
             if header.payload_bytes:
                 self.reception.space()  # take the buffer now: `buffer_limit` refuses before any byte is read

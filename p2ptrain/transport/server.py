@@ -19,6 +19,7 @@ from p2ptrain.transport.framing import deserialize_chunk
 from p2ptrain.transport.health import ServingStatus, add_standard_services
 from p2ptrain.transport.membership.identity import PROTOCOL_VERSION
 from p2ptrain.transport.paths.grpc_path import HELLO_METHOD, PUSH_METHOD, SERVICE_NAME, SETTLE_METHOD
+from p2ptrain.transport.peer_identity import IDENTITY, IdentityCheck, drain
 from p2ptrain.transport.reception import Answers
 from p2ptrain.transport.security import Security
 from p2ptrain.transport.streams import REFUSAL_STATUS, MessageStream, wait_for_cancel
@@ -33,14 +34,17 @@ class PeerService:
     """Node `answers.rank`'s Peer service: tensor streams into the Inbox through `answers` (or on
     through `forwarder`, a forwarding.Forwarder), Hellos answered by `greetings` (membership), and
     Settle questions answered from the Inbox. Any bad input ends in a rejecting Ack; the node's state
-    is changed only by a complete, valid message."""
+    is changed only by a complete, valid message. With `identity` (peer_identity.py) a call whose
+    claimed sender its client certificate does not name is refused with PERMISSION_DENIED first."""
 
-    def __init__(self, answers: Answers, greetings, world_size: int, forwarder=None):
+    def __init__(self, answers: Answers, greetings, world_size: int, forwarder=None,
+                 identity: IdentityCheck | None = None):
         self.answers = answers
         self.inbox = answers.inbox
         self.greetings = greetings
         self.world_size = world_size
         self.forwarder = forwarder
+        self.identity = identity
 
     async def push_tensor(self, requests, context) -> pb.Ack:
         reception = None
@@ -48,6 +52,9 @@ class PeerService:
             stream = MessageStream(requests, self.inbox.stream_idle_timeout)
             header = await stream.header()
             if header is not None:
+                if self.identity is not None:
+                    await self._deny(context, self.identity.header_problem(self.identity.grpc_peer(context), header),
+                                     stream.chunks)
                 if self.forwarder is not None and header.receiver != self.answers.rank:
                     return await self.forwarder.forward(header, stream.chunks, context)
                 reception = self.inbox.open(header)
@@ -70,16 +77,32 @@ class PeerService:
             raise
 
     async def hello(self, request: pb.HelloRequest, context) -> pb.HelloReply:
+        if self.identity is not None:
+            await self._deny(context, self.identity.claim_problem(self.identity.grpc_peer(context), request.node_id,
+                                                                  "a Hello"))
         return self.greetings.answer(request)
 
     async def settle(self, request: pb.SettleRequest, context) -> pb.SettleReply:
         """Which of these messages from `request.sender` did we deliver? The others are voided."""
+        if self.identity is not None:
+            await self._deny(context, self.identity.claim_problem(self.identity.grpc_peer(context), request.sender,
+                                                                  "a Settle"))
         if not 0 <= request.sender < self.world_size or request.sender == self.answers.rank:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sender {request.sender} is not a peer")
         if len(request.message_ids) > MAX_SETTLE_IDS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_SETTLE_IDS} message ids per Settle")
         delivered = self.inbox.settle(request.sender, list(request.message_ids))
         return pb.SettleReply(delivered=delivered, incarnation=self.greetings.incarnation)
+
+    async def _deny(self, context, problem: str | None, rest=None) -> None:
+        """Refuse the call (PERMISSION_DENIED, counted as `identity`) if its claim is not backed;
+        `rest`: what is left of a client stream, read first so that the caller sees the refusal."""
+        if problem is None:
+            return
+        self.answers.count_refusal(IDENTITY)
+        if rest is not None:
+            await drain(rest)
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{IDENTITY}: {problem}")
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SERVICE_NAME, {

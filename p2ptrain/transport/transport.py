@@ -33,6 +33,7 @@ from p2ptrain.transport.options import TransportOptions
 from p2ptrain.transport.paths.grpc_path import SERVICE_NAME, GrpcPath
 from p2ptrain.transport.paths.lane_path import LanePath, LanePorts
 from p2ptrain.transport.paths.router import Router
+from p2ptrain.transport.peer_identity import identity_check
 from p2ptrain.transport.reception import Answers
 from p2ptrain.transport.routes import RouteTable
 from p2ptrain.transport.sending import Sender
@@ -63,6 +64,9 @@ class Transport:
         self.port: int | None = None
         self.health: ServingStatus | None = None  # grpc.health.v1 answer: SERVING once ready (health.py)
         self.lane_server: LaneServer | None = None
+        # Under mutual TLS with identity certificates: whose claims each connection may make (SecurityError
+        # here when our own certificate names another node).
+        self.identity = identity_check(options.security, rank)
         self._server = None  # the gRPC server (server.serve), made on the loop thread
 
         # Paths out: gRPC always, the lane unless data_plane is grpc, through emulated links if any.
@@ -105,7 +109,8 @@ class Transport:
         return self
 
     async def _start_server(self) -> None:
-        service = PeerService(self.answers, self.membership.greetings, self.world_size, self.forwarder)
+        service = PeerService(self.answers, self.membership.greetings, self.world_size, self.forwarder,
+                              identity=self.identity)
         if self.lane_ports is not None:  # listening before any Hello can advertise it
             self.membership.greetings.lane_port = await self._start_lane()
         try:
@@ -129,7 +134,7 @@ class Transport:
                 raise PeerError(f"node {self.rank}: data_plane=tcp needs a host:port listen address, not "
                                 f"{self.listen!r}")
             return 0
-        self.lane_server = LaneServer(self.answers, self.world_size, self.options.security)
+        self.lane_server = LaneServer(self.answers, self.world_size, self.options.security, identity=self.identity)
         peer_ports = frozenset(a[1] for a in map(split_address, self.grpc.addresses) if a is not None)
         return await self.lane_server.start(address[0], self.options.lane_port, avoid=peer_ports)
 
