@@ -1,8 +1,12 @@
 """`p2ptrain pki`: a run's CA and per-node certificates, as a user makes them from the command line."""
 from __future__ import annotations
 
+import json
+import shutil
 import ssl
 import stat
+import subprocess
+import sys
 
 import pytest
 
@@ -18,6 +22,7 @@ from p2ptrain.pki import (
     issue,
     parse_identity_uri,
 )
+from tests.conftest import ROOT, node_env
 
 
 def test_pki_commands_make_a_ca_and_certificates_that_name_their_nodes(tmp_path, capsys):
@@ -66,3 +71,26 @@ def test_identity_uris_round_trip_and_reject_lookalikes():
     assert parse_identity_uri("p2ptrain://r/ps").rank is None
     for uri in ("spiffe://r/3", "p2ptrain://r/3/4", "p2ptrain:///3", "p2ptrain://r/x", "p2ptrain://r/ca"):
         assert parse_identity_uri(uri) is None, uri
+
+
+def test_launch_with_pki_runs_a_cluster_in_which_each_node_holds_only_its_own_identity(tmp_path):
+    """`launch --pki DIR`: every node gets its own certificate (issued here), mutual TLS and the CA's
+    run id; the run trains to the end with push-sum mass intact. A certificate that names another
+    node stops the launch before any node starts, with a one-line reason."""
+    folder, out = tmp_path / "pki", tmp_path / "run"
+    init_ca(folder, "launch-run")
+    argv = [sys.executable, "-m", "p2ptrain", "launch", "--nodes", "3", "--algorithm", "sgp", "--steps", "30",
+            "--model", "mlp", "--dataset", "synthetic", "--no-live", "--no-metrics", "--timeout", "180",
+            "--pki", str(folder)]
+    proc = subprocess.run([*argv, "--out", str(out)], env=node_env(), capture_output=True, text=True, timeout=240,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert sum(node["ps_weight"] for node in report["nodes"]) == pytest.approx(3.0, abs=1e-6)
+    assert [certificate_identity((folder / f"node-{r}.crt").read_bytes(), "launch-run").rank for r in range(3)] \
+        == [0, 1, 2]
+    shutil.copy(folder / "node-1.crt", folder / "node-0.crt")  # node 0 would speak as node 1
+    proc = subprocess.run([*argv, "--out", str(tmp_path / "bad")], env=node_env(), capture_output=True, text=True,
+                          timeout=240, cwd=ROOT)
+    assert proc.returncode == EXIT_CONFIG and "does not name node 0" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "bad" / "report.json").exists()

@@ -50,6 +50,10 @@ def add_parser(subcommands) -> None:
                              "or 12MB/s")
     launch.add_argument("--netns-subnet", metavar="CIDR",
                         help="with --netns: private IPv4 subnet for the nodes (default: a free 10.x.y.0/24)")
+    launch.add_argument("--pki", metavar="DIR",
+                        help="mutual TLS with a certificate per node from a `p2ptrain pki init` folder (issued "
+                             "there for 127.0.0.1 when missing): each node gets only its own, under the CA's run "
+                             "id, so each can speak only as itself")
     add_node_arguments(launch, cluster_flags=False)
     launch.set_defaults(func=run)
 
@@ -96,6 +100,8 @@ def _launch(args: argparse.Namespace) -> int:
         raise ConfigError(f"--kill/--restart/--stall/--join/--leave apply to peer clusters, not to --algorithm "
                           f"{args.algorithm}")
     slots = config.slots if not server else args.nodes
+    if args.pki:
+        extra_pki = _certified_nodes(args, slots, server=server, script=bool(script), netns=netns is not None)
     extra_first = {"first": args.nodes} if slots > args.nodes else {}
     extra: dict = {"total_steps": config.steps}
     if server:
@@ -108,6 +114,8 @@ def _launch(args: argparse.Namespace) -> int:
 
         extra.update(script_cluster(script, env_variables(flags_from_args(args))))
         extra["total_steps"] = args.steps  # what the script does with P2PTRAIN_STEPS is up to it
+    if args.pki:
+        extra.update(extra_pki)
     netns_errors: tuple = ()  # not root, or building / removing the namespaces failed
     if netns is not None:
         from launcher.netns import NetnsCluster, NetnsError, NetnsUnavailable
@@ -131,6 +139,40 @@ def _launch(args: argparse.Namespace) -> int:
         return 1
     print(_one_line(report.get("cluster", {})))
     return 0
+
+
+def _certified_nodes(args: argparse.Namespace, slots: int, *, server: bool, script: bool, netns: bool) -> dict:
+    """run_local_cluster's argv_factory for `--pki DIR`: each node its own certificate (issued for
+    127.0.0.1 when missing), the CA, mutual TLS and the CA's run id."""
+    from launcher.certificates import ca_certificate, node_certificate
+    from launcher.local import node_argv
+    from p2ptrain.pki import PkiError, ca_run_id
+
+    if server or script or netns:
+        raise ConfigError("--pki applies to peer clusters of p2ptrain nodes on loopback (not with a parameter "
+                          "server, a script of your own or --netns: give those their certificates per node)")
+    if args.tls_cert or args.tls_key or args.tls_ca:
+        raise ConfigError("--pki gives every node its own certificate: drop --tls-cert/--tls-key/--tls-ca")
+    try:
+        run_id = ca_run_id(args.pki)
+    except PkiError as exc:
+        raise ConfigError(str(exc)) from None
+    if getattr(args, "run_id", None) not in (None, run_id):
+        raise ConfigError(f"--run-id {args.run_id} differs from the run the CA in {args.pki} was made for ({run_id})")
+    ca = str(ca_certificate(args.pki))
+
+    def certified_argv(rank, world_size, peers, metrics_port, out_dir, extra_args, python=sys.executable):
+        try:
+            cert, key = node_certificate(args.pki, rank, ["127.0.0.1"])
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return [*node_argv(rank, world_size, peers, metrics_port, out_dir, extra_args, python),
+                "--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", ca, "--tls-require-client-cert",
+                "--run-id", run_id]
+
+    for rank in range(slots):  # every certificate now: a bad one stops nothing mid-run
+        certified_argv(rank, 1, [], None, Path(args.out), [])
+    return {"argv_factory": certified_argv}
 
 
 def _pass_token_by_environment(args: argparse.Namespace) -> None:
