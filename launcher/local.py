@@ -6,6 +6,7 @@ the files nodes write into the run folder, so any node honouring that contract c
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -190,7 +191,7 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
                 if event.action == "join":
                     processes.join(event.rank, event.at_step)
             _supervise(processes, watcher, view, start, timeout, log_dir, service_processes, faults=faults,
-                       stream=stream)
+                       stream=stream, fault_log=out_dir / run_report.FAULT_LOG if faults else None)
             _wait_services(service_processes, service_grace, log_dir)
         except ClusterError as exc:  # the report is still written: which node failed, and why
             failure = exc
@@ -367,14 +368,16 @@ def fault_plan(kills: list[str], restarts: list[str], nodes: int, stalls: list[s
 
 
 def _apply_faults(events: list[FaultEvent], processes: "_NodeProcesses", watcher: "_ProgressWatcher",
-                  stream: TextIO) -> None:
-    """Fire every due event (in order); fired events are removed from `events`."""
+                  stream: TextIO, log: Callable[[dict], None] = lambda entry: None) -> None:
+    """Fire every due event (in order); fired events are removed from `events`, and each one is
+    said on `stream` and given to `log` (what, which node, the planned and the actual step)."""
     cluster_step = max((s.step or 0 for s in watcher.states), default=0)
     for event in [e for e in events if e.at_step <= cluster_step]:
         state = watcher.states[event.rank]
         if event.action == "leave" and (state.step is None or state.joins):
             continue  # not training yet (a node that just joined): it leaves once it is
         events.remove(event)
+        note = ""
         if event.action == "kill":
             processes.kill(event.rank)
             state.down = True
@@ -384,19 +387,26 @@ def _apply_faults(events: list[FaultEvent], processes: "_NodeProcesses", watcher
             processes.leave(event.rank)
         elif event.action == "stall":
             processes.stall(event.rank, event.seconds)
-            print(f"fault: stall node {event.rank} for {event.seconds:g}s at cluster step {cluster_step}",
-                  file=stream, flush=True)
-            continue
+            note = f" for {event.seconds:g}s"
         elif all(s.returncode is not None or s.down for s in watcher.states if s.rank != event.rank):
             state.note = "not rejoined: the cluster had finished when the restart was due"
-            print(f"fault: restart node {event.rank} skipped at cluster step {cluster_step}: every other node has "
-                  "finished", file=stream, flush=True)
-            continue
+            note = " skipped: every other node has finished"
         else:
             processes.restart(event.rank)
             state.down, state.returncode, state.event, state.message = False, None, None, None
             state.restarts += 1
-        print(f"fault: {event.action} node {event.rank} at cluster step {cluster_step}", file=stream, flush=True)
+        print(f"fault: {event.action} node {event.rank}{note} at cluster step {cluster_step}", file=stream, flush=True)
+        log({"action": event.action, "rank": event.rank, "planned_step": event.at_step,
+             "cluster_step": cluster_step, "seconds": event.seconds, "skipped": "skipped" in note})
+
+
+def _fault_logger(path: Path | None, start: float) -> Callable[[dict], None]:
+    """Appends each fired fault to `path` (OUT/faults.jsonl) with the seconds since the launch."""
+    def log(entry: dict) -> None:
+        if path is not None:
+            with path.open("a", encoding="utf-8") as out:
+                out.write(json.dumps({**entry, "wall_s": round(time.monotonic() - start, 3)}) + "\n")
+    return log
 
 
 # --- supervision ---------------------------------------------------------------------------------
@@ -404,7 +414,7 @@ def _apply_faults(events: list[FaultEvent], processes: "_NodeProcesses", watcher
 def _supervise(processes: "_NodeProcesses", watcher: "_ProgressWatcher", view: "ProgressView",
                start: float, timeout: float | None, log_dir: Path,
                services: "_NodeProcesses | None" = None, faults: list[FaultEvent] = (),
-               stream: TextIO = sys.stderr) -> None:
+               stream: TextIO = sys.stderr, fault_log: Path | None = None) -> None:
     """Poll until every node exited 0 (or was killed for good by the fault plan); raise
     ClusterError on the first failure or on timeout."""
     faults = list(faults)
@@ -413,7 +423,7 @@ def _supervise(processes: "_NodeProcesses", watcher: "_ProgressWatcher", view: "
         watcher.refresh(processes.returncodes())
         processes.resume_stalled()
         if faults:
-            _apply_faults(faults, processes, watcher, stream)
+            _apply_faults(faults, processes, watcher, stream, _fault_logger(fault_log, start))
         elapsed = time.monotonic() - start
         view.update(watcher.states, elapsed)
         failed = [s for s in watcher.states if s.failed]

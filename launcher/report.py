@@ -74,7 +74,8 @@ def locate(folders: Sequence[Path]) -> RunFiles:
 _MAX_NOTED_PATHS = 10  # how many JSON paths a non-finite-number note lists before summarising
 
 
-_RUN_FILE = re.compile(r"(?:node\d+|ps)\.(?:json|progress\.jsonl|snapshots\.pt)|report\.json|plot\.png")
+_RUN_FILE = re.compile(r"(?:node\d+|ps)\.(?:json|progress\.jsonl|snapshots\.pt)|report\.json|plot\.png|faults\.jsonl")
+FAULT_LOG = "faults.jsonl"  # one JSON line per fault the launcher fired (launcher/local.py)
 
 
 def clear_earlier_run(out_dir: Path) -> list[Path]:

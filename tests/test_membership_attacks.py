@@ -22,7 +22,8 @@ from p2ptrain.topology import member_topology
 from p2ptrain.train.optimizer import DecentralizedOptimizer
 from p2ptrain.transport import Transport, TransportOptions
 from p2ptrain.transport.framing import encode_data, encode_header, serialize_identity
-from p2ptrain.transport.membership.views import View
+from p2ptrain.transport.membership import vetting
+from p2ptrain.transport.membership.views import View, Views
 from p2ptrain.transport.server import HELLO_METHOD, PROTOCOL_VERSION, PUSH_METHOD
 from tests.cluster import run_cluster
 from tests.test_transport import wait_until
@@ -196,3 +197,21 @@ def _forge_leaves(address: str, dim: int, step: int) -> None:
                                      dtype=pb.DTYPE_FLOAT64, numel=dim, payload_bytes=8 * dim, ps_weight=1.5,
                                      message_id=next(_ids))
             push(iter([encode_header(header), encode_data(bytes(8 * dim))]), timeout=10)
+
+
+def test_a_concurrent_proposal_that_never_heard_of_a_joiner_does_not_drop_it():
+    """Nodes 3 and 4 join at once: node 1 holds node 0's view admitting 3 when node 4's own view of
+    the same epoch (proposed on top of the initial view, without 3) arrives. It drops nobody: it is
+    judged against its base, adopted as the greater view, and node 3's donor proposes 3 again on
+    top of it (the loser's change; Membership.reconcile)."""
+    views = Views(rank=1, initial=(0, 1, 2), capacity=5)
+    assert views.adopt(View(1, 0, 20, (0, 1, 2, 3)))
+    concurrent = View(1, 4, 22, (0, 1, 2, 4))
+    assert views.base_of(concurrent).members == (0, 1, 2)
+    found = vetting.doubts(concurrent, 4, views.base_of(concurrent), rank=1, announced={3, 4}, live=list)
+    assert not found, found
+    # the same view after this node already held an epoch-1 view with 3 would have read as an eviction
+    assert vetting.doubts(concurrent, 4, views.latest, rank=1, announced={3, 4}, live=list).dropped_live == {3}
+    # a later epoch that drops 3 on purpose is still a doubt to confirm
+    assert vetting.doubts(View(2, 4, 30, (0, 1, 2, 4)), 4, views.latest, rank=1, announced={3, 4},
+                          live=list).dropped_live == {3}

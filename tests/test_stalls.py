@@ -138,6 +138,9 @@ def test_sigstopped_sgp_node_rejoins_and_the_run_matches_a_clean_one(tmp_path):
     proc, stalled = launch(tmp_path, "stalled", *SGP_RUN, "--stall", "2@90:4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fault: stall node 2" in proc.stderr
+    (fired,) = [json.loads(line) for line in (tmp_path / "stalled" / "faults.jsonl").read_text().splitlines()]
+    assert (fired["action"], fired["rank"], fired["seconds"]) == ("stall", 2, 4.0)
+    assert fired["cluster_step"] >= fired["planned_step"] == 90 and fired["wall_s"] > 0
     nodes = stalled["nodes"]
     assert sum(s["ps_weight"] for s in nodes) == pytest.approx(4.0, abs=1e-6)
     # No weight collapse (a de-biased z = x / w blown up): a node whose in-flight share waits on the

@@ -50,6 +50,16 @@ def add_parser(subcommands) -> None:
                              "or 12MB/s")
     launch.add_argument("--netns-subnet", metavar="CIDR",
                         help="with --netns: private IPv4 subnet for the nodes (default: a free 10.x.y.0/24)")
+    launch.add_argument("--chaos", type=int, metavar="COUNT",
+                        help="COUNT random faults (kill + restart, stall of 1 s to --chaos-max-stall, leave, join), "
+                             "seeded by --chaos-seed, keeping 2 nodes alive; each fired fault goes to "
+                             "OUT/faults.jsonl with its step and wall time")
+    launch.add_argument("--chaos-seed", type=int, default=0, metavar="SEED",
+                        help="seed of the --chaos plan (default 0: the same plan every time)")
+    launch.add_argument("--chaos-kinds", default=",".join(("kill", "stall", "leave", "join")), metavar="LIST",
+                        help="fault kinds --chaos draws from (default kill,stall,leave,join)")
+    launch.add_argument("--chaos-max-stall", type=float, default=30.0, metavar="SECONDS",
+                        help="longest --chaos stall (default 30)")
     launch.add_argument("--pki", metavar="DIR",
                         help="mutual TLS with a certificate per node from a `p2ptrain pki init` folder (issued "
                              "there for 127.0.0.1 when missing): each node gets only its own, under the CA's run "
@@ -62,7 +72,30 @@ def run(args: argparse.Namespace) -> int:
     from launcher.interrupts import sigint_interrupts
 
     with sigint_interrupts():  # the namespaces' set-up too, not only run_local_cluster
+        if args.chaos is not None:
+            _add_chaos(args)
         return _launch(args)
+
+
+def _add_chaos(args: argparse.Namespace) -> None:
+    """Add the --chaos plan to the hand-written fault flags (validated with them)."""
+    from launcher.chaos import chaos_plan, parse_kinds
+
+    steps = args.steps if args.steps is not None else config_from_args(
+        args, world_size=max(args.nodes, 1), rank=0, peers=[f"127.0.0.1:{20000 + i}" for i in range(max(args.nodes, 1))]
+    ).steps
+    try:
+        plan = chaos_plan(args.nodes, steps, args.chaos, seed=args.chaos_seed,
+                          kinds=parse_kinds(args.chaos_kinds), max_stall=args.chaos_max_stall)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    args.kill += plan.kills
+    args.restart += plan.restarts
+    args.stall += plan.stalls
+    args.leave_events += plan.leaves
+    args.join_events += plan.joins
+    print(f"p2ptrain launch: --chaos {args.chaos} (seed {args.chaos_seed}): {len(plan.kills)} kill(s) with restart, "
+          f"{len(plan.stalls)} stall(s), {len(plan.leaves)} leave(s), {len(plan.joins)} join(s)", file=sys.stderr)
 
 
 def _launch(args: argparse.Namespace) -> int:

@@ -129,7 +129,7 @@ class Greetings:
         if reason:
             self._refuse_view(sender, reason, view)
             return False
-        doubts = vetting.doubts(view, sender, self.views.latest, rank=self.rank, announced=self.announced,
+        doubts = vetting.doubts(view, sender, self.views.base_of(view), rank=self.rank, announced=self.announced,
                                 live=self._live_members)
         if doubts:
             if view.order not in self._vetting:

@@ -39,11 +39,13 @@ class Doubts:
         return self.passed_on or bool(self.newcomers) or bool(self.dropped_live)
 
 
-def doubts(view: View, sender: int, latest: View, *, rank: int, announced, live) -> Doubts:
-    """What `view` (from `sender`) asserts that this node has not seen for itself. `announced`:
-    ranks that greeted this node; `live(ranks)`: those it considers alive and in step."""
-    newcomers = set(view.members) - set(latest.members) - set(announced) - {rank, view.proposer}
-    dropped = set(latest.members) - set(view.members) - {view.proposer, rank}
+def doubts(view: View, sender: int, base: View, *, rank: int, announced, live) -> Doubts:
+    """What `view` (from `sender`) asserts that this node has not seen for itself, against `base`,
+    the view it was proposed on top of (Views.base_of: a concurrent proposal that never heard of a
+    node another view admitted does not drop it). `announced`: ranks that greeted this node;
+    `live(ranks)`: those it considers alive and in step."""
+    newcomers = set(view.members) - set(base.members) - set(announced) - {rank, view.proposer}
+    dropped = set(base.members) - set(view.members) - {view.proposer, rank}
     return Doubts(passed_on=view.proposer not in (sender, rank), newcomers=frozenset(newcomers),
                   dropped_live=frozenset(live(sorted(dropped))))
 

@@ -129,6 +129,11 @@ class Views:
         candidates = sorted({from_step} | {v.switch_step for v in self._history if v.switch_step > from_step})
         return next((step for step in candidates if rank not in self.members_at(step)), None)
 
+    def base_of(self, view: View) -> View:
+        """The view `view` was proposed on top of, as far as this node knows: its latest view of an
+        earlier epoch (a concurrent proposal of the same epoch is no base)."""
+        return next(v for v in reversed(self._history) if v.epoch < view.epoch or v.epoch == 0)
+
     def dropping_view(self, rank: int) -> View | None:
         """The view that ended `rank`'s latest time as a member (the current or a pending one); None
         while the latest view holds it, or if it never was a member."""
