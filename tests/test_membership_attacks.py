@@ -215,3 +215,31 @@ def test_a_concurrent_proposal_that_never_heard_of_a_joiner_does_not_drop_it():
     # a later epoch that drops 3 on purpose is still a doubt to confirm
     assert vetting.doubts(View(2, 4, 30, (0, 1, 2, 4)), 4, views.latest, rank=1, announced={3, 4},
                           live=list).dropped_live == {3}
+
+
+def test_a_passed_on_view_of_a_proposer_that_is_gone_needs_another_member_holding_it():
+    """Node 0 proposes a view and dies before node 1 heard of it; node 2 passes it on. Node 1 cannot
+    ask node 0, so it asks another member: node 3 holds the view, so node 1 adopts it. A view
+    "of node 0" that nobody holds is refused."""
+    peers = [f"127.0.0.1:{p}" for p in free_ports(4)]
+    options = TransportOptions(probe_timeout=1.0, send_timeout=5.0)
+    nodes = [Transport(r, 4, peers, listen=peers[r], metrics=NodeMetrics(r), options=options).start()
+             for r in range(4)]
+    channel = grpc.insecure_channel(peers[1])
+    hello = channel.unary_unary(HELLO_METHOD, request_serializer=pb.HelloRequest.SerializeToString,
+                                response_deserializer=pb.HelloReply.FromString)
+    try:
+        view = nodes[0].run_on_loop(nodes[0].membership.views.propose, (0, 1, 2, 3), 40)
+        assert nodes[3].run_on_loop(nodes[3].membership.views.adopt, view)
+        nodes[0].stop()
+        forged = pb.View(epoch=1, proposer=0, switch_step=45, members=[1, 2, 3])
+        before = _refused(nodes[1])
+        hello(pb.HelloRequest(node_id=2, world_size=4, protocol_version=PROTOCOL_VERSION, view=forged), timeout=10)
+        wait_until(lambda: _refused(nodes[1]) > before, 30, "the unheld view's refusal")
+        hello(pb.HelloRequest(node_id=2, world_size=4, protocol_version=PROTOCOL_VERSION, view=view.to_proto()),
+              timeout=10)
+        wait_until(lambda: nodes[1].membership.latest == view, 30, "the view a witness holds")
+    finally:
+        channel.close()
+        for node in nodes[1:]:
+            node.stop()

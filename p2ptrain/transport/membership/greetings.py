@@ -166,7 +166,7 @@ class Greetings:
     async def _confirm(self, view: View, sender: int, doubts: vetting.Doubts) -> None:
         """Adopt `view` once every node it makes a claim about confirms it (see vetting.py)."""
         try:
-            reason = await self._doubt_reason(view, doubts)
+            reason = await self._doubt_reason(view, sender, doubts)
             if reason:
                 self._refuse_view(sender, reason, view)
             elif view.order > self.views.latest.order:
@@ -174,23 +174,35 @@ class Greetings:
         finally:
             self._vetting.discard(view.order)
 
-    async def _doubt_reason(self, view: View, doubts: vetting.Doubts) -> str:
-        if doubts.passed_on:  # its proposer's own latest view must be this one (or a later one)
-            if not self.addresses[view.proposer]:
-                return f"passed on, and its proposer {view.proposer} cannot be asked (no address)"
-            try:
-                reply = await self.greet(view.proposer, self.hello_request(), self.probe_timeout,
-                                         wait_for_ready=False)
-            except SendFailure as exc:
-                return f"passed on, and its proposer did not confirm it ({describe(exc)})"
-            try:
-                theirs = View.from_proto(reply.view, self.world_size) if reply.HasField("view") else None
-            except ValueError:
-                theirs = None
-            if theirs is None or theirs.order < view.order:
-                return "passed on, but its proposer never proposed it"
-            if theirs.order == view.order and theirs != view:
-                return "passed on, but it differs from what its proposer proposed"
+    async def _holds(self, peer: int, view: View) -> bool | None:
+        """Whether `peer`'s latest view is `view` or a later one (greet adopts a later one); None
+        when it does not answer."""
+        if not self.addresses[peer]:
+            return None
+        try:
+            reply = await self.greet(peer, self.hello_request(), self.probe_timeout, wait_for_ready=False)
+        except SendFailure:
+            return None
+        try:
+            theirs = View.from_proto(reply.view, self.world_size) if reply.HasField("view") else None
+        except ValueError:
+            return False
+        return theirs is not None and (theirs.order > view.order or theirs == view)
+
+    async def _doubt_reason(self, view: View, sender: int, doubts: vetting.Doubts) -> str:
+        if doubts.passed_on:  # its proposer's own latest view must be this one (or a later one) ...
+            held = await self._holds(view.proposer, view)
+            if held is None:  # ... or, the proposer being gone (it left, or died), another member's
+                witnesses = [p for p in self.liveness.live(self.views.base_of(view).members)
+                             if p not in (self.rank, sender, view.proposer) and self.addresses[p]]
+                for witness in witnesses[:2]:
+                    held = await self._holds(witness, view)
+                    if held:
+                        break
+                if held is None:
+                    return f"passed on, and neither its proposer {view.proposer} nor another member confirms it"
+            if not held:
+                return "passed on, but the node asked does not hold it"
         for member in sorted(doubts.newcomers):
             try:
                 reply = await self.greet(member, self.hello_request(), self.probe_timeout, wait_for_ready=False)

@@ -1,8 +1,9 @@
 """Whether a view a peer sent may be adopted: views decide who trains, so one node must not be able
 to decide it for all. Bounds are checked at once (refusal); what only the named nodes can confirm
 (doubts) is asked of them first by greetings.py: a view passed on by a non-proposer is confirmed
-with its proposer, a new member must have greeted this node (or answer a Hello as itself), and a
-member that a view drops without its own leave must fail this node's own probe.
+with its proposer (gone: with another member holding it), a new member must have greeted this
+node (or answer a Hello as itself), and a member that a view drops without its own leave must fail
+this node's own probe.
 
 In a fault-free run every view comes from its proposer, names members that greeted everyone, and
 drops only its proposer or nodes already dead here: then nothing is asked and nothing changes.
