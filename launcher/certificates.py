@@ -22,7 +22,7 @@ def node_certificate(directory: str | Path, name: int | str, hosts: list[str]) -
     if identity is None or identity.name != str(name):
         raise ValueError(f"{cert_path} does not name node {name} of run {run_id} (the CA's): issue it again "
                          f"(p2ptrain pki issue --dir {directory} --force ...) or delete it")
-    if missing := sorted(set(hosts) - dns_names(cert)):
+    if missing := sorted(set(hosts) - set(pki.certificate_hosts(cert))):
         raise ValueError(f"{cert_path} is not valid for {', '.join(missing)}, the name its peers dial: delete it "
                          "(it is issued again) or issue it with those --host names")
     return cert_path, key_path
@@ -39,15 +39,4 @@ def read(path: Path) -> bytes:
         raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
-def dns_names(cert: bytes) -> set[str]:
-    """The DNS and IP host names a PEM certificate is valid for."""
-    from cryptography import x509
-
-    try:
-        san = x509.load_pem_x509_certificate(cert).extensions.get_extension_for_class(x509.SubjectAlternativeName)
-    except (ValueError, x509.ExtensionNotFound):
-        return set()
-    return {*san.value.get_values_for_type(x509.DNSName), *map(str, san.value.get_values_for_type(x509.IPAddress))}
-
-
-__all__ = ["ca_certificate", "dns_names", "node_certificate", "read"]
+__all__ = ["ca_certificate", "node_certificate", "read"]

@@ -79,6 +79,16 @@ def certificate_identity(certificate: bytes | x509.Certificate, run_id: str | No
     return found[0] if len(found) == 1 else None
 
 
+def certificate_hosts(certificate: bytes | x509.Certificate) -> list[str]:
+    """The DNS names and IP addresses a certificate (PEM or DER bytes) is valid for, as a server."""
+    cert = _load(certificate) if isinstance(certificate, bytes) else certificate
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    return [*san.get_values_for_type(x509.DNSName), *map(str, san.get_values_for_type(x509.IPAddress))]
+
+
 def ca_run_id(directory: str | Path) -> str:
     """The run id the CA in `directory` was made for."""
     cert = _load(_read(Path(directory) / CA_CERT))
@@ -147,12 +157,7 @@ def issue(directory: str | Path, name: int | str, *, hosts: tuple[str, ...] | li
 def describe(path: str | Path) -> str:
     """One line about a certificate file: whom it names, for which hosts, until when."""
     cert = _load(_read(Path(path)))
-    try:
-        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        hosts = [str(v) for v in san.get_values_for_type(x509.DNSName)] + \
-            [str(v) for v in san.get_values_for_type(x509.IPAddress)]
-    except x509.ExtensionNotFound:
-        hosts = []
+    hosts = certificate_hosts(cert)
     names = ", ".join(i.uri for i in certificate_identities(cert)) or "no p2ptrain identity"
     return f"{path}: {names}; hosts {hosts or 'none'}; valid until {cert.not_valid_after_utc:%Y-%m-%d}"
 
@@ -236,5 +241,5 @@ def _write(path: Path, data: bytes, *, private: bool = False) -> None:
         os.chmod(path, 0o600)
 
 
-__all__ = ["CertIdentity", "PkiError", "PS_NAME", "ca_run_id", "certificate_identities", "certificate_identity",
-           "describe", "identity_uri", "init_ca", "issue", "node_files", "parse_identity_uri"]
+__all__ = ["CertIdentity", "PkiError", "PS_NAME", "ca_run_id", "certificate_hosts", "certificate_identities",
+           "certificate_identity", "describe", "identity_uri", "init_ca", "issue", "node_files", "parse_identity_uri"]
