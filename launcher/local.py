@@ -383,6 +383,7 @@ def _apply_faults(events: list[FaultEvent], processes: "_NodeProcesses", watcher
             state.down = True
         elif event.action == "join":  # (started at launch with --join-at: it joins by itself now)
             state.down = state.joins = False
+            state.late = True
         elif event.action == "leave":
             processes.leave(event.rank)
         elif event.action == "stall":
@@ -393,8 +394,10 @@ def _apply_faults(events: list[FaultEvent], processes: "_NodeProcesses", watcher
             note = " skipped: every other node has finished"
         else:
             processes.restart(event.rank)
-            state.down, state.returncode, state.event, state.message = False, None, None, None
+            # (no step until the new process reports one: a leave waits for it to train)
+            state.down, state.returncode, state.event, state.message, state.step = False, None, None, None, None
             state.restarts += 1
+            state.late = True
         print(f"fault: {event.action} node {event.rank}{note} at cluster step {cluster_step}", file=stream, flush=True)
         log({"action": event.action, "rank": event.rank, "planned_step": event.at_step,
              "cluster_step": cluster_step, "seconds": event.seconds, "skipped": "skipped" in note})
@@ -504,6 +507,7 @@ class _NodeProcesses:
         self._logs: list = []
         self._swept: set[int] = set()
         self._stalled: dict[int, float] = {}  # rank -> monotonic time to resume it (SIGCONT)
+        self._joined: set[int] = set()        # ranks started by join(): beyond the starting nodes
 
     def start(self, count: int | None = None) -> None:
         """Start the first `count` nodes (all by default; the others join later: join())."""
@@ -536,6 +540,7 @@ class _NodeProcesses:
         (P2PTRAIN_JOIN=1: it takes a live peer's state and starts at the agreed step) once the
         cluster reaches `at_step` (P2PTRAIN_JOIN_AT: it starts up now, so it joins at that step and
         not the seconds of its start-up later)."""
+        self._joined.add(rank)
         self._spawn(rank, {**self.specs[rank].env, "P2PTRAIN_JOIN": "1", "P2PTRAIN_JOIN_AT": str(at_step)}, "wb")
 
     def leave(self, rank: int) -> None:
@@ -571,7 +576,8 @@ class _NodeProcesses:
         spec = self.specs[rank]
         with open(self.log_dir / spec.log_name, "ab") as log:
             log.write(b"\n--- restarted by the launcher ---\n")
-        self._spawn(rank, {**spec.env, "P2PTRAIN_REJOIN": "1"}, "ab")
+        joined = {"P2PTRAIN_JOIN": "1"} if rank in self._joined else {}  # a rank beyond the starting nodes
+        self._spawn(rank, {**spec.env, "P2PTRAIN_REJOIN": "1", **joined}, "ab")
 
     def wait(self, rank: int, seconds: float) -> None:
         try:
@@ -663,6 +669,7 @@ class NodeState:
     down: bool = False   # killed by the fault plan (not a failure), or not joined yet
     joins: bool = False  # an elastic run's node that starts later (its join event)
     restarts: int = 0
+    late: bool = False   # started after the others: restarted, or joined (it may find the run over)
     note: str | None = None  # why a planned fault did not happen (e.g. a restart after the end)
     first_seen: tuple[int, float] | None = None  # (step, time) of the first and latest progress lines
     last_seen: tuple[int, float] | None = None
@@ -688,22 +695,28 @@ class NodeState:
         return (self.last_seen[0] - self.first_seen[0]) / (self.last_seen[1] - self.first_seen[1])
 
     @property
+    def found_run_over(self) -> bool:
+        """Restarted or joined while the others finished: nothing left to train, not a failure."""
+        return self.late and (self.returncode == EXIT_NO_CLUSTER or self.event == "not_rejoined")
+
+    @property
     def failed(self) -> bool:
-        if self.restarts and (self.returncode == EXIT_NO_CLUSTER or self.event == "not_rejoined"):
-            return False  # restarted after the others had finished: not rejoined, not a failure
+        if self.found_run_over:
+            return False
         return not self.down and (self.event == "error" or self.returncode not in (None, 0))
 
     @property
     def outcome_reason(self) -> str | None:
-        if self.restarts and (self.returncode == EXIT_NO_CLUSTER or self.event == "not_rejoined"):
-            return "not rejoined: no live peer answered (the cluster had finished)"
+        if self.found_run_over:
+            return (f"not {'re' if self.restarts else ''}joined: no live member had a state to give "
+                    "(the cluster had finished)")
         return self.note
 
     @property
     def outcome(self) -> str:
         """How the node ended, for the report."""
         if self.outcome_reason:
-            return "not rejoined"
+            return "not joined" if self.late and not self.restarts else "not rejoined"
         if self.joins:
             return "not joined"
         if self.down:

@@ -26,7 +26,7 @@ from p2ptrain.train.errors import LeftCluster, NonFiniteError
 from p2ptrain.train.progress import RunRecorder, StepClock
 from p2ptrain.train.setup import build_optimizer, training_setup
 from p2ptrain.transport import Transport, TransportOptions, rendezvous
-from p2ptrain.transport.errors import PeerError
+from p2ptrain.transport.errors import NoClusterToRejoin
 from p2ptrain.transport.security import security_from_settings
 
 if TYPE_CHECKING:
@@ -34,10 +34,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 PROJECTION_DIRECTIONS = 4
-
-
-class NoClusterToRejoin(PeerError):
-    """A restarted node found no live peer: the cluster has finished (or is unreachable)."""
 
 
 def transport_options(config: NodeConfig, device: torch.device) -> TransportOptions:
@@ -288,8 +284,11 @@ def run_node(config: NodeConfig) -> dict:
         loader, test_loader, model, device = training_setup(config)
         node = Node(config, device=device)
         node.start()
-        trainer = DecentralizedTrainer(model, build_optimizer(config, model), node=node, loss_fn=F.nll_loss,
-                                       slowdown=config.compute_slowdown, inject_nan_at=config.nan_injection_step)
+        try:
+            trainer = DecentralizedTrainer(model, build_optimizer(config, model), node=node, loss_fn=F.nll_loss,
+                                           slowdown=config.compute_slowdown, inject_nan_at=config.nan_injection_step)
+        except LeftCluster as left:  # asked to leave while joining: it never trained, and holds nothing
+            return node.close(left_at=left.step)
 
         def evaluate(step: int, final: bool = False) -> None:  # every eval_every steps (if set), and at the end
             if final or (config.eval_every and step % config.eval_every == 0 and step < config.steps):

@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from p2ptrain.algorithms.allreduce import AllReduceSGD
+from p2ptrain.algorithms.diloco import DiLoCo
 from p2ptrain.algorithms.dpsgd import DPSGD
+from p2ptrain.algorithms.gossip_diloco import GossipDiLoCo
 from p2ptrain.algorithms.pipesgd import PipeSGD
 from p2ptrain.algorithms.sgp import SGP
 from p2ptrain.topology import member_graph, member_topology
@@ -96,11 +98,16 @@ class _Cluster:
         raise TimeoutError(f"cluster did not reach step {step}")
 
 
-def _train(comm, algorithm, rank, steps, cluster, *, joins_at=None, leaves_at=None, lr=0.1):
+def _train(comm, algorithm, rank, steps, cluster, *, joins_at=None, leaves_at=None, lr=0.1, same_init=False):
     """A user's loop: model, optimizer, DecentralizedOptimizer; a joiner waits for the cluster to be
-    at `joins_at`, a leaver asks to leave at `leaves_at`. Returns what the test checks."""
+    at `joins_at`, a leaver asks to leave at `leaves_at`. Returns what the test checks. `same_init`:
+    every node starts from the same model (DiLoCo's anchors start there, as `launch` seeds them)."""
     torch.manual_seed(rank)
     model = nn.Linear(DIM, 1, bias=False).double()
+    if same_init:  # (from a generator of its own: the threads of one process share torch's global one)
+        with torch.no_grad():
+            model.weight.copy_(torch.randn(model.weight.shape, generator=torch.Generator().manual_seed(0),
+                                           dtype=torch.float64) * 0.3)
     target = _targets(rank)
     if joins_at is not None:
         cluster.wait_until(joins_at, [0])
@@ -268,6 +275,62 @@ def test_a_ring_re_forms_without_a_dead_node_instead_of_training_alone(settings)
     assert all(r["members"] == (0, 1, 3) for r in stay)
     for r in stay:
         assert torch.equal(r["weight"], stay[0]["weight"]), f"node {r['rank']} trained apart from the ring"
+
+
+# DiLoCo and gossip-DiLoCo take joins and leaves too ----------------------------------------------------
+
+def test_diloco_takes_a_joiner_and_lets_a_node_leave_ending_bit_identical():
+    """DiLoCo (H = 5) on 4 nodes: node 3 leaves at step 22, node 4 joins at step 40 (of 70). Each sync's
+    ring forms over the live members of its step, the joiner starts from a donor's anchor and takes
+    the outer state from an offer, so the members that stay end with the same bits (finish() takes the
+    outer parameters everywhere); the leaver takes no final sync of its own."""
+    steps = 70
+    cluster = _Cluster()
+    options = TransportOptions(send_timeout=30.0, link_deadline=5.0, probe_timeout=2.0, initial_members=4,
+                               view_margin=4)
+
+    def body(rank, comm):
+        return _train(comm, DiLoCo(comm, inner_steps=5, outer_lr=0.7, outer_momentum=0.9), rank, steps, cluster,
+                      joins_at=40 if rank == 4 else None, leaves_at=22 if rank == 3 else None, lr=0.05,
+                      same_init=True)
+
+    results = run_cluster(5, body, options=options, timeout=240)
+    stay = [r for r in results if r["left"] is None]
+    assert sorted(r["rank"] for r in stay) == [0, 1, 2, 4] and results[3]["left"] is not None
+    assert all(r["members"] == (0, 1, 2, 4) for r in stay)
+    assert results[4]["start"] >= 40
+    for r in stay:
+        assert torch.equal(r["weight"], stay[0]["weight"]), f"node {r['rank']} ended apart from the others"
+        assert torch.equal(r["algorithm"].anchor, stay[0]["algorithm"].anchor)
+    assert results[4]["algorithm"].caught_up >= 1  # the joiner took the outer state from an offer
+
+
+def test_gossip_diloco_takes_a_joiner_and_a_leaver_conserving_one_unit_of_mass_per_member():
+    """gossip-DiLoCo (H = 4) on 4 nodes: node 4 joins at step 24, node 1 leaves at step 44 (of 80). The
+    joiner brings one new unit of mass, the leaver hands its whole mass over and one unit is retired:
+    Σ w of the members that stay is exactly their count."""
+    steps = 80
+    cluster = _Cluster()
+    options = TransportOptions(send_timeout=30.0, link_deadline=5.0, probe_timeout=2.0, initial_members=4,
+                               view_margin=4)
+
+    def body(rank, comm):
+        graph = member_topology("exponential", comm.world_size, lambda s: comm.membership.members(4 * s + 3))
+        algorithm = GossipDiLoCo(comm, graph, inner_steps=4, outer_lr=0.7, outer_momentum=0.9)
+        algorithm.ledger = []
+        return _train(comm, algorithm, rank, steps, cluster, joins_at=24 if rank == 4 else None,
+                      leaves_at=44 if rank == 1 else None, lr=0.05)
+
+    results = run_cluster(5, body, options=options, timeout=240)
+    events = [e for r in results for e in r["algorithm"].ledger]
+    assert sorted(e[3] for e in events if e[0] == "create") == [4]
+    assert sorted(e[3] for e in events if e[0] == "retire") == [1]
+    stay = [r for r in results if r["left"] is None]
+    assert sorted(r["rank"] for r in stay) == [0, 2, 3, 4]
+    assert all(r["members"] == (0, 2, 3, 4) for r in stay)
+    assert results[1]["algorithm"].w == 0.0  # handed over
+    assert sum(r["algorithm"].w for r in stay) == pytest.approx(4.0, abs=1e-9)
+    assert all(torch.isfinite(r["weight"]).all() for r in stay)
 
 
 # Real processes: `launch --join / --leave` (SIGTERM) -------------------------------------------------

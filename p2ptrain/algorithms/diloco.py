@@ -99,6 +99,7 @@ class DiLoCo(Algorithm):
     to its next pseudo-gradient of that fragment, so nothing a codec drops is lost, only delayed."""
 
     name = "diloco"
+    elastic = True  # each sync's ring forms over the live members of its step; newcomers take an offer
 
     @classmethod
     def from_options(cls, comm: Comm, options: DiLoCoOptions, context: BuildContext) -> "DiLoCo":
@@ -190,14 +191,16 @@ class DiLoCo(Algorithm):
     def finish(self) -> torch.Tensor | None:
         """Merge the syncs still in flight, then one last blocking outer step of every fragment that
         is mixed or trained since it took the outer one (_final_sync: the same decision on every
-        node, it follows from the schedule), so all nodes end with the same model."""
+        node, it follows from the schedule), so all nodes end with the same model. A node that
+        leaves takes none: the members it leaves behind do not sync at its last step."""
         params = self._params
         if params is None:
             return None
         landed = [(p, future.result()) for _, p, future in self._in_flight]
         self._in_flight.clear()
         last = self._last_step
-        final = [p for p in range(self.F) if self._final_sync(p, last)]
+        leaving = self.rank not in self.comm.membership.members(last + 1)  # the others go on without us
+        final = [p for p in range(self.F) if self._final_sync(p, last) and not leaving]
         # with τ = H the sync in flight would have landed where its fragment's next outer gradient is
         # taken, and that is taken first (after_step): here too
         early = {p: self._pseudo_gradient(p, params) for p in final} if self.tau == self.H else {}
@@ -295,7 +298,7 @@ class DiLoCo(Algorithm):
         start, end = self.bounds[p]
         channel, version = self.states[p], self.versions[p]
         channel.discard_through(step - 1)
-        others = self.comm.membership.live([r for r in range(self.comm.world_size) if r != self.rank])
+        others = self.comm.membership.live([r for r in self.comm.membership.members(step) if r != self.rank])
         channel.announce(others, step, version)
         versions = {self.rank: version, **channel.versions(step, others)}
         if channel.left_out(step):  # we came after the deadline: the others run without us

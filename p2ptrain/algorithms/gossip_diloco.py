@@ -60,10 +60,14 @@ class GossipDiLoCo(Algorithm):
     next step (_serve)."""
 
     name = "gossip-diloco"
+    elastic = True  # a joiner gets a new unit of mass at our anchor, a leaver hands its mass over (as SGP)
 
     @classmethod
     def from_options(cls, comm: Comm, options: GossipDiLoCoOptions, context: BuildContext) -> "GossipDiLoCo":
-        graph = member_topology(context.topology, comm.world_size, comm.membership.members,
+        H, members = options.inner_steps, comm.membership.members
+        # the graph's schedule counts outer steps; who is a member is known by the training step
+        # (outer step s runs after training step (s + 1) H - 1)
+        graph = member_topology(context.topology, comm.world_size, lambda s: members((s + 1) * H - 1),
                                 peers_per_step=options.peers_per_step, seed=context.seed)
         return cls(comm, graph, **options.outer_settings())
 
@@ -104,6 +108,7 @@ class GossipDiLoCo(Algorithm):
         self.anchor = params.detach().clone()
         self.momentum = params.new_zeros(params.shape)
         self.mass.expect(self.mass.x)
+        self.comm.expect(Kind.LEAVE, params.dtype, 2 * numel, preallocate=0)  # mass of nodes that leave
         self.state = OuterStateChannel(self.comm, params.numel(), params.dtype, tag=TAG, kind=KIND)
         self.comm.ready()
         if joined is not None:
@@ -117,6 +122,7 @@ class GossipDiLoCo(Algorithm):
         self._serve(step, params)
         if (step + 1) % self.H == 0:
             self._outer_step(step, (step + 1) // self.H - 1, params)
+        self.mass.take_over(step)
         return params
 
     def finish(self) -> torch.Tensor | None:
@@ -130,6 +136,7 @@ class GossipDiLoCo(Algorithm):
             self._outer_step(last + 1, (last + 1) // self.H, params)
             last += 1
         self.mass.finish([], last)
+        self.mass.take_over(last + 1)
         return params
 
     def donate_state(self, peer: int, step: int, params: torch.Tensor) -> None:
@@ -137,6 +144,15 @@ class GossipDiLoCo(Algorithm):
         stays); it asks for our momentum next."""
         self.mass.split(peer, step, model=self.anchor)
         return None
+
+    def welcome(self, peer: int, step: int, params: torch.Tensor) -> None:
+        """A node joins: it starts with a new unit of mass at our anchor (Σ w = the member count)."""
+        self.mass.welcome(peer, step, model=self.anchor)
+
+    def hand_over(self, members: list[int], step: int) -> None:
+        """This node leaves (after finish()): its whole mass goes to a member that stays, which
+        retires one unit of it."""
+        self.mass.hand_over(members, step)
 
     def adopt_state(self, state, params: torch.Tensor) -> torch.Tensor:
         """Caught up after a stall: the donor's anchor replaces ours, its half of the mass joins ours,

@@ -19,9 +19,9 @@ import time
 from typing import TYPE_CHECKING
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.train.errors import NonFiniteError
+from p2ptrain.train.errors import LeftCluster, NonFiniteError
 from p2ptrain.train.state import ModelState
-from p2ptrain.transport.errors import PeerError
+from p2ptrain.transport.errors import NoClusterToRejoin, PeerError
 from p2ptrain.transport.validation import all_finite
 
 if TYPE_CHECKING:
@@ -80,23 +80,50 @@ class Lifecycle:
         self.phase = Phase.MEMBER
         return step
 
-    def fetch_state(self, timeout: float | None = None) -> Message:
-        """Ask a live peer for its state and wait for it (like hivemind's load_state_from_peers), as
-        a new incarnation, so peers that declared this node dead take it back. Sets comm.joined."""
+    def fetch_state(self, timeout: float | None = None, serve_at: int | None = None) -> Message:
+        """Ask the live peers for a state and wait for it (like hivemind's load_state_from_peers), as
+        a new incarnation, so peers that declared this node dead take it back. Sets comm.joined.
+
+        A donor serves at its next step boundary: one that sends nothing within a slice (a link
+        deadline) is asked again, and another peer if it stopped answering. It never gives up while
+        a member with state may still answer and the cluster moves on: it stops with
+        NoClusterToRejoin once every peer is gone or holds no state itself (the run has finished),
+        with PeerError when no member made a step for the peer timeout, or (`timeout`, a catch-up:
+        a member may train on alone and try again later) after `timeout` seconds. A member that
+        catches up (`serve_at`: the step boundary it is at) serves state requests meanwhile: two
+        nodes that each declared the other dead would otherwise wait for each other."""
         comm, membership, transport = self.comm, self.membership, self.comm.transport
-        timeout = comm.peer_timeout if timeout is None else timeout
         comm.expect(STATE, self.state.dtype, self.state.numel, preallocate=1)
-        deadline = time.monotonic() + timeout
+        wait = max(1.0, comm.link_deadline)  # one slice of waiting for a donor, or between rounds
+        started = moved_at = time.monotonic()
+        furthest, empty_since = -1, None
         try:
             while True:
-                donor = membership.request_state(max(1.0, deadline - time.monotonic()))
+                if serve_at is not None:
+                    self.serve_joiners(serve_at)
+                answers = membership.ask_for_state()
+                now = time.monotonic()
+                if max(answers.ready.values(), default=-1) > furthest:  # the cluster still moves
+                    furthest, moved_at = max(answers.ready.values()), now
+                if answers.live:
+                    empty_since = None
+                elif empty_since is None:
+                    empty_since = now
+                elif now - empty_since >= 2 * wait:
+                    raise NoClusterToRejoin(f"node {self.rank}: no live member has a state to give (the cluster has "
+                                            f"finished): {answers.problems}")
+                if now - moved_at >= comm.peer_timeout or (timeout is not None and now - started >= timeout):
+                    raise PeerError(f"node {self.rank}: no state from any peer within "
+                                    f"{min(comm.peer_timeout, timeout or comm.peer_timeout):.0f}s: {answers.problems}")
+                if answers.donor is None:
+                    self._abort_join_if_leaving()
+                    time.sleep(min(0.5, wait))
+                    continue
                 try:
-                    messages = transport.recv_any(STATE, timeout=min(comm.peer_timeout, max(
-                        1.0, deadline - time.monotonic())))
+                    messages = transport.recv_any(STATE, timeout=wait)
                 except TimeoutError:
-                    if time.monotonic() >= deadline:
-                        raise PeerError(f"node {self.rank}: no state from any peer within {timeout:.0f}s") from None
-                    log.warning("node %d: donor %d sent no state; asking another peer", self.rank, donor)
+                    self._abort_join_if_leaving()
+                    log.info("node %d: no state from node %d yet; asking again", self.rank, answers.donor)
                     continue
                 state, *late = [comm.received(m) for m in messages]
                 self.late_states.extend(late)  # an earlier donor answered too: SGP merges that mass as well
@@ -110,6 +137,13 @@ class Lifecycle:
         finally:
             transport.unexpect(STATE)  # a state push nobody asked for is refused (the donor keeps it)
 
+    def _abort_join_if_leaving(self) -> None:
+        """Asked to leave (SIGTERM) while joining, before any state came: it holds nothing, so it
+        just goes (a state that arrives later is refused, and its donor keeps it)."""
+        if self._leave_requested and self.phase is Phase.JOINING:
+            log.warning("node %d: asked to leave while joining; leaving before taking any state", self.rank)
+            raise LeftCluster(self.rank, 0)
+
     def _adopt_late_states(self) -> None:
         """States that reached us while rejoining besides the one used (an earlier donor answered
         late): for push-sum they are mass, merged like the first."""
@@ -122,9 +156,9 @@ class Lifecycle:
         members gets its start state (Algorithm.welcome); once set up to receive everything, it
         proposes itself as a member (Communicator.ready)."""
         self.membership.reconcile()
-        for peer in self.membership.take_state_requests():
+        for peer, holds_state in self.membership.take_state_requests():
             vector = self.state.vector()
-            if self.membership.newcomer(peer):
+            if self.membership.newcomer(peer) and not holds_state:
                 changed = self.algorithm.welcome(peer, step, vector)
             else:
                 changed = self.algorithm.donate_state(peer, step, vector)
@@ -139,12 +173,15 @@ class Lifecycle:
         than the lag limit), take a state transfer from a peer that saw it leave and merge it;
         returns the step to continue at."""
         membership = self.membership
+        membership.recheck_if_isolated()
         if step < self._catch_up_after or not membership.must_catch_up():
             return step + 1
         self.phase = Phase.CATCHING_UP
         log.warning("node %d: fell behind at step %d (%s); catching up", self.rank, step, membership.lag_report())
         try:
-            donated = self.fetch_state(timeout=max(5.0, 3 * self.comm.link_deadline))
+            # a member may train on alone and try again: wait about two lag limits of steps at its pace
+            patience = membership.greetings.pace.seconds_for(2 * membership.liveness.max_lag)
+            donated = self.fetch_state(timeout=max(3 * self.comm.link_deadline, patience), serve_at=step)
         except (TimeoutError, RuntimeError) as exc:  # e.g. the others have finished: train on alone
             log.warning("node %d: could not catch up (%s); training on from step %d", self.rank, exc, step + 1)
             membership.abandon_catch_up()

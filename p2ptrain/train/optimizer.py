@@ -88,11 +88,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         # joins, leaves, rejoins and catch-ups (train/elastic.py); None without a communicator
         self.lifecycle = Lifecycle(self.comm, self.algorithm, self.state_vector, self.metrics) \
             if self.comm is not None else None
+        if node is not None and self.lifecycle is not None and node.config.elastic \
+                and getattr(self.algorithm, "elastic", False):
+            _leave_on_sigterm(self)  # before a join's state transfer: a leave may come while it waits
         self._setup()
         if node is not None:
             node.attach(self)
-            if node.config.elastic and getattr(self.algorithm, "elastic", False):
-                _leave_on_sigterm(self)
 
     # Start: a (re)joining node takes a live peer's state; then the algorithm sets up ----------------
     def _setup(self) -> None:
@@ -190,6 +191,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if final is not None:
             self.state_vector.load(final)
         self._finished = True
+        if self.comm is not None:
+            self.comm.membership.finish()  # no state to give from here on
         self.check_finite(self.local_step, "final model")
 
     # Checkpoints -------------------------------------------------------------------------------

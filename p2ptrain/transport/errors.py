@@ -19,6 +19,11 @@ class PeerUnreachable(PeerError):
     was not delivered, so its sender still owns it (SGP re-absorbs a push-sum share)."""
 
 
+class NoClusterToRejoin(PeerError):
+    """A (re)starting node found no live member to take state from: the cluster has finished (or is
+    unreachable). Nothing failed: there is nothing left to train."""
+
+
 class FailureKind(enum.Enum):
     GONE = "gone"                # nothing listens at the peer's address: its process is gone
     UNREACHABLE = "unreachable"  # no connection could be made (yet): down, partitioned, not started, blocked
@@ -62,4 +67,4 @@ def describe(exc: BaseException | None) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-__all__ = ["FailureKind", "PeerError", "PeerUnreachable", "SendFailure", "describe"]
+__all__ = ["FailureKind", "NoClusterToRejoin", "PeerError", "PeerUnreachable", "SendFailure", "describe"]

@@ -13,10 +13,10 @@ import logging
 import secrets
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.transport.errors import PeerError, SendFailure, describe
+from p2ptrain.transport.errors import FailureKind, PeerError, SendFailure, describe
 from p2ptrain.transport.loop_thread import LoopThread
 from p2ptrain.transport.membership import vetting
 from p2ptrain.transport.membership.identity import Identity
@@ -44,12 +44,34 @@ class StepPace:
             self._times.clear()
         self._times.append((time.monotonic(), step))
 
+    def seconds_for(self, steps: int) -> float:
+        """About how long this node takes for `steps` steps (0.0 before it has a pace)."""
+        if len(self._times) < 2:
+            return 0.0
+        (t0, s0), (t1, s1) = self._times[0], self._times[-1]
+        return steps * (t1 - t0) / (s1 - s0) if s1 > s0 else 0.0
+
     def steps_in(self, seconds: float) -> int:
         """About how many steps this node runs in `seconds` (0 before it has a pace)."""
         if len(self._times) < 2:
             return 0
         (t0, s0), (t1, s1) = self._times[0], self._times[-1]
         return int(seconds * (s1 - s0) / (t1 - t0)) + 1 if t1 > t0 else 0
+
+
+@dataclass
+class StateAnswers:
+    """How the peers answered one round of state requests (Greetings.ask_for_state)."""
+    donor: int | None = None                              # the peer that accepted: its state is coming
+    ready: dict[int, int] = field(default_factory=dict)   # ready members that answered -> their step
+    silent: set[int] = field(default_factory=set)         # no answer in time: stalled, slow, or partitioned
+    gone: set[int] = field(default_factory=set)           # nothing listens, or no state to give (not ready)
+    problems: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def live(self) -> bool:
+        """A member with state may still answer: one did, or one may only be slow."""
+        return bool(self.ready or self.silent)
 
 
 @dataclass(frozen=True)
@@ -62,6 +84,8 @@ class ClusterSurvey:
 def new_incarnation() -> int:
     return secrets.randbits(63) | 1  # never 0 (0 = an old peer that sends none)
 
+
+FINISHED = "finished its run"  # a want_state refusal that means: this member will never serve one
 
 # A Hello that got no answer (TimeoutError: ours; CancelledError: the loop cancelled it, e.g. at a stop).
 FAILED = (SendFailure, concurrent.futures.TimeoutError, concurrent.futures.CancelledError)
@@ -92,6 +116,8 @@ class Greetings:
         self.reached: set[int] = set()        # peers we delivered to: later connect failures fail fast
         self._probing: set[int] = set()
         self._state_requests: list[int] = []  # peers that asked for our model state (Hello want_state)
+        self._holding_state: set[int] = set()  # ... of them, those that asked while ready (they hold state)
+        self.finished = False                  # this node's training is over: it serves no state request
         self.pace = StepPace()
         self.metrics = metrics
         self.announced: set[int] = set()      # peers that greeted us, or answered our Hello as themselves
@@ -264,6 +290,15 @@ class Greetings:
         finally:
             self._probing.discard(peer)
 
+    async def recheck_dead(self, peers: list[int]) -> None:
+        """Hello peers we declared dead, once, without marking anything: one that answers and
+        excludes us tells us that we are the one who went away (liveness.excluded), so we rejoin."""
+        for peer in peers:
+            try:
+                await self.greet(peer, self.hello_request(), self.probe_timeout, wait_for_ready=False)
+            except SendFailure:
+                continue
+
     def answer(self, request: pb.HelloRequest) -> pb.HelloReply:
         """Our reply to a peer's Hello (the gRPC service asks on the loop thread): who we are, our
         step, view and lane, whether we are ready, and whether we consider the caller dead."""
@@ -294,32 +329,39 @@ class Greetings:
         if self.lane_ports is not None:
             self.lane_ports.learn(peer, request.lane_port)
         was_dead = not self.liveness.alive(peer)
+        known_before = self.liveness.incarnation(peer)
         self.liveness.hello(peer, ready=request.ready, incarnation=request.incarnation,
                               current_step=request.current_step, resume_step=request.step)
         if was_dead and self.liveness.alive(peer):  # back from the dead: connect afresh, no backoff
             self.loop.spawn(self.grpc.reset(peer))
         if not request.want_state:
             return ""
-        if not (self.liveness.may_donate_to(peer, request.incarnation) or self.joining(peer)):
+        if self.finished:
+            return f"node {self.rank} {FINISHED}"
+        if not (self.liveness.may_donate_to(peer, request.incarnation, known_before) or self.joining(peer)):
             log.warning("node %d: peer %d asked for our state but never left (not dead, lagging or restarted "
                         "here); refused", self.rank, peer)
             return f"node {self.rank} will not hand its state to node {peer}: it never saw that node leave"
         if peer not in self._state_requests:
             log.info("node %d: peer %d asks for our state (to rejoin)", self.rank, peer)
             self._state_requests.append(peer)
+        if request.ready:  # a member catching up (or a joiner whose view lost to a concurrent one) holds state
+            self._holding_state = self._holding_state | {peer}
         return ""
 
     def joining(self, peer: int) -> bool:
         """`peer` is not a member of the latest view: it joins (or comes back after leaving)."""
         return peer not in self.views.latest.members
 
-    def _pop_state_requests(self) -> list[int]:
+    def _pop_state_requests(self) -> list[tuple[int, bool]]:
         requests, self._state_requests = self._state_requests, []
-        return requests
+        holding, self._holding_state = self._holding_state, set()
+        return [(peer, peer in holding) for peer in requests]
 
     # Training thread ----------------------------------------------------------------------------
-    def take_state_requests(self) -> list[int]:
-        """Peers that asked (in a Hello) for our model state since the last call. Called at every
+    def take_state_requests(self) -> list[tuple[int, bool]]:
+        """Peers that asked (in a Hello) for our model state since the last call, each with whether
+        it holds state already (it asked as a ready node: a split, never a new unit). Called at every
         step boundary: a racy peek first spares the hop to the loop thread when nobody asked."""
         if not self._state_requests:
             return []
@@ -334,28 +376,33 @@ class Greetings:
         """One Hello that does not wait for a connection, as a future for the training thread."""
         return self.loop.submit(self.greet(peer, request, timeout, wait_for_ready=False))
 
-    def request_state(self, timeout: float) -> int:
-        """Ask live peers for their model state (Hello with want_state) until one that is ready
-        accepts; returns its rank. Peers that excluded this node come first: they saw it leave, so
-        they donate. The state arrives as a MESSAGE_KIND_STATE push."""
-        deadline = time.monotonic() + timeout
+    def ask_for_state(self) -> StateAnswers:
+        """One round of Hellos with want_state to every peer (those that excluded this node first:
+        they saw it leave, so they donate), until a ready one accepts. Says who answered how, so the
+        caller can tell busy donors (wait) from a finished cluster (give up). The state itself
+        arrives as a MESSAGE_KIND_STATE push."""
         request = self.hello_request()
         request.want_state = True
-        problems: dict[int, str] = {}
-        while True:
-            preferred = sorted(self.liveness.excluded_by())
-            for peer in preferred + [p for p in self.others() if p not in preferred]:
-                try:
-                    reply = self._hello_once(peer, request, 2.0).result(10)
-                except FAILED as exc:
-                    problems[peer] = describe(exc)
-                    continue
-                if reply.compatible and reply.ready and not reply.reason:
-                    return peer
-                problems[peer] = reply.reason[:200] or "not ready"
-            if time.monotonic() >= deadline:
-                raise PeerError(f"node {self.rank}: no peer can give its state: {problems}")
-            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        answers = StateAnswers()
+        preferred = sorted(self.liveness.excluded_by())
+        for peer in preferred + [p for p in self.others() if p not in preferred]:
+            try:
+                reply = self._hello_once(peer, request, 2.0).result(10)
+            except FAILED as exc:
+                answers.problems[peer] = describe(exc)
+                gone = isinstance(exc, SendFailure) and exc.kind in (FailureKind.GONE, FailureKind.DENIED)
+                (answers.gone if gone else answers.silent).add(peer)
+                continue
+            if reply.compatible and reply.ready and not reply.reason:
+                answers.donor = peer
+                answers.ready[peer] = reply.step
+                return answers
+            answers.problems[peer] = reply.reason[:200] or "not ready"
+            if reply.compatible and reply.ready and not reply.reason.endswith(FINISHED):
+                answers.ready[peer] = reply.step  # a member that would not donate (yet): it trains on
+            else:
+                answers.gone.add(peer)  # starting or rejoining itself: it holds no state to give
+        return answers
 
     def survey(self, timeout: float = 2.0) -> ClusterSurvey:
         """Hello every peer once (without waiting for connections): how many answer, and whether a
@@ -395,6 +442,10 @@ class Greetings:
             since, member_since = reply.step + 1, self.views.member_since(self.rank)
             if member_since and self.rank in reply.view.members:
                 since = min(since, member_since)
+            if reply.step + self.liveness.max_lag >= self.resume_step:
+                # we were the one away (a freeze): a peer we declared dead meanwhile, level with the
+                # cluster we rejoined, is alive for us again (one far behind must rejoin itself)
+                self.liveness.mark_alive(peer)
             self.liveness.confirmed(peer, since_step=since)
         return reply
 
@@ -496,4 +547,4 @@ class Greetings:
             raise PeerError(f"node {self.rank}: after {timeout:.0f}s: {problems}")
 
 
-__all__ = ["ClusterSurvey", "FAILED", "Greetings", "StepPace", "new_incarnation"]
+__all__ = ["ClusterSurvey", "FAILED", "FINISHED", "Greetings", "StateAnswers", "StepPace", "new_incarnation"]

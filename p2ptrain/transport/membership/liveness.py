@@ -138,11 +138,18 @@ class Liveness:
         """We consider `peer` dead (its replies should tell it to rejoin)."""
         return peer in self._dead
 
-    def may_donate_to(self, peer: int, incarnation: int = 0) -> bool:
-        """Hand our state only to a peer we saw leave: declared dead, lagging, or restarted (a new
-        incarnation asks). A Hello(want_state) from a peer that never went away gets nothing."""
-        known = self._incarnations.get(peer)
-        restarted = bool(incarnation) and known is not None and incarnation != known
+    def incarnation(self, peer: int) -> int:
+        """The incarnation of `peer` we last heard (0: none; a node that restarted knows none of the others)."""
+        return self._incarnations.get(peer, 0)
+
+    def may_donate_to(self, peer: int, incarnation: int = 0, known_before: int | None = None) -> bool:
+        """Hand our state only to a peer we saw leave: declared dead, lagging, restarted (a new
+        incarnation asks), or one whose earlier self we never heard (we restarted since, so we cannot
+        have seen it leave: refusing would leave it without a donor). `known_before`: the incarnation
+        we knew before this Hello (default: the one we know now). A Hello(want_state) from a peer
+        that never went away gets nothing."""
+        known = self.incarnation(peer) if known_before is None else known_before
+        restarted = bool(incarnation) and incarnation != known
         return peer in self._dead or self.lagging(peer) or restarted
 
     # Writes (loop thread) ------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import logging
 from typing import Iterable
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
-from p2ptrain.transport.membership.greetings import ClusterSurvey, Greetings
+from p2ptrain.transport.membership.greetings import ClusterSurvey, Greetings, StateAnswers
 from p2ptrain.transport.membership.liveness import Liveness
 from p2ptrain.transport.membership.views import View, Views
 
@@ -43,6 +43,7 @@ class Membership:
         self.drop_dead = False   # stands for views without the peers it declared dead (rings)
         self._leaves_taken: frozenset[tuple[int, int]] = frozenset()  # (leaver, epoch of the view that dropped it)
         self.refused_leaves = 0
+        self._rechecked_at = -(2 ** 62)  # the step of the last recheck_if_isolated Hellos
 
     # Who trains together (views) ------------------------------------------------------------------
     @property
@@ -124,6 +125,21 @@ class Membership:
         lag limit: it must rejoin through a state transfer."""
         return self.liveness.must_catch_up()
 
+    def recheck_if_isolated(self) -> bool:
+        """If this node considers at least half of the other members dead, it may be the one that
+        went away (a long freeze: everyone declared it dead while it declared them dead). Hello
+        those peers again, at most once per lag limit of steps, in the background: an answer that
+        excludes it makes must_catch_up() true. Returns whether it looked isolated."""
+        others = [p for p in self.views.latest.members if p != self.rank]
+        dead = [p for p in others if p in self.liveness.dead()]
+        if not dead or 2 * len(dead) < len(others):
+            return False
+        step = self.liveness.step
+        if step >= self._rechecked_at + self.liveness.max_lag:
+            self._rechecked_at = step
+            self.greetings.loop.submit(self.greetings.recheck_dead(dead))  # (not waited for)
+        return True
+
     def lag_report(self) -> str:
         """Why this node must catch up, for logs."""
         return f"excluded by {sorted(self.liveness.excluded_by())}, {self.liveness.behind()} steps behind the cluster"
@@ -202,15 +218,21 @@ class Membership:
         checkpoints of the same step: a peer still at step 0 would refuse our messages)."""
         self.greetings.wait_for_step(step, timeout)
 
-    def take_state_requests(self) -> list[int]:
-        """Peers that asked (in a Hello) for this node's state since the last call."""
+    def take_state_requests(self) -> list[tuple[int, bool]]:
+        """Peers that asked (in a Hello) for this node's state since the last call, each with
+        whether it holds state already (a member catching up: it gets a share, not a new unit)."""
         return self.greetings.take_state_requests()
 
-    def request_state(self, timeout: float) -> int:
-        """Ask live peers for their state until a ready one accepts; returns its rank (the state
-        arrives as a STATE message). Waits for nobody's messages until they have sent to us."""
+    def ask_for_state(self) -> StateAnswers:
+        """Ask the peers once for their state (the first ready one that accepts sends it as a STATE
+        message); how each answered. Waits for nobody's messages until they have sent to us."""
         self.liveness.rejoining()
-        return self.greetings.request_state(timeout)
+        return self.greetings.ask_for_state()
+
+    def finish(self) -> None:
+        """This node's training is over: it answers Hellos still, but serves no state request (a
+        joiner asking it would wait for a step boundary that never comes)."""
+        self.greetings.finished = True
 
     def rejoined(self, step: int) -> int:
         """A state transfer completed: resume at `step` or later as a new incarnation (so peers
