@@ -216,6 +216,10 @@ class Node:
             raise RuntimeError("this node already has a DecentralizedOptimizer: one model replica per node")
         self.optimizer = optimizer
         optimizer.add_step_listener(self.after_step)
+        links = self.transport.links
+        if links is not None and links.scheduled:  # link bursts: this node's links follow its own steps
+            links.at_step(optimizer.local_step)
+            optimizer.add_step_listener(lambda done: links.at_step(done.local_step))
         self.recorder.snapshot(optimizer.local_step, optimizer.state_vector.parameter_vector())  # the start
         self.clock.restart()
 
@@ -289,7 +293,7 @@ def run_node(config: NodeConfig) -> dict:
         node = Node(config, device=device)
         node.start()
         trainer = DecentralizedTrainer(model, build_optimizer(config, model), node=node, loss_fn=F.nll_loss,
-                                       slowdown=config.compute_slowdown, inject_nan_at=config.nan_injection_step)
+                                       slowdown=config.slowdown_schedule, inject_nan_at=config.nan_injection_step)
 
         def evaluate(step: int, final: bool = False) -> None:  # every eval_every steps (if set), and at the end
             if final or (config.eval_every and step % config.eval_every == 0 and step < config.steps):
