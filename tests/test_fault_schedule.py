@@ -3,7 +3,10 @@ link spec for a window of steps, e.g. a block that relays route around) and slow
 RANK@STEP+STEPS:FACTOR`). Each node applies the entries that concern it at its step boundaries."""
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
+import sys
 import time
 
 import pytest
@@ -21,6 +24,7 @@ from p2ptrain.train import DecentralizedTrainer
 from p2ptrain.transport import TransportOptions
 from p2ptrain.transport.faults import EmulatedLinks, LinkSpec, LinkTable
 from tests.cluster import run_cluster
+from tests.conftest import ROOT, node_env
 from tests.test_relay import forwarded
 from tests.test_transport import nodes
 
@@ -215,3 +219,36 @@ def test_the_trainer_stretches_only_the_steps_of_a_slow_window():
     seconds = run_cluster(2, body, options=TransportOptions(send_timeout=30.0))[0]
     window, outside = seconds[10:15], seconds[2:10] + seconds[16:]
     assert min(window) > 4 * statistics.median(outside), (window, outside)
+
+
+# -- a real launch ----------------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_launch_blocks_a_link_and_slows_a_node_for_their_windows_only(tmp_path):
+    """3 SGP processes on the exponential graph, which puts exactly one message per step on the pair
+    0<->2: blocked for steps 60..99, those 40 go through node 1 (and, until the short relay retry
+    is over, a few more), not the 100 that follow; node 1, 20x slower for steps 130..159, takes
+    much longer for those steps than for the others. The launcher logs both where they start."""
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "p2ptrain", "launch", "--nodes", "3", "--out", str(out), "--no-live",
+            "--no-metrics", "--timeout", "240", "--algorithm", "sgp", "--topology", "exponential", "--steps", "200",
+            "--num-train", "3000", "--log-every", "1", "--relay-retry-after", "0.2",
+            "--link-burst", "0<->2@60+40:block", "--slow", "1@130+30:20"]
+    proc = subprocess.run(argv, cwd=ROOT, env=node_env(), capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, f"launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "fault: link node 0 <-> node 2: block for 40 steps" in proc.stderr
+    link, slow = [json.loads(line) for line in (out / "faults.jsonl").read_text().splitlines()]
+    assert {k: link[k] for k in ("action", "rank", "peer", "both_ways", "spec", "steps", "planned_step")} == \
+        {"action": "link", "rank": 0, "peer": 2, "both_ways": True, "spec": "block", "steps": 40, "planned_step": 60}
+    assert (slow["action"], slow["rank"], slow["spec"], slow["steps"]) == ("slow", 1, "20", 30)
+    assert link["cluster_step"] >= link["planned_step"] and slow["cluster_step"] >= slow["planned_step"] == 130
+    summaries = {s["rank"]: s for s in json.loads((out / "report.json").read_text())["nodes"]}
+    relayed = summaries[1]["forwarded_messages"]
+    print(f"node 1 forwarded {relayed} messages of the 0<->2 pair")
+    assert 40 <= relayed < 90, relayed
+    assert summaries[0]["forwarded_messages"] == summaries[2]["forwarded_messages"] == 0
+    seconds = {line["step"]: line["step_seconds"] for line in map(json.loads, (out / "node1.progress.jsonl").open())
+               if "step_seconds" in line}  # line step s: steps done, so step s - 1 just ran
+    window = statistics.median(seconds[s] for s in range(131, 161))
+    outside = statistics.median([seconds[s] for s in [*range(21, 56), *range(171, 201)]])
+    print(f"node 1: median step {window * 1e3:.1f} ms in its slow window, {outside * 1e3:.1f} ms outside")
+    assert window > 2 * outside, (window, outside)

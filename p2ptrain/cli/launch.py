@@ -126,7 +126,9 @@ def _launch(args: argparse.Namespace) -> int:
                               "own workers")
         shown["script"] = script
     try:
-        faults = fault_plan(args.kill, args.restart, args.nodes, args.stall, args.join_events, args.leave_events)
+        scheduled = () if server else (config.link_bursts, config.slow_windows)  # the nodes apply them; logged
+        faults = fault_plan(args.kill, args.restart, args.nodes, args.stall, args.join_events, args.leave_events,
+                            *scheduled)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if faults and server:

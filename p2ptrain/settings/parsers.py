@@ -5,15 +5,11 @@
   AtStep            "RANK@STEP" (inject_nan; launch --kill, --restart, --leave), "COUNT@STEP" (launch
                     --join), "RANK@STEP:SECONDS" (launch --stall)
   LinkEntry         "SRC->DST:REST" / "SRC<->DST:REST", the entries of relay routes and link overrides
-  StepWindow        "STEP+STEPS": steps [STEP, STEP + STEPS) of a scheduled fault
-  LinkBurst         "SRC->DST@STEP+STEPS:SPEC" / "SRC<->DST@...": a link spec for a window (link_bursts)
-  SlowWindow        "RANK@STEP+STEPS:FACTOR": a rank's compute FACTOR times slower for a window
-                    (slow_windows); SlowSchedule is one rank's factor at each step
+  LinkBurst, SlowWindow  "SRC<->DST@STEP+STEPS:SPEC", "RANK@STEP+STEPS:FACTOR": faults for a window of steps
   parse_relay_routes  "SRC->DST:VIA[,VIA2]" / "SRC<->DST:VIA" -> {(src, dst): relays}
   parse_relays      "1,2" / "any" -> relay candidates
 
-Link specs ("bandwidth=200mbit,latency=5ms") keep their grammar with the emulator that runs them
-(p2ptrain/transport/faults.py). Pure text: nothing here reads files or imports torch.
+Link specs keep their grammar with the emulator (transport/faults.py). Pure text: no files, no torch.
 """
 from __future__ import annotations
 
