@@ -335,7 +335,8 @@ class TransportSettings:
 @dataclass(frozen=True)
 class FaultSettings:
     """Emulated trouble, off by default, may differ per node: slower machines, a NaN loss, WAN
-    links (their spec grammar is the emulator's, p2ptrain/transport/faults.py)."""
+    links (their spec grammar is the emulator's, p2ptrain/transport/faults.py), and windows of steps
+    in which a link or a machine is worse (each node applies those that concern it)."""
 
     slowdown: str | None = setting(
         None, "emulate slower machines: every step's compute takes FACTOR times as long, on every node or per rank "
