@@ -19,7 +19,7 @@ from typing import Callable, TextIO
 
 from p2ptrain.addresses import join_address
 from p2ptrain.exit_codes import EXIT_NO_CLUSTER
-from p2ptrain.settings.parsers import AtStep
+from p2ptrain.settings.parsers import AtStep, LinkBurst, SlowWindow
 
 from . import prometheus as scrape_config
 from . import report as run_report
@@ -289,11 +289,17 @@ class FaultEvent:
     """Kill (SIGKILL, no goodbye), restart, or stall (SIGSTOP, then SIGCONT `seconds` later: a GC
     pause, swap storm or preempted VM) one node once the cluster reaches a step (the highest step
     any node reported), e.g. to check that the others train on and the node rejoins; or, in an
-    elastic run, start a new node that joins (`join`) or ask one to leave (`leave`: SIGTERM)."""
-    action: str  # "kill" | "restart" | "stall" | "join" | "leave"
-    rank: int
+    elastic run, start a new node that joins (`join`) or ask one to leave (`leave`: SIGTERM). A link
+    burst (`link`) or slow window (`slow`) is the nodes' own to apply at their steps: the launcher
+    only logs it when the cluster gets there."""
+    action: str  # "kill" | "restart" | "stall" | "join" | "leave" | "link" | "slow"
+    rank: int    # (link: the sending end)
     at_step: int
     seconds: float = 0.0  # stall only
+    peer: int | None = None  # link: the other end
+    both_ways: bool = False  # link: SRC<->DST
+    steps: int = 0  # link, slow: how many steps it lasts
+    spec: str = ""  # link: the link spec; slow: the factor
 
     @classmethod
     def parse(cls, action: str, spec: str, nodes: int) -> "FaultEvent":
@@ -306,6 +312,41 @@ class FaultEvent:
         if not 0 <= event.rank < nodes:
             raise ValueError(f"--{action} {spec!r}: rank {event.rank} outside 0..{nodes - 1}")
         return event
+
+    @classmethod
+    def scheduled(cls, action: str, entry: str, nodes: int) -> "FaultEvent":
+        """A `link` (--link-burst SRC<->DST@STEP+STEPS:SPEC) or `slow` (--slow RANK@STEP+STEPS:FACTOR) entry."""
+        flag = "--link-burst" if action == "link" else "--slow"
+        try:
+            if action == "link":
+                burst = LinkBurst.parse(entry)
+                event = cls(action, burst.src, burst.window.start, peer=burst.dst, both_ways=burst.both_ways,
+                            steps=burst.window.steps, spec=burst.spec)
+            else:
+                window = SlowWindow.parse(entry)
+                event = cls(action, window.rank, window.window.start, steps=window.window.steps,
+                            spec=f"{window.factor:g}")
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
+        if not all(0 <= r < nodes for r in (event.rank, event.peer or 0)):
+            raise ValueError(f"{flag} {entry!r}: a rank outside 0..{nodes - 1}")
+        return event
+
+    @property
+    def window(self) -> dict:
+        """A link burst's or slow window's fields for OUT/faults.jsonl (other faults: none)."""
+        if self.action == "link":
+            return {"peer": self.peer, "both_ways": self.both_ways, "spec": self.spec, "steps": self.steps}
+        return {"spec": self.spec, "steps": self.steps} if self.action == "slow" else {}
+
+    @property
+    def what(self) -> str:
+        """A link burst or slow window in words, for the launcher's line (other faults: "")."""
+        if self.action == "link":
+            return f" {'<->' if self.both_ways else '->'} node {self.peer}: {self.spec} for {self.steps} steps"
+        if self.action == "slow":
+            return f": compute {self.spec}x slower for {self.steps} steps"
+        return ""
 
 
 def join_plan(joins: list[str], nodes: int) -> list[FaultEvent]:
@@ -328,15 +369,18 @@ def join_plan(joins: list[str], nodes: int) -> list[FaultEvent]:
 
 
 def fault_plan(kills: list[str], restarts: list[str], nodes: int, stalls: list[str] = (), joins: list[str] = (),
-               leaves: list[str] = ()) -> list[FaultEvent]:
+               leaves: list[str] = (), link_bursts: list[str] = (), slows: list[str] = ()) -> list[FaultEvent]:
     """Validated events in step order; a restart needs an earlier kill of the same rank; a node
-    leaves (SIGTERM) once at most, after it joined, and at least one node stays."""
+    leaves (SIGTERM) once at most, after it joined, and at least one node stays. Link bursts and
+    slow windows (the nodes apply them) are there to be logged."""
     joined = join_plan(list(joins), nodes)
     slots = nodes + len(joined)
     events = [FaultEvent.parse("kill", k, slots) for k in kills] + \
              [FaultEvent.parse("restart", r, slots) for r in restarts] + \
              [FaultEvent.parse("stall", s, slots) for s in stalls] + joined + \
-             [FaultEvent.parse("leave", leave, slots) for leave in leaves]
+             [FaultEvent.parse("leave", leave, slots) for leave in leaves] + \
+             [FaultEvent.scheduled("link", b, slots) for b in link_bursts] + \
+             [FaultEvent.scheduled("slow", w, slots) for w in slows]
     started = {e.rank: e.at_step for e in joined}
     left = [e.rank for e in events if e.action == "leave"]
     for event in events:
@@ -350,6 +394,8 @@ def fault_plan(kills: list[str], restarts: list[str], nodes: int, stalls: list[s
     events.sort(key=lambda e: (e.at_step, e.action != "kill"))
     down: set[int] = set()
     for event in events:
+        if event.action in ("link", "slow"):  # the nodes' own, on whoever is up then
+            continue
         if event.action in ("stall", "join", "leave"):
             if event.rank in down:
                 raise ValueError(f"--{event.action} {event.rank}@{event.at_step}: node {event.rank} is killed then")
@@ -389,6 +435,8 @@ def _apply_faults(events: list[FaultEvent], processes: "_NodeProcesses", watcher
         elif event.action == "stall":
             processes.stall(event.rank, event.seconds)
             note = f" for {event.seconds:g}s"
+        elif event.action in ("link", "slow"):  # the nodes apply it at this step themselves
+            note = event.what
         elif all(s.returncode is not None or s.down for s in watcher.states if s.rank != event.rank):
             state.note = "not rejoined: the cluster had finished when the restart was due"
             note = " skipped: every other node has finished"
@@ -400,7 +448,7 @@ def _apply_faults(events: list[FaultEvent], processes: "_NodeProcesses", watcher
             state.late = True
         print(f"fault: {event.action} node {event.rank}{note} at cluster step {cluster_step}", file=stream, flush=True)
         log({"action": event.action, "rank": event.rank, "planned_step": event.at_step,
-             "cluster_step": cluster_step, "seconds": event.seconds, "skipped": "skipped" in note})
+             "cluster_step": cluster_step, "seconds": event.seconds, "skipped": "skipped" in note, **event.window})
 
 
 def _fault_logger(path: Path | None, start: float) -> Callable[[dict], None]:

@@ -212,6 +212,10 @@ class Node:
             raise RuntimeError("this node already has a DecentralizedOptimizer: one model replica per node")
         self.optimizer = optimizer
         optimizer.add_step_listener(self.after_step)
+        links = self.transport.links
+        if links is not None and links.scheduled:  # link bursts: this node's links follow its own steps
+            links.at_step(optimizer.local_step)
+            optimizer.add_step_listener(lambda done: links.at_step(done.local_step))
         self.recorder.snapshot(optimizer.local_step, optimizer.state_vector.parameter_vector())  # the start
         self.clock.restart()
 
@@ -286,7 +290,7 @@ def run_node(config: NodeConfig) -> dict:
         node.start()
         try:
             trainer = DecentralizedTrainer(model, build_optimizer(config, model), node=node, loss_fn=F.nll_loss,
-                                           slowdown=config.compute_slowdown, inject_nan_at=config.nan_injection_step)
+                                           slowdown=config.slowdown_schedule, inject_nan_at=config.nan_injection_step)
         except LeftCluster as left:  # asked to leave while joining: it never trained, and holds nothing
             return node.close(left_at=left.step)
 

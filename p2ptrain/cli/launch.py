@@ -51,13 +51,14 @@ def add_parser(subcommands) -> None:
     launch.add_argument("--netns-subnet", metavar="CIDR",
                         help="with --netns: private IPv4 subnet for the nodes (default: a free 10.x.y.0/24)")
     launch.add_argument("--chaos", type=int, metavar="COUNT",
-                        help="COUNT random faults (kill + restart, stall of 1 s to --chaos-max-stall, leave, join), "
-                             "seeded by --chaos-seed, keeping 2 nodes alive; each fired fault goes to "
-                             "OUT/faults.jsonl with its step and wall time")
+                        help="COUNT random faults (kill + restart, stall of 1 s to --chaos-max-stall, leave, join, "
+                             "a link's drop burst or block, a slow node), seeded by --chaos-seed, keeping 2 nodes "
+                             "alive and a route between every pair; each fired fault goes to OUT/faults.jsonl with "
+                             "its step and wall time")
     launch.add_argument("--chaos-seed", type=int, default=0, metavar="SEED",
                         help="seed of the --chaos plan (default 0: the same plan every time)")
-    launch.add_argument("--chaos-kinds", default=",".join(("kill", "stall", "leave", "join")), metavar="LIST",
-                        help="fault kinds --chaos draws from (default kill,stall,leave,join)")
+    launch.add_argument("--chaos-kinds", default=",".join(("kill", "stall", "leave", "join", "link", "slow")),
+                        metavar="LIST", help="fault kinds --chaos draws from (default kill,stall,leave,join,link,slow)")
     launch.add_argument("--chaos-max-stall", type=float, default=30.0, metavar="SECONDS",
                         help="longest --chaos stall (default 30)")
     launch.add_argument("--pki", metavar="DIR",
@@ -80,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
 def _add_chaos(args: argparse.Namespace) -> None:
     """Add the --chaos plan to the hand-written fault flags (validated with them)."""
     from launcher.chaos import chaos_plan, parse_kinds
+    from p2ptrain.settings.sources import LIST_SEPARATORS
 
     steps = args.steps if args.steps is not None else config_from_args(
         args, world_size=max(args.nodes, 1), rank=0, peers=[f"127.0.0.1:{20000 + i}" for i in range(max(args.nodes, 1))]
@@ -94,8 +96,12 @@ def _add_chaos(args: argparse.Namespace) -> None:
     args.stall += plan.stalls
     args.leave_events += plan.leaves
     args.join_events += plan.joins
+    for name, entries in (("link_bursts", plan.link_bursts), ("slow_windows", plan.slows)):  # node settings:
+        joined = LIST_SEPARATORS[name].join(filter(None, [getattr(args, name), *entries]))  # one flag, as given
+        setattr(args, name, joined or None)
     print(f"p2ptrain launch: --chaos {args.chaos} (seed {args.chaos_seed}): {len(plan.kills)} kill(s) with restart, "
-          f"{len(plan.stalls)} stall(s), {len(plan.leaves)} leave(s), {len(plan.joins)} join(s)", file=sys.stderr)
+          f"{len(plan.stalls)} stall(s), {len(plan.leaves)} leave(s), {len(plan.joins)} join(s), "
+          f"{len(plan.link_bursts)} link burst(s), {len(plan.slows)} slow window(s)", file=sys.stderr)
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -126,7 +132,9 @@ def _launch(args: argparse.Namespace) -> int:
                               "own workers")
         shown["script"] = script
     try:
-        faults = fault_plan(args.kill, args.restart, args.nodes, args.stall, args.join_events, args.leave_events)
+        scheduled = () if server else (config.link_bursts, config.slow_windows)  # the nodes apply them; logged
+        faults = fault_plan(args.kill, args.restart, args.nodes, args.stall, args.join_events, args.leave_events,
+                            *scheduled)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if faults and server:

@@ -22,6 +22,7 @@ from p2ptrain.addresses import IPV4_WILDCARD, host_of, is_wildcard, unbracket
 from p2ptrain.algorithms import registry
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec
 from p2ptrain.settings import sources
+from p2ptrain.settings.parsers import SlowSchedule
 from p2ptrain.settings.sections import (
     SECTIONS,
     SETTINGS,
@@ -140,6 +141,17 @@ class NodeConfig:
         return factors.get(self.rank, 1.0)
 
     @property
+    def slowdown_schedule(self) -> "float | SlowSchedule":
+        """This node's slow-down for the trainer: compute_slowdown, or, where slow windows name this
+        rank, a step -> factor schedule (the plain factor keeps the step loop as it was)."""
+        windows = self.faults.slow_plan()
+        for window in windows:
+            need(0 <= window.rank < self.slots,
+                 f"compute slow-down: slow window of rank {window.rank}: rank outside 0..{self.slots - 1}")
+        mine = tuple(w for w in windows if w.rank == self.rank)
+        return SlowSchedule(self.compute_slowdown, mine) if mine else self.compute_slowdown
+
+    @property
     def nan_injection_step(self) -> int | None:
         """The step at which this node's loss is made NaN (`inject_nan` = "RANK@STEP"), if it is this rank."""
         injection = self.faults.nan_injection()
@@ -166,14 +178,14 @@ class NodeConfig:
 
     def link_table(self) -> "LinkTable | None":
         """The emulation of this node's outgoing links (seeded from `seed`), None when off: the one
-        place that reads `link` and `link_overrides`."""
-        if not self.link and not self.link_overrides:
+        place that reads `link`, `link_overrides` and `link_bursts`."""
+        if not self.link and not self.link_overrides and not self.link_bursts:
             return None
         from p2ptrain.transport.faults import LinkTable  # the spec grammar is the emulator's
 
         def table() -> LinkTable:
-            links = LinkTable.parse(self.link, self.link_overrides, seed=self.seed)
-            links.check_ranks(self.world_size)
+            links = LinkTable.parse(self.link, self.link_overrides, seed=self.seed, bursts=self.link_bursts)
+            links.check_ranks(self.slots)
             return links
 
         return parsed("link emulation", table)
@@ -186,7 +198,7 @@ class NodeConfig:
         self._validate_algorithm()
         need(self.role == "peer" or self.momentum < 1,
              f"momentum μ must be < 1 for a parameter-server worker, got {self.momentum}")
-        _ = (self.compute_slowdown, self.nan_injection_step)  # the ranks they name are in the run
+        _ = (self.slowdown_schedule, self.nan_injection_step)  # the ranks they name are in the run
         self.transport.relay_plan(self.world_size)
         self.link_table()
         if self.role in ("peer", "ps"):  # these serve: TLS needs their own certificate

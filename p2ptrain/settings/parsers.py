@@ -5,11 +5,11 @@
   AtStep            "RANK@STEP" (inject_nan; launch --kill, --restart, --leave), "COUNT@STEP" (launch
                     --join), "RANK@STEP:SECONDS" (launch --stall)
   LinkEntry         "SRC->DST:REST" / "SRC<->DST:REST", the entries of relay routes and link overrides
+  LinkBurst, SlowWindow  "SRC<->DST@STEP+STEPS:SPEC", "RANK@STEP+STEPS:FACTOR": faults for a window of steps
   parse_relay_routes  "SRC->DST:VIA[,VIA2]" / "SRC<->DST:VIA" -> {(src, dst): relays}
   parse_relays      "1,2" / "any" -> relay candidates
 
-Link specs ("bandwidth=200mbit,latency=5ms") keep their grammar with the emulator that runs them
-(p2ptrain/transport/faults.py). Pure text: nothing here reads files or imports torch.
+Link specs keep their grammar with the emulator (transport/faults.py). Pure text: no files, no torch.
 """
 from __future__ import annotations
 
@@ -106,6 +106,107 @@ class LinkEntry(NamedTuple):
         return cls(int(match.group(1)), int(match.group(3)), match.group(2) == "<->", rest)
 
 
+class StepWindow(NamedTuple):
+    """Steps [start, start + steps) of a fault that a node applies at its own step boundaries."""
+
+    start: int
+    steps: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.steps
+
+    def __contains__(self, step: object) -> bool:
+        return isinstance(step, int) and self.start <= step < self.start + self.steps
+
+    @classmethod
+    def parse(cls, text: str) -> "StepWindow":
+        """"100+20" -> steps 100..119; ValueError unless STEP >= 0 and STEPS >= 1."""
+        start, plus, steps = str(text).partition("+")
+        if not (plus and start.strip().isdigit() and steps.strip().isdigit()):
+            raise ValueError(f"{text!r} is not STEP+STEPS (e.g. 100+20: steps 100 to 119)")
+        if int(steps) < 1:
+            raise ValueError(f"{text!r} lasts no step: STEPS must be >= 1")
+        return cls(int(start), int(steps))
+
+
+class LinkBurst(NamedTuple):
+    """"SRC->DST@STEP+STEPS:SPEC" (one direction) or "SRC<->DST@STEP+STEPS:SPEC" (both): link SPEC
+    (the emulator's grammar, checked there) on top of the link's own spec for that window."""
+
+    src: int
+    dst: int
+    both_ways: bool
+    window: StepWindow
+    spec: str
+
+    @classmethod
+    def parse(cls, entry: str) -> "LinkBurst":
+        """The entry, or ValueError naming it."""
+        head, colon, spec = str(entry).partition(":")
+        link, at, window = head.partition("@")
+        match = _LINK.match(link)
+        if not (colon and at and match):
+            raise ValueError(f"link burst {entry!r} is not SRC->DST@STEP+STEPS:SPEC or SRC<->DST@STEP+STEPS:SPEC "
+                             "(e.g. 0<->2@100+20:block)")
+        src, dst = int(match.group(1)), int(match.group(3))
+        if src == dst:
+            raise ValueError(f"link burst {entry!r}: a node has no link to itself")
+        if not spec.strip():
+            raise ValueError(f"link burst {entry!r} has no SPEC (e.g. drop=0.5, block or latency=200ms)")
+        try:
+            steps = StepWindow.parse(window)
+        except ValueError as exc:
+            raise ValueError(f"link burst {entry!r}: {exc}") from None
+        return cls(src, dst, match.group(2) == "<->", steps, spec.strip())
+
+    def directed(self) -> list["LinkBurst"]:
+        """One entry per direction it applies to (SRC->DST, and DST->SRC for SRC<->DST)."""
+        one_way = self._replace(both_ways=False)
+        return [one_way, one_way._replace(src=self.dst, dst=self.src)] if self.both_ways else [one_way]
+
+
+class SlowWindow(NamedTuple):
+    """"RANK@STEP+STEPS:FACTOR": node RANK's compute is FACTOR (>= 1) times slower for that window."""
+
+    rank: int
+    window: StepWindow
+    factor: float
+
+    @classmethod
+    def parse(cls, entry: str) -> "SlowWindow":
+        """The entry, or ValueError naming it."""
+        rank, at, rest = str(entry).partition("@")
+        window, colon, factor_text = rest.partition(":")
+        if not (at and colon and rank.strip().isdigit()):
+            raise ValueError(f"slow window {entry!r} is not RANK@STEP+STEPS:FACTOR (e.g. 1@100+30:4)")
+        try:
+            steps = StepWindow.parse(window)
+            factor = float(factor_text)
+        except ValueError as exc:
+            detail = exc if "STEP" in str(exc) else f"FACTOR {factor_text!r} is not a number"
+            raise ValueError(f"slow window {entry!r}: {detail}") from None
+        if not 1.0 <= factor < math.inf:
+            raise ValueError(f"slow window {entry!r}: FACTOR must be >= 1 (1 = full speed)")
+        return cls(int(rank), steps, factor)
+
+
+@dataclass(frozen=True)
+class SlowSchedule:
+    """One node's compute slow-down at each step: `base` (its --slowdown factor) times the factor of
+    every slow window it is in. Called with a step, as the trainer does at each step."""
+
+    base: float
+    windows: tuple[SlowWindow, ...]
+
+    def __call__(self, step: int) -> float:
+        factor = self.base
+        for window in self.windows:
+            if step in window.window:
+                factor *= window.factor
+        return factor
+
+
 def link_entries(entries: Iterable[str] | Mapping[str, str]) -> list[str]:
     """Entries as a list, a mapping {"SRC->DST": REST} (a TOML table) as "SRC->DST:REST" in its order."""
     return [f"{k}:{v}" for k, v in entries.items()] if isinstance(entries, Mapping) else list(entries)
@@ -158,4 +259,5 @@ def parse_relays(text: str | Iterable | None, world_size: int | None = None) -> 
     return tuple(dict.fromkeys(ranks))
 
 
-__all__ = ["AtStep", "LinkEntry", "Slowdown", "link_entries", "parse_relay_routes", "parse_relays"]
+__all__ = ["AtStep", "LinkBurst", "LinkEntry", "SlowSchedule", "SlowWindow", "Slowdown", "StepWindow", "link_entries",
+           "parse_relay_routes", "parse_relays"]

@@ -35,7 +35,15 @@ from p2ptrain.choices import (
     OptimizerName,
     Role,
 )
-from p2ptrain.settings.parsers import AtStep, Slowdown, parse_relay_routes, parse_relays
+from p2ptrain.settings.parsers import (
+    AtStep,
+    LinkBurst,
+    Slowdown,
+    SlowWindow,
+    link_entries,
+    parse_relay_routes,
+    parse_relays,
+)
 from p2ptrain.topology import TOPOLOGY_NAMES
 
 
@@ -327,7 +335,8 @@ class TransportSettings:
 @dataclass(frozen=True)
 class FaultSettings:
     """Emulated trouble, off by default, may differ per node: slower machines, a NaN loss, WAN
-    links (their spec grammar is the emulator's, p2ptrain/transport/faults.py)."""
+    links (their spec grammar is the emulator's, p2ptrain/transport/faults.py), and windows of steps
+    in which a link or a machine is worse (each node applies those that concern it)."""
 
     slowdown: str | None = setting(
         None, "emulate slower machines: every step's compute takes FACTOR times as long, on every node or per rank "
@@ -341,9 +350,20 @@ class FaultSettings:
         [], "a spec for one link on top of --link: 0->1:latency=50ms (one direction) or 0<->1:drop=0.1 (both); "
             "repeatable, later ones apply on top; 0<->2:block cuts a link (the peer is then reached through a relay)",
         metavar="SRC->DST:SPEC", flags=("--link-override", "--link-overrides"))
+    link_bursts: list[str] = setting(
+        [], "a link spec on top of --link/--link-override for steps STEP..STEP+STEPS-1 of the sending node: "
+            "0<->2@100+20:block (relays kick in), 0->1@50+10:drop=0.5 (one direction); repeatable",
+        metavar="SRC->DST@STEP+STEPS:SPEC", flags=("--link-burst", "--link-bursts"))
+    slow_windows: list[str] = setting(
+        [], "node RANK's compute FACTOR times slower for steps STEP..STEP+STEPS-1 (on top of --slowdown), e.g. "
+            "1@100+30:4; repeatable", metavar="RANK@STEP+STEPS:FACTOR", flags=("--slow", "--slow-windows"))
 
     def slowdown_plan(self) -> Slowdown:
         return parsed(f"slowdown {self.slowdown!r}", Slowdown.parse, self.slowdown)
+
+    def slow_plan(self) -> tuple[SlowWindow, ...]:
+        """The slow windows, parsed (their ranks are NodeConfig's to check)."""
+        return tuple(parsed("compute slow-down", SlowWindow.parse, entry) for entry in self.slow_windows)
 
     def nan_injection(self) -> AtStep | None:
         """(rank, step) of the injected NaN loss, if any."""
@@ -352,6 +372,9 @@ class FaultSettings:
     def validate(self) -> None:
         self.slowdown_plan()
         self.nan_injection()
+        self.slow_plan()
+        for entry in link_entries(self.link_bursts):  # (the specs are checked with the link table)
+            parsed("link emulation", LinkBurst.parse, entry)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Environment: P2PTRAIN_<SETTING> for any setting (P2PTRAIN_PEERS="node0:50051,nod
 P2PTRAIN_OVERLAP=1), which docker-compose uses, and below it what launchers set: torchrun's RANK /
 WORLD_SIZE (or GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK), TORCHELASTIC_RUN_ID and MASTER_ADDR /
 MASTER_PORT (the rendezvous store of a node given no peer list), Slurm's SLURM_PROCID / SLURM_NTASKS.
-A list setting is one string there: peers comma-, link_overrides and relay_routes semicolon-separated.
+A list setting is one string there: peers and slow_windows comma-, link_overrides, link_bursts and
+relay_routes semicolon-separated.
 Values are coerced to the setting's type with an error naming it. A flag for another algorithm's
 option is an error; a TOML file or environment shared by a cluster may carry them (kept apart as
 ignored). Two sources giving different world sizes are a mistake, never an override.
@@ -23,8 +24,9 @@ from p2ptrain.addresses import join_address
 from p2ptrain.algorithms import registry
 from p2ptrain.settings.sections import SETTINGS, ConfigError, unwrap
 
-LIST_SEPARATORS = {"link_overrides": ";", "relay_routes": ";"}  # others: ","
-TABLE_SETTINGS = ("link_overrides", "relay_routes")  # a TOML table {"SRC->DST" = REST} is a list of SRC->DST:REST
+LIST_SEPARATORS = {"link_overrides": ";", "relay_routes": ";", "link_bursts": ";", "slow_windows": ","}  # others: ","
+# a TOML table {"SRC->DST" = REST} is a list of SRC->DST:REST
+TABLE_SETTINGS = ("link_overrides", "relay_routes", "link_bursts")
 _LAUNCHER_VARIABLES = {"world_size": ("WORLD_SIZE", "SLURM_NTASKS")}  # in the order _launcher_identity reads them
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 

@@ -51,11 +51,12 @@ class DecentralizedTrainer:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, algorithm=None, *,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], node=None, comm=None,
-                 device: torch.device | str | None = None, metrics=None, slowdown: float = 1.0,
+                 device: torch.device | str | None = None, metrics=None,
+                 slowdown: float | Callable[[int], float] = 1.0,
                  inject_nan_at: int | None = None, clip_grad_norm: float | None = None,
                  scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                  grad_scaler: torch.amp.GradScaler | None = None, sync_buffers: bool = True):
-        if not slowdown >= 1.0:
+        if not callable(slowdown) and not slowdown >= 1.0:
             raise ValueError(f"slowdown must be >= 1 (1 = full speed), got {slowdown}")
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model = model.to(self.device)
@@ -63,6 +64,7 @@ class DecentralizedTrainer:
         self.optimizer = DecentralizedOptimizer(optimizer, model=self.model, node=node, algorithm=algorithm, comm=comm,
                                                 metrics=metrics, sync_buffers=sync_buffers)
         self.node = node
+        # emulate a slower machine: a factor, or step -> factor (slow windows, launch --slow)
         self.slowdown = slowdown
         self.inject_nan_at = inject_nan_at  # fault injection: make the loss NaN at this step (tests)
         self.clip_grad_norm = clip_grad_norm
@@ -99,10 +101,11 @@ class DecentralizedTrainer:
             self.grad_scaler.scale(loss).backward()
         else:
             loss.backward()
-        if self.slowdown > 1.0:  # emulate a slower machine: stretch this step's compute
+        slowdown = self.slowdown(step) if callable(self.slowdown) else self.slowdown
+        if slowdown > 1.0:  # emulate a slower machine: stretch this step's compute
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            time.sleep((self.slowdown - 1.0) * (self._compute_clock() - started))
+            time.sleep((slowdown - 1.0) * (self._compute_clock() - started))
         if self.clip_grad_norm is not None:
             if self.grad_scaler is not None:
                 self.grad_scaler.unscale_(self.optimizer)

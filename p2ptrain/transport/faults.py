@@ -5,7 +5,8 @@ what each directed link (src rank -> dst rank) looks like, and the Transport of 
 every message to `dst` through that link's LinkEmulator before the real gRPC push. Off by default:
 with no table (or an all-default one) the send path is untouched. A blocked link fails every send
 at once with LinkUnreachable, which the send path treats like a refused connect. The spec text
-(``--link``, ``--link-override``, TOML, env) is described by LinkSpec and LinkTable.parse.
+(``--link``, ``--link-override``, TOML, env) is described by LinkSpec and LinkTable.parse. Link bursts
+(``--link-burst``) change a link for a window of steps: the node moves its EmulatedLinks to each step.
 """
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import asyncio
 import math
 import random
 import re
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from p2ptrain.settings.parsers import LinkEntry, link_entries
+from p2ptrain.settings.parsers import LinkBurst, LinkEntry, link_entries
 from p2ptrain.transport.errors import FailureKind, SendFailure
 
 DEFAULT_BURST_BYTES = 64 * 1024  # bytes a capped idle link may pass at once (token-bucket depth)
@@ -167,19 +169,22 @@ class LinkSpec:
 
 @dataclass(frozen=True)
 class LinkTable:
-    """A default LinkSpec for every link, per-(src, dst) overrides, and the seed of the links' RNGs."""
+    """A default LinkSpec for every link, per-(src, dst) overrides, link bursts (a spec on top for a
+    window of steps, one entry per direction) and the seed of the links' RNGs."""
 
     default: LinkSpec = LinkSpec()
     overrides: Mapping[tuple[int, int], LinkSpec] = field(default_factory=dict, hash=False)
     seed: int = 0
+    bursts: tuple[LinkBurst, ...] = ()
 
     @classmethod
     def parse(cls, default: str | None = None, per_link: Iterable[str] | Mapping[str, str] = (),
-              seed: int = 0) -> "LinkTable":
-        """From ``--link`` text and ``--link-override`` entries (``SRC->DST:SPEC`` / ``SRC<->DST:SPEC``,
-        or a mapping ``{"SRC->DST": SPEC}`` as in a TOML table). Entries apply in order: each applies
-        on top of what the link had so far (the default spec, then earlier entries), so
-        ``0->1:latency=50ms`` keeps the default bandwidth cap."""
+              seed: int = 0, bursts: Iterable[str] | Mapping[str, str] = ()) -> "LinkTable":
+        """From ``--link`` text, ``--link-override`` entries (``SRC->DST:SPEC`` / ``SRC<->DST:SPEC``,
+        or a mapping ``{"SRC->DST": SPEC}`` as in a TOML table) and ``--link-burst`` entries
+        (``SRC->DST@STEP+STEPS:SPEC``, or a mapping ``{"SRC->DST@STEP+STEPS": SPEC}``). Entries apply in
+        order: each applies on top of what the link had so far (the default spec, then earlier entries),
+        so ``0->1:latency=50ms`` keeps the default bandwidth cap; a burst applies on top of them all."""
         base = LinkSpec.parse(default or "")
         overrides: dict[tuple[int, int], LinkSpec] = {}
         for entry in link_entries(per_link):
@@ -193,36 +198,58 @@ class LinkTable:
             pairs = [(src, dst), (dst, src)] if parsed.both_ways else [(src, dst)]
             for pair in pairs:
                 overrides[pair] = LinkSpec.parse(parsed.rest, overrides.get(pair, base))
-        return cls(base, overrides, seed)
+        directed: list[LinkBurst] = []
+        for entry in link_entries(bursts):
+            burst = LinkBurst.parse(entry)
+            try:
+                LinkSpec.parse(burst.spec)
+            except ValueError as exc:
+                raise ValueError(f"link burst {entry!r}: {exc}") from None
+            directed += burst.directed()
+        return cls(base, overrides, seed, tuple(directed))
 
     @property
     def is_noop(self) -> bool:
-        return self.default.is_noop and all(spec.is_noop for spec in self.overrides.values())
+        return self.default.is_noop and all(spec.is_noop for spec in self.overrides.values()) and not self.bursts
 
     def spec_for(self, src: int, dst: int) -> LinkSpec:
+        """The link's spec outside any burst."""
         return self.overrides.get((src, dst), self.default)
+
+    def spec_at(self, src: int, dst: int, step: int) -> LinkSpec:
+        """The link's spec at `step`: spec_for with the bursts in force then on top, in order."""
+        spec = self.spec_for(src, dst)
+        for burst in self.bursts:
+            if (burst.src, burst.dst) == (src, dst) and step in burst.window:
+                spec = LinkSpec.parse(burst.spec, spec)
+        return spec
 
     def is_blocked(self, src: int, dst: int) -> bool:
         """Whether link src -> dst is emulated as down (the peer is reachable only through a relay)."""
         return self.spec_for(src, dst).blocked
 
     def check_ranks(self, world_size: int) -> None:
-        """Raise ValueError for an override naming a rank outside 0..world_size-1 (a likely typo)."""
+        """Raise ValueError for an override or burst naming a rank outside 0..world_size-1 (a likely typo)."""
         for src, dst in self.overrides:
             if not (0 <= src < world_size and 0 <= dst < world_size):
                 raise ValueError(f"link override {src}->{dst} names a rank outside 0..{world_size - 1}")
+        for burst in self.bursts:
+            if not (0 <= burst.src < world_size and 0 <= burst.dst < world_size):
+                raise ValueError(f"link burst {burst.src}->{burst.dst}@{burst.window.start}+{burst.window.steps} "
+                                 f"names a rank outside 0..{world_size - 1}")
 
-    def emulator(self, src: int, dst: int) -> "LinkEmulator | None":
-        """The emulator of link src -> dst, None where that link is untouched. Its RNG is seeded from
-        (seed, src, dst), so a run's drops and jitter are reproducible."""
-        spec = self.spec_for(src, dst)
+    def emulator(self, src: int, dst: int, spec: LinkSpec | None = None) -> "LinkEmulator | None":
+        """The emulator of link src -> dst (with `spec`, default its spec_for), None where that link is
+        untouched. Its RNG is seeded from (seed, src, dst), so a run's drops and jitter are reproducible."""
+        spec = self.spec_for(src, dst) if spec is None else spec
         if spec.is_noop:
             return None
         return LinkEmulator(spec, random.Random(f"p2ptrain-link/{self.seed}/{src}->{dst}"))
 
 
 class LinkEmulator:
-    """One directed link, used on the sending node's event-loop thread (not thread-safe).
+    """One directed link, used on the sending node's event-loop thread (not thread-safe, except that
+    a link burst swaps `spec` from the training thread: transmit() reads it once per message).
 
     transmit() first paces the message through a token bucket (`burst` bytes deep, refilled at the
     bandwidth): messages occupy the link one after another in call order, N bytes for
@@ -259,9 +286,14 @@ class LinkEmulator:
             raise MessageDropped(f"message of {nbytes} bytes dropped by link emulation (drop={spec.drop:g})")
 
 
+_UNMADE = object()  # EmulatedLinks: no emulator made for that peer yet
+
+
 class EmulatedLinks:
     """The outgoing links of node `rank` as `table` emulates them: what every send (direct, relayed,
-    forwarded) waits on before its real gRPC push. Used on the node's event-loop thread."""
+    forwarded) waits on before its real gRPC push. Used on the node's event-loop thread; at_step()
+    (link bursts) comes from the training thread and swaps specs under a lock, so a send sees a
+    link's spec before or after a step boundary, never half of it."""
 
     def __init__(self, table: LinkTable, rank: int, metrics=None):
         self.table = table
@@ -269,18 +301,52 @@ class EmulatedLinks:
         self.metrics = metrics
         self._emulators: dict[int, LinkEmulator | None] = {}  # per peer, made on first use
         self._waiting: set[asyncio.Task] = set()  # sends inside emulate(), cancelled by cancel()
+        self._bursts = tuple(b for b in table.bursts if b.src == rank)  # this node's sending side only
+        self._in_force: tuple[int, ...] = ()  # indexes of the bursts in force
+        self._timed: dict[int, LinkSpec] = {}  # peer -> its spec while a burst is in force
+        self._lock = threading.Lock()  # at_step vs an emulator's first use
+        if self._bursts:
+            self.at_step(0)
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether link bursts change this node's links at some steps (then call at_step)."""
+        return bool(self._bursts)
+
+    def at_step(self, step: int) -> None:
+        """Put in force the link bursts of `step`, lift those that ended: call it at every step
+        boundary (and where a node starts, at its first step). Thread-safe; cheap when nothing changes."""
+        in_force = tuple(i for i, burst in enumerate(self._bursts) if step in burst.window)
+        if in_force == self._in_force:
+            return
+        peers = {burst.dst for burst in self._bursts}
+        timed = {peer: self.table.spec_at(self.rank, peer, step) for peer in {self._bursts[i].dst for i in in_force}}
+        with self._lock:
+            self._in_force, self._timed = in_force, timed
+            for peer in peers:
+                emulator = self._emulators.get(peer)
+                if emulator is not None:  # keep its RNG stream and bucket: only what the link does changes
+                    emulator.spec = self.spec(peer)
+                else:
+                    self._emulators.pop(peer, None)  # made again, for the new spec, on its next use
+
+    def spec(self, peer: int) -> LinkSpec:
+        """What link rank -> peer does now (its table spec, or a burst's while one is in force)."""
+        timed = self._timed.get(peer)
+        return timed if timed is not None else self.table.spec_for(self.rank, peer)
 
     def blocked(self, peer: int) -> bool:
-        """Whether link rank -> peer is emulated as down (known from the table, before any attempt)."""
-        return self.table.is_blocked(self.rank, peer)
+        """Whether link rank -> peer is emulated as down now (known from the table, before any attempt)."""
+        return self.spec(peer).blocked
 
     async def emulate(self, peer: int, nbytes: int, reliable: bool) -> None:
         """Wait as link rank -> peer would; every emulated loss is counted, and re-drawn if
         `reliable` (a retransmission pays for the link again). Raises MessageDropped (unreliable)
         or LinkUnreachable (blocked link)."""
-        if peer not in self._emulators:
-            self._emulators[peer] = self.table.emulator(self.rank, peer)
-        emulator = self._emulators[peer]
+        emulator = self._emulators.get(peer, _UNMADE)
+        if emulator is _UNMADE:
+            with self._lock:
+                emulator = self._emulators.setdefault(peer, self.table.emulator(self.rank, peer, self.spec(peer)))
         task = asyncio.current_task()
         self._waiting.add(task)
         try:
