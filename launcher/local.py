@@ -20,9 +20,11 @@ from typing import Callable, TextIO
 from p2ptrain.addresses import join_address
 from p2ptrain.exit_codes import EXIT_NO_CLUSTER
 from p2ptrain.settings.parsers import AtStep, LinkBurst, SlowWindow
+from p2ptrain.train.mass_record import mass_path, read_mass_record
 
 from . import prometheus as scrape_config
 from . import report as run_report
+from . import verdicts as chaos_verdicts
 from .interrupts import sigint_interrupts
 from .ports import free_ports
 
@@ -150,7 +152,8 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
                       service_grace: float = 30.0, hosts: list[str] | None = None,
                       argv_prefixes: list[list[str]] | None = None, faults: list["FaultEvent"] = (),
                       env_factory: Callable[..., dict[str, str]] | None = None, total_steps: int | None = None,
-                      push_sum: bool = False, title: str = "", first: int | None = None) -> dict:
+                      push_sum: bool = False, title: str = "", first: int | None = None,
+                      verdicts: chaos_verdicts.VerdictOptions | None = None) -> dict:
     """Run `nodes` node processes to completion and return the run report.
 
     `services` (e.g. a parameter server) start first and may finish on their own once the nodes
@@ -158,6 +161,9 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
     `hosts` / `argv_prefixes`: one address / command prefix per rank (see plan_cluster).
     `first`: an elastic run starts ranks below it; the others start at once too, and join by
     themselves when the cluster reaches their `join` event's step.
+    `verdicts`: judge the run (launcher/verdicts.py) with these bounds; a run that fired faults is
+    judged with the default ones anyway. The verdicts go into the report and are printed; a failed
+    one raises ClusterError.
     Raises ClusterError on the first node failure or on timeout, after stopping every process;
     KeyboardInterrupt after the same cleanup on SIGINT, also where the launcher inherited SIGINT
     ignored (launcher/interrupts.py).
@@ -175,7 +181,7 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
             state.down = state.joins = True  # joins later (its join event starts it)
         view = ProgressView(stream, stream.isatty() if live is None else live,
                             total_steps if total_steps is not None else steps_from_args(extra_args), push_sum=push_sum)
-        processes = _NodeProcesses(specs, log_dir)
+        processes = _NodeProcesses(specs, log_dir, out_dir)
         service_processes = _NodeProcesses(list(services), log_dir)
 
         print(f"launching {nodes} nodes{f' and {len(services)} service(s)' if services else ''}; run folder "
@@ -204,6 +210,10 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
 
         result = run_report.build_report(out_dir, nodes, config, wall_seconds)
         _record_outcomes(result, watcher.states, failure)
+        judged = []
+        if verdicts is not None or result.get("faults"):
+            judged = chaos_verdicts.judge(out_dir, result, verdicts or chaos_verdicts.VerdictOptions())
+            result["verdicts"] = chaos_verdicts.as_dicts(judged)
         report_path = run_report.write_report(result, out_dir)
         print(f"report: {report_path}", file=stream)
         try:
@@ -212,6 +222,8 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
             print(f"plot failed: {exc!r}", file=stream)
         for warning in result["warnings"]:
             print(f"warning: {warning}", file=stream)
+        if judged:
+            print("verdicts:\n" + "\n".join(f"  {v.line()}" for v in judged), file=stream)
         stream.flush()
         if failure is not None:
             raise failure
@@ -220,6 +232,8 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
             first_bad = nonfinite[0]
             raise ClusterError(f"node {first_bad['rank']} went non-finite ({first_bad.get('nonfinite')}) from step "
                                f"{first_bad['nonfinite_step']}", rank=first_bad["rank"])
+        if chaos_verdicts.failed(judged):
+            raise ClusterError(f"verdicts failed: {', '.join(chaos_verdicts.failed(judged))} (see {report_path})")
         return result
 
 
@@ -423,10 +437,13 @@ def _apply_faults(events: list[FaultEvent], processes: "_NodeProcesses", watcher
         if event.action == "leave" and (state.step is None or state.joins):
             continue  # not training yet (a node that just joined): it leaves once it is
         events.remove(event)
-        note = ""
+        note, extra = "", {}
         if event.action == "kill":
-            processes.kill(event.rank)
+            held = processes.kill(event.rank)
             state.down = True
+            if held is not None:  # push-sum: what went down with it (launcher/verdicts.py's mass ledger)
+                extra = {"mass_lost": held.w, "mass_uncertain": held.uncertain, "mass_in_flight": held.in_flight,
+                         "mass_inbox": held.inbox, "mass_step": held.step}
         elif event.action == "join":  # (started at launch with --join-at: it joins by itself now)
             state.down = state.joins = False
             state.late = True
@@ -448,15 +465,18 @@ def _apply_faults(events: list[FaultEvent], processes: "_NodeProcesses", watcher
             state.late = True
         print(f"fault: {event.action} node {event.rank}{note} at cluster step {cluster_step}", file=stream, flush=True)
         log({"action": event.action, "rank": event.rank, "planned_step": event.at_step,
-             "cluster_step": cluster_step, "seconds": event.seconds, "skipped": "skipped" in note, **event.window})
+             "cluster_step": cluster_step, "seconds": event.seconds, "skipped": "skipped" in note, **event.window,
+             **extra})
 
 
 def _fault_logger(path: Path | None, start: float) -> Callable[[dict], None]:
-    """Appends each fired fault to `path` (OUT/faults.jsonl) with the seconds since the launch."""
+    """Appends each fired fault to `path` (OUT/faults.jsonl) with the seconds since the launch and
+    the unix time (the nodes' progress lines carry that: the verdicts line them up)."""
     def log(entry: dict) -> None:
         if path is not None:
             with path.open("a", encoding="utf-8") as out:
-                out.write(json.dumps({**entry, "wall_s": round(time.monotonic() - start, 3)}) + "\n")
+                out.write(json.dumps({**entry, "wall_s": round(time.monotonic() - start, 3),
+                                      "time": round(time.time(), 3)}) + "\n")
     return log
 
 
@@ -548,9 +568,10 @@ class _NodeProcesses:
     stopping a node signals its whole process group (helpers it forked included).
     """
 
-    def __init__(self, specs: list[NodeProcessSpec], log_dir: Path):
+    def __init__(self, specs: list[NodeProcessSpec], log_dir: Path, out_dir: Path | None = None):
         self.specs = specs
         self.log_dir = log_dir
+        self.out_dir = out_dir  # where push-sum nodes keep their mass record (kill reads it)
         self.procs: list[subprocess.Popen] = []
         self._logs: list = []
         self._swept: set[int] = set()
@@ -597,12 +618,20 @@ class _NodeProcesses:
         if rank < len(self.procs) and self.procs[rank].poll() is None:
             self.procs[rank].send_signal(signal.SIGTERM)
 
-    def kill(self, rank: int) -> None:
-        """SIGKILL node `rank`'s process group, as a crash would."""
+    def kill(self, rank: int):
+        """SIGKILL node `rank`'s process group, as a crash would; returns the push-sum mass it held
+        then (its mass record, p2ptrain/train/mass_record.py; None for other algorithms), and takes
+        the record away so that its next incarnation starts its own."""
         proc = self.procs[rank]
         _signal_group(proc, signal.SIGKILL)
         proc.wait()
         self._sweep(proc)
+        if self.out_dir is None:
+            return None
+        path = mass_path(self.out_dir, rank)
+        held = read_mass_record(path)
+        path.unlink(missing_ok=True)
+        return held
 
     def stall(self, rank: int, seconds: float) -> None:
         """SIGSTOP node `rank`'s process group for `seconds` (resume_stalled sends SIGCONT)."""

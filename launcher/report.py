@@ -74,8 +74,11 @@ def locate(folders: Sequence[Path]) -> RunFiles:
 _MAX_NOTED_PATHS = 10  # how many JSON paths a non-finite-number note lists before summarising
 
 
-_RUN_FILE = re.compile(r"(?:node\d+|ps)\.(?:json|progress\.jsonl|snapshots\.pt)|report\.json|plot\.png|faults\.jsonl")
+_RUN_FILE = re.compile(r"(?:node\d+|ps)\.(?:json|progress\.jsonl|snapshots\.pt)|node\d+\.mass|report\.json|plot\.png|"
+                       r"faults\.jsonl")
 FAULT_LOG = "faults.jsonl"  # one JSON line per fault the launcher fired (launcher/local.py)
+FAULT_COLORS = {"kill": "tab:red", "restart": "tab:green", "stall": "tab:orange", "leave": "tab:gray",
+                "join": "tab:blue"}
 
 
 def clear_earlier_run(out_dir: Path) -> list[Path]:
@@ -113,6 +116,15 @@ def parse_progress_line(line: str | bytes) -> dict | None:
     except (ValueError, UnicodeDecodeError):
         return None
     return record if isinstance(record, dict) else None
+
+
+def load_faults(out_dir: Path) -> list[dict]:
+    """The faults the launcher fired (OUT/faults.jsonl), in order; [] when there were none."""
+    try:
+        data = (Path(out_dir) / FAULT_LOG).read_bytes()
+    except FileNotFoundError:
+        return []
+    return [r for r in map(parse_progress_line, data.splitlines()) if r is not None]
 
 
 def load_progress(out_dir: Path, rank: int) -> list[dict]:
@@ -187,6 +199,9 @@ def build_report(out_dir: Path | RunFiles, nodes: int, config: dict | None, wall
         "history": history,
         "warnings": warnings,
     }
+    faults = load_faults(files.default)
+    if faults:
+        result["faults"] = faults
     ps_path = files.ps_summary
     if ps_path.exists():
         try:
@@ -201,7 +216,7 @@ def merge_run(folders: Sequence[Path], out_dir: Path | None = None, nodes: int |
     plot into `out_dir` (default: the only folder). The node count is `nodes`, else the highest
     rank found + 1 (a missing rank is a warning, as a missing file is); the wall time is that of
     the progress records. An earlier report.json in `out_dir` lends what only the launcher knew:
-    the config, the wall time and each node's outcome."""
+    the config, the wall time, each node's outcome and the verdicts."""
     files = locate(folders)
     if out_dir is None:
         if len({Path(f).resolve() for f in folders}) > 1:
@@ -222,6 +237,8 @@ def merge_run(folders: Sequence[Path], out_dir: Path | None = None, nodes: int |
     for key in _LAUNCHER_CLUSTER_KEYS:
         if key in previous.get("cluster", {}):
             report["cluster"][key] = previous["cluster"][key]
+    if "verdicts" in previous:  # judged by the launcher, with its bounds
+        report["verdicts"] = previous["verdicts"]
     earlier = {n.get("rank"): n for n in previous.get("nodes", []) if isinstance(n, dict)}
     for node in report["nodes"]:
         node.update({k: earlier[node["rank"]][k] for k in _LAUNCHER_NODE_KEYS if k in earlier.get(node["rank"], {})})
@@ -271,7 +288,7 @@ def plot(report: dict, out_dir: Path) -> Path:
         ax.set_xlabel("step")
         ax.set_title(titles.get(key, key.replace("_", " ")))
         ax.grid(True, alpha=0.3)
-    _plot_loss(loss_ax, history.get("loss", {}))
+    _plot_loss(loss_ax, history.get("loss", {}), report.get("faults", []))
     _plot_consensus(consensus_ax, history.get("steps", []), history.get("consensus_distance", []),
                     cluster.get("relative_consensus_distance"))
     fig.suptitle(_plot_title(cluster, report.get("config", {})))
@@ -400,12 +417,14 @@ def _finite_or_nan(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) else math.nan
 
 
-def _plot_loss(ax, loss_history: dict) -> None:
+def _plot_loss(ax, loss_history: dict, faults: list[dict] = ()) -> None:
     ranks = sorted(loss_history, key=int)
     for rank in ranks:
         points = loss_history[rank]
         ax.plot([p[0] for p in points], [_finite_or_nan(p[1]) for p in points],
                 linewidth=1.2, label=f"node {rank}")
+    curves = list(ax.lines)
+    marks = _mark_faults(ax, faults)
     ax.set_title("Training loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (log scale)")
@@ -416,9 +435,24 @@ def _plot_loss(ax, loss_history: dict) -> None:
     if not any(loss_history.get(rank) for rank in ranks):
         _no_data(ax, "no progress data")
     elif len(ranks) <= 12:
-        ax.legend(fontsize="small", ncol=2 if len(ranks) > 6 else 1)
+        ax.legend(fontsize="small", ncol=2 if len(ranks) + len(marks) > 6 else 1)
     else:  # one entry per node would hide the curves
-        ax.legend([ax.lines[0]], [f"{len(ranks)} nodes"], fontsize="small")
+        ax.legend([curves[0], *marks.values()], [f"{len(ranks)} nodes", *marks], fontsize="small")
+
+
+def _mark_faults(ax, faults: list[dict]) -> dict:
+    """A dashed vertical line at the cluster step of every fault fired (a restart skipped is not
+    one), coloured by kind; returns {legend label: one line of it}."""
+    marks: dict = {}
+    for fault in faults:
+        step, action = fault.get("cluster_step"), fault.get("action")
+        if not isinstance(step, (int, float)) or fault.get("skipped"):
+            continue
+        label = f"{action} (fault)"
+        line = ax.axvline(step, color=FAULT_COLORS.get(action, "black"), linestyle="--", linewidth=0.9, alpha=0.7,
+                          label=label if label not in marks else None)
+        marks.setdefault(label, line)
+    return marks
 
 
 def _plot_consensus(ax, steps: list, distances: list, relative: float | None) -> None:

@@ -7,6 +7,7 @@ objects.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from p2ptrain.metrics import NodeMetrics, counter_total
 from p2ptrain.settings import NodeConfig
 from p2ptrain.train import DecentralizedTrainer, cycle, pick_device
 from p2ptrain.train.errors import LeftCluster, NonFiniteError
+from p2ptrain.train.mass_record import MassRecord, mass_path
 from p2ptrain.train.progress import RunRecorder, StepClock
 from p2ptrain.train.setup import build_optimizer, training_setup
 from p2ptrain.transport import Transport, TransportOptions, rendezvous
@@ -71,6 +73,7 @@ class Node:
         if out:
             out.mkdir(parents=True, exist_ok=True)
         self.recorder = RunRecorder(out, f"node{config.rank}", rank=config.rank, log_every=config.log_every)
+        self.mass_record: MassRecord | None = None  # a push-sum node's OUT/node{rank}.mass (algorithm())
         self.optimizer: DecentralizedOptimizer | None = None  # the one attached by DecentralizedOptimizer
         self.clock = StepClock()  # wall and CPU seconds per step; evaluations go off the clock
         self._directions: torch.Tensor | None = None
@@ -154,6 +157,9 @@ class Node:
             self._metrics_server.shutdown()
             self._metrics_server = None
         self.recorder.close()
+        if self.mass_record is not None:
+            self.mass_record.close()
+            self.mass_record = None
 
     def close(self, **summary) -> dict:
         """Finish the attached optimizer (if its run was not finished), write the summary (the last
@@ -162,13 +168,15 @@ class Node:
             return {}
         self._closed = True
         try:
-            model, final = None, {}
+            model, final, shared = None, {}, {}
             if self.optimizer is not None:
                 self.optimizer.finish()
                 model = self.optimizer.state_vector.parameter_vector()
-                final = {k: v for k, v in self.optimizer.algorithm.stats().items() if k == "ps_weight"}
+                algorithm = self.optimizer.algorithm
+                final = {k: v for k, v in algorithm.stats().items() if k == "ps_weight"}
+                shared = {"push_sum": algorithm.holds_mass, "shared_state": state_digest(algorithm.shared_state(model))}
             final.update(bytes_sent=self.metrics.bytes_sent_total, bytes_received=self.metrics.bytes_received_total)
-            return self.recorder.finish({**self.summary(), **summary}, model, **final)
+            return self.recorder.finish({**self.summary(), **shared, **summary}, model, **final)
         finally:
             self.stop()
 
@@ -203,8 +211,14 @@ class Node:
     def algorithm(self) -> Algorithm:
         """The configured algorithm, bound to this node's communicator."""
         cfg = self.config
-        return registry.build(cfg.algorithm, self.comm, cfg.algorithm_options,
-                              BuildContext(topology=cfg.resolved_topology, seed=cfg.seed))
+        algorithm = registry.build(cfg.algorithm, self.comm, cfg.algorithm_options,
+                                   BuildContext(topology=cfg.resolved_topology, seed=cfg.seed))
+        if algorithm.holds_mass and self.recorder.out is not None:  # what a SIGKILL would take with it
+            if self.mass_record is None:
+                self.mass_record = MassRecord(mass_path(self.recorder.out, self.rank))
+                self.transport.inbox.on_mass = self.mass_record.received
+            algorithm.watch_mass(self.mass_record)
+        return algorithm
 
     def attach(self, optimizer: DecentralizedOptimizer) -> None:
         """The DecentralizedOptimizer of this node's model (one per node)."""
@@ -275,8 +289,19 @@ class Node:
             "members": list(self.transport.membership.latest.members),
             "dead_peers": sorted(self.transport.membership.dead()),
             "dropped_shares": int(stats.get("dropped_shares", 0)),
+            "ps_in_flight": stats.get("ps_in_flight", 0.0),  # push-sum shares never acknowledged (at the end)
             "dropped_messages": self.metrics.dropped_total, "link_timeouts": self.metrics.link_timeouts_total,
         }
+
+
+def state_digest(shared: tuple[str, torch.Tensor] | None) -> dict | None:
+    """{name, sha256, numel} of Algorithm.shared_state's tensor: equal digests, equal bits."""
+    if shared is None:
+        return None
+    name, tensor = shared
+    flat = tensor.detach().reshape(-1).contiguous().cpu()
+    return {"name": name, "sha256": hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest(),
+            "numel": flat.numel(), "dtype": str(flat.dtype).removeprefix("torch.")}
 
 
 def run_node(config: NodeConfig) -> dict:
@@ -309,4 +334,4 @@ def run_node(config: NodeConfig) -> dict:
         raise
 
 
-__all__ = ["Node", "NoClusterToRejoin", "run_node", "transport_options"]
+__all__ = ["Node", "NoClusterToRejoin", "run_node", "state_digest", "transport_options"]

@@ -226,6 +226,10 @@ class AllReduceSGD(Algorithm):
             self._pending = None
         return final
 
+    def shared_state(self, params: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """Every member ends with the same model bits (the ring's all-gather forwards identical bytes)."""
+        return "model", params
+
     def stats(self) -> dict[str, float]:
         stats = {"ring_resyncs": float(self.allreduce.resyncs)} if self.allreduce is not None else {}
         if self.buckets is not None:

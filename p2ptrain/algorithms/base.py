@@ -125,10 +125,19 @@ class Comm(Protocol):
         communication with compute through this and never start threads of their own."""
 
 
+class MassSink(Protocol):
+    """Where a push-sum algorithm notes the mass it holds whenever it moves (train/mass_record.py):
+    a record that survives a SIGKILL, so a killed node's loss can be accounted for."""
+
+    def held(self, step: int, w: float, in_flight: float, taken: float) -> None:
+        """w held, w sent and not yet acknowledged, w taken from the inbox so far."""
+
+
 class Algorithm(ABC):
     name = "algorithm"
     uses_gradients = False  # True: the engine calls reduce_gradients after every backward
     elastic = False         # True: nodes may join and leave while it runs (welcome / hand_over, views)
+    holds_mass = False      # True: push-sum mass w, Σ w = the member count (watch_mass)
     comm: Comm
 
     @abstractmethod
@@ -202,6 +211,17 @@ class Algorithm(ABC):
         """Scalars for metrics and progress lines (e.g. the push-sum weight)."""
         return {}
 
+    def shared_state(self, params: "torch.Tensor") -> "tuple[str, torch.Tensor] | None":
+        """(name, tensor) of what must be the same bits on every final member once finish() ran,
+        given the final model `params`: a ring's model, DiLoCo's anchor. The node writes its digest
+        into the summary so a chaos run can check the invariant; None where nothing must agree
+        (gossip only converges)."""
+        return None
+
+    def watch_mass(self, sink: MassSink) -> None:
+        """Algorithms that hold push-sum mass (holds_mass) note it in `sink` whenever it moves.
+        Called once, before setup. Default: nothing to note."""
+
 
 def buffer_like(tensor: "torch.Tensor") -> "torch.Tensor":
     """An uninitialized tensor shaped like `tensor`, for buffers an algorithm reuses from step to
@@ -219,4 +239,4 @@ def send_failure(future: concurrent.futures.Future) -> BaseException | None:
     return future.exception()
 
 
-__all__ = ["Algorithm", "Comm", "Delivery", "Kind", "Members", "Received", "buffer_like", "send_failure"]
+__all__ = ["Algorithm", "Comm", "Delivery", "Kind", "MassSink", "Members", "Received", "buffer_like", "send_failure"]

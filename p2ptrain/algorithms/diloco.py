@@ -231,6 +231,11 @@ class DiLoCo(Algorithm):
         params.copy_(self.anchor)
         return params
 
+    def shared_state(self, params: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """The anchor (the outer model): every member ends each outer step, and finish(), with the
+        same bits."""
+        return ("anchor", self.anchor) if self.anchor is not None else None
+
     def stats(self) -> dict[str, float]:
         return {"outer_steps": float(self.outer_steps), "failed_syncs": float(self.failed_syncs),
                 "caught_up": float(self.caught_up)}

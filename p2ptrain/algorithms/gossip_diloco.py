@@ -61,6 +61,7 @@ class GossipDiLoCo(Algorithm):
 
     name = "gossip-diloco"
     elastic = True  # a joiner gets a new unit of mass at our anchor, a leaver hands its mass over (as SGP)
+    holds_mass = True
 
     @classmethod
     def from_options(cls, comm: Comm, options: GossipDiLoCoOptions, context: BuildContext) -> "GossipDiLoCo":
@@ -88,6 +89,7 @@ class GossipDiLoCo(Algorithm):
         self.state: OuterStateChannel | None = None
         self.ledger: list[tuple] | None = None  # set to [] before setup to record every mass movement (tests)
         self._donor: int | None = None  # asked for its outer state
+        self._sink = None  # watch_mass's, given to the push-sum mass made at setup
         self._params: torch.Tensor | None = None
         self._last_step = -1
 
@@ -101,10 +103,11 @@ class GossipDiLoCo(Algorithm):
     def setup(self, params: torch.Tensor) -> torch.Tensor:
         codec = compression.make_codec(self.codec_name, topk_fraction=self.topk_fraction)
         self.mass = PushSum(self.comm, kind=KIND, codec=codec, log=log)
-        self.mass.ledger = self.ledger
+        self.mass.ledger, self.mass.sink = self.ledger, self._sink
         joined = self.comm.joined  # a rejoined node: the donor's anchor (loaded as params) and half its w
         numel = params.numel()
-        self.mass.start(params.new_zeros(2 * numel), joined.ps_weight if joined is not None else 1.0)
+        self.mass.start(params.new_zeros(2 * numel), joined.ps_weight if joined is not None else 1.0,
+                        delivered=joined is not None)
         self.anchor = params.detach().clone()
         self.momentum = params.new_zeros(params.shape)
         self.mass.expect(self.mass.x)
@@ -164,9 +167,15 @@ class GossipDiLoCo(Algorithm):
         self._ask(sender, sent)
         return params
 
+    def watch_mass(self, sink) -> None:
+        self._sink = sink
+        if self.mass is not None:
+            self.mass.sink = sink
+
     def stats(self) -> dict[str, float]:
         return {"ps_weight": self.mass.w, "min_ps_weight": self.mass.min_w,
-                "dropped_shares": float(self.mass.dropped_shares), "outer_steps": float(max(self.version, 0))}
+                "dropped_shares": float(self.mass.dropped_shares),
+                "ps_in_flight": self.mass.in_flight_w, "outer_steps": float(max(self.version, 0))}
 
     # The outer step ---------------------------------------------------------------------------------
     def _outer_step(self, step: int, s: int, params: torch.Tensor) -> None:

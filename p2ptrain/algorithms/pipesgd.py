@@ -119,6 +119,10 @@ class PipeSGD(Algorithm):
             self._in_flight = None
         return None
 
+    def shared_state(self, params: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """Every member applies the same averaged gradient to the same model: the same bits."""
+        return "model", params
+
 
 def _done(value) -> concurrent.futures.Future:
     future: concurrent.futures.Future = concurrent.futures.Future()

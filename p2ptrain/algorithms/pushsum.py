@@ -70,6 +70,10 @@ class PushSum:
         self.min_w = 1.0          # the smallest w this node ever had (a drained node would show here)
         self.missing: set[tuple[int, int]] = set()  # (sender, step) shares awaited in vain so far
         self.ledger: list[tuple] | None = None  # set to [] to record every mass movement (tests)
+        # OUT/node{rank}.mass (train/mass_record.py), so a SIGKILL does not take the record of what was lost
+        self.sink = None
+        self.in_flight_w = 0.0  # w of the shares in the outbox (sent, not acknowledged)
+        self.taken_w = 0.0      # w of every message taken from the inbox (folded, merged, refused)
         self._spare: list[torch.Tensor] = []  # x-sized buffers of acknowledged shares, for the next push
 
     def expect(self, like: torch.Tensor) -> None:
@@ -79,13 +83,24 @@ class PushSum:
             codecs = {self.codec.wire_id: (self.codec.payload_bytes(like.numel(), like.dtype), self.codec.param_count)}
         self.comm.expect(self.kind, like.dtype, like.numel(), channel=self.channel or None, codecs=codecs)
 
-    def start(self, z: torch.Tensor, weight: float) -> torch.Tensor:
-        """Hold the mass (weight z, weight) and return z."""
+    def start(self, z: torch.Tensor, weight: float, *, delivered: bool = False) -> torch.Tensor:
+        """Hold the mass (weight z, weight) and return z; `delivered`: the weight came in a message
+        (a donor's state transfer), taken from the inbox."""
         self.w = weight
         self.x = z.detach().clone() * weight
         if self.codec is not None:
             self.residual = self.x.new_zeros(self.x.shape)
+        if delivered:
+            self.taken_w += weight
+        self.note(-1)
         return self.debias()
+
+    def note(self, step: int, w: float | None = None, in_flight: float | None = None) -> None:
+        """Write what this node holds into its mass record (a memcpy into a mapped page); `w` and
+        `in_flight` override the current values (a push notes its outcome before the shares leave)."""
+        if self.sink is not None:
+            self.sink.held(step, self.w if w is None else w, self.in_flight_w if in_flight is None else in_flight,
+                           self.taken_w)
 
     # The steps ---------------------------------------------------------------------------------
     def fold_residual(self) -> None:
@@ -117,6 +132,8 @@ class PushSum:
             encoded = self.codec.encode(self.x)
             decoded = self.codec.decode(encoded.payload, encoded.params, self.x.shape, self.x.dtype)
             self.residual.add_(self.x - decoded, alpha=len(peers))  # lost on the wire, kept here
+        # noted before the shares leave: a node killed in between is recorded holding them in flight
+        self.note(step, w=share_w, in_flight=self.in_flight_w + share_w * len(peers))
         for peer in peers:
             if encoded is None:  # a buffer per peer, the transport's until its Ack is in (see reabsorb_refused)
                 share_x = self._share_buffer()
@@ -130,6 +147,7 @@ class PushSum:
                                         codec_params=encoded.params, dtype=share_x.dtype, numel=share_x.numel(),
                                         shape=tuple(share_x.shape), **self._on_channel())
             self.outbox.append((future, share_x, share_w, peer, step))
+            self.in_flight_w += share_w
             self.record("send", step, share_w, peer)
         self.w *= p
 
@@ -142,7 +160,9 @@ class PushSum:
         self.fold(self.comm.take(self.kind, step, **self._on_channel()), now)  # shares of earlier steps that came late
 
     def fold(self, shares, now: int) -> None:
+        taken = self.taken_w
         for share in shares:
+            self.taken_w += share.ps_weight
             values = self._values(share)
             problem = self.implausible(share, values)
             if problem:
@@ -157,6 +177,8 @@ class PushSum:
             self.missing.discard((share.sender, share.step))
             self.record("mix", now, share.ps_weight, share.sender, share.step)
             share.release()
+        if self.taken_w != taken:
+            self.note(now)
 
     def implausible(self, share, values: torch.Tensor) -> str:
         """Why a share cannot be honest push-sum mass ("" if it can)."""
@@ -177,11 +199,14 @@ class PushSum:
         settling, or was dead before they left. Acks may complete in any order (a stalled peer's
         wait while later ones land), so every finished entry is looked at."""
         pending: deque = deque()
+        settled = False
         for entry in self.outbox:
             future, share_x, share_w, peer, sent = entry
             if not future.done():
                 pending.append(entry)
                 continue
+            settled = True
+            self.in_flight_w -= share_w
             if future.cancelled():
                 self.log.warning("node %d: step-%d share for node %d: outcome unknown (send cancelled)", self.rank,
                                  sent, peer)
@@ -200,6 +225,10 @@ class PushSum:
             self.record("reabsorb", now, share_w, peer, sent)
             self._reuse(share_x)
         self.outbox = pending
+        if settled:
+            if not pending:
+                self.in_flight_w = 0.0  # (no rounding left over from the sums)
+            self.note(now)
 
     def _share_buffer(self) -> torch.Tensor:
         """An x-sized buffer for an outgoing share: a spare one if there is, else a new one, so a
@@ -251,6 +280,8 @@ class PushSum:
         else:
             self.x.add_(x_share)
         self.w += state.ps_weight
+        self.taken_w += state.ps_weight
+        self.note(now)
         self.missing.clear()  # shares of steps before the rejoin: the senders had excluded us
         self.record("mix", now, state.ps_weight, state.sender, state.step)
         state.release()
@@ -261,9 +292,11 @@ class PushSum:
         sent as a model to load: z itself, or `model` where the caller's model is not z."""
         share_x, share_w = self.x * 0.5, self.w * 0.5
         sent = share_x / share_w if model is None else model.detach().clone()
+        self.note(step, w=share_w, in_flight=self.in_flight_w + share_w)
         future = self.comm.send(peer, sent, kind=Kind.STATE, step=step, ps_weight=share_w, reliable=True,
                                 settle=True)
         self.outbox.append((future, share_x, share_w, peer, step))
+        self.in_flight_w += share_w
         self.x.mul_(0.5)
         self.w *= 0.5
         self.record("send", step, share_w, peer)
@@ -295,6 +328,7 @@ class PushSum:
                 self.record("send", step, self.w, peer)
                 self.x.zero_()
                 self.w = 0.0
+                self.note(step)
                 self.record("w", step, 0.0)
                 return True
             self.log.warning("node %d: node %d refused our mass: %s", self.rank, peer, delivery.reason)
@@ -307,6 +341,7 @@ class PushSum:
         only as far as w stays at least a quarter of its value, so w never nears 0."""
         for share in self.comm.take(Kind.LEAVE, 2 ** 62):
             if self.comm.membership.accept_leave(share.sender, share.ps_weight):
+                self.taken_w += share.ps_weight  # (taken from the inbox, held by nobody)
                 continue  # not a member that leaves, a second hand-over, or more mass than there is
             at, sender, before = max(now, share.step), share.sender, self.w
             self.fold([share], at)
@@ -316,6 +351,7 @@ class PushSum:
             if retired < 1.0:
                 self.log.warning("node %d: retired %.4g instead of 1 unit of mass for node %d (w %.4g)", self.rank,
                                  retired, sender, self.w)
+            self.note(at, w=self.w - retired)  # (first: the retired unit is no longer anyone's)
             self.x.mul_(1.0 - retired / self.w)
             self.w -= retired
             self.record("retire", at, retired, sender)

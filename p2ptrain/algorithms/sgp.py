@@ -63,6 +63,7 @@ class SGP(Algorithm):
 
     name = "sgp"
     elastic = True  # joins, leaves (SIGTERM) and view switches: topology over each step's members
+    holds_mass = True
 
     @classmethod
     def from_options(cls, comm: Comm, options: SGPOptions, context: BuildContext) -> "SGP":
@@ -101,7 +102,7 @@ class SGP(Algorithm):
     def setup(self, params: torch.Tensor) -> torch.Tensor:
         joined = self.comm.joined
         # a rejoined node: its share of a donor's w (params are z; the donor sent its x / 2 = z w / 2)
-        z = self.mass.start(params, joined.ps_weight if joined is not None else 1.0)
+        z = self.mass.start(params, joined.ps_weight if joined is not None else 1.0, delivered=joined is not None)
         if joined is not None:
             self.mass.record("mix", joined.step, joined.ps_weight, joined.sender, joined.step)
             self.mass.record("w", joined.step, self.mass.w)
@@ -186,8 +187,12 @@ class SGP(Algorithm):
         retires one unit of it."""
         self.mass.hand_over(members, step)
 
+    def watch_mass(self, sink) -> None:
+        self.mass.sink = sink
+
     def stats(self) -> dict[str, float]:
-        return {"ps_weight": self.w, "min_ps_weight": self.min_w, "dropped_shares": float(self.dropped_shares)}
+        return {"ps_weight": self.w, "min_ps_weight": self.min_w, "dropped_shares": float(self.dropped_shares),
+                "ps_in_flight": self.mass.in_flight_w}
 
     # The seed's steps --------------------------------------------------------------------------
     def _push(self, step: int, update: tuple[torch.Tensor, float]) -> None:

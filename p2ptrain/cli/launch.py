@@ -61,6 +61,20 @@ def add_parser(subcommands) -> None:
                         metavar="LIST", help="fault kinds --chaos draws from (default kill,stall,leave,join,link,slow)")
     launch.add_argument("--chaos-max-stall", type=float, default=30.0, metavar="SECONDS",
                         help="longest --chaos stall (default 30)")
+    launch.add_argument("--chaos-max-stall-bound", type=float, metavar="SECONDS",
+                        help="stall verdict: no step of a node that was not itself stalled or killed may take longer "
+                             "(default: the longest stall fired + 3 link deadlines + 20 median steps)")
+    launch.add_argument("--chaos-max-rss-growth", type=float, default=200.0, metavar="MB",
+                        help="memory verdict: a node fails when its resident memory grew by more than MB and by more "
+                             "than 50%% after warm-up (default 200)")
+    launch.add_argument("--chaos-baseline", metavar="REPORT.json",
+                        help="accuracy verdict: compare the mean test accuracy with this fault-free run's report")
+    launch.add_argument("--chaos-compare", action="store_true",
+                        help="accuracy verdict: first run the same command without faults into OUT/baseline and "
+                             "compare with it")
+    launch.add_argument("--chaos-accuracy-margin", type=float, default=0.03, metavar="M",
+                        help="accuracy verdict: how far the mean test accuracy may fall below the baseline's "
+                             "(default 0.03)")
     launch.add_argument("--pki", metavar="DIR",
                         help="mutual TLS with a certificate per node from a `p2ptrain pki init` folder (issued "
                              "there for 127.0.0.1 when missing): each node gets only its own, under the CA's run "
@@ -74,8 +88,56 @@ def run(args: argparse.Namespace) -> int:
 
     with sigint_interrupts():  # the namespaces' set-up too, not only run_local_cluster
         if args.chaos is not None:
-            _add_chaos(args)
-        return _launch(args)
+            _add_chaos(args)  # (the plan is checked before a --chaos-compare baseline runs)
+        return _launch(args, verdicts=_verdict_options(args))
+
+
+def _verdict_options(args: argparse.Namespace):
+    """The chaos verdicts' bounds and baseline (launcher/verdicts.py); None where no chaos flag asks
+    for them (a run with hand-written faults is still judged, with the default bounds)."""
+    from launcher.verdicts import VerdictOptions
+
+    asked = args.chaos_baseline or args.chaos_compare or args.chaos_max_stall_bound is not None
+    if args.chaos is None and not asked:
+        return None
+    if args.chaos_accuracy_margin < 0 or args.chaos_max_rss_growth < 0 or \
+            (args.chaos_max_stall_bound is not None and args.chaos_max_stall_bound <= 0):
+        raise ConfigError("--chaos-accuracy-margin and --chaos-max-rss-growth must be >= 0, "
+                          "--chaos-max-stall-bound > 0")
+    if args.chaos_baseline and args.chaos_compare:
+        raise ConfigError("--chaos-baseline and --chaos-compare both give the baseline: choose one")
+    source, baseline = "", None
+    if args.chaos_baseline:
+        source, baseline = args.chaos_baseline, _baseline_accuracy(Path(args.chaos_baseline))
+    elif args.chaos_compare:
+        source = str(Path(args.out) / "baseline" / "report.json")
+        fault_free = argparse.Namespace(**{**vars(args), "out": str(Path(args.out) / "baseline"), "chaos": None,
+                                           "kill": [], "restart": [], "stall": [], "leave_events": [],
+                                           "join_events": []})
+        print(f"p2ptrain launch: --chaos-compare: the fault-free baseline first, into {fault_free.out}",
+              file=sys.stderr)
+        if _launch(fault_free) != 0:
+            raise ConfigError(f"--chaos-compare: the fault-free baseline run failed (see {fault_free.out})")
+        baseline = _baseline_accuracy(Path(source))
+    return VerdictOptions(max_stall_seconds=args.chaos_max_stall_bound, max_rss_growth_mb=args.chaos_max_rss_growth,
+                          baseline_accuracy=baseline, baseline_source=source,
+                          accuracy_margin=args.chaos_accuracy_margin)
+
+
+def _baseline_accuracy(path: Path) -> float:
+    """A fault-free run's mean test accuracy, from its report.json."""
+    import json
+
+    try:
+        value = json.loads(path.read_text())["cluster"]["mean_test_accuracy"]
+    except OSError as exc:
+        raise ConfigError(f"baseline report {path}: cannot read it ({exc.strerror or exc})") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"baseline report {path}: no cluster.mean_test_accuracy ({type(exc).__name__}: "
+                          f"{exc})") from None
+    if not isinstance(value, (int, float)):
+        raise ConfigError(f"baseline report {path}: cluster.mean_test_accuracy is {value!r}, not a number")
+    return float(value)
 
 
 def _add_chaos(args: argparse.Namespace) -> None:
@@ -104,7 +166,7 @@ def _add_chaos(args: argparse.Namespace) -> None:
           f"{len(plan.link_bursts)} link burst(s), {len(plan.slows)} slow window(s)", file=sys.stderr)
 
 
-def _launch(args: argparse.Namespace) -> int:
+def _launch(args: argparse.Namespace, verdicts=None) -> int:
     from launcher import run_local_cluster
     from launcher.local import ClusterError, fault_plan
 
@@ -144,7 +206,7 @@ def _launch(args: argparse.Namespace) -> int:
     if args.pki:
         extra_pki = _certified_nodes(args, slots, server=server, script=bool(script), netns=netns is not None)
     extra_first = {"first": args.nodes} if slots > args.nodes else {}
-    extra: dict = {"total_steps": config.steps}
+    extra: dict = {"total_steps": config.steps, "verdicts": verdicts}
     if server:
         from launcher.local import parameter_server_cluster
 

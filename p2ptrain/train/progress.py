@@ -141,6 +141,19 @@ def percentile(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
+_PAGE_MB = os.sysconf("SC_PAGE_SIZE") / 2**20 if hasattr(os, "sysconf") else 4096 / 2**20
+
+
+def resident_mb() -> float | None:
+    """This process's resident memory (RSS) in MB now, from /proc/self/statm (one small read; a
+    progress line carries it, so the chaos verdicts can tell a leak); None where there is no /proc."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return round(int(statm.read().split()[1]) * _PAGE_MB, 1)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def process_cpu_seconds() -> float:
     """CPU seconds (user + system, all threads) this process has used so far."""
     t = os.times()
@@ -183,7 +196,8 @@ class StepClock:
 
 class RunRecorder:
     """What one node writes while it trains: every `log_every` steps a progress line (step, time,
-    the mean loss since the last line, traffic, push-sum weight); a line of their own, at their step,
+    the mean loss since the last line, the longest step since the last line, resident memory,
+    traffic, push-sum weight); a line of their own, at their step,
     for other reported scalars (accuracy, perplexity: a value is plotted where it was measured, not
     repeated on every line after); a snapshot of the flat model for the
     consensus plot (at most MAX_SNAPSHOTS: when full, every other one is dropped and the interval
@@ -198,6 +212,7 @@ class RunRecorder:
         self.losses: list[float] = []             # every reported loss, for the summary
         self.step_seconds: list[float] = []
         self.step_cpu_seconds: list[float] = []
+        self.interval_max_seconds = 0.0  # the longest step since the last progress line
         self.training_started: float | None = None  # unix time the first recorded step began
         self.snapshots = SnapshotSeries(log_every, max_snapshots)
         self.started = time.time()
@@ -223,6 +238,7 @@ class RunRecorder:
             self.training_started = time.time() - seconds
         self.last_step, self.last_stats = step, stats
         self.step_seconds.append(seconds)
+        self.interval_max_seconds = max(self.interval_max_seconds, seconds)
         if cpu_seconds is not None:
             self.step_cpu_seconds.append(cpu_seconds)
         if model is not None and self.snapshots.due(step):
@@ -232,7 +248,9 @@ class RunRecorder:
 
     def write_line(self, step: int, seconds: float, **stats) -> None:
         window = self.losses[-self.log_every:]
-        line = {"step": step, "time": time.time(), "step_seconds": seconds, **stats}
+        line = {"step": step, "time": time.time(), "step_seconds": seconds,
+                "max_step_seconds": max(self.interval_max_seconds, seconds), "rss_mb": resident_mb(), **stats}
+        self.interval_max_seconds = 0.0
         if window:
             line["loss"] = sum(window) / len(window)
         self.progress.write(**line)
@@ -281,4 +299,4 @@ class RunRecorder:
 
 
 __all__ = ["MAX_SNAPSHOTS", "SNAPSHOT_COORDINATES", "ProgressWriter", "RunRecorder", "SnapshotSampler",
-           "SnapshotSeries", "finite_or_none", "write_summary"]
+           "SnapshotSeries", "finite_or_none", "resident_mb", "write_summary"]

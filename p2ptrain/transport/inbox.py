@@ -168,6 +168,9 @@ class Inbox:
         self._open_per_sender: Counter[int] = Counter()
         self._dedup_window = dedup_window
         self._waiters: list[tuple[object, asyncio.Future]] = []
+        # called (loop thread) with the ps_weight of every delivered message that carries one: the
+        # push-sum mass acknowledged to its sender (a push-sum node's mass record, train/mass_record.py)
+        self.on_mass: Callable[[float], None] | None = None
 
     # Configuration (thread-safe enough: plain attribute writes read on the loop thread) ---------
     def expect(self, kind: int, dtype: torch.dtype, numel: int, *, channel: str | None = None,
@@ -301,6 +304,8 @@ class Inbox:
             shape=tuple(header.shape) or (header.numel,), message_id=header.message_id, peak=peak,
             _release=lambda: self.pool.release(buffer))
         box[header.sender] = message
+        if self.on_mass is not None and header.ps_weight > 0:
+            self.on_mass(header.ps_weight)
         self.senders.heard_from(header.sender, header.step, header.kind)
         self._wake_waiters()
         return message
