@@ -162,7 +162,8 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
     `first`: an elastic run starts ranks below it; the others start at once too, and join by
     themselves when the cluster reaches their `join` event's step.
     `verdicts`: judge the run (launcher/verdicts.py) with these bounds; a run that fired faults is
-    judged with the default ones anyway. The verdicts go into the report and are printed; a failed
+    judged with the default ones anyway, but only a run given `verdicts` (--chaos) fails on them.
+    The verdicts go into the report and are printed; a failed
     one raises ClusterError.
     Raises ClusterError on the first node failure or on timeout, after stopping every process;
     KeyboardInterrupt after the same cleanup on SIGINT, also where the launcher inherited SIGINT
@@ -232,7 +233,7 @@ def run_local_cluster(nodes: int, out_dir: Path, extra_args: list[str], *, confi
             first_bad = nonfinite[0]
             raise ClusterError(f"node {first_bad['rank']} went non-finite ({first_bad.get('nonfinite')}) from step "
                                f"{first_bad['nonfinite_step']}", rank=first_bad["rank"])
-        if chaos_verdicts.failed(judged):
+        if verdicts is not None and chaos_verdicts.failed(judged):  # (hand-written faults: judged, not enforced)
             raise ClusterError(f"verdicts failed: {', '.join(chaos_verdicts.failed(judged))} (see {report_path})")
         return result
 
