@@ -272,3 +272,23 @@ def test_a_real_sgp_chaos_run_with_a_kill_is_judged_and_passes(tmp_path):
     assert not mass_path(out, 2).exists() or read_mass_record(mass_path(out, 2)).step > kills[0]["mass_step"]
     print(f"real chaos run: {time.monotonic() - started:.0f}s;", *(f"\n{v['name']}: {v['detail']}"
                                                                   for v in judged.values()))
+
+
+@pytest.mark.timeout(300)
+def test_a_real_allreduce_chaos_run_with_stalls_a_leave_and_slow_windows_ends_bit_identical(tmp_path):
+    """4 AllReduce nodes, seed 2, stalls, leaves, link bursts and slow windows (6 faults; kills are
+    left out: a restarted ring member does not get the optimizer state yet, the healing issue): the
+    ring re-forms without the leaver and the final members end bit-identical, every verdict holds."""
+    out = tmp_path / "ring"
+    cmd = [sys.executable, "-m", "p2ptrain", "launch", "--out", str(out), "--no-live", "--nodes", "4",
+           "--algorithm", "allreduce", "--steps", "300", "--model", "mlp", "--dataset", "synthetic",
+           "--slowdown", "3", "--chaos", "6", "--chaos-kinds", "stall,leave,link,slow", "--chaos-seed", "2",
+           "--chaos-max-stall", "3", "--link", "latency=20ms", "--link-deadline", "3", "--peer-timeout", "30"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=node_env(), capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, f"launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    report = json.loads((out / "report.json").read_text())
+    judged = {v["name"]: v for v in report["verdicts"]}
+    assert all(v["ok"] for v in judged.values()), judged
+    assert "bit-identical" in judged["identical"]["detail"]
+    assert {f["action"] for f in report["faults"]} >= {"stall", "leave"}
+    assert len(report["cluster"]["left_nodes"]) >= 1
