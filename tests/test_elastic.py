@@ -98,7 +98,8 @@ class _Cluster:
         raise TimeoutError(f"cluster did not reach step {step}")
 
 
-def _train(comm, algorithm, rank, steps, cluster, *, joins_at=None, leaves_at=None, lr=0.1, same_init=False):
+def _train(comm, algorithm, rank, steps, cluster, *, joins_at=None, leaves_at=None, lr=0.1, same_init=False,
+           momentum=0.0, adam=False):
     """A user's loop: model, optimizer, DecentralizedOptimizer; a joiner waits for the cluster to be
     at `joins_at`, a leaver asks to leave at `leaves_at`. Returns what the test checks. `same_init`:
     every node starts from the same model (DiLoCo's anchors start there, as `launch` seeds them)."""
@@ -112,8 +113,9 @@ def _train(comm, algorithm, rank, steps, cluster, *, joins_at=None, leaves_at=No
     if joins_at is not None:
         cluster.wait_until(joins_at, [0])
         comm.membership.joining = True
-    opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=lr), model=model, algorithm=algorithm,
-                                 comm=comm)
+    inner = torch.optim.AdamW(model.parameters(), lr=lr) if adam else \
+        torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    opt = DecentralizedOptimizer(inner, model=model, algorithm=algorithm, comm=comm)
     start, left = opt.local_step, None
     try:
         while opt.local_step < steps:
@@ -218,14 +220,16 @@ def test_dpsgd_takes_a_joiner_and_lets_a_node_leave():
 
 # Rings re-form ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("make", [lambda comm: AllReduceSGD(comm), lambda comm: AllReduceSGD(comm, buckets_mb=1e-6),
-                                  lambda comm: AllReduceSGD(comm, average="models", overlap=1),
-                                  lambda comm: PipeSGD(comm)],
-                         ids=["allreduce", "allreduce-buckets", "allreduce-overlap", "pipesgd"])
-def test_a_ring_re_forms_when_a_node_leaves_and_when_one_joins(make):
+@pytest.mark.parametrize("make,inner", [
+    (lambda comm: AllReduceSGD(comm), {}), (lambda comm: AllReduceSGD(comm, buckets_mb=1e-6), {}),
+    (lambda comm: AllReduceSGD(comm, average="models", overlap=1), {}), (lambda comm: PipeSGD(comm), {}),
+    (lambda comm: AllReduceSGD(comm), {"momentum": 0.9}), (lambda comm: PipeSGD(comm), {"adam": True})],
+    ids=["allreduce", "allreduce-buckets", "allreduce-overlap", "pipesgd", "allreduce-momentum", "pipesgd-adamw"])
+def test_a_ring_re_forms_when_a_node_leaves_and_when_one_joins(make, inner):
     """4 nodes; node 3 leaves at step 20; node 4 joins at step 40 (of 70). The ring re-forms at each
-    switch (the model is averaged once over the new ring), so the members end bit-identical: with
-    gradient averaging any round a node ran alone would leave its model apart for good."""
+    switch (the model and the optimizer's state are averaged once over the new ring), so the members
+    end bit-identical: with gradient averaging any round a node ran alone would leave its model apart
+    for good, and so would the joiner's empty momentum (or Adam moments and step)."""
     steps = 70
     cluster = _Cluster()
     options = TransportOptions(send_timeout=30.0, link_deadline=5.0, probe_timeout=2.0, initial_members=4,
@@ -233,7 +237,7 @@ def test_a_ring_re_forms_when_a_node_leaves_and_when_one_joins(make):
 
     def body(rank, comm):
         return _train(comm, make(comm), rank, steps, cluster, joins_at=40 if rank == 4 else None,
-                      leaves_at=20 if rank == 3 else None, lr=0.05)
+                      leaves_at=20 if rank == 3 else None, lr=0.05 if not inner.get("adam") else 0.01, **inner)
 
     results = run_cluster(5, body, options=options, timeout=240)
     stay = [r for r in results if r["left"] is None]

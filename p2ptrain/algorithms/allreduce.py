@@ -92,6 +92,7 @@ class AllReduceSGD(Algorithm):
         if average not in AVERAGE_WHAT:
             raise ValueError(f"average must be one of {AVERAGE_WHAT}, got {average!r}")
         check_overlap(overlap, average)
+        self._optimizer_state: tuple[int, torch.dtype] | None = None  # (numel, dtype): watch_optimizer_state
         self.comm = comm
         self.average = average
         self.codec = codec
@@ -116,7 +117,8 @@ class AllReduceSGD(Algorithm):
 
     def setup(self, params: torch.Tensor) -> torch.Tensor:
         self.allreduce = MemberRing(self.comm, params.numel(), params.dtype, codec=self.codec,
-                                    resync_deadline=self.comm.peer_timeout, chunk_bytes=self.chunk_kb * 1024)
+                                    resync_deadline=self.comm.peer_timeout, chunk_bytes=self.chunk_kb * 1024,
+                                    state=self._optimizer_state)
         if self.uses_gradients and self.buckets_mb > 0 and self._watched is not None:
             self.buckets = BucketedGradients(self.comm, self.allreduce, *self._watched,
                                              bucket_bytes=int(self.buckets_mb * 2**20), codec=self.codec)
@@ -134,6 +136,14 @@ class AllReduceSGD(Algorithm):
             if reduced is not None:
                 return reduced
         return self.allreduce.reduce_or_keep(grads, step, out=self._mean)  # grads itself if it cannot complete
+
+    def watch_optimizer_state(self, numel: int, dtype: torch.dtype) -> None:
+        self._optimizer_state = (numel, dtype)  # averaged with the model at every view switch
+
+    def resync_optimizer_state(self, step: int, state: torch.Tensor) -> torch.Tensor:
+        """The members' mean optimizer state (with gradients averaged, equal models and unequal
+        momentum would part again)."""
+        return self.allreduce.resync_state(state, step)
 
     def members_changed(self, step: int, params: torch.Tensor) -> torch.Tensor:
         """A new view: one model over the re-formed ring before its first round. With overlap, the

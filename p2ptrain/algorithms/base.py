@@ -154,6 +154,17 @@ class Algorithm(ABC):
         backward belongs to, for algorithms that start communicating from backward hooks while
         backward still runs (bucketed all-reduce). Called once, before setup. Default: nothing."""
 
+    def watch_optimizer_state(self, numel: int, dtype: "torch.dtype") -> None:
+        """The inner optimizer's state can be read as a vector of `numel` values of `dtype`
+        (train/optimizer_state.py). Called once, before setup, so the algorithm can declare what
+        it will receive for it. Default: nothing."""
+
+    def resync_optimizer_state(self, step: int, state: "torch.Tensor") -> "torch.Tensor | None":
+        """A new view takes effect at `step` (after members_changed): the optimizer state to continue
+        with, or None to keep `state`. Rings average it with the model, so their members stay
+        bit-identical. Default: None."""
+        return None
+
     def members_changed(self, step: int, params: "torch.Tensor") -> "torch.Tensor | None":
         """A new view takes effect at `step` (nodes joined or left; the engine calls this before
         the step's hooks); returns new parameters if the algorithm changed them. Default: nothing

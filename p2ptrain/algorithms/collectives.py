@@ -432,11 +432,14 @@ class MemberRing:
       was broken (and a joiner's), so the members are bit-identical again."""
 
     def __init__(self, comm: Comm, numel: int, dtype: torch.dtype | None = None, *, codec=None,
-                 resync_deadline: float = 30.0, chunk_bytes: int = 0):
+                 resync_deadline: float = 30.0, chunk_bytes: int = 0,
+                 state: tuple[int, torch.dtype] | None = None):
         self.comm = comm
         self.rank = comm.rank
         self.ring = RingAllReduce(comm, numel, dtype, codec=codec, elastic=True, chunk_bytes=chunk_bytes)
         self.sync = RingAllReduce(comm, numel, dtype, tag="sync.", elastic=True)
+        # `state`: (numel, dtype) of the optimizer state, averaged with the model at a switch
+        self.state_sync = RingAllReduce(comm, *state, tag="osync.", elastic=True) if state and state[0] else None
         self.resync_deadline = resync_deadline
         self.resyncs = 0  # model averages at view switches (stats, tests)
         self._failures = 0  # rounds failed in a row
@@ -486,16 +489,29 @@ class MemberRing:
     def resync(self, params: torch.Tensor, step: int) -> torch.Tensor:
         """At the first step of a view: the mean model over its members (`params` unchanged if it
         cannot complete)."""
+        averaged, done = self._average_at_switch(self.sync, params, step, "models")
+        self.resyncs += done
+        return averaged
+
+    def resync_state(self, state: torch.Tensor, step: int) -> torch.Tensor:
+        """After resync: the mean optimizer state over the members (`state` unchanged without a
+        state ring, or if it cannot complete)."""
+        if self.state_sync is None:
+            return state
+        return self._average_at_switch(self.state_sync, state, step, "optimizer states")[0]
+
+    def _average_at_switch(self, ring: RingAllReduce, values: torch.Tensor, step: int,
+                           what: str) -> tuple[torch.Tensor, bool]:
+        """The members' mean of `values` at the first step of a view, and whether it was taken."""
         members = self.comm.membership.members(step)
         if self.rank not in members or len(members) == 1:
-            return params
+            return values, False
         try:
-            averaged = self.sync(params, step, average=True, members=members, deadline=self.resync_deadline)
+            averaged = ring(values, step, average=True, members=members, deadline=self.resync_deadline)
         except CollectiveIncomplete as exc:
-            log.warning("%s; the members' models were not averaged at their switch", exc)
+            log.warning("%s; the members' %s were not averaged at their switch", exc, what)
             self.comm.membership.drop_dead_members()
-            return params
-        self.resyncs += 1
-        log.info("node %d: members %s from step %d: models averaged over the re-formed ring", self.rank,
-                 list(members), step)
-        return averaged
+            return values, False
+        log.info("node %d: members %s from step %d: %s averaged over the re-formed ring", self.rank,
+                 list(members), step, what)
+        return averaged, True

@@ -57,6 +57,7 @@ class PipeSGD(Algorithm):
     def __init__(self, comm: Comm, *, warmup: int = 0, codec: str = "none", chunk_kb: int = DEFAULT_CHUNK_KB):
         if warmup < 0:
             raise ValueError(f"warmup must be >= 0 steps, got {warmup}")
+        self._optimizer_state: tuple[int, torch.dtype] | None = None  # (numel, dtype): watch_optimizer_state
         self.comm = comm
         self.warmup = warmup
         self.codec = codec
@@ -72,7 +73,8 @@ class PipeSGD(Algorithm):
 
     def setup(self, params: torch.Tensor) -> torch.Tensor:
         self.allreduce = MemberRing(self.comm, params.numel(), params.dtype, codec=self.codec,
-                                    resync_deadline=self.comm.peer_timeout, chunk_bytes=self.chunk_kb * 1024)
+                                    resync_deadline=self.comm.peer_timeout, chunk_bytes=self.chunk_kb * 1024,
+                                    state=self._optimizer_state)
         self._sums = (buffer_like(params), buffer_like(params))
         self._locals = (buffer_like(params), buffer_like(params))
         self.comm.ready()
@@ -88,6 +90,14 @@ class PipeSGD(Algorithm):
         local.copy_(grads)  # (the ring of step t-1 reads the other one until previous.result())
         self._in_flight = self.comm.background(self.allreduce.reduce_or_keep, local, step, out=out)
         return previous.result() if previous is not None else None
+
+    def watch_optimizer_state(self, numel: int, dtype: torch.dtype) -> None:
+        self._optimizer_state = (numel, dtype)  # averaged with the model at every view switch
+
+    def resync_optimizer_state(self, step: int, state: torch.Tensor) -> torch.Tensor:
+        """The members' mean optimizer state (with gradients averaged, equal models and unequal
+        momentum would part again)."""
+        return self.allreduce.resync_state(state, step)
 
     def members_changed(self, step: int, params: torch.Tensor) -> torch.Tensor:
         """A new view: the old ring's in-flight mean is dropped on every member (a joiner has

@@ -21,6 +21,7 @@ from torch import nn
 from p2ptrain import session
 from p2ptrain.train.elastic import Lifecycle
 from p2ptrain.train.errors import LeftCluster, NonFiniteError
+from p2ptrain.train.optimizer_state import OptimizerStateVector
 from p2ptrain.train.state import ModelState
 from p2ptrain.transport.validation import all_finite
 
@@ -91,6 +92,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if node is not None and self.lifecycle is not None and node.config.elastic \
                 and getattr(self.algorithm, "elastic", False):
             _leave_on_sigterm(self)  # before a join's state transfer: a leave may come while it waits
+        # the inner optimizer's state, which rings average with the model when their members change
+        self.optimizer_state = OptimizerStateVector.of(optimizer)
+        if self.optimizer_state is not None:
+            self.algorithm.watch_optimizer_state(self.optimizer_state.numel, self.optimizer_state.dtype)
         self._setup()
         if node is not None:
             node.attach(self)
@@ -139,6 +144,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             changed = algorithm.members_changed(step, state.vector())
             if changed is not None:
                 state.load(changed)
+            if self.optimizer_state is not None:
+                synced = algorithm.resync_optimizer_state(step, self.optimizer_state.vector())
+                if synced is not None:
+                    self.optimizer_state.load(synced)
         overflowed = self._unscale_for_grad_scaler()
         if algorithm.uses_gradients:
             vector = state.gradient_vector()
