@@ -442,6 +442,7 @@ class MemberRing:
         self.state_sync = RingAllReduce(comm, *state, tag="osync.", elastic=True) if state and state[0] else None
         self.resync_deadline = resync_deadline
         self.resyncs = 0  # model averages at view switches (stats, tests)
+        self._resynced_at: int | None = None  # the step whose model average completed (resync_state follows it)
         self._failures = 0  # rounds failed in a row
 
     def reduce_or_keep(self, tensor: torch.Tensor, step: int, *, average: bool = True,
@@ -491,12 +492,13 @@ class MemberRing:
         cannot complete)."""
         averaged, done = self._average_at_switch(self.sync, params, step, "models")
         self.resyncs += done
+        self._resynced_at = step if done else None
         return averaged
 
     def resync_state(self, state: torch.Tensor, step: int) -> torch.Tensor:
         """After resync: the mean optimizer state over the members (`state` unchanged without a
         state ring, or if it cannot complete)."""
-        if self.state_sync is None:
+        if self.state_sync is None or self._resynced_at != step:  # (the models were not averaged: nor is this)
             return state
         return self._average_at_switch(self.state_sync, state, step, "optimizer states")[0]
 
