@@ -112,15 +112,17 @@ class Node:
             self.metrics_port = server.server_port
         membership = self.transport.membership
         if self.config.join:  # a new member of a running elastic cluster: take a live peer's state first
-            self._wait_to_join()
+            self._wait_to_join(running=self.config.rejoin)
             membership.joining = True
             log.info("node %d: joining the running cluster", self.config.rank)
             return self
+        if self.config.rejoin and self.config.world_size > 1:  # restarted into a running cluster: never a fresh start
+            self._wait_to_join(running=True)
+            membership.joining = True
+            log.info("node %d: the cluster is already training; rejoining", self.config.rank)
+            return self
         if self.config.world_size > 1:
             survey = membership.survey()
-            if self.config.rejoin and not survey.reachable:
-                raise NoClusterToRejoin(f"node {self.config.rank}: no live peer to rejoin: the cluster has finished "
-                                        "(or is unreachable)")
             if survey.running:
                 membership.joining = True  # a restarted node: its peers train on; fetch state, don't wait for all
                 log.info("node %d: the cluster is already training; rejoining", self.config.rank)
@@ -129,14 +131,19 @@ class Node:
             membership.wait_for_peers(timeout=self.config.peer_timeout)
         return self
 
-    def _wait_to_join(self) -> None:
+    def _wait_to_join(self, running: bool = False) -> None:
         """A joiner: wait (up to the peer timeout) for the cluster to answer, and with join_at for it
-        to reach that step; NoClusterToRejoin if it has finished (or never answers)."""
+        to reach that step (`running`, a restarted node: for a ready peer past step 0 to answer, as
+        busy peers may miss one survey); NoClusterToRejoin if it has finished (or never answers)."""
         deadline, seen = time.monotonic() + self.config.peer_timeout, False
         while True:
             survey = self.transport.membership.survey()
             seen |= bool(survey.reachable)
-            if survey.reachable and (self.config.join_at is None or survey.furthest >= self.config.join_at):
+            if running and not survey.reachable and not seen:
+                raise NoClusterToRejoin(f"node {self.config.rank}: no live peer to rejoin: the cluster has finished "
+                                        "(or is unreachable)")
+            if survey.reachable and (survey.running or not running) and \
+                    (self.config.join_at is None or survey.furthest >= self.config.join_at):
                 return
             if (seen and not survey.reachable) or time.monotonic() >= deadline:
                 raise NoClusterToRejoin(f"node {self.config.rank}: no live peer to join: the cluster has finished "

@@ -8,9 +8,8 @@ models and equal mean gradients still move apart for good if the optimizers' mom
 state too at the switch makes the members bit-identical from then on, as torchft heals with the
 optimizer state as well as the model.
 
-State that an optimizer creates lazily at its first step is materialized as that step would:
-zeros for moments, step 0 (identical for Adam/AdamW and for SGD without dampening). Optimizers
-other than SGD, Adam and AdamW are left alone (`of` returns None).
+State an optimizer creates lazily is materialized as its first step would (zeros, step 0);
+optimizers other than SGD, Adam and AdamW are left alone (`of` returns None).
 """
 from __future__ import annotations
 
