@@ -329,11 +329,11 @@ def test_timeout_is_enforced(tmp_path, fake_node, spawned_pids):
     assert_nothing_survives(spawned_pids + grandchild_pids(out))
 
 
-def test_keyboard_interrupt_cleans_up_and_propagates(tmp_path, fake_node, spawned_pids):
+def test_keyboard_interrupt_cleans_up_and_propagates(tmp_path, fake_node, spawned_pids, signum=signal.SIGINT):
     out = tmp_path / "run"
     factory = fake_factory(fake_node, {0: ["--hang", "--grandchild"], 1: ["--hang"]})
     interrupter = threading.Thread(target=lambda: (
-        wait_for(lambda: len(grandchild_pids(out)) == 1), os.kill(os.getpid(), signal.SIGINT)))
+        wait_for(lambda: len(grandchild_pids(out)) == 1), os.kill(os.getpid(), signum)))
     interrupter.start()
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -341,6 +341,14 @@ def test_keyboard_interrupt_cleans_up_and_propagates(tmp_path, fake_node, spawne
     finally:
         interrupter.join()
     assert_nothing_survives(spawned_pids + grandchild_pids(out))
+
+
+def test_sigterm_to_the_launcher_stops_every_node_before_it_goes(tmp_path, fake_node, spawned_pids):
+    """`timeout`, `kill` or a scheduler stop the launcher with SIGTERM: its nodes (in sessions of
+    their own) must not outlive it, and the default disposition is back afterwards."""
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    test_keyboard_interrupt_cleans_up_and_propagates(tmp_path, fake_node, spawned_pids, signum=signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_keyboard_interrupt_cleans_up_when_the_launcher_inherited_sigint_ignored(tmp_path, fake_node, spawned_pids):
