@@ -29,6 +29,7 @@ from .interrupts import sigint_interrupts
 from .ports import free_ports
 
 TERM_GRACE_SECONDS = 5.0        # SIGTERM -> SIGKILL delay when stopping nodes
+STACK_DUMP_SECONDS = 1.0        # SIGUSR1 (stacks to the log) -> SIGKILL, for a node that ignored SIGTERM
 POLL_SECONDS = 0.5              # progress / exit-status polling period
 LOG_EVERY_SECONDS = 5.0         # non-TTY: at most one progress line per node this often
 ERROR_EXIT_GRACE_SECONDS = 2.0  # after an error event, wait this long for the node's own exit code
@@ -680,7 +681,14 @@ class _NodeProcesses:
                     pass
         except KeyboardInterrupt:  # a second Ctrl-C skips the grace period, not the cleanup
             interrupted = True
-        for proc in running:
+        hung = [proc for proc in running if proc.poll() is None]
+        for proc in hung:  # its thread stacks go to its log first (faulthandler, see cli/node.py)
+            _signal_process(proc, signal.SIGUSR1)
+        if hung:
+            time.sleep(STACK_DUMP_SECONDS)
+            print(f"p2ptrain launch: {len(hung)} node(s) ignored SIGTERM for {TERM_GRACE_SECONDS:.0f}s; "
+                  "their thread stacks are in their logs", file=sys.stderr)
+        for proc in hung:
             if proc.poll() is None:
                 _signal_group(proc, signal.SIGKILL)
                 proc.wait()
@@ -702,6 +710,13 @@ class _NodeProcesses:
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)  # pgid == pid because of start_new_session
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _signal_process(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.kill(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 

@@ -182,6 +182,9 @@ class _AllAlive:
     def all_alive(self):
         return True
 
+    def dead(self):
+        return frozenset()
+
 
 class _LateAcks:
     """A Comm on a 2-ring whose neighbour never sends a segment (every gather comes back empty) and
@@ -202,7 +205,7 @@ class _LateAcks:
     def take(self, kind, max_step, *, channel=""):
         return []
 
-    def gather(self, kind, step, senders, *, channel="", deadline=None):
+    def gather(self, kind, step, senders, *, channel="", deadline=None, abandon=None):
         return {}
 
     def send(self, peer, tensor, **header):

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from p2ptrain.algorithms.allreduce import AllReduceSGD
+from p2ptrain.algorithms.collectives import MemberRing
 from p2ptrain.algorithms.diloco import DiLoCo
 from p2ptrain.algorithms.dpsgd import DPSGD
 from p2ptrain.algorithms.gossip_diloco import GossipDiLoCo
@@ -279,6 +280,35 @@ def test_a_ring_re_forms_without_a_dead_node_instead_of_training_alone(settings)
     assert all(r["members"] == (0, 1, 3) for r in stay)
     for r in stay:
         assert torch.equal(r["weight"], stay[0]["weight"]), f"node {r['rank']} trained apart from the ring"
+
+
+def test_a_switch_resync_gives_up_within_link_deadlines_when_a_member_of_its_ring_dies():
+    """The model average at a view switch may wait the peer timeout for a slow member, but not for
+    a dead one. Node 2 of 4 crashes before the average: node 3, waiting on it, probes it within a
+    link deadline and finds it gone; node 1's sends to it fail; whoever notices first proposes the
+    members without it, and that view ends node 0's wait, which no probe of its own would (its
+    neighbours are alive). All three give up within a few link deadlines, not the 60 s deadline,
+    and keep their own values (before, chaos runs stalled 60 s at every such switch)."""
+    numel = 4096
+    options = TransportOptions(send_timeout=20.0, link_deadline=1.0, probe_timeout=1.0, view_margin=4)
+
+    def body(rank, comm):
+        ring = MemberRing(comm, numel, torch.float32, resync_deadline=60.0)
+        comm.ready()
+        if rank == 2:
+            comm.transport.stop()  # a crash: no goodbye
+            return None
+        params = torch.full((numel,), float(rank))
+        began = time.monotonic()
+        averaged = ring.resync(params.clone(), step=0)
+        return time.monotonic() - began, torch.equal(averaged, params), ring.resyncs, comm.membership.latest.members
+
+    results = [r for r in run_cluster(4, body, options=options, timeout=120) if r is not None]
+    assert len(results) == 3
+    for waited, kept, resyncs, members in results:
+        assert kept and resyncs == 0
+        assert waited < 20, f"waited {waited:.1f}s for a dead member (deadline 60 s)"
+        assert 2 not in members
 
 
 # DiLoCo and gossip-DiLoCo take joins and leaves too ----------------------------------------------------

@@ -33,7 +33,7 @@ STEPS = 10
 
 FAKE_NODE = textwrap.dedent(r'''
     """Fake p2ptrain node: same argv and run-folder files as the real one, known values."""
-    import argparse, json, os, signal, subprocess, sys, time
+    import argparse, faulthandler, json, os, signal, subprocess, sys, time
     from pathlib import Path
 
     p = argparse.ArgumentParser()
@@ -56,6 +56,7 @@ FAKE_NODE = textwrap.dedent(r'''
 
     if args.ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # as `p2ptrain node` does
     if args.grandchild:
         helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         (out / f"node{rank}.grandchild.pid").write_text(str(helper.pid))
@@ -309,13 +310,19 @@ def test_error_event_stops_cluster_even_if_node_keeps_running(tmp_path, fake_nod
     assert_nothing_survives(spawned_pids)
 
 
-def test_sigterm_ignoring_node_is_killed(tmp_path, fake_node, spawned_pids, monkeypatch):
+def test_sigterm_ignoring_node_is_killed_after_dumping_its_stacks(tmp_path, fake_node, spawned_pids, monkeypatch,
+                                                                   capsys):
+    """A node hung past the SIGTERM grace gets SIGUSR1 first: its thread stacks land in its log
+    (where it hangs), then SIGKILL."""
     monkeypatch.setattr(local, "TERM_GRACE_SECONDS", 0.5)
     behaviour = {0: ["--hang", "--ignore-term"], 1: ["--fail-step", "3", "--step-sleep", "0.1"]}
     with pytest.raises(ClusterError, match="node 1 failed"):
         run_local_cluster(2, tmp_path / "run", ["--steps", str(STEPS)],
                           argv_factory=fake_factory(fake_node, behaviour), stream=io.StringIO(), timeout=60)
     assert_nothing_survives(spawned_pids)
+    assert "1 node(s) ignored SIGTERM" in capsys.readouterr().err
+    log = (tmp_path / "run" / "logs" / "node0.log").read_text()
+    assert "(most recent call first)" in log and "fake_node.py" in log
 
 
 def test_timeout_is_enforced(tmp_path, fake_node, spawned_pids):

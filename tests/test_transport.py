@@ -499,6 +499,32 @@ def test_unreachable_peer_is_reported_within_the_timeout():
 
 
 # -- reflection ------------------------------------------------------------------------------------
+def test_a_long_gather_probes_its_silent_senders_and_ends_when_they_are_gone():
+    """A wait longer than the link deadline (a collective waiting for its slowest member) probes
+    the senders still missing every link deadline: a crashed one is found gone then, not after
+    the whole 30 s."""
+    options = dataclasses.replace(FAST, link_deadline=1.0, probe_timeout=1.0)
+    with nodes(2, options=options) as started:
+        started[1].stop()
+        began = time.monotonic()
+        assert started[0].gather(KIND, 0, [1], deadline=30.0) == {}
+        assert time.monotonic() - began < 15
+        assert 1 in started[0].membership.dead()
+
+
+def test_a_gather_ends_as_soon_as_its_abandon_check_says_why():
+    """`abandon` ends a wait that can no longer complete (say, a view drops a ring member), whatever
+    is left of the deadline; the sender, alive, answers the probes and is not declared dead."""
+    options = dataclasses.replace(FAST, link_deadline=1.0, probe_timeout=1.0)
+    with nodes(2, options=options) as started:
+        why: list[str] = []
+        threading.Timer(1.5, why.append, ["the ring lost a member"]).start()
+        began = time.monotonic()
+        assert started[0].gather(KIND, 0, [1], deadline=30.0, abandon=lambda: why[0] if why else None) == {}
+        assert 1.4 < time.monotonic() - began < 15
+        assert not started[0].membership.dead()
+
+
 def test_server_reflection_lists_the_peer_service():
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 

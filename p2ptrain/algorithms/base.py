@@ -14,7 +14,7 @@ import concurrent.futures
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -76,6 +76,12 @@ class Members(Protocol):
 
     def all_alive(self) -> bool: ...
 
+    def dead(self) -> frozenset[int]:
+        """The peers this node declared dead."""
+
+    def seconds_for_lag(self, lags: int = 1) -> float:
+        """About how long this node takes for `lags` lag limits of steps (0.0 before it has a pace)."""
+
     def drop_dead_members(self) -> None:
         """Propose the members without the peers this node declared dead."""
 
@@ -113,8 +119,11 @@ class Comm(Protocol):
         """Push `tensor` (not modified afterwards); a future of its Delivery."""
 
     def gather(self, kind: Kind, step: int, senders: list[int], *, channel: str = "",
-               deadline: float | None = None) -> dict[int, Received]:
-        """The step-`step` messages of the live senders that arrive within the link deadline."""
+               deadline: float | None = None, abandon: Callable[[], str | None] | None = None
+               ) -> dict[int, Received]:
+        """The step-`step` messages of the live senders that arrive within the link deadline.
+        `abandon`: says why waiting on is hopeless (or None); checked while waiting, on the
+        transport's thread, it ends the wait early."""
 
     def take(self, kind: Kind, max_step: int, *, channel: str = "") -> list[Received]:
         """Messages of steps <= max_step that already arrived (late ones)."""

@@ -303,16 +303,25 @@ class RingAllReduce:
         # one before it stopped sending, so the last to give up is up to (m-1) deadlines behind the
         # first. If the next call waited only one deadline for its first segment, the node ahead
         # would give up on its laggard predecessor, start the same cascade, and every round would
-        # fail from then on. So the first segment after a failed call is awaited m deadlines; later
-        # ones one.
-        first_deadline = ring.m * (deadline or self.comm.link_deadline) if catching_up else deadline
+        # fail from then on. So the first segment after a failed call is awaited m link deadlines
+        # (or the call's own deadline, if longer); later ones one.
+        link_deadline = self.comm.link_deadline
+        first_deadline = max(deadline or link_deadline, ring.m * link_deadline) if catching_up else deadline
         lost = (lambda a, b: residual.view(-1)[a:b]) if residual is not None else (lambda a, b: None)  # noqa: E731
+        failures: list[str] = []  # why sends of this call failed (their futures' callbacks note it)
+
+        def sent(future: concurrent.futures.Future) -> None:
+            future.add_done_callback(lambda done: _note_failure(done, failures))
+            acks.append(future)
+
+        def hopeless() -> str | None:
+            return self._hopeless(ring, step, failures)
 
         def push(values: torch.Tensor, phase: str, r: int, segment: int, c: int, a: int, b: int) -> None:
             """Encode values[a:b] (with error feedback) and send it as chunk c of (phase, round r):
             uncompressed, the payload is values[a:b] itself."""
             encoded, _ = self._encode(values[a:b], lost(a, b))
-            acks.append(self._send(ring, encoded.payload, encoded.codec, encoded.params, step, phase, r, segment, c))
+            sent(self._send(ring, encoded.payload, encoded.codec, encoded.params, step, phase, r, segment, c))
 
         first = ring.rs_send(0)
         for c, (a, b) in enumerate(ring.chunks[first]):
@@ -320,7 +329,8 @@ class RingAllReduce:
         for r in range(ring.m - 1):  # reduce-scatter: decompress, sum, recompress at every hop
             segment = ring.rs_recv(r)  # = rs_send(r + 1): each summed chunk goes on at once
             for c, (a, b) in enumerate(ring.chunks[segment]):
-                received = self._recv(ring, step, "rs", r, segment, c, first_deadline if r == c == 0 else deadline)
+                received = self._recv(ring, step, "rs", r, segment, c, first_deadline if r == c == 0 else deadline,
+                                      hopeless)
                 torch.add(source[a:b], self._decode(received, b - a), out=flat[a:b])
                 received.release()
                 if r < ring.m - 2:
@@ -331,13 +341,13 @@ class RingAllReduce:
         for r in range(ring.m - 1):  # all-gather: finished chunks travel on, bytes untouched
             segment = ring.ag_recv(r)  # = ag_send(r + 1)
             for c, (a, b) in enumerate(ring.chunks[segment]):
-                received = self._recv(ring, step, "ag", r, segment, c, deadline)
+                received = self._recv(ring, step, "ag", r, segment, c, deadline, hopeless)
                 flat[a:b].copy_(self._decode(received, b - a))
                 if r < ring.m - 2:  # forward: uncompressed from flat[a:b], which nothing writes again
                     payload = flat[a:b] if received.codec == compression.UNCOMPRESSED else \
                         self._buffer(ring, r + 1, c, received.tensor).copy_(received.tensor)
-                    acks.append(self._send(ring, payload, received.codec, received.codec_params, step, "ag",
-                                           r + 1, segment, c))
+                    sent(self._send(ring, payload, received.codec, received.codec_params, step, "ag",
+                                    r + 1, segment, c))
                 received.release()
         self._check(acks, ring)
 
@@ -389,13 +399,29 @@ class RingAllReduce:
                               dtype=self.dtype, numel=numel, shape=(numel,), reliable=True)
 
     def _recv(self, ring: _Ring, step: int, phase: str, r: int, segment: int, c: int,
-              deadline: float | None = None):
+              deadline: float | None = None, hopeless=None):
         got = self.comm.gather(self.kind, step, [ring.prev], channel=self._channel(ring.m, phase, r, segment, c),
-                               deadline=deadline)
+                               deadline=deadline, abandon=hopeless)
         if ring.prev not in got:
+            reason = hopeless() if hopeless is not None else None
             raise CollectiveIncomplete(f"node {self.rank}: step-{step} all-reduce segment ({phase} round {r}) "
-                                       f"from node {ring.prev} missed the link deadline")
+                                       f"from node {ring.prev} " +
+                                       (f"not awaited: {reason}" if reason else "missed the link deadline"))
         return got[ring.prev]
+
+    def _hopeless(self, ring: _Ring, step: int, failures: list[str]) -> str | None:
+        """Why this call's ring cannot complete, known before any deadline: a send of it failed, a
+        member is dead, or (elastic) a newer view drops a member without its say. None while it may
+        (always, without faults: the wait then ends only by arrival or deadline)."""
+        if failures:
+            return failures[0]
+        dead = self.comm.membership.dead().intersection(ring.members)
+        if dead:
+            return f"node(s) {sorted(dead)} of the ring are dead"
+        dropped = self.comm.membership.departing(step).intersection(ring.members) if self.elastic else ()
+        if dropped:
+            return f"a newer view drops node(s) {sorted(dropped)}"
+        return None
 
     def _decode(self, received, numel: int) -> torch.Tensor:
         if received.codec == compression.UNCOMPRESSED:
@@ -405,14 +431,24 @@ class RingAllReduce:
 
     def _check(self, acks: list[concurrent.futures.Future], ring: _Ring) -> None:
         for future in acks:
-            exc = send_failure(future)
-            if exc is not None:
-                raise CollectiveIncomplete(f"node {self.rank}: all-reduce message to node {ring.next} "
-                                           f"failed: {exc}")
-            outcome = future.result()
-            if not outcome.delivered:
-                raise CollectiveIncomplete(f"node {self.rank}: all-reduce message refused by node {ring.next}: "
-                                           f"{outcome.reason}: {outcome.detail}")
+            failure = _delivery_failure(future)
+            if failure is not None:
+                raise CollectiveIncomplete(f"node {self.rank}: all-reduce message to node {ring.next} {failure}")
+
+
+def _delivery_failure(future: concurrent.futures.Future) -> str | None:
+    """How a finished send of Delivery failed ("failed: …" or "refused: …"), None if delivered."""
+    exc = send_failure(future)
+    if exc is not None:
+        return f"failed: {exc}"
+    outcome = future.result()
+    return None if outcome.delivered else f"refused: {outcome.reason}: {outcome.detail}"
+
+
+def _note_failure(future: concurrent.futures.Future, failures: list[str]) -> None:
+    failure = _delivery_failure(future)
+    if failure is not None:
+        failures.append(f"a message to the next node {failure}")
 
 
 class MemberRing:
@@ -427,7 +463,8 @@ class MemberRing:
     - Until the switch, a ring with a member that a pending view drops without its own say (it
       died) is not tried: every member skips it at once instead of waiting out link deadlines.
     - At the first step of a view (Algorithm.members_changed, before the step's round) the model is
-      averaged over the new ring, with a deadline long enough to wait for the slowest member: it
+      averaged over the new ring, with a deadline long enough to wait for the slowest member
+      (switch_deadline: paced, and cut short when a member is found dead or dropped): it
       re-aligns the nodes' steps and brings back together models that trained apart while the ring
       was broken (and a joiner's), so the members are bit-identical again."""
 
@@ -440,7 +477,7 @@ class MemberRing:
         self.sync = RingAllReduce(comm, numel, dtype, tag="sync.", elastic=True)
         # `state`: (numel, dtype) of the optimizer state, averaged with the model at a switch
         self.state_sync = RingAllReduce(comm, *state, tag="osync.", elastic=True) if state and state[0] else None
-        self.resync_deadline = resync_deadline
+        self.resync_deadline = resync_deadline  # the most a switch average waits for a segment (switch_deadline)
         self.resyncs = 0  # model averages at view switches (stats, tests)
         self._resynced_at: int | None = None  # the step whose model average completed (resync_state follows it)
         self._failures = 0  # rounds failed in a row
@@ -487,6 +524,14 @@ class MemberRing:
     def round_completed(self) -> None:
         self._failures = 0
 
+    def switch_deadline(self, m: int) -> float:
+        """How long each segment of a switch average is awaited: long enough for a member up to the
+        lag limit behind to come level (this node's measured pace) and for a hop's link deadline
+        at each of the m members, at most `resync_deadline`. A member that dies meanwhile ends the
+        wait at once (RingAllReduce._hopeless)."""
+        link_deadline = self.comm.link_deadline
+        return min(self.resync_deadline, max(m * link_deadline, self.comm.membership.seconds_for_lag()))
+
     def resync(self, params: torch.Tensor, step: int) -> torch.Tensor:
         """At the first step of a view: the mean model over its members (`params` unchanged if it
         cannot complete)."""
@@ -509,7 +554,7 @@ class MemberRing:
         if self.rank not in members or len(members) == 1:
             return values, False
         try:
-            averaged = ring(values, step, average=True, members=members, deadline=self.resync_deadline)
+            averaged = ring(values, step, average=True, members=members, deadline=self.switch_deadline(len(members)))
         except CollectiveIncomplete as exc:
             log.warning("%s; the members' %s were not averaged at their switch", exc, what)
             self.comm.membership.drop_dead_members()

@@ -180,7 +180,7 @@ class Lifecycle:
         log.warning("node %d: fell behind at step %d (%s); catching up", self.rank, step, membership.lag_report())
         try:
             # a member may train on alone and try again: wait about two lag limits of steps at its pace
-            patience = membership.greetings.pace.seconds_for(2 * membership.liveness.max_lag)
+            patience = membership.seconds_for_lag(2)
             donated = self.fetch_state(timeout=max(3 * self.comm.link_deadline, patience), serve_at=step)
         except (TimeoutError, RuntimeError) as exc:  # e.g. the others have finished: train on alone
             log.warning("node %d: could not catch up (%s); training on from step %d", self.rank, exc, step + 1)

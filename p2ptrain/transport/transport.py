@@ -9,8 +9,10 @@ the parts themselves; the transport never knows what an algorithm means by a ten
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
+from typing import Callable
 
 import torch
 
@@ -39,6 +41,8 @@ from p2ptrain.transport.routes import RouteTable
 from p2ptrain.transport.sending import Sender
 from p2ptrain.transport.server import PeerService, serve
 from p2ptrain.transport.tuning import tune_process_for_transfer
+
+WATCH_INTERVAL = 0.05  # seconds between re-checks of a gather that may be abandoned
 
 
 class Transport:
@@ -207,26 +211,54 @@ class Transport:
         return self.loop.submit(self.inbox.wait_for(kind, step, list(senders), channel, timeout)).result()
 
     def gather(self, kind: int, step: int, senders: list[int], *, channel: str = "",
-               deadline: float | None = None) -> dict[int, Message]:
+               deadline: float | None = None, abandon: Callable[[], str | None] | None = None
+               ) -> dict[int, Message]:
         """The step-`step` messages of the senders worth waiting for (Liveness.awaited), waiting
         at most `deadline` (default options.link_deadline) seconds. A sender that missed it counts
         as a dropped link for this step (its message is folded in later, if it comes) and gets a
-        Hello probe: one that does not answer is declared dead and not waited for again."""
+        Hello probe: one that does not answer is declared dead and not waited for again.
+
+        `abandon` (run on the loop thread): why waiting on is hopeless, or None. It is checked on
+        every arrival and death and every WATCH_INTERVAL, and ends the wait at once (a collective
+        whose ring lost a member). During a wait longer than the link deadline, the missing
+        senders are probed every link deadline: a dead one is noticed then, not at the end."""
         awaited = self.membership.liveness.awaited(senders, step)
         if not awaited:
             return {}
         timeout = self.options.link_deadline if deadline is None else deadline
-        return self.loop.submit(self._gather(kind, step, awaited, channel, timeout)).result()
+        return self.loop.submit(self._gather(kind, step, awaited, channel, timeout, abandon)).result()
 
     async def _gather(self, kind: int, step: int, senders: list[int], channel: str,
-                      timeout: float) -> dict[int, Message]:
-        got = await self.inbox.wait_for(kind, step, senders, channel, timeout, partial=True)
+                      timeout: float, abandon: Callable[[], str | None] | None = None) -> dict[int, Message]:
+        give_up = None if abandon is None else (lambda: abandon() is not None)
+        watch = None
+        if abandon is not None or timeout > self.options.link_deadline:
+            watch = asyncio.ensure_future(self._watch(senders))
+        try:
+            got = await self.inbox.wait_for(kind, step, senders, channel, timeout, partial=True, give_up=give_up)
+        finally:
+            if watch is not None:
+                watch.cancel()
         for peer in senders:
             if peer not in got and self.membership.liveness.alive(peer):
                 if self.metrics is not None:
                     self.metrics.on_link_timeout(peer)
                 self.loop.spawn(self.membership.greetings.probe(peer))
         return got
+
+    async def _watch(self, senders: list[int]) -> None:
+        """While a gather waits: re-check its waiters every WATCH_INTERVAL (its `abandon` reads
+        state that changes without an arrival: views, send outcomes) and probe its live senders
+        every link deadline (a dead one is then declared dead, which ends the wait for it)."""
+        probed = time.monotonic()
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL)
+            self.inbox.wake()
+            if time.monotonic() - probed >= self.options.link_deadline:
+                probed = time.monotonic()
+                for peer in senders:
+                    if self.membership.liveness.alive(peer):
+                        self.loop.spawn(self.membership.greetings.probe(peer))
 
     def take(self, kind: int, max_step: int, channel: str = "") -> list[Message]:
         """Messages of `kind` with step <= max_step that already arrived (non-blocking)."""

@@ -114,6 +114,12 @@ class Membership:
     def dead(self) -> frozenset[int]:
         return self.liveness.dead()
 
+    def seconds_for_lag(self, lags: int = 1) -> float:
+        """About how long this node takes for `lags` lag limits of steps at its measured pace (0.0
+        before it has one): how long a member up to the lag limit behind needs to come level (one
+        further behind catches up by state transfer instead)."""
+        return self.greetings.pace.seconds_for(lags * self.liveness.max_lag)
+
     def probe(self, peer: int) -> bool:
         """Hello `peer` once without waiting for a connection (from the training thread); declares it
         dead if it does not answer."""
