@@ -273,6 +273,8 @@ def test_allreduce_sgd_matches_reference(average):
             else:
                 x = algo.after_step(step, local_step(rank, step, x))
             history.append(x.clone())
+        agreed = algo.agree_at_end(steps, x)  # fault-free: the end agreement changes no bit
+        assert agreed is x and algo.allreduce.end_averages == 0
         return history
 
     results = run_cluster(n, body)

@@ -282,6 +282,42 @@ def test_a_ring_re_forms_without_a_dead_node_instead_of_training_alone(settings)
         assert torch.equal(r["weight"], stay[0]["weight"]), f"node {r['rank']} trained apart from the ring"
 
 
+@pytest.mark.parametrize("make", [AllReduceSGD, PipeSGD], ids=["allreduce", "pipesgd"])
+def test_ring_members_a_stall_kept_apart_end_the_run_bit_identical(make):
+    """Node 1 of 3 pauses 3 s (a GC pause) at step 8: its neighbours' rounds miss the 2 s link
+    deadline and keep their local gradients, too few failures for a re-formed ring, so the models
+    are apart for the rest of the run (gradient averaging never closes the gap). finish()'s end
+    agreement sees a member that was apart and averages the models once: all three end
+    bit-identical."""
+    steps = 24
+    options = TransportOptions(send_timeout=20.0, link_deadline=2.0, probe_timeout=5.0)
+
+    def body(rank, comm):
+        algorithm = make(comm)
+        model = nn.Linear(DIM, 1, bias=False).double()
+        with torch.no_grad():
+            model.weight.copy_(torch.linspace(-0.5, 0.5, DIM, dtype=torch.float64).view(1, -1))
+        opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model,
+                                     algorithm=algorithm, comm=comm)
+        data = torch.Generator().manual_seed(rank)
+        while opt.local_step < steps:
+            if rank == 1 and opt.local_step == 8:
+                time.sleep(3.0)
+            x = torch.randn(16, DIM, dtype=torch.float64, generator=data)
+            loss = ((model(x).squeeze(1) - x @ _targets(rank)) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        before = model.weight.detach().clone().view(-1)
+        opt.finish()
+        return before, model.weight.detach().clone().view(-1), algorithm.allreduce.end_averages
+
+    results = run_cluster(3, body, options=options, timeout=120)
+    assert not all(torch.equal(before, results[0][0]) for before, _, _ in results), "the stall kept nobody apart"
+    for _, after, end_averages in results:
+        assert torch.equal(after, results[0][1]) and end_averages == 1
+
+
 def test_a_switch_resync_gives_up_within_link_deadlines_when_a_member_of_its_ring_dies():
     """The model average at a view switch may wait the peer timeout for a slow member, but not for
     a dead one. Node 2 of 4 crashes before the average: node 3, waiting on it, probes it within a

@@ -236,6 +236,11 @@ class AllReduceSGD(Algorithm):
             self._pending = None
         return final
 
+    def agree_at_end(self, step: int, params: torch.Tensor) -> torch.Tensor:
+        """The members' models, averaged once more if a round failed or was skipped on any of them
+        (MemberRing.agree_at_end); untouched in a fault-free run."""
+        return self.allreduce.agree_at_end(params, step)
+
     def shared_state(self, params: torch.Tensor) -> tuple[str, torch.Tensor]:
         """Every member ends with the same model bits (the ring's all-gather forwards identical bytes)."""
         return "model", params

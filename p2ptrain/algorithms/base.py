@@ -227,6 +227,12 @@ class Algorithm(ABC):
         """Flush in-flight communication at the end of training; returns final parameters, if changed."""
         return None
 
+    def agree_at_end(self, step: int, params: "torch.Tensor") -> "torch.Tensor | None":
+        """After finish(), at the final step on every member: bring the members' shared state
+        together again if faults left it apart (rings: a round some member skipped). Must change
+        nothing in a fault-free run. None: nothing to change."""
+        return None
+
     def stats(self) -> dict[str, float]:
         """Scalars for metrics and progress lines (e.g. the push-sum weight)."""
         return {}

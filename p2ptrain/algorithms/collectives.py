@@ -478,7 +478,12 @@ class MemberRing:
         # `state`: (numel, dtype) of the optimizer state, averaged with the model at a switch
         self.state_sync = RingAllReduce(comm, *state, tag="osync.", elastic=True) if state and state[0] else None
         self.resync_deadline = resync_deadline  # the most a switch average waits for a segment (switch_deadline)
+        import torch  # (here, not at import: the algorithm registry loads without torch)
+
+        self.apart_flags = RingAllReduce(comm, 1, torch.float64, tag="end.", elastic=True)
         self.resyncs = 0  # model averages at view switches (stats, tests)
+        self.end_averages = 0  # model averages at the end of the run (stats, tests)
+        self._apart = False  # a round was skipped or failed here since the members last averaged
         self._resynced_at: int | None = None  # the step whose model average completed (resync_state follows it)
         self._failures = 0  # rounds failed in a row
 
@@ -508,6 +513,7 @@ class MemberRing:
         if departing:
             log.info("node %d: step-%d all-reduce skipped: node(s) %s are being dropped from the ring", self.rank,
                      step, sorted(departing))
+            self._apart = True
             return None
         return tuple(members)
 
@@ -515,6 +521,7 @@ class MemberRing:
         """A round over members_for(step) could not complete (the caller keeps its local value):
         propose the members without dead peers, and re-form after REALIGN_AFTER failures in a row."""
         log.warning("%s; keeping the local value for this step", exc)
+        self._apart = True
         self.comm.membership.drop_dead_members()
         self._failures += 1
         if self._failures >= REALIGN_AFTER:  # not a dead member (that proposal comes first): re-form
@@ -538,6 +545,31 @@ class MemberRing:
         averaged, done = self._average_at_switch(self.sync, params, step, "models")
         self.resyncs += done
         self._resynced_at = step if done else None
+        self._apart = not done
+        return averaged
+
+    def agree_at_end(self, params: torch.Tensor, step: int) -> torch.Tensor:
+        """At the end of the run (every member calls it at the same step): if a round was skipped or
+        failed on any member since the last switch average, the members' models may differ (each
+        kept its local value), so they are averaged once more and end bit-identical. Otherwise
+        `params` is returned untouched: in a fault-free run this costs one 1-element all-reduce
+        (of the members' "apart" flags) and changes no bit."""
+        import torch
+
+        members = self.comm.membership.members(step)
+        if self.rank not in members or len(members) == 1:
+            return params
+        flag = torch.tensor([1.0 if self._apart else 0.0], dtype=torch.float64)
+        try:
+            apart = self.apart_flags(flag, step, average=False, members=members,
+                                     deadline=self.switch_deadline(len(members)))
+        except CollectiveIncomplete as exc:
+            log.warning("%s; the members' models may differ at the end", exc)
+            return params
+        if apart.item() == 0:
+            return params
+        averaged, done = self._average_at_switch(self.sync, params, step, "models (end of run)")
+        self.end_averages += done
         return averaged
 
     def resync_state(self, state: torch.Tensor, step: int) -> torch.Tensor:

@@ -129,6 +129,11 @@ class PipeSGD(Algorithm):
             self._in_flight = None
         return None
 
+    def agree_at_end(self, step: int, params: torch.Tensor) -> torch.Tensor:
+        """The members' models, averaged once more if a round failed or was skipped on any of them
+        (MemberRing.agree_at_end); untouched in a fault-free run."""
+        return self.allreduce.agree_at_end(params, step)
+
     def shared_state(self, params: torch.Tensor) -> tuple[str, torch.Tensor]:
         """Every member applies the same averaged gradient to the same model: the same bits."""
         return "model", params

@@ -199,6 +199,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         final = self.algorithm.finish()
         if final is not None:
             self.state_vector.load(final)
+        if self.comm is not None:
+            agreed = self.algorithm.agree_at_end(self.local_step, self.state_vector.vector())
+            if agreed is not None:
+                self.state_vector.load(agreed)
         self._finished = True
         if self.comm is not None:
             self.comm.membership.finish()  # no state to give from here on
