@@ -95,11 +95,12 @@ class Communicator:
         self._worker.close()
 
     def gather(self, kind: int, step: int, senders: list[int], *, channel: str = "",
-               deadline: float | None = None, abandon=None) -> dict[int, Message]:
+               deadline: float | None = None, abandon=None, laggards: bool = False) -> dict[int, Message]:
         """The step-`step` messages of the live senders that arrive within the link deadline (or
         until `abandon()` says why waiting is hopeless); a missing one counts as a dropped link for
         this step (see Transport.gather)."""
-        messages = self.transport.gather(kind, step, senders, channel=channel, deadline=deadline, abandon=abandon)
+        messages = self.transport.gather(kind, step, senders, channel=channel, deadline=deadline, abandon=abandon,
+                                         laggards=laggards)
         return {sender: self.received(m) for sender, m in messages.items()}
 
     def take(self, kind: int, max_step: int, *, channel: str = "") -> list[Message]:

@@ -205,7 +205,7 @@ class _LateAcks:
     def take(self, kind, max_step, *, channel=""):
         return []
 
-    def gather(self, kind, step, senders, *, channel="", deadline=None, abandon=None):
+    def gather(self, kind, step, senders, *, channel="", deadline=None, abandon=None, laggards=False):
         return {}
 
     def send(self, peer, tensor, **header):

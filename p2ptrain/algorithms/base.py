@@ -119,11 +119,11 @@ class Comm(Protocol):
         """Push `tensor` (not modified afterwards); a future of its Delivery."""
 
     def gather(self, kind: Kind, step: int, senders: list[int], *, channel: str = "",
-               deadline: float | None = None, abandon: Callable[[], str | None] | None = None
-               ) -> dict[int, Received]:
+               deadline: float | None = None, abandon: Callable[[], str | None] | None = None,
+               laggards: bool = False) -> dict[int, Received]:
         """The step-`step` messages of the live senders that arrive within the link deadline.
         `abandon`: says why waiting on is hopeless (or None); checked while waiting, on the
-        transport's thread, it ends the wait early."""
+        transport's thread, it ends the wait early. `laggards`: wait for lagging senders too."""
 
     def take(self, kind: Kind, max_step: int, *, channel: str = "") -> list[Received]:
         """Messages of steps <= max_step that already arrived (late ones)."""

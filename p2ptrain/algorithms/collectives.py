@@ -400,8 +400,10 @@ class RingAllReduce:
 
     def _recv(self, ring: _Ring, step: int, phase: str, r: int, segment: int, c: int,
               deadline: float | None = None, hopeless=None):
+        # a lagging member is awaited too: the ring cannot complete without it, and a node that
+        # skipped it at once would race ahead alone and leave it further behind
         got = self.comm.gather(self.kind, step, [ring.prev], channel=self._channel(ring.m, phase, r, segment, c),
-                               deadline=deadline, abandon=hopeless)
+                               deadline=deadline, abandon=hopeless, laggards=True)
         if ring.prev not in got:
             reason = hopeless() if hopeless is not None else None
             raise CollectiveIncomplete(f"node {self.rank}: step-{step} all-reduce segment ({phase} round {r}) "

@@ -356,19 +356,14 @@ class Inbox:
         self._wake_waiters()
 
     async def wait_for(self, kind: int, step: int, senders: list[int], channel: str = "",
-                       timeout: float | None = None, partial: bool = False,
-                       give_up: Callable[[], bool] | None = None) -> dict[int, Message]:
+                       timeout: float | None = None, partial: bool = False) -> dict[int, Message]:
         """Wait until every sender's step-`step` message is here (dead senders are not waited for);
         pop and return them. After `timeout` raise TimeoutError, or with `partial` return the messages
-        that did arrive (the rest will be late). `give_up`: checked whenever the waiters are (an
-        arrival, a death, wake()); True ends the wait as a timeout would."""
+        that did arrive (the rest will be late)."""
         wanted = set(senders)
 
-        def complete() -> bool:
-            return (wanted - self.senders.dead()).issubset(self._mail[(kind, channel)].get(step, {}))
-
         def ready() -> bool:
-            return complete() or (give_up is not None and give_up())
+            return (wanted - self.senders.dead()).issubset(self._mail[(kind, channel)].get(step, {}))
 
         if not ready():
             waiter = (ready, asyncio.get_running_loop().create_future())
@@ -376,13 +371,12 @@ class Inbox:
             try:
                 await asyncio.wait_for(waiter[1], timeout)
             except asyncio.TimeoutError:
-                pass
+                if not partial:
+                    have = set(self._mail[(kind, channel)].get(step, {}))
+                    raise TimeoutError(f"node {self.rank}: step-{step} messages from {sorted(wanted - have)} "
+                                       f"did not arrive within {timeout:.1f}s") from None
             finally:
                 self._waiters.remove(waiter)
-            if not partial and not complete():
-                have = set(self._mail[(kind, channel)].get(step, {}))
-                raise TimeoutError(f"node {self.rank}: step-{step} messages from {sorted(wanted - have)} "
-                                   f"did not arrive within {timeout:.1f}s")
         return self._pop(kind, channel, step, wanted)
 
     def take(self, kind: int, max_step: int, channel: str = "") -> list[Message]:

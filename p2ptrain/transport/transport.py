@@ -9,7 +9,6 @@ the parts themselves; the transport never knows what an algorithm means by a ten
 """
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
 from typing import Callable
@@ -211,18 +210,21 @@ class Transport:
         return self.loop.submit(self.inbox.wait_for(kind, step, list(senders), channel, timeout)).result()
 
     def gather(self, kind: int, step: int, senders: list[int], *, channel: str = "",
-               deadline: float | None = None, abandon: Callable[[], str | None] | None = None
-               ) -> dict[int, Message]:
+               deadline: float | None = None, abandon: Callable[[], str | None] | None = None,
+               laggards: bool = False) -> dict[int, Message]:
         """The step-`step` messages of the senders worth waiting for (Liveness.awaited), waiting
         at most `deadline` (default options.link_deadline) seconds. A sender that missed it counts
         as a dropped link for this step (its message is folded in later, if it comes) and gets a
         Hello probe: one that does not answer is declared dead and not waited for again.
 
-        `abandon` (run on the loop thread): why waiting on is hopeless, or None. It is checked on
-        every arrival and death and every WATCH_INTERVAL, and ends the wait at once (a collective
-        whose ring lost a member). During a wait longer than the link deadline, the missing
-        senders are probed every link deadline: a dead one is noticed then, not at the end."""
-        awaited = self.membership.liveness.awaited(senders, step)
+        `abandon` (run on the loop thread): why waiting on is hopeless, or None. It is checked
+        every WATCH_INTERVAL and ends the wait at once (a collective whose ring lost a member).
+        During a wait longer than the link deadline, the missing senders are probed every link
+        deadline: a dead one is noticed then, not at the end.
+
+        `laggards`: wait for lagging senders too (a ring, which cannot complete without them: not
+        waiting would let this node race ahead alone, leaving them further behind)."""
+        awaited = self.membership.liveness.awaited(senders, step, laggards=laggards)
         if not awaited:
             return {}
         timeout = self.options.link_deadline if deadline is None else deadline
@@ -230,15 +232,10 @@ class Transport:
 
     async def _gather(self, kind: int, step: int, senders: list[int], channel: str,
                       timeout: float, abandon: Callable[[], str | None] | None = None) -> dict[int, Message]:
-        give_up = None if abandon is None else (lambda: abandon() is not None)
-        watch = None
-        if abandon is not None or timeout > self.options.link_deadline:
-            watch = asyncio.ensure_future(self._watch(senders))
-        try:
-            got = await self.inbox.wait_for(kind, step, senders, channel, timeout, partial=True, give_up=give_up)
-        finally:
-            if watch is not None:
-                watch.cancel()
+        if abandon is None and timeout <= self.options.link_deadline:
+            got = await self.inbox.wait_for(kind, step, senders, channel, timeout, partial=True)
+        else:
+            got = await self._watched_wait(kind, step, senders, channel, timeout, abandon)
         for peer in senders:
             if peer not in got and self.membership.liveness.alive(peer):
                 if self.metrics is not None:
@@ -246,19 +243,27 @@ class Transport:
                 self.loop.spawn(self.membership.greetings.probe(peer))
         return got
 
-    async def _watch(self, senders: list[int]) -> None:
-        """While a gather waits: re-check its waiters every WATCH_INTERVAL (its `abandon` reads
-        state that changes without an arrival: views, send outcomes) and probe its live senders
-        every link deadline (a dead one is then declared dead, which ends the wait for it)."""
-        probed = time.monotonic()
+    async def _watched_wait(self, kind: int, step: int, senders: list[int], channel: str, timeout: float,
+                            abandon: Callable[[], str | None] | None) -> dict[int, Message]:
+        """Inbox.wait_for in slices of WATCH_INTERVAL (an arrival still ends a slice at once): between
+        them `abandon` is asked (it reads state that changes without an arrival: views, send
+        outcomes) and, every link deadline, the live senders still missing are probed (a dead one
+        is then declared dead, which ends the wait for it)."""
+        liveness = self.membership.liveness
+        began = probed = time.monotonic()
+        got: dict[int, Message] = {}
+        missing = list(senders)
         while True:
-            await asyncio.sleep(WATCH_INTERVAL)
-            self.inbox.wake()
+            left = began + timeout - time.monotonic()
+            got.update(await self.inbox.wait_for(kind, step, missing, channel, max(0.0, min(WATCH_INTERVAL, left)),
+                                                 partial=True))
+            missing = [peer for peer in senders if peer not in got and liveness.alive(peer)]
+            if not missing or left <= WATCH_INTERVAL or (abandon is not None and abandon() is not None):
+                return got
             if time.monotonic() - probed >= self.options.link_deadline:
                 probed = time.monotonic()
-                for peer in senders:
-                    if self.membership.liveness.alive(peer):
-                        self.loop.spawn(self.membership.greetings.probe(peer))
+                for peer in missing:
+                    self.loop.spawn(self.membership.greetings.probe(peer))
 
     def take(self, kind: int, max_step: int, channel: str = "") -> list[Message]:
         """Messages of `kind` with step <= max_step that already arrived (non-blocking)."""

@@ -263,6 +263,7 @@ class Greetings:
         reply = await self.grpc.client(peer).hello(request, timeout, wait_for_ready=wait_for_ready)
         if reply.compatible and reply.node_id == peer:
             self.announced.add(peer)
+            self.reached.add(peer)  # it is up: a refused connection from now on means it went away
             if self.lane_ports is not None:
                 self.lane_ports.learn(peer, reply.lane_port)
             self.liveness.note_step(peer, reply.step)

@@ -108,12 +108,12 @@ class Liveness:
         dead = self._dead
         return [p for p in peers if p not in dead and not self.lagging(p)]
 
-    def awaited(self, peers: Iterable[int], step: int) -> list[int]:
-        """The peers whose step-`step` message is worth waiting for: alive, not lagging, heard from
-        since our own rejoin, and not rejoined after `step` themselves."""
+    def awaited(self, peers: Iterable[int], step: int, *, laggards: bool = False) -> list[int]:
+        """The peers whose step-`step` message is worth waiting for: alive, not lagging (unless
+        `laggards`), heard from since our own rejoin, and not rejoined after `step` themselves."""
         dead, unconfirmed, since = self._dead, self._unconfirmed, self._alive_since
         return [p for p in peers if p not in dead and p not in unconfirmed and step >= since.get(p, 0)
-                and not self.lagging(p)]
+                and (laggards or not self.lagging(p))]
 
     def peer_step(self, peer: int) -> int | None:
         seen = self._seen_at.get(peer)
