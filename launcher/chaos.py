@@ -6,7 +6,8 @@ The plan is launch's fault flags plus the nodes' `--link-burst/--slow` entries, 
 hand-written ones are. At every step at least `min_alive` nodes are members and not killed; a killed
 node is restarted 5-40 steps later; nothing happens in the first 10% or the last 15% of the run (a
 restart must find a cluster to rejoin; windows end by then); joins only in the first 60% and at most
-nodes / 2 of them; at most one link is blocked at a time, only while 3 members are up, and they stay
+nodes / 2 of them; leaves only while more than nodes / 2 + 1 members remain (however long the run,
+the cluster does not wither to two); at most one link is blocked at a time, only while 3 members are up, and they stay
 up while it is (every pair keeps a route); a node's slow windows never overlap (factors multiply).
 """
 from __future__ import annotations
@@ -78,8 +79,9 @@ def chaos_plan(nodes: int, steps: int, count: int, *, seed: int = 0, kinds: tupl
         keep = min_alive + (step < blocked_until)  # a blocked pair keeps a third node to relay
         joins_left = step < last_join and joined - nodes < max_joins
         fast = [r for r in up if slow_until.get(r, 0) <= step]  # (windows never overlap: factors would multiply)
+        may_leave = len(members) > nodes // 2 + 1
         choices = [k for k in kinds if _possible(k, up if k != "slow" else fast, keep)
-                   and (k != "join" or joins_left)]
+                   and (k != "join" or joins_left) and (k != "leave" or may_leave)]
         if not choices:
             continue
         kind = rng.choice(choices)

@@ -12,8 +12,9 @@ from p2ptrain.settings.parsers import LinkBurst, SlowWindow
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_a_chaos_plan_is_reproducible_valid_and_keeps_two_members_running(seed):
-    nodes, steps, count = 4, 600, 40
+@pytest.mark.parametrize("nodes", [4, 6])
+def test_a_chaos_plan_is_reproducible_valid_and_keeps_two_members_running(seed, nodes):
+    steps, count = 600, 40
     plan = chaos_plan(nodes, steps, count, seed=seed, max_stall=12)
     assert plan == chaos_plan(nodes, steps, count, seed=seed, max_stall=12)
     assert 0 < plan.events <= count
@@ -33,6 +34,7 @@ def test_a_chaos_plan_is_reproducible_valid_and_keeps_two_members_running(seed):
         elif event.action == "restart":
             down.discard(event.rank)
         assert len(members - down) >= 2, (event, members, down)
+        assert len(members) >= nodes // 2 + 1, "leaves withered the cluster"
     assert not down, "a killed node was never restarted"
     assert all(e.at_step + e.steps <= 510 for e in events if e.action in ("link", "slow"))  # the end stays quiet
 

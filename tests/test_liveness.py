@@ -19,6 +19,9 @@ def test_a_peer_seen_far_behind_is_lagging_and_neither_sent_to_nor_awaited():
     assert not m.lagging(1) and m.lagging(2)
     assert m.live([1, 2, 3]) == [1, 3]
     assert m.awaited([1, 2, 3], step=99) == [1, 3]
+    assert m.awaited([1, 2, 3], step=99, laggards=True) == [1, 2, 3]  # (rings: they cannot complete without it)
+    m.mark_dead(3, "test")
+    assert m.awaited([1, 2, 3], step=99, laggards=True) == [1, 2]
 
 
 def test_lag_is_judged_when_seen_never_extrapolated():

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 STATE = pb.MESSAGE_KIND_STATE
+HOLD_BACK_POLL = 0.2  # seconds between looks at the members behind, while a node ahead waits for them
 
 
 class Phase(enum.Enum):
@@ -167,6 +168,29 @@ class Lifecycle:
             if self.metrics is not None:
                 self.metrics.on_state_transfer(peer)
             log.info("step %d: sent this node's state to rejoining peer %d", step, peer)
+
+    def hold_back(self, step: int) -> None:
+        """After `step`: a node that finds most live members over the lag limit behind it waits for
+        them, serving their state requests and greeting them for their steps, instead of racing on
+        alone (each step it ran alone widened the gap, and a lone racer drags the run's end, and a
+        chaos run's fault schedule, along with it). It waits at most two lag limits of steps at
+        its pace, at least three link deadlines. Never active without faults."""
+        membership = self.membership
+        behind = membership.runs_ahead()
+        if not behind:
+            return
+        patience = max(3 * self.comm.link_deadline, membership.seconds_for_lag(2))
+        log.info("node %d: at step %d, most members (%s) are over the lag limit behind; waiting up to %.0fs for "
+                 "them", self.rank, step, behind, patience)
+        deadline = time.monotonic() + patience
+        while behind and time.monotonic() < deadline:
+            self.serve_joiners(step)
+            membership.refresh(behind)
+            time.sleep(HOLD_BACK_POLL)
+            behind = membership.runs_ahead()
+        if behind:
+            log.warning("node %d: members %s still over the lag limit behind after %.0fs; training on", self.rank,
+                        behind, patience)
 
     def catch_up(self, step: int) -> int:
         """After `step`: if this node stalled (a peer excluded it, or it trails the cluster by more

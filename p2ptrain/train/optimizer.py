@@ -169,6 +169,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             leave_at = lifecycle.leave_due(step)
             if leave_at is not None:
                 self._leave(step, leave_at)
+            lifecycle.hold_back(step)
             next_step = lifecycle.catch_up(step)
         self.local_step = next_step
         self._step_done()
@@ -193,7 +194,9 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
 
     def finish(self) -> None:
         """End of training: flush the algorithm's in-flight communication (push-sum mass, the last
-        pipelined all-reduce) so no peer waits for us and nothing is left on the wire."""
+        pipelined all-reduce) so no peer waits for us and nothing is left on the wire, then let the
+        members agree again if faults left them apart (Algorithm.agree_at_end: rings average the
+        models once more if a round failed anywhere; nothing changes in a fault-free run)."""
         if self._finished:
             return
         final = self.algorithm.finish()

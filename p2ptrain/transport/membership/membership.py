@@ -146,6 +146,23 @@ class Membership:
             self.greetings.loop.submit(self.greetings.recheck_dead(dead))  # (not waited for)
         return True
 
+    def runs_ahead(self) -> list[int]:
+        """The live members last seen more than the lag limit behind this node, when they are most
+        of the live members: this node runs ahead alone (its peers stalled, or it skipped them), and
+        racing on would only widen the gap. [] otherwise, and always without faults (members stay
+        within the bounded delay, far inside the lag limit)."""
+        others = [p for p in self.views.latest.members if p != self.rank and self.liveness.alive(p)]
+        behind = [p for p in others if self.liveness.lagging(p)]
+        return behind if others and 2 * len(behind) > len(others) else []
+
+    def refresh(self, peers: Iterable[int]) -> None:
+        """Hello `peers` once, together (probes: each reply tells its step now; a peer that does not
+        answer is declared dead)."""
+        greetings = self.greetings
+        futures = [greetings.loop.submit(greetings.probe(peer)) for peer in peers]
+        for future in futures:
+            future.result(greetings.probe_timeout + 10)
+
     def lag_report(self) -> str:
         """Why this node must catch up, for logs."""
         return f"excluded by {sorted(self.liveness.excluded_by())}, {self.liveness.behind()} steps behind the cluster"
