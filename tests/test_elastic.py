@@ -318,6 +318,43 @@ def test_ring_members_a_stall_kept_apart_end_the_run_bit_identical(make):
         assert torch.equal(after, results[0][1]) and end_averages == 1
 
 
+def test_a_node_that_finds_most_members_far_behind_holds_back_instead_of_racing_on_alone():
+    """Nodes 1 and 2 of 3 pause their training 4 s at step 6 (their servers keep answering: a slow
+    data loader, a long evaluation). Node 0 soon finds them over the lag limit (3) behind; it used
+    to race on alone at compute speed, 30 steps ahead by the time they woke. Now it holds back
+    for them (Lifecycle.hold_back) and leads by a few steps at most; Σ w stays 3."""
+    steps, pause_at, pause = 40, 6, 4.0
+    options = TransportOptions(send_timeout=20.0, link_deadline=0.3, probe_timeout=2.0, max_lag=3)
+    progress: dict[int, list[tuple[float, int]]] = {0: [], 1: [], 2: []}
+
+    def body(rank, comm):
+        sgp = SGP(comm, member_topology("exponential", comm.world_size, comm.membership.members), overlap=0)
+        model = nn.Linear(DIM, 1, bias=False).double()
+        opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model, algorithm=sgp,
+                                     comm=comm)
+        data = torch.Generator().manual_seed(rank)
+        while opt.local_step < steps:
+            progress[rank].append((time.monotonic(), opt.local_step))
+            if rank != 0 and opt.local_step == pause_at:
+                time.sleep(pause)
+            x = torch.randn(16, DIM, dtype=torch.float64, generator=data)
+            loss = ((model(x).squeeze(1) - x @ _targets(rank)) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        opt.finish()
+        return sgp.w, opt.lifecycle.holds
+
+    results = run_cluster(3, body, options=options, timeout=120)
+
+    def step_at(rank, t):
+        return max((step for when, step in progress[rank] if when <= t), default=0)
+
+    lead = max(step - min(step_at(1, t), step_at(2, t)) for t, step in progress[0])
+    assert results[0][1] >= 1 and lead <= 10, (lead, results[0][1])
+    assert sum(w for w, _ in results) == pytest.approx(3.0, abs=1e-9)
+
+
 def test_a_switch_resync_gives_up_within_link_deadlines_when_a_member_of_its_ring_dies():
     """The model average at a view switch may wait the peer timeout for a slow member, but not for
     a dead one. Node 2 of 4 crashes before the average: node 3, waiting on it, probes it within a

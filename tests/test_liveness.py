@@ -24,6 +24,29 @@ def test_a_peer_seen_far_behind_is_lagging_and_neither_sent_to_nor_awaited():
     assert m.awaited([1, 2, 3], step=99, laggards=True) == [1, 2]
 
 
+def test_a_node_runs_ahead_only_of_most_live_members_far_behind_it():
+    """Most live members over the lag limit behind: this node runs ahead alone and holds back for
+    them (Lifecycle.hold_back). Half of them behind, or laggards that are dead, or members within
+    the lag limit: it does not."""
+    m = membership(rank=0, world_size=5, max_lag=5)
+    m.step = 100
+    m.note_step(1, 90)
+    m.note_step(2, 80)
+    m.note_step(4, 98)
+    assert m.runs_ahead() == []  # two of four behind: not most
+    m.note_step(3, 10)
+    assert m.runs_ahead() == [1, 2, 3]
+    m.mark_dead(1, "test")
+    m.mark_dead(2, "test")
+    assert m.runs_ahead() == []  # of the live members 3 and 4, only 3 is behind
+    m.step = 200
+    m.note_step(4, 150)
+    assert m.runs_ahead() == [3, 4]
+    m.note_step(3, 199)
+    m.note_step(4, 200)
+    assert m.runs_ahead() == []
+
+
 def test_lag_is_judged_when_seen_never_extrapolated():
     """A peer we last heard from at step 0 while we were at step 0 is not lagging at step 500:
     we simply have no news of it (a ring neighbour's neighbour, say)."""

@@ -56,6 +56,7 @@ class Lifecycle:
         self.phase = Phase.JOINING if self.membership.joining else Phase.STARTING
         self.late_states: list[Message] = []  # states that arrived besides the one taken (see fetch_state)
         self.catch_ups = 0            # state transfers taken after stalling
+        self.holds = 0                # times this node held back for members far behind it (hold_back)
         self.leave_at: int | None = None  # the step the members switch to a view without this node
         self._leave_requested = False
         self._catch_up_after = 0      # no new catch-up attempt before this step (after a failed one)
@@ -179,6 +180,7 @@ class Lifecycle:
         behind = membership.runs_ahead()
         if not behind:
             return
+        self.holds += 1
         patience = max(3 * self.comm.link_deadline, membership.seconds_for_lag(2))
         log.info("node %d: at step %d, most members (%s) are over the lag limit behind; waiting up to %.0fs for "
                  "them", self.rank, step, behind, patience)

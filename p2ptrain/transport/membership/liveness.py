@@ -115,6 +115,15 @@ class Liveness:
         return [p for p in peers if p not in dead and p not in unconfirmed and step >= since.get(p, 0)
                 and (laggards or not self.lagging(p))]
 
+    def runs_ahead(self) -> list[int]:
+        """The live members last seen more than the lag limit behind this node, when they are most
+        of the live members: this node runs ahead alone (its peers stalled, or it skipped them), and
+        racing on would only widen the gap. [] otherwise, and always without faults (members stay
+        within the bounded delay, far inside the lag limit)."""
+        others = [p for p in self.views.latest.members if p != self.rank and p not in self._dead]
+        behind = [p for p in others if self.lagging(p)]
+        return behind if others and 2 * len(behind) > len(others) else []
+
     def peer_step(self, peer: int) -> int | None:
         seen = self._seen_at.get(peer)
         return None if seen is None else seen[0]

@@ -147,13 +147,8 @@ class Membership:
         return True
 
     def runs_ahead(self) -> list[int]:
-        """The live members last seen more than the lag limit behind this node, when they are most
-        of the live members: this node runs ahead alone (its peers stalled, or it skipped them), and
-        racing on would only widen the gap. [] otherwise, and always without faults (members stay
-        within the bounded delay, far inside the lag limit)."""
-        others = [p for p in self.views.latest.members if p != self.rank and self.liveness.alive(p)]
-        behind = [p for p in others if self.liveness.lagging(p)]
-        return behind if others and 2 * len(behind) > len(others) else []
+        """The members this node runs ahead of, alone (Liveness.runs_ahead)."""
+        return self.liveness.runs_ahead()
 
     def refresh(self, peers: Iterable[int]) -> None:
         """Hello `peers` once, together (probes: each reply tells its step now; a peer that does not
