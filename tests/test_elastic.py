@@ -319,12 +319,13 @@ def test_ring_members_a_stall_kept_apart_end_the_run_bit_identical(make):
 
 
 def test_a_node_that_finds_most_members_far_behind_holds_back_instead_of_racing_on_alone():
-    """Nodes 1 and 2 of 3 pause their training 4 s at step 6 (their servers keep answering: a slow
-    data loader, a long evaluation). Node 0 soon finds them over the lag limit (3) behind; it used
-    to race on alone at compute speed, 30 steps ahead by the time they woke. Now it holds back
-    for them (Lifecycle.hold_back) and leads by a few steps at most; Σ w stays 3."""
-    steps, pause_at, pause = 40, 6, 4.0
-    options = TransportOptions(send_timeout=20.0, link_deadline=0.3, probe_timeout=2.0, max_lag=3)
+    """Nodes 1 and 2 of 3 pause their training 8 s at step 6 (their servers keep answering: a slow
+    data loader, a long evaluation). Node 0 finds them over the lag limit (3) behind after a few
+    link deadlines; it used to race on alone at compute speed, 30 steps ahead by the time they
+    woke. Now it holds back for them (Lifecycle.hold_back: at least 3 link deadlines at a time)
+    and leads by a few steps; Σ w stays 3."""
+    steps, pause_at, pause = 40, 6, 8.0
+    options = TransportOptions(send_timeout=20.0, link_deadline=1.0, probe_timeout=5.0, max_lag=3)
     progress: dict[int, list[tuple[float, int]]] = {0: [], 1: [], 2: []}
 
     def body(rank, comm):
@@ -351,7 +352,7 @@ def test_a_node_that_finds_most_members_far_behind_holds_back_instead_of_racing_
         return max((step for when, step in progress[rank] if when <= t), default=0)
 
     lead = max(step - min(step_at(1, t), step_at(2, t)) for t, step in progress[0])
-    assert results[0][1] >= 1 and lead <= 10, (lead, results[0][1])
+    assert results[0][1] >= 1 and lead <= 12, (lead, results[0][1])
     assert sum(w for w, _ in results) == pytest.approx(3.0, abs=1e-9)
 
 
