@@ -48,6 +48,7 @@ def transport_options(config: NodeConfig, device: torch.device) -> TransportOpti
 
 
 VIEW_NOTICE_SECONDS = 1.0  # a membership view switches at least ~1 s of steps ahead: every member hears of it first
+EMPTY_SURVEYS = 3  # surveys in a row that reach no peer before a (re)joiner concludes the cluster is gone
 
 
 class Node:
@@ -134,18 +135,20 @@ class Node:
     def _wait_to_join(self, running: bool = False) -> None:
         """A joiner: wait (up to the peer timeout) for the cluster to answer, and with join_at for it
         to reach that step (`running`, a restarted node: for a ready peer past step 0 to answer, as
-        busy peers may miss one survey); NoClusterToRejoin if it has finished (or never answers)."""
-        deadline, seen = time.monotonic() + self.config.peer_timeout, False
+        busy peers may miss one survey); NoClusterToRejoin if it has finished (EMPTY_SURVEYS surveys
+        in a row reach nobody) or never answers."""
+        deadline, seen, empty = time.monotonic() + self.config.peer_timeout, False, 0
         while True:
             survey = self.transport.membership.survey()
             seen |= bool(survey.reachable)
-            if running and not survey.reachable and not seen:
+            empty = 0 if survey.reachable else empty + 1  # (one empty survey may be busy peers)
+            if running and not seen and empty >= EMPTY_SURVEYS:
                 raise NoClusterToRejoin(f"node {self.config.rank}: no live peer to rejoin: the cluster has finished "
                                         "(or is unreachable)")
             if survey.reachable and (survey.running or not running) and \
                     (self.config.join_at is None or survey.furthest >= self.config.join_at):
                 return
-            if (seen and not survey.reachable) or time.monotonic() >= deadline:
+            if (seen and empty >= EMPTY_SURVEYS) or time.monotonic() >= deadline:
                 raise NoClusterToRejoin(f"node {self.config.rank}: no live peer to join: the cluster has finished "
                                         "(or is unreachable)")
             time.sleep(0.2)
