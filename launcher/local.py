@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TextIO
 
+from launcher.chaos import MIN_ALIVE
 from p2ptrain.addresses import join_address
 from p2ptrain.exit_codes import EXIT_NO_CLUSTER
 from p2ptrain.settings.parsers import AtStep, LinkBurst, SlowWindow
@@ -438,6 +439,11 @@ def _apply_faults(events: list[FaultEvent], processes: "_NodeProcesses", watcher
         state = watcher.states[event.rank]
         if event.action == "leave" and (state.step is None or state.joins):
             continue  # not training yet (a node that just joined): it leaves once it is
+        if event.action in ("kill", "leave") and \
+                _training_besides(watcher, event.rank) < min(MIN_ALIVE, len(watcher.states) - 1):
+            continue  # the others are (re)starting: it waits until MIN_ALIVE of them train again
+        if event.action == "restart" and not state.down:
+            continue  # (its kill waits, above)
         events.remove(event)
         note, extra = "", {}
         if event.action == "kill":
@@ -469,6 +475,15 @@ def _apply_faults(events: list[FaultEvent], processes: "_NodeProcesses", watcher
         log({"action": event.action, "rank": event.rank, "planned_step": event.at_step,
              "cluster_step": cluster_step, "seconds": event.seconds, "skipped": "skipped" in note, **event.window,
              **extra})
+
+
+def _training_besides(watcher: "_ProgressWatcher", rank: int) -> int:
+    """Nodes other than `rank` that are training now: running, past their start (or rejoin), not
+    killed. A kill or leave waits while fewer than MIN_ALIVE are: a plan counts a restarted node as
+    back at its restart step, but it takes seconds (a process start, a state transfer) to train
+    again, and overlapping kills then took every member down."""
+    return sum(1 for s in watcher.states if s.rank != rank and s.returncode is None and not s.down
+               and s.step is not None and not s.joins)
 
 
 def _fault_logger(path: Path | None, start: float) -> Callable[[dict], None]:
