@@ -27,7 +27,7 @@ import launcher
 from launcher import local, report
 from launcher.local import ClusterError, ProgressTail, node_argv, run_local_cluster
 from launcher.ports import free_ports
-from tests.conftest import read_launch_header
+from tests.conftest import ROOT, node_env, read_launch_header
 
 STEPS = 10
 
@@ -498,3 +498,25 @@ def test_write_report_turns_non_finite_numbers_into_null(tmp_path):
 
 def test_package_exports():
     assert launcher.run_local_cluster is run_local_cluster
+
+
+def test_a_real_node_writes_its_thread_stacks_on_sigusr1_and_keeps_going(tmp_path):
+    """`kill -USR1` on a `p2ptrain node` (here waiting for a peer that never comes) writes every
+    thread's stack to its stderr, the node's log, and does not stop it."""
+    port, absent = free_ports(2)
+    node = subprocess.Popen([sys.executable, "-m", "p2ptrain", "node", "--rank", "0", "--world-size", "2",
+                             "--peers", f"127.0.0.1:{port},127.0.0.1:{absent}", "--listen", f"127.0.0.1:{port}",
+                             "--out", str(tmp_path), "--steps", "5", "--model", "mlp", "--dataset", "synthetic",
+                             "--peer-timeout", "60"],
+                            cwd=ROOT, env=node_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        time.sleep(8)  # (torch imported, waiting for node 1)
+        assert node.poll() is None
+        node.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+        assert node.poll() is None, "SIGUSR1 stopped the node"
+    finally:
+        node.kill()
+        _, err = node.communicate(timeout=30)
+    assert "(most recent call first)" in err and "p2ptrain" in err

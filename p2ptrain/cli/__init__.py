@@ -14,7 +14,9 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
+import signal
 import sys
 
 from p2ptrain.cli import bench, compose, health, kubernetes, launch, node, pki, ps, report, reproduce
@@ -72,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"only `p2ptrain launch` runs a script after --, not `p2ptrain {args.command}`")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command in ("node", "launch"):
+        # `kill -USR1 PID` writes every thread's stack to stderr (a node's log): what a process
+        # that seems hung waits on. launch does it to a node that ignored SIGTERM before SIGKILL.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return args.func(args)
     except ConfigError as exc:

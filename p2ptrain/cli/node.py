@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import faulthandler
-import signal
 import sys
 
 from p2ptrain.addresses import is_wildcard, split_address
@@ -22,9 +20,6 @@ def add_parser(subcommands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    # `kill -USR1 PID` writes every thread's stack to stderr (the node's log): what a hung node
-    # waits on (the launcher does it before SIGKILLing a node that ignored SIGTERM)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     check_ports(config)  # before importing torch: a taken port is said at once
     if config.role == "ps":
         return serve_parameter_server(config)
