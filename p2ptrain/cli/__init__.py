@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import logging
 import signal
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("node", "launch"):
         # `kill -USR1 PID` writes every thread's stack to stderr (a node's log): what a process
         # that seems hung waits on. launch does it to a node that ignored SIGTERM before SIGKILL.
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        with contextlib.suppress(ValueError, AttributeError):  # (a stderr without a file: called in-process)
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return args.func(args)
     except ConfigError as exc:
