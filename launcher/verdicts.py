@@ -138,7 +138,9 @@ def identical(report: dict) -> Verdict:
 
 def mass(report: dict, faults: list[dict]) -> Verdict:
     """Push-sum: Σ w over the final members against the ledger. Units: the nodes that started, plus
-    joins, minus leaves (a leaver hands its w over and one unit is retired). Lost: what each
+    the new units fresh processes were given (joiners and restarted nodes: each incarnation's
+    `ps_minted`, or its mass record's at a kill; older runs: one per join), minus leaves (a
+    leaver hands its w over and one unit is retired). Lost: what each
     SIGKILLed node held (its mass record, read by the launcher after the kill: w held is lost for
     certain; shares it had sent and not seen acknowledged may have landed, and shares acknowledged to
     their senders but not folded in are lost unless the ack never left: `mass_uncertain`). Shares a
@@ -154,16 +156,18 @@ def mass(report: dict, faults: list[dict]) -> Verdict:
     joins = sum(f["action"] == "join" for f in fired)
     leaves = sum(1 for n in nodes if n.get("left_at") is not None)
     kills = [f for f in fired if f["action"] == "kill"]
+    minted = _minted(nodes, kills)
     lost = sum(float(f.get("mass_lost") or 0.0) for f in kills)
     uncertain_with_kills = sum(float(f.get("mass_uncertain") or 0.0) for f in kills)
     unacknowledged = sum(float(n.get("ps_in_flight") or 0.0) for n in members)
     uncertain = uncertain_with_kills + unacknowledged
     unrecorded = [f["rank"] for f in kills if "mass_lost" not in f]
-    units = started + joins - leaves
+    units = started + (joins if minted is None else minted) - leaves
     actual = sum(float(n.get("ps_weight") or 0.0) for n in members)
     low, high = units - lost - uncertain, units - lost
     difference = actual - high if actual > high else (actual - low if actual < low else 0.0)
-    figures = {"units": units, "started": started, "joins": joins, "leaves": leaves, "kills": len(kills),
+    figures = {"units": units, "started": started, "joins": joins, "minted": minted, "leaves": leaves,
+               "kills": len(kills),
                "lost_with_kills": lost, "uncertain_with_kills": uncertain_with_kills,
                "unacknowledged_at_end": unacknowledged, "expected_low": low,
                "expected_high": high, "actual": actual, "difference": difference, "tolerance": MASS_TOLERANCE,
@@ -174,7 +178,7 @@ def mass(report: dict, faults: list[dict]) -> Verdict:
         f" (- up to {uncertain:.6f} in flight: {uncertain_with_kills:.6f} at kills, {unacknowledged:.6f} "
         "unacknowledged at the end)" if uncertain_with_kills and unacknowledged else
         f" (- up to {uncertain:.6f} in flight{' at the end' if unacknowledged else ''})")
-    detail = (f"Σ w {actual:.6f} over {len(members)} final members, expected {expected} = {units} units - "
+    detail = (f"Σ w {actual:.6f} over {len(members)} final members, expected {expected} = {units:.6g} units - "
               f"{lost:.6f} lost with {len(kills)} kill(s){in_flight}" + ("" if ok else f": off by {difference:+.3g}"))
     return Verdict("mass", ok, detail, figures)
 
@@ -268,6 +272,16 @@ def accuracy(report: dict, baseline: float | None, margin: float = ACCURACY_MARG
 
 
 # --- helpers --------------------------------------------------------------------------------------
+
+def _minted(nodes: list[dict], kills: list[dict]) -> float | None:
+    """The new units every incarnation started with: the killed ones' mass records and the nodes
+    that ended as planned (finished, or left); None for a run that recorded none (older runs)."""
+    ended = [n for n in nodes if n.get("outcome", "done") == "done" and "ps_minted" in n]
+    killed = [f for f in kills if "mass_minted" in f]
+    if not ended and not killed:
+        return None
+    return sum(float(n["ps_minted"] or 0.0) for n in ended) + sum(float(f["mass_minted"] or 0.0) for f in killed)
+
 
 def as_dicts(verdicts: list[Verdict]) -> list[dict]:
     return [asdict(v) for v in verdicts]

@@ -300,6 +300,7 @@ class Node:
             "dead_peers": sorted(self.transport.membership.dead()),
             "dropped_shares": int(stats.get("dropped_shares", 0)),
             "ps_in_flight": stats.get("ps_in_flight", 0.0),  # push-sum shares never acknowledged (at the end)
+            "ps_minted": stats.get("ps_minted", 0.0),  # the new units this process started with (joined, restarted)
             "dropped_messages": self.metrics.dropped_total, "link_timeouts": self.metrics.link_timeouts_total,
         }
 

@@ -135,6 +135,27 @@ def test_mass_counts_joins_and_leaves_as_units(tmp_path):
     assert verdicts.mass(write_run(tmp_path, [{"rank": 0}, {"rank": 1}]), []).detail.startswith("n/a")
 
 
+def test_mass_counts_the_new_units_of_joiners_and_restarted_nodes_from_their_records(tmp_path):
+    """Where the nodes record what they were given (ps_minted; a kill's mass_minted), the units are
+    the starters plus those, not the planned joins: node 2 restarted twice (its first restart was
+    killed again after taking a unit), the joiner 3 took a unit; node 1 left."""
+    faults = [{**_kill(2, 0.5, 0.0), "mass_minted": 0.0}, {"action": "restart", "rank": 2, "time": T0 + 0.4},
+              {**_kill(2, 0.25, 0.0), "mass_minted": 1.0}, {"action": "restart", "rank": 2, "time": T0 + 0.6},
+              {"action": "join", "rank": 3, "time": T0 + 0.2}, {"action": "join", "rank": 4, "time": T0 + 0.7}]
+    nodes = [{"rank": 0, "push_sum": True, "ps_weight": 2.0, "ps_minted": 0.0},
+             {"rank": 1, "push_sum": True, "ps_weight": 0.0, "ps_minted": 0.0, "left_at": 40},
+             {"rank": 2, "push_sum": True, "ps_weight": 1.25, "ps_minted": 1.0},
+             {"rank": 3, "push_sum": True, "ps_weight": 1.0, "ps_minted": 1.0},
+             {"rank": 4, "push_sum": True, "outcome": "not joined"}]  # never took a unit
+    verdict = verdicts.mass(write_run(tmp_path, nodes, faults=faults, config={"world_size": 3}), faults)
+    figures = verdict.figures
+    assert verdict.ok, verdict.detail
+    assert (figures["minted"], figures["units"], figures["lost_with_kills"]) == (3.0, 5.0, 0.75)
+    assert figures["actual"] == figures["expected_high"] == 4.25
+    nodes[2]["ps_minted"] = 0.0  # a unit nobody recorded: Σ w is over the ledger
+    assert not verdicts.mass(write_run(tmp_path, nodes, faults=faults, config={"world_size": 3}), faults).ok
+
+
 # --- stall -------------------------------------------------------------------------------------------
 
 def _lines(slow: dict[int, float] = (), pause_at: float | None = None) -> list[dict]:
@@ -227,15 +248,16 @@ def test_the_mass_record_keeps_the_last_whole_write_after_a_sigkill(tmp_path):
               "from p2ptrain.train.mass_record import MassRecord\n"
               "record = MassRecord(sys.argv[1])\n"
               "record.received(0.25); record.received(0.5)\n"
-              "for step in range(1000): record.held(step, 1.0 / (step + 1), 0.125, 0.25)\n"
+              "for step in range(1000): record.held(step, 1.0 / (step + 1), 0.125, 0.25, 1.0)\n"
               "os.kill(os.getpid(), signal.SIGKILL)\n")
     proc = subprocess.run([sys.executable, "-c", script, str(path)], cwd=ROOT, env=node_env(), timeout=60)
     assert proc.returncode == -9
     reading = read_mass_record(path)
-    assert (reading.step, reading.w, reading.in_flight, reading.inbox) == (999, 1.0 / 1000, 0.125, 0.5)
+    assert (reading.step, reading.w, reading.in_flight, reading.inbox, reading.minted) == (999, 1.0 / 1000, 0.125,
+                                                                                             0.5, 1.0)
     assert reading.uncertain == 0.625
     data = bytearray(path.read_bytes())  # tear the newest slot (seq 1000, slot 0: its closing seq): the older counts
-    data[8 + 40] ^= 0xFF
+    data[8 + 48] ^= 0xFF
     path.write_bytes(bytes(data))
     assert read_mass_record(path).step == 998
     assert read_mass_record(tmp_path / "missing.mass") is None
@@ -266,7 +288,8 @@ def test_a_real_sgp_chaos_run_with_a_kill_is_judged_and_passes(tmp_path):
     kills = [f for f in report["faults"] if f["action"] == "kill"]
     assert len(kills) == 1 and 0 < kills[0]["mass_lost"] <= 3 and kills[0]["mass_uncertain"] >= 0
     mass = judged["mass"]["figures"]
-    assert mass["units"] == 3 and mass["lost_with_kills"] == kills[0]["mass_lost"]
+    assert mass["minted"] == 1.0 and mass["units"] == 4  # the restarted node 2 got a new unit
+    assert mass["lost_with_kills"] == kills[0]["mass_lost"]
     assert mass["expected_low"] - 1e-6 <= mass["actual"] <= mass["expected_high"] + 1e-6
     assert judged["stall"]["figures"]["longest_seconds"] <= judged["stall"]["figures"]["bound_seconds"]
     assert not mass_path(out, 2).exists() or read_mass_record(mass_path(out, 2)).step > kills[0]["mass_step"]

@@ -138,8 +138,9 @@ class MassSink(Protocol):
     """Where a push-sum algorithm notes the mass it holds whenever it moves (train/mass_record.py):
     a record that survives a SIGKILL, so a killed node's loss can be accounted for."""
 
-    def held(self, step: int, w: float, in_flight: float, taken: float) -> None:
-        """w held, w sent and not yet acknowledged, w taken from the inbox so far."""
+    def held(self, step: int, w: float, in_flight: float, taken: float, minted: float = 0.0) -> None:
+        """w held, w sent and not yet acknowledged, w taken from the inbox so far, and the new
+        units this process started with (a fresh joiner or restart)."""
 
 
 class Algorithm(ABC):

@@ -149,7 +149,8 @@ class GossipDiLoCo(Algorithm):
         return None
 
     def welcome(self, peer: int, step: int, params: torch.Tensor) -> None:
-        """A node joins: it starts with a new unit of mass at our anchor (Σ w = the member count)."""
+        """A fresh process (a joiner or a restarted node) starts with a new unit of mass at our
+        anchor (Σ w = the member count)."""
         self.mass.welcome(peer, step, model=self.anchor)
 
     def hand_over(self, members: list[int], step: int) -> None:
@@ -162,7 +163,8 @@ class GossipDiLoCo(Algorithm):
         and its momentum is asked for."""
         self.anchor.copy_(state.tensor.view_as(self.anchor))
         sender, sent = state.sender, state.step
-        self.mass.merge(state, self._last_step + 1, x_share=self.mass.z * state.ps_weight)  # (releases state)
+        self.mass.merge(state, self._last_step + 1, x_share=self.mass.z * state.ps_weight,  # (releases state)
+                        new_unit=self._last_step < 0)  # a fresh process's second donor: a new unit
         params.copy_(self.anchor)
         self._ask(sender, sent)
         return params
@@ -175,7 +177,8 @@ class GossipDiLoCo(Algorithm):
     def stats(self) -> dict[str, float]:
         return {"ps_weight": self.mass.w, "min_ps_weight": self.mass.min_w,
                 "dropped_shares": float(self.mass.dropped_shares),
-                "ps_in_flight": self.mass.in_flight_w, "outer_steps": float(max(self.version, 0))}
+                "ps_in_flight": self.mass.in_flight_w, "ps_minted": self.mass.minted_w,
+                "outer_steps": float(max(self.version, 0))}
 
     # The outer step ---------------------------------------------------------------------------------
     def _outer_step(self, step: int, s: int, params: torch.Tensor) -> None:

@@ -171,15 +171,17 @@ class SGP(Algorithm):
 
     def adopt_state(self, state, params: torch.Tensor) -> torch.Tensor:
         """Catch up after a stall: merge the donor's half (x_d / 2, w_d / 2), sent as z_d with weight
-        w_d / 2, into our own (x, w). Σ w is conserved and z moves to the weighted mean."""
-        return self.mass.merge(state, self._last_step + 1)
+        w_d / 2, into our own (x, w). Σ w is conserved and z moves to the weighted mean. Before
+        its first step a fresh process merges a second donor's answer: a new unit (welcome)."""
+        return self.mass.merge(state, self._last_step + 1, new_unit=self._last_step < 0)
 
     def donate_state(self, peer: int, step: int, params: torch.Tensor) -> torch.Tensor:
         """Give a (re)joining peer half of (x, w): Σ w is conserved and both have this node's z."""
         return self.mass.split(peer, step)
 
     def welcome(self, peer: int, step: int, params: torch.Tensor) -> None:
-        """A node joins: it starts with a new unit of mass at our z (Σ w = the member count)."""
+        """A fresh process (a joiner or a restarted node) starts with a new unit of mass at our z
+        (Σ w = the member count)."""
         self.mass.welcome(peer, step)
 
     def hand_over(self, members: list[int], step: int) -> None:
@@ -192,7 +194,7 @@ class SGP(Algorithm):
 
     def stats(self) -> dict[str, float]:
         return {"ps_weight": self.w, "min_ps_weight": self.min_w, "dropped_shares": float(self.dropped_shares),
-                "ps_in_flight": self.mass.in_flight_w}
+                "ps_in_flight": self.mass.in_flight_w, "ps_minted": self.mass.minted_w}
 
     # The seed's steps --------------------------------------------------------------------------
     def _push(self, step: int, update: tuple[torch.Tensor, float]) -> None:

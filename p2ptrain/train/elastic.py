@@ -154,13 +154,15 @@ class Lifecycle:
 
     # As a member ------------------------------------------------------------------------------------
     def serve_joiners(self, step: int) -> None:
-        """Give (re)joining peers this node's state at the boundary after `step`. A node new to the
-        members gets its start state (Algorithm.welcome); once set up to receive everything, it
-        proposes itself as a member (Communicator.ready)."""
+        """Give (re)joining peers this node's state at the boundary after `step`. A fresh process
+        (a node new to the members, or one restarted after a crash: it holds nothing) gets its
+        start state (Algorithm.welcome: push-sum mints it a new unit, since whatever its crashed
+        self held is gone); a member catching up gets a share (Algorithm.donate_state). Once set up
+        to receive everything, a joiner proposes itself as a member (Communicator.ready)."""
         self.membership.reconcile()
         for peer, holds_state in self.membership.take_state_requests():
             vector = self.state.vector()
-            if self.membership.newcomer(peer) and not holds_state:
+            if not holds_state:
                 changed = self.algorithm.welcome(peer, step, vector)
             else:
                 changed = self.algorithm.donate_state(peer, step, vector)

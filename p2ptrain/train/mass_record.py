@@ -3,7 +3,8 @@ the launcher reads it right after a kill, so the chaos verdicts know what went d
 
 One mmap'd page: a write is a memcpy into the page cache (no system call, no fsync), and the kernel
 keeps the page when the process dies. Two writers, each in its own region, so neither takes a lock:
-    training thread  step, w held, w in flight (sent, not yet acknowledged), w taken from the inbox
+    training thread  step, w held, w in flight (sent, not yet acknowledged), w taken from the inbox,
+                     w minted for this process (the new units a fresh process started with)
     event loop       w delivered into the inbox (push-sum shares, state transfers, leavers' mass)
 received - taken is the mass acknowledged to its senders but not folded in yet. Each region is
 written into two slots in turn, framed by its sequence number at both ends: a process killed in the
@@ -17,8 +18,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-MAGIC = b"p2pmass1"
-_HELD = struct.Struct("<qqdddq")     # seq, step, w, w in flight, w taken, seq
+MAGIC = b"p2pmass2"
+_HELD = struct.Struct("<qqddddq")    # seq, step, w, w in flight, w taken, w minted, seq
 _RECEIVED = struct.Struct("<qdq")    # seq, w received, seq
 _HELD_AT = len(MAGIC)
 _RECEIVED_AT = _HELD_AT + 2 * _HELD.size
@@ -44,11 +45,11 @@ class MassRecord:
         self._held_seq = self._received_seq = 0
         self._received = 0.0
 
-    def held(self, step: int, w: float, in_flight: float, taken: float) -> None:
+    def held(self, step: int, w: float, in_flight: float, taken: float, minted: float = 0.0) -> None:
         """Training thread: the mass after a push, fold, re-absorption, split or hand-over."""
         self._held_seq += 1
         seq = self._held_seq
-        _HELD.pack_into(self._map, _HELD_AT + (seq & 1) * _HELD.size, seq, step, w, in_flight, taken, seq)
+        _HELD.pack_into(self._map, _HELD_AT + (seq & 1) * _HELD.size, seq, step, w, in_flight, taken, minted, seq)
 
     def received(self, weight: float) -> None:
         """Event-loop thread: a message carrying `weight` of mass was delivered (and acknowledged)."""
@@ -69,6 +70,7 @@ class MassReading:
     w: float          # held: lost with the node for certain
     in_flight: float  # sent, unacknowledged: lost only if it never lands
     inbox: float      # acknowledged to its senders, not folded in: lost, unless the ack never left
+    minted: float = 0.0  # the new units it started with (a fresh process: joined, or restarted)
 
     @property
     def uncertain(self) -> float:
@@ -87,9 +89,9 @@ def read_mass_record(path: Path) -> MassReading | None:
     if held is None:
         return None
     received = _newest(data, _RECEIVED, _RECEIVED_AT)
-    _, step, w, in_flight, taken, _ = held
+    _, step, w, in_flight, taken, minted, _ = held
     inbox = max(0.0, (received[1] if received is not None else 0.0) - taken)
-    return MassReading(step=step, w=w, in_flight=in_flight, inbox=inbox)
+    return MassReading(step=step, w=w, in_flight=in_flight, inbox=inbox, minted=minted)
 
 
 def _newest(data: bytes, layout: struct.Struct, offset: int) -> tuple | None:

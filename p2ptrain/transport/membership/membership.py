@@ -72,11 +72,6 @@ class Membership:
         latest = self.views.latest
         return frozenset(set(self.members(step)) - set(latest.members) - {latest.proposer})
 
-    def newcomer(self, peer: int) -> bool:
-        """`peer` is not a member of the latest view: it joins (or comes back after leaving, or
-        after being dropped), and holds no push-sum mass (see Algorithm.welcome)."""
-        return peer not in self.views.latest.members
-
     def accept_leave(self, peer: int, weight: float) -> str:
         """Whether to absorb push-sum mass `weight` that `peer` hands over as it leaves: "" (yes,
         once) or why not. Only a member that the current or a pending view drops may hand over,
