@@ -137,9 +137,11 @@ class Node:
         to reach that step (`running`, a restarted node: for a ready peer past step 0 to answer, as
         busy peers may miss one survey); NoClusterToRejoin if it has finished (EMPTY_SURVEYS surveys
         in a row reach nobody) or never answers."""
-        deadline, seen, empty = time.monotonic() + self.config.peer_timeout, False, 0
+        deadline, seen, empty, furthest = time.monotonic() + self.config.peer_timeout, False, 0, 0
         while True:
-            survey = self.transport.membership.survey()
+            survey = self.transport.membership.survey(everyone=True)  # (joiners since are in no view it knows)
+            if survey.furthest > furthest:  # the cluster answers and moves on (towards join_at): wait on
+                furthest, deadline = survey.furthest, time.monotonic() + self.config.peer_timeout
             seen |= bool(survey.reachable)
             empty = 0 if survey.reachable else empty + 1  # (one empty survey may be busy peers)
             if running and not seen and empty >= EMPTY_SURVEYS:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -18,11 +20,13 @@ from launcher.ports import free_ports
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.algorithms.sgp import SGP
 from p2ptrain.metrics import NodeMetrics
+from p2ptrain.node import Node
 from p2ptrain.topology import member_topology
 from p2ptrain.train.optimizer import DecentralizedOptimizer
 from p2ptrain.transport import Transport, TransportOptions
 from p2ptrain.transport.framing import encode_data, encode_header, serialize_identity
 from p2ptrain.transport.membership import vetting
+from p2ptrain.transport.membership.greetings import ClusterSurvey
 from p2ptrain.transport.membership.views import View, Views
 from p2ptrain.transport.server import HELLO_METHOD, PROTOCOL_VERSION, PUSH_METHOD
 from tests.cluster import run_cluster
@@ -243,3 +247,75 @@ def test_a_passed_on_view_of_a_proposer_that_is_gone_needs_another_member_holdin
         channel.close()
         for node in nodes[1:]:
             node.stop()
+
+
+# A restarted process knows the initial view only (chaos diloco-250-8) ------------------------------
+
+def test_a_restarted_node_adopts_a_passed_on_view_its_proposer_and_initial_members_cannot_confirm():
+    """chaos diloco-250-8: nodes 0-2 start, 3 and 4 joined; node 0 proposed (1, 3, 4) and left,
+    node 2 left too. Node 1 is a restarted process holding the initial view only. Node 3 passes the
+    view on: its proposer 0 and the other member of node 1's base (2) are gone, but node 4, a
+    member of the view, holds it: node 1 adopts it (HEAD refused it, forever)."""
+    world = 5
+    peers = [f"127.0.0.1:{p}" for p in free_ports(world)]
+    options = TransportOptions(probe_timeout=1.0, initial_members=3, send_timeout=5.0)
+    nodes = {r: Transport(r, world, peers, listen=peers[r], metrics=NodeMetrics(r), options=options).start()
+             for r in (1, 3, 4)}
+    channel = grpc.insecure_channel(peers[1])
+    hello = channel.unary_unary(HELLO_METHOD, request_serializer=pb.HelloRequest.SerializeToString,
+                                response_deserializer=pb.HelloReply.FromString)
+    try:
+        view = View(3, 0, 500, (1, 3, 4))
+        for r in (3, 4):
+            assert nodes[r].run_on_loop(nodes[r].membership.views.adopt, view)
+        before = _refused(nodes[1])
+        hello(pb.HelloRequest(node_id=3, world_size=world, protocol_version=PROTOCOL_VERSION, view=view.to_proto()),
+              timeout=10)
+        wait_until(lambda: nodes[1].membership.latest == view, 30, "the view its member 4 holds")
+        assert _refused(nodes[1]) == before
+    finally:
+        channel.close()
+        for node in nodes.values():
+            node.stop()
+
+
+def test_a_restarted_node_whose_initial_members_all_left_finds_the_joiners():
+    """chaos diloco-250-8, nodes 3 and 6 (exit 3): the initial members 1, 2 left; joiners 3 and 4
+    train on (view (3, 4)). Restarted node 0 surveys its initial view and reaches nobody; as a
+    (re)joiner it also greets the ranks of no view it knows, finds the running cluster there, and
+    gets a donor."""
+    world = 5
+    peers = [f"127.0.0.1:{p}" for p in free_ports(world)]
+    options = TransportOptions(probe_timeout=1.0, initial_members=3, send_timeout=5.0)
+    nodes = {r: Transport(r, world, peers, listen=peers[r], metrics=NodeMetrics(r), options=options).start()
+             for r in (0, 3, 4)}
+    try:
+        view = View(2, 3, 50, (3, 4))
+        for r in (3, 4):
+            assert nodes[r].run_on_loop(nodes[r].membership.views.adopt, view)
+            nodes[r].mark_ready()
+            nodes[r].membership.set_step(100)
+        membership = nodes[0].membership
+        assert membership.survey().reachable == 0           # HEAD: all a restarted node 0 ever asks
+        found = membership.survey(everyone=True)
+        assert found.running and found.furthest == 100
+        assert membership.ask_for_state().donor in (3, 4)
+    finally:
+        for node in nodes.values():
+            node.stop()
+
+
+def test_a_joiner_waits_past_the_peer_timeout_while_the_cluster_moves_towards_its_join_step():
+    """chaos diloco-250-8, first incarnations of joiners 6, 7, 8 (exit 3 'no live peer to join'):
+    started at launch with join_at far ahead, they gave up after peer_timeout although the cluster
+    answered and moved on the whole time."""
+    steps = iter(range(0, 10_000, 10))
+
+    def survey(timeout=2.0, everyone=False):
+        time.sleep(0.05)
+        return ClusterSurvey(reachable=1, running=True, furthest=next(steps))
+
+    node = Node.__new__(Node)
+    node.config = SimpleNamespace(peer_timeout=0.3, join_at=200, rank=6)
+    node.transport = SimpleNamespace(membership=SimpleNamespace(survey=survey))
+    node._wait_to_join(running=False)  # HEAD: NoClusterToRejoin after 0.3 s (the cluster at step ~60)

@@ -131,6 +131,14 @@ class Greetings:
         return [peer for peer in range(self.world_size)
                 if peer != self.rank and (peer in latest or (peer in self.views.members_ever and self.addresses[peer]))]
 
+    def unviewed(self) -> list[int]:
+        """Every other rank whose address is known but that others() leaves out: where a (re)joining
+        process may still find the cluster. It starts with the initial view only, so the members
+        admitted since (joiners) are in no view it knows, and its initial members may all have left."""
+        known = set(self.others())
+        return [peer for peer in range(self.world_size)
+                if peer != self.rank and peer not in known and self.addresses[peer]]
+
     def learn_address(self, peer: int, address: str) -> None:
         if len(address) > MAX_ADDRESS or not address.isprintable():
             log.warning("node %d: ignored an unusable address for node %d (%r...)", self.rank, peer, address[:40])
@@ -218,12 +226,20 @@ class Greetings:
     async def _doubt_reason(self, view: View, sender: int, doubts: vetting.Doubts) -> str:
         if doubts.passed_on:  # its proposer's own latest view must be this one (or a later one) ...
             held = await self._holds(view.proposer, view)
-            if held is None:  # ... or, the proposer being gone (it left, or died), another member's
-                witnesses = [p for p in self.liveness.live(self.views.base_of(view).members)
+            if held is None:  # ... or, the proposer being gone (it left, or died), another member's:
+                # first the view's own members (its proposer sent it to each of them), then those of
+                # its base here (a restarted process's base is its initial view, whose members may
+                # all have left since); until one holds it, or two answered that they do not
+                base = self.views.base_of(view)
+                witnesses = [p for p in self.liveness.live(dict.fromkeys(view.members + base.members))
                              if p not in (self.rank, sender, view.proposer) and self.addresses[p]]
-                for witness in witnesses[:2]:
+                answered = 0
+                for witness in witnesses:
                     held = await self._holds(witness, view)
                     if held:
+                        break
+                    answered += held is not None
+                    if answered == 2:
                         break
                 if held is None:
                     return f"passed on, and neither its proposer {view.proposer} nor another member confirms it"
@@ -386,7 +402,8 @@ class Greetings:
         request.want_state = True
         answers = StateAnswers()
         preferred = sorted(self.liveness.excluded_by())
-        for peer in preferred + [p for p in self.others() if p not in preferred]:
+        # (the ranks of no view known here last: asked only when no member it knows of donates)
+        for peer in preferred + [p for p in self.others() + self.unviewed() if p not in preferred]:
             try:
                 reply = self._hello_once(peer, request, 2.0).result(10)
             except FAILED as exc:
@@ -405,11 +422,21 @@ class Greetings:
                 answers.gone.add(peer)  # starting or rejoining itself: it holds no state to give
         return answers
 
-    def survey(self, timeout: float = 2.0) -> ClusterSurvey:
+    def survey(self, timeout: float = 2.0, everyone: bool = False) -> ClusterSurvey:
         """Hello every peer once (without waiting for connections): how many answer, and whether a
         compatible, ready one is past step 0, i.e. this node was restarted into a running cluster
-        (at a fresh start no node passes step 0 before every node is ready)."""
-        futures = [self._hello_once(peer, self.hello_request(), timeout) for peer in self.others()]
+        (at a fresh start no node passes step 0 before every node is ready). With `everyone` (a
+        (re)joiner), when the peers of others() show no running cluster, also every other rank whose
+        address is known (unviewed)."""
+        found = self._survey(self.others(), timeout)
+        if not everyone or found.running:
+            return found
+        extra = self._survey(self.unviewed(), timeout)
+        return ClusterSurvey(reachable=found.reachable + extra.reachable, running=extra.running,
+                             furthest=max(found.furthest, extra.furthest))
+
+    def _survey(self, peers: list[int], timeout: float) -> ClusterSurvey:
+        futures = [self._hello_once(peer, self.hello_request(), timeout) for peer in peers]
         reachable, running, furthest = 0, False, 0
         for future in futures:
             try:

@@ -212,9 +212,10 @@ class Membership:
         self.liveness.step = step
         self.greetings.pace.note(step)
 
-    def survey(self, timeout: float = 2.0) -> ClusterSurvey:
-        """How many peers answer a Hello, and whether the cluster already runs."""
-        return self.greetings.survey(timeout)
+    def survey(self, timeout: float = 2.0, everyone: bool = False) -> ClusterSurvey:
+        """How many peers answer a Hello, and whether the cluster already runs (`everyone`: a
+        (re)joiner also asks the ranks of no view it knows, Greetings.survey)."""
+        return self.greetings.survey(timeout, everyone)
 
     def hello(self, peer: int, timeout: float = 10.0) -> pb.HelloReply:
         """Greet `peer` once (from the training thread), waiting up to `timeout` for it to come up;
