@@ -98,6 +98,45 @@ def test_sgp_survives_a_stalled_peer_with_its_mass_and_rejoins(overlap, seconds)
         assert results[2][3] >= 1, "the stalled node never caught up"
 
 
+def test_a_drained_sgp_node_pushes_nothing_until_in_shares_refill_it():
+    """Node 0's w is cut to a millionth of itself after step 20 (as racing ahead of peers that take
+    its shares and send none back does, 2^-40 in a chaos run, until z = x / w went non-finite): it
+    pushes to nobody (the drain guard, w < DRAINED ψ) until its in-peers' shares lift it back, then
+    pushes as before. Nothing else changes: Σ w is what was left after the cut, to the last ulp, and
+    the nodes still agree. Fault-free, the exact-recursion tests show the guard never acts."""
+    n, steps, cut_at, cut = 4, 120, 20, 1e-6
+    topology = build_topology("exponential", n, peers_per_step=1)
+    removed = []
+
+    def body(rank, comm):
+        sgp = SGP(comm, topology, overlap=1)
+        sgp.ledger = []
+        trainer = averaging_trainer(rank, sgp, comm)
+
+        def data():
+            for step, batch in enumerate(batches(rank, comm, stall_rank=-1, stall_at=-1, seconds=0.0)):
+                if rank == 0 and step == cut_at + 1:  # (between the steps cut_at and cut_at + 1)
+                    removed.append(sgp.mass.w * (1 - cut))
+                    sgp.mass.x.mul_(cut)
+                    sgp.mass.w *= cut
+                yield batch
+
+        trainer.fit(data(), steps)
+        return sgp.w, sgp.drained_steps, trainer.optimizer.state_vector.vector().detach().clone(), list(sgp.ledger)
+
+    results = run_cluster(n, body, options=OPTIONS, timeout=120)
+    ws = [r[0] for r in results]
+    assert sum(ws) == pytest.approx(n - removed[0], abs=1e-9), (ws, removed)
+    assert results[0][1] >= 1 and all(r[1] == 0 for r in results[1:]), [r[1] for r in results]
+    sends = sorted({step for event, step, *_ in results[0][3] if event == "send"})
+    drained = [k for k in range(cut_at + 1, steps) if k not in sends]
+    assert drained[:results[0][1]] == list(range(cut_at + 1, cut_at + 1 + results[0][1])), drained
+    assert max(sends) > cut_at + results[0][1], "node 0 never pushed again"
+    zs = torch.stack([r[2] for r in results])
+    assert torch.isfinite(zs).all()
+    assert float((zs - zs.mean(0)).abs().max()) < 1e-3, zs
+
+
 def test_dpsgd_survives_a_stalled_peer_and_the_stalled_node_catches_up():
     n, steps = 4, 300
 

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 KIND = Kind.PUSH_SUM
+DRAINED = 1e-3  # w below this fraction of ψ: push nothing until in-shares refill it (see SGP)
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,15 @@ class SGPOptions(AlgorithmOptions):
 class SGP(Algorithm):
     """SGP on one node: which peers get a share at which step, when shares are mixed in (τ steps
     later; the loop waits only if they are not there by then, at most the link deadline), and the
-    step guard. Dead peers are skipped (p = 1 / (live out-degree + 1)); a rejoining peer gets half of
-    a donor's (x, w), and a node that stalled and was excluded catches up by merging half of a
-    donor's (x, w) into its own (adopt_state): its own mass is not thrown away."""
+    step guard. Dead peers are skipped (p = 1 / (live out-degree + 1)); a fresh process (joiner or
+    restart) gets a new unit at a donor's z, and a node that stalled and was excluded catches up by
+    merging half of a donor's (x, w) into its own (adopt_state): its own mass is not thrown away.
+
+    The drain guard: a node whose w fell below DRAINED ψ_i pushes to nobody (p = 1) until in-shares
+    refill it. A node that runs ahead of peers that take its shares but send none back (they lag,
+    restart, or die after acknowledging) halves w at every push: 2^-40 was seen under dense churn,
+    and at 1e-45 the float32 x underflows and z = x / w is no longer finite. Without a fault w = ψ_i:
+    the guard is never active."""
 
     name = "sgp"
     elastic = True  # joins, leaves (SIGTERM) and view switches: topology over each step's members
@@ -82,6 +89,7 @@ class SGP(Algorithm):
         self.fault_free = FaultFreeWeights(topology, overlap)  # ψ: the w of each node when nothing is missing
         self._last_step = -1
         self._mixed_through = -1  # shares of steps up to this one were all folded in (a checkpoint's flush)
+        self.drained_steps = 0    # steps this node pushed nothing because its w had drained (DRAINED)
 
     # The push-sum state, as tests and stats read it
     x = property(lambda self: self.mass.x)
@@ -194,7 +202,8 @@ class SGP(Algorithm):
 
     def stats(self) -> dict[str, float]:
         return {"ps_weight": self.w, "min_ps_weight": self.min_w, "dropped_shares": float(self.dropped_shares),
-                "ps_in_flight": self.mass.in_flight_w, "ps_minted": self.mass.minted_w}
+                "ps_in_flight": self.mass.in_flight_w, "ps_minted": self.mass.minted_w,
+                "drained_steps": float(self.drained_steps)}
 
     # The seed's steps --------------------------------------------------------------------------
     def _push(self, step: int, update: tuple[torch.Tensor, float]) -> None:
@@ -207,7 +216,21 @@ class SGP(Algorithm):
         window = self.tau + 1  # a share per step of the bounded delay may be on its way
         peers = [peer for peer in self.comm.membership.live(self.topology.out_peers(self.rank, step))
                  if self.comm.make_room(peer, window)]
+        if peers and self._drained(step):
+            peers = []
         self.mass.push(peers, step, update=update)
+
+    def _drained(self, step: int) -> bool:
+        """w < DRAINED ψ_i (ψ = 1 for a node outside the schedule's members): keep all mass this step."""
+        psi = self.fault_free.at_update(self.rank, step)
+        drained = self.mass.w < DRAINED * (psi if psi > 0.0 else 1.0)
+        if drained:
+            if not self.drained_steps or self.drained_steps % 1000 == 0:
+                log.warning("node %d: push-sum weight drained to %.3g (%.3g of the fault-free %.3g) at step %d: "
+                            "pushing nothing until in-shares refill it", self.rank, self.mass.w,
+                            self.mass.w / (psi or 1.0), psi, step)
+            self.drained_steps += 1
+        return drained
 
     def _mix(self, step: int, now: int) -> None:
         """Add the step-`step` shares of the in-neighbours that arrive within the link deadline, and
