@@ -188,7 +188,9 @@ def stall(out_dir: Path, report: dict, faults: list[dict], bound: float | None =
     progress-line interval's longest step, max_step_seconds; the gap between the lines where an
     older node wrote no per-step maximum), in seconds and in median steps, against `bound`
     (default: the longest planned stall + STALL_DEADLINES link deadlines + STALL_PACE_STEPS median
-    steps). The first interval of each incarnation (start-up, rejoining) is left out."""
+    steps). The first interval of each incarnation (start-up, rejoining) is left out, and so is a
+    leaver's last (it hands its mass over, which waits on the member that takes it; the others
+    train on meanwhile)."""
     config = report.get("config", {})
     pace = _median([n.get("median_step_seconds") for n in report.get("nodes", [])]) or 0.0
     stalls = [float(f.get("seconds") or 0.0) for f in faults if f.get("action") == "stall"]
@@ -201,9 +203,12 @@ def stall(out_dir: Path, report: dict, faults: list[dict], bound: float | None =
     for node in report.get("nodes", []):
         rank = node["rank"]
         lines = [r for r in run_report.load_progress(out_dir, rank) if "step_seconds" in r and _number(r.get("time"))]
+        left_at = node["left_at"] if _number(node.get("left_at")) else math.inf
         for previous, line in zip(lines, lines[1:]):
             if line["step"] <= previous["step"] or _overlaps(windows.get(rank, []), previous["time"], line["time"]):
                 continue  # the same step again (the final line), or this node was stalled or killed
+            if line["step"] >= left_at:
+                continue  # a leaver's hand-over
             gap = line["time"] - previous["time"]
             longest_gap = max(longest_gap, gap)
             seconds = line.get("max_step_seconds", gap)

@@ -47,6 +47,10 @@ class Communicator:
             codecs = {codec: CodecLayout(*layout) for codec, layout in codecs.items()}
         self.transport.expect(kind, dtype, numel, codecs=codecs, **kwargs)
 
+    def unexpect(self, kind: int, channel: str | None = None) -> None:
+        """Refuse `kind` messages from now on (the senders learn at once: "unexpected_kind")."""
+        self.transport.unexpect(kind, channel)
+
     def ready(self) -> None:
         """Call after every expect(): this node accepts every message now. A (re)joining node tells
         the live peers it is back and at which step, and stands for membership; a starting one waits

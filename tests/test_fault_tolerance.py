@@ -188,6 +188,7 @@ def test_fast_nodes_run_ahead_of_a_slow_node_within_the_overlap_bound():
 
 # Part 2: crash and rejoin, real processes ---------------------------------------------------------
 
+@pytest.mark.slow  # 47 s; a SIGKILLed, restarted real node stays in the default suite in the SGP chaos run
 def test_killed_node_rejoins_from_a_live_peer_and_ends_in_consensus(tmp_path):
     """`launch --kill 2@STEPS/3 --restart 2@2STEPS/3`: the others train on while node 2 is down;
     the restarted node gets a new unit of mass at a live peer's z and resumes at its step; the run

@@ -333,6 +333,20 @@ def test_stale_step_is_rejected(receiver, raw):
     assert rejections(receiver) == {"stale_step": 1.0}
 
 
+def test_a_leavers_mass_is_taken_at_any_step(receiver, raw):
+    """A LEAVE carries the leaver's whole push-sum mass: refused for its step (a chaos run's member
+    had just rejoined far from the leaver's step), it would leave with the leaver. Like a state
+    transfer it has no step window (Membership.accept_leave vets it instead)."""
+    leave = pb.MESSAGE_KIND_LEAVE
+    receiver.expect(leave, torch.float32, NUMEL)
+    receiver.membership.set_step(500)
+    for step in (500 - 65, 500 + 65):
+        ack = raw(iter(good_stream(header(kind=leave, step=step))), timeout=10)
+        assert ack.status == pb.Ack.STATUS_ACCEPTED, ack
+    assert sorted(m.step for m in receiver.take(leave, 2 ** 62)) == [435, 565]
+    assert rejections(receiver) == {}
+
+
 def test_duplicate_message_id_is_acknowledged_not_delivered_twice(receiver, raw):
     h = header()
     first = raw(iter(good_stream(h)), timeout=10)

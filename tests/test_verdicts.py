@@ -191,6 +191,17 @@ def test_stall_leaves_out_a_killed_node_until_its_restart(tmp_path):
     assert verdict.ok and verdict.figures["longest_seconds"] == 0.5 and verdict.figures["rank"] == 1
 
 
+def test_stall_leaves_out_a_leavers_hand_over_but_not_its_steps_before(tmp_path):
+    """Node 1 left at step 100: its last interval (finish and hand-over, waiting on the member that
+    takes its mass: 20 s in a chaos run) is not a stall of the cluster; its step-90 line is."""
+    lines = {1: _lines({90: 0.5, 100: 20.0})}
+    report = write_run(tmp_path, [{"rank": 0}, {"rank": 1, "left_at": 100}], lines=lines)
+    verdict = verdicts.stall(tmp_path, report, [], bound=1.0)
+    assert verdict.ok and verdict.figures["longest_seconds"] == 0.5 and verdict.figures["at_step"] == 90
+    report = write_run(tmp_path, [{"rank": 0}, {"rank": 1}], lines=lines)  # (not a leaver: a stall)
+    assert not verdicts.stall(tmp_path, report, [], bound=1.0).ok
+
+
 # --- memory, accuracy ----------------------------------------------------------------------------------
 
 def _rss_lines(warm: float, end: float) -> list[dict]:

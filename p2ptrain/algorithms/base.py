@@ -106,6 +106,9 @@ class Comm(Protocol):
                preallocate: int = 2, max_payload_bytes: int | None = None, codecs=None) -> None:
         """Accept messages of `kind` (on `channel`) holding `numel` x `dtype`; call before ready()."""
 
+    def unexpect(self, kind: Kind, channel: str | None = None) -> None:
+        """Refuse `kind` messages from now on (a leaver takes no other leaver's mass)."""
+
     def ready(self) -> None:
         """Every expect() done: announce readiness and wait for the peers to be ready too."""
 

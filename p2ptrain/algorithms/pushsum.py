@@ -323,14 +323,26 @@ class PushSum:
     def hand_over(self, members: list[int], step: int) -> bool:
         """This node leaves: send its whole (x, w) to the first of `members` that takes it (a
         LEAVE message of step `step`, the first the node does not run); True once one did. The
-        receiver retires one unit (take_over), so Σ w stays the member count."""
+        receiver retires one unit (take_over), so Σ w stays the member count. Each send is settled
+        (delivered, or voided: a late copy is refused) before the next member is tried, so the
+        mass never lands twice; a member that does not answer within the peer timeout in all (it
+        is frozen: the outcome is unknown) ends the hand-over, and the mass may still reach it.
+        First it stops taking other leavers' mass (it would leave with us: they try another member)
+        and absorbs what came before, retiring a unit for each, as a member does."""
+        self.comm.unexpect(Kind.LEAVE)
+        self.take_over(step)
         self.fold_residual()
+        end = time.monotonic() + max(self.comm.peer_timeout, 2 * self.comm.link_deadline)
         for peer in members:
             future = self.comm.send(peer, self.x.detach().clone(), kind=Kind.LEAVE, step=step, ps_weight=self.w,
-                                    reliable=True)
+                                    reliable=True, settle=True)
             try:
-                delivery = future.result(timeout=max(10.0, 2 * self.comm.link_deadline))
-            except Exception as exc:  # noqa: BLE001 - any failure: try the next member
+                delivery = future.result(timeout=max(0.0, end - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                self.log.error("node %d: node %d has not settled our mass (w %.4g) within the peer timeout: it "
+                               "leaves with us unless that node takes it late", self.rank, peer, self.w)
+                return False
+            except Exception as exc:  # noqa: BLE001 - nothing was sent (the peer was dead): the next member
                 self.log.warning("node %d: node %d did not take our mass (%s)", self.rank, peer, exc)
                 continue
             if delivery.delivered:

@@ -34,6 +34,7 @@ from p2ptrain.transport.validation import (
 # fixed-rate codecs of seed 004: codec -> (bytes per element, codec params); the others (fp16, bf16, int4,
 # top-k) only where a channel declares them. compression.py implements them;
 # tests/test_compression.py pins these numbers to it.
+MASS_TRANSFERS = (pb.MESSAGE_KIND_STATE, pb.MESSAGE_KIND_LEAVE)  # taken at any step: no step window
 FIXED_RATE_CODECS = {pb.CODEC_TRUNC16: (2, 0), pb.CODEC_INT8_QUANTIZE: (1, 1)}
 
 
@@ -340,8 +341,9 @@ class Inbox:
             raise Rejection("unexpected_kind", f"node {self.rank} does not accept message kind {kind}")
         validate_header(header, spec, world_size=self.world_size)
         step = self.senders.step
-        if header.kind != pb.MESSAGE_KIND_STATE and abs(header.step - step) > self.step_window:
-            # (a state transfer carries the donor's step, which a rejoining node is far behind of)
+        if header.kind not in MASS_TRANSFERS and abs(header.step - step) > self.step_window:
+            # (a state transfer carries the donor's step, which a rejoining node is far behind of; a
+            # leaver's mass is taken at any step, or it would leave with the leaver)
             raise Rejection("stale_step" if header.step < step else "future_step",
                             f"step {header.step} outside [{step - self.step_window}, {step + self.step_window}]")
 
