@@ -451,7 +451,8 @@ def _apply_faults(events: list[FaultEvent], processes: "_NodeProcesses", watcher
             state.down = True
             if held is not None:  # push-sum: what went down with it (launcher/verdicts.py's mass ledger)
                 extra = {"mass_lost": held.w, "mass_uncertain": held.uncertain, "mass_in_flight": held.in_flight,
-                         "mass_inbox": held.inbox, "mass_minted": held.minted, "mass_step": held.step}
+                         "mass_inbox": held.inbox, "mass_minted": held.minted, "mass_step": held.step,
+                         "mass_flows": held.flows()}
         elif event.action == "join":  # (started at launch with --join-at: it joins by itself now)
             state.down = state.joins = False
             state.late = True

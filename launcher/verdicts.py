@@ -146,7 +146,13 @@ def mass(report: dict, faults: list[dict]) -> Verdict:
     their senders but not folded in are lost unless the ack never left: `mass_uncertain`). Shares a
     final member sent and never saw acknowledged by its end (`ps_in_flight`: to a node frozen past
     the end) are uncertain too. So Σ w must lie in [units - lost - uncertain, units - lost], give or
-    take MASS_TOLERANCE."""
+    take MASS_TOLERANCE.
+
+    Where every incarnation recorded its flows of w (`ps_flows`, a kill's `mass_flows`), the
+    uncertainty goes: the shares that never landed are what left the senders and did not come back
+    minus what the receivers took delivery of, so Σ w must equal units - lost - inboxes - that, and
+    that must lie in [0, what was in flight at the kills and unacknowledged at the end]
+    (_exact_ledger)."""
     nodes = report.get("nodes", [])
     if not any(n.get("push_sum") for n in nodes):
         return Verdict("mass", True, "n/a: not a push-sum algorithm", {})
@@ -173,6 +179,24 @@ def mass(report: dict, faults: list[dict]) -> Verdict:
                "expected_high": high, "actual": actual, "difference": difference, "tolerance": MASS_TOLERANCE,
                "kills_without_record": unrecorded}
     ok = abs(difference) <= MASS_TOLERANCE
+    exact = _exact_ledger(nodes, kills, members)
+    if exact is not None:
+        exact["actual"] = actual
+        exact["difference"] = actual - exact["expected"]
+        figures["exact"] = exact
+        wire_ok = -MASS_TOLERANCE <= exact["never_landed"] <= exact["in_flight"] + MASS_TOLERANCE
+        ok = abs(exact["difference"]) <= MASS_TOLERANCE and wire_ok
+        left = f" - {exact['left_with_leavers']:.6f} left with leavers" if exact["left_with_leavers"] else ""
+        detail = (f"Σ w {actual:.6f} over {len(members)} final members, expected {exact['expected']:.6f} = "
+                  f"{exact['units']:.6g} units - {exact['held_by_killed']:.6f} held by {len(kills)} killed node(s) - "
+                  f"{exact['inboxes']:.6f} in inboxes - {exact['never_landed']:.6f} sent and never landed (of "
+                  f"{exact['in_flight']:.6f} in flight at kills and at the end){left}")
+        if abs(exact["difference"]) > MASS_TOLERANCE:
+            detail += f": off by {exact['difference']:+.3g}"
+        elif not wire_ok:
+            detail += ": more landed than was sent" if exact["never_landed"] < 0 else \
+                ": more never landed than was in flight"
+        return Verdict("mass", ok, detail, figures)
     expected = f"{high:.6f}" if uncertain == 0 else f"[{low:.6f}, {high:.6f}]"
     in_flight = "" if not uncertain else (
         f" (- up to {uncertain:.6f} in flight: {uncertain_with_kills:.6f} at kills, {unacknowledged:.6f} "
@@ -277,6 +301,37 @@ def accuracy(report: dict, baseline: float | None, margin: float = ACCURACY_MARG
 
 
 # --- helpers --------------------------------------------------------------------------------------
+
+def _exact_ledger(nodes: list[dict], kills: list[dict], members: list[dict]) -> dict | None:
+    """Every flow of w, summed over the incarnations: the killed ones (their mass records, read at
+    the kill) and the ones that ended as planned (their summaries); None where one of them did not
+    record its flows (an older run). Each incarnation holds started + taken - sent + reabsorbed -
+    retired - dropped; what it took delivery of (received, the new units it was given aside) and
+    what left the senders for good (sent - reabsorbed) differ by the mass that never landed."""
+    killed = [f for f in kills if "mass_lost" in f]
+    ended = [n for n in nodes if n.get("outcome", "done") == "done" and isinstance(n.get("steps"), int)]
+    if any("mass_flows" not in f for f in killed) or any(not n.get("ps_flows") for n in ended):
+        return None
+    flows = [f["mass_flows"] for f in killed] + [n["ps_flows"] for n in ended]
+    if not flows:
+        return None
+
+    def total(name: str) -> float:
+        return sum(float(f.get(name) or 0.0) for f in flows)
+
+    units = total("started") + total("minted") - total("retired")
+    never_landed = (total("sent") - total("reabsorbed")) - (total("received") - total("minted"))
+    held_by_killed = sum(float(f["mass_lost"]) for f in killed)
+    inboxes = sum(max(0.0, float(f.get("received") or 0.0) - float(f.get("taken") or 0.0)) for f in flows)
+    final = {id(n) for n in members}
+    left_with_leavers = sum(float(n.get("ps_weight") or 0.0) for n in ended if id(n) not in final)
+    in_flight = sum(float(f.get("mass_in_flight") or 0.0) for f in killed) + \
+        sum(float(n.get("ps_in_flight") or 0.0) for n in members)
+    expected = units - total("dropped") - held_by_killed - inboxes - never_landed - left_with_leavers
+    return {"units": units, "dropped": total("dropped"), "held_by_killed": held_by_killed, "inboxes": inboxes,
+            "never_landed": never_landed, "in_flight": in_flight, "left_with_leavers": left_with_leavers,
+            "expected": expected, "incarnations": len(flows)}
+
 
 def _minted(nodes: list[dict], kills: list[dict]) -> float | None:
     """The new units every incarnation started with: the killed ones' mass records and the nodes

@@ -143,7 +143,9 @@ class Node:
             if survey.furthest > furthest:  # the cluster answers and moves on (towards join_at): wait on
                 furthest, deadline = survey.furthest, time.monotonic() + self.config.peer_timeout
             seen |= bool(survey.reachable)
-            empty = 0 if survey.reachable else empty + 1  # (one empty survey may be busy peers)
+            # (one empty survey may be busy peers; a peer that keeps its port but does not answer may
+            # be frozen, SIGSTOPped for 30 s in a chaos run: waited for up to the peer timeout)
+            empty = 0 if survey.reachable or survey.silent else empty + 1
             if running and not seen and empty >= EMPTY_SURVEYS:
                 raise NoClusterToRejoin(f"node {self.config.rank}: no live peer to rejoin: the cluster has finished "
                                         "(or is unreachable)")
@@ -219,6 +221,14 @@ class Node:
         finally:
             self.stop()
 
+    def _record_deliveries(self, record: MassRecord) -> None:
+        """(Loop thread, so no delivery slips in between.) The record counts every w delivered from
+        now on, after what was delivered before it existed (a joiner's state, late donors')."""
+        inbox = self.transport.inbox
+        if inbox.mass_delivered:
+            record.received(inbox.mass_delivered)
+        inbox.on_mass = record.received
+
     # What a training loop tells the node ---------------------------------------------------------
     def algorithm(self) -> Algorithm:
         """The configured algorithm, bound to this node's communicator."""
@@ -228,7 +238,7 @@ class Node:
         if algorithm.holds_mass and self.recorder.out is not None:  # what a SIGKILL would take with it
             if self.mass_record is None:
                 self.mass_record = MassRecord(mass_path(self.recorder.out, self.rank))
-                self.transport.inbox.on_mass = self.mass_record.received
+                self.transport.loop.call(self._record_deliveries, self.mass_record)
             algorithm.watch_mass(self.mass_record)
         return algorithm
 
@@ -283,6 +293,13 @@ class Node:
             self._directions = torch.randn(PROJECTION_DIRECTIONS, model.numel(), generator=generator).to(model.device)
         return (self._directions @ model).tolist()
 
+    def _mass_flows(self, optimizer: DecentralizedOptimizer | None) -> dict[str, float] | None:
+        """A push-sum node's flows of w (Algorithm.mass_flows) with the w delivered into its inbox."""
+        flows = optimizer.algorithm.mass_flows() if optimizer is not None else None
+        if flows is None or self.mass_record is None:
+            return flows
+        return {**flows, "received": self.mass_record.received_total}
+
     def summary(self) -> dict:
         """The run so far: reported scalars, step times, traffic, membership, the algorithm's stats."""
         optimizer = self.optimizer
@@ -303,6 +320,7 @@ class Node:
             "dropped_shares": int(stats.get("dropped_shares", 0)),
             "ps_in_flight": stats.get("ps_in_flight", 0.0),  # push-sum shares never acknowledged (at the end)
             "ps_minted": stats.get("ps_minted", 0.0),  # the new units this process started with (joined, restarted)
+            "ps_flows": self._mass_flows(optimizer),  # push-sum: every flow of w, for the exact mass ledger
             "dropped_messages": self.metrics.dropped_total, "link_timeouts": self.metrics.link_timeouts_total,
         }
 

@@ -305,6 +305,28 @@ def test_a_restarted_node_whose_initial_members_all_left_finds_the_joiners():
             node.stop()
 
 
+def test_a_frozen_peer_counts_as_silent_not_gone_so_a_restarted_node_waits_for_it():
+    """chaos sgp-1000-9: the only running member was SIGSTOPped (up to 30 s) while three restarted
+    nodes surveyed: three empty surveys in a row and each exited 3, "the cluster has finished". A
+    peer whose port takes the connection but which does not answer is silent (it may be frozen),
+    unlike one whose port is closed (gone): the survey says so and the restart waits on."""
+    world = 3
+    peers = [f"127.0.0.1:{p}" for p in free_ports(world)]
+    options = TransportOptions(probe_timeout=0.5, send_timeout=5.0)
+    nodes = {r: Transport(r, world, peers, listen=peers[r], metrics=NodeMetrics(r), options=options).start()
+             for r in (0, 1)}
+    try:
+        nodes[1].mark_ready()
+        nodes[1].membership.set_step(100)
+        assert nodes[0].membership.survey(timeout=1.0).running
+        nodes[1].loop.call_soon(time.sleep, 3.0)  # node 1 freezes (its event loop answers nothing)
+        frozen = nodes[0].membership.survey(timeout=1.0, everyone=True)
+        assert (frozen.reachable, frozen.silent) == (0, 1)  # node 2 never started: gone, not silent
+    finally:
+        for node in nodes.values():
+            node.stop()
+
+
 def test_a_joiner_waits_past_the_peer_timeout_while_the_cluster_moves_towards_its_join_step():
     """chaos diloco-250-8, first incarnations of joiners 6, 7, 8 (exit 3 'no live peer to join'):
     started at launch with join_at far ahead, they gave up after peer_timeout although the cluster

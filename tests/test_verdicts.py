@@ -156,6 +156,42 @@ def test_mass_counts_the_new_units_of_joiners_and_restarted_nodes_from_their_rec
     assert not verdicts.mass(write_run(tmp_path, nodes, faults=faults, config={"world_size": 3}), faults).ok
 
 
+def _flows(started=0.0, minted=0.0, taken=0.0, sent=0.0, reabsorbed=0.0, received=0.0) -> dict:
+    return {"started": started, "minted": minted, "taken": taken, "sent": sent, "reabsorbed": reabsorbed,
+            "retired": 0.0, "dropped": 0.0, "received": received}
+
+
+def test_mass_is_exact_where_every_incarnation_recorded_its_flows(tmp_path):
+    """Nodes 0 and 1 start with a unit each; node 1 sends 0.5 to node 0 (landed) and node 0 sends
+    0.75 to node 1 (landed) and 0.25 to node 2 (landed); node 2 (a unit at the start) sends 0.5
+    to node 1 and is killed holding 0.75 with that share in flight: it never landed. Then Σ w of
+    the final members is exactly 3 - 0.75 - 0.5 = 1.75, with no bracket; a share counted twice by
+    a receiver (more landed than was sent) fails even where Σ w adds up."""
+    kill = {**_kill(2, 0.75, 0.5), "mass_in_flight": 0.5,
+            "mass_flows": _flows(started=1.0, taken=0.25, sent=0.5, received=0.25)}
+    nodes = [{"rank": 0, "push_sum": True, "ps_weight": 0.5, "steps": 10,
+              "ps_flows": _flows(started=1.0, taken=0.5, sent=1.0, received=0.5)},
+             {"rank": 1, "push_sum": True, "ps_weight": 1.25, "steps": 10,
+              "ps_flows": _flows(started=1.0, taken=0.75, sent=0.5, received=0.75)}]
+    verdict = verdicts.mass(write_run(tmp_path, nodes, faults=[kill], config={"world_size": 3}), [kill])
+    exact = verdict.figures["exact"]
+    assert verdict.ok, verdict.detail
+    assert (exact["units"], exact["held_by_killed"], exact["never_landed"], exact["expected"]) == (3.0, 0.75, 0.5,
+                                                                                                   1.75)
+    assert verdict.detail.endswith("0.500000 sent and never landed (of 0.500000 in flight at kills and at the end)")
+    nodes[1]["ps_flows"] = _flows(started=1.0, taken=1.25, sent=0.5, received=1.25)  # node 2's share counted ...
+    nodes[1]["ps_weight"] = 1.75                                                     # ... as if it had landed
+    verdict = verdicts.mass(write_run(tmp_path, nodes, faults=[kill], config={"world_size": 3}), [kill])
+    assert verdict.ok  # (that is possible: the in-flight share landed)
+    nodes[0]["ps_flows"] = _flows(started=1.0, taken=1.0, sent=1.0, received=1.0)  # a share counted twice
+    nodes[0]["ps_weight"] = 1.0
+    verdict = verdicts.mass(write_run(tmp_path, nodes, faults=[kill], config={"world_size": 3}), [kill])
+    assert not verdict.ok and verdict.detail.endswith("more landed than was sent")
+    del nodes[0]["ps_flows"]  # an incarnation without flows: the bracket, as for older runs
+    verdict = verdicts.mass(write_run(tmp_path, nodes, faults=[kill], config={"world_size": 3}), [kill])
+    assert "exact" not in verdict.figures
+
+
 # --- stall -------------------------------------------------------------------------------------------
 
 def _lines(slow: dict[int, float] = (), pause_at: float | None = None) -> list[dict]:
@@ -268,7 +304,7 @@ def test_the_mass_record_keeps_the_last_whole_write_after_a_sigkill(tmp_path):
                                                                                              0.5, 1.0)
     assert reading.uncertain == 0.625
     data = bytearray(path.read_bytes())  # tear the newest slot (seq 1000, slot 0: its closing seq): the older counts
-    data[8 + 48] ^= 0xFF
+    data[8 + 88] ^= 0xFF  # (the magic, then slot 0: seq, step, 9 doubles, seq)
     path.write_bytes(bytes(data))
     assert read_mass_record(path).step == 998
     assert read_mass_record(tmp_path / "missing.mass") is None
@@ -299,8 +335,13 @@ def test_a_real_sgp_chaos_run_with_a_kill_is_judged_and_passes(tmp_path):
     kills = [f for f in report["faults"] if f["action"] == "kill"]
     assert len(kills) == 1 and 0 < kills[0]["mass_lost"] <= 3 and kills[0]["mass_uncertain"] >= 0
     mass = judged["mass"]["figures"]
-    assert mass["minted"] == 1.0 and mass["units"] == 4  # the restarted node 2 got a new unit
+    rejoined = next(n for n in report["nodes"] if n["rank"] == 2)["outcome"] == "done"  # (a loaded machine
+    assert mass["minted"] == float(rejoined) and mass["units"] == 3 + rejoined  # may start it too late)
     assert mass["lost_with_kills"] == kills[0]["mass_lost"]
+    exact = mass["exact"]  # every flow recorded: Σ w is a number, not a bracket
+    assert exact["held_by_killed"] == kills[0]["mass_lost"] and exact["units"] == 3 + rejoined
+    assert 0.0 <= exact["never_landed"] <= exact["in_flight"] + 1e-6
+    assert abs(exact["difference"]) <= 1e-6 and "sent and never landed" in judged["mass"]["detail"]
     assert mass["expected_low"] - 1e-6 <= mass["actual"] <= mass["expected_high"] + 1e-6
     assert judged["stall"]["figures"]["longest_seconds"] <= judged["stall"]["figures"]["bound_seconds"]
     assert not mass_path(out, 2).exists() or read_mass_record(mass_path(out, 2)).step > kills[0]["mass_step"]

@@ -141,7 +141,8 @@ class MassSink(Protocol):
     """Where a push-sum algorithm notes the mass it holds whenever it moves (train/mass_record.py):
     a record that survives a SIGKILL, so a killed node's loss can be accounted for."""
 
-    def held(self, step: int, w: float, in_flight: float, taken: float, minted: float = 0.0) -> None:
+    def held(self, step: int, w: float, in_flight: float, taken: float, minted: float = 0.0,
+             flows: tuple[float, float, float, float, float] = (0.0,) * 5) -> None:
         """w held, w sent and not yet acknowledged, w taken from the inbox so far, and the new
         units this process started with (a fresh joiner or restart)."""
 
@@ -240,6 +241,11 @@ class Algorithm(ABC):
     def stats(self) -> dict[str, float]:
         """Scalars for metrics and progress lines (e.g. the push-sum weight)."""
         return {}
+
+    def mass_flows(self) -> dict[str, float] | None:
+        """Push-sum algorithms: the cumulative flows of w (PushSum.flow_totals) for the node's
+        summary, which the launcher's exact mass ledger adds up; None for the others."""
+        return None
 
     def shared_state(self, params: "torch.Tensor") -> "tuple[str, torch.Tensor] | None":
         """(name, tensor) of what must be the same bits on every final member once finish() ran,

@@ -175,10 +175,10 @@ class GossipDiLoCo(Algorithm):
             self.mass.sink = sink
 
     def stats(self) -> dict[str, float]:
-        return {"ps_weight": self.mass.w, "min_ps_weight": self.mass.min_w,
-                "dropped_shares": float(self.mass.dropped_shares),
-                "ps_in_flight": self.mass.in_flight_w, "ps_minted": self.mass.minted_w,
-                "outer_steps": float(max(self.version, 0))}
+        return {**self.mass.stats(), "outer_steps": float(max(self.version, 0))}
+
+    def mass_flows(self) -> dict[str, float]:
+        return self.mass.flow_totals()
 
     # The outer step ---------------------------------------------------------------------------------
     def _outer_step(self, step: int, s: int, params: torch.Tensor) -> None:

@@ -78,6 +78,13 @@ class PushSum:
         self.in_flight_w = 0.0  # w of the shares in the outbox (sent, not acknowledged)
         self.taken_w = 0.0      # w of every message taken from the inbox (folded, merged, refused)
         self.minted_w = 0.0     # the new units this process started with (a fresh joiner or restart)
+        # Every other flow of w, cumulative, for the launcher's exact mass ledger (launcher/verdicts.py):
+        # held = started + taken - sent + reabsorbed - retired - dropped, at every moment
+        self.started_w = 0.0    # the unit a starting node holds (or a checkpoint's w), not delivered
+        self.sent_w = 0.0       # left in shares, splits and the hand-over (welcomes mint: not ours)
+        self.reabsorbed_w = 0.0  # shares back that did not get through
+        self.retired_w = 0.0    # units retired for leavers (take_over)
+        self.dropped_w = 0.0    # taken from the inbox and thrown away (implausible shares, refused leaves)
         self._spare: list[torch.Tensor] = []  # x-sized buffers of acknowledged shares, for the next push
 
     def expect(self, like: torch.Tensor) -> None:
@@ -97,6 +104,8 @@ class PushSum:
         if delivered:
             self.taken_w += weight
             self.minted_w += weight
+        else:
+            self.started_w += weight
         self.note(-1)
         return self.debias()
 
@@ -105,7 +114,30 @@ class PushSum:
         `in_flight` override the current values (a push notes its outcome before the shares leave)."""
         if self.sink is not None:
             self.sink.held(step, self.w if w is None else w, self.in_flight_w if in_flight is None else in_flight,
-                           self.taken_w, self.minted_w)
+                           self.taken_w, self.minted_w, self.flows())
+
+    def flows(self) -> tuple[float, float, float, float, float]:
+        """(started, sent, reabsorbed, retired, dropped): with taken, what w is made of."""
+        return self.started_w, self.sent_w, self.reabsorbed_w, self.retired_w, self.dropped_w
+
+    def stats(self) -> dict[str, float]:
+        """What a push-sum node reports: its w, how low it went, shares dropped, in flight, minted."""
+        return {"ps_weight": self.w, "min_ps_weight": self.min_w, "dropped_shares": float(self.dropped_shares),
+                "ps_in_flight": self.in_flight_w, "ps_minted": self.minted_w}
+
+    def flow_totals(self) -> dict[str, float]:
+        """The cumulative flows of w by name, for the launcher's exact mass ledger (the summary's
+        `ps_flows`; a killed node's come from its mass record)."""
+        started, sent, reabsorbed, retired, dropped = self.flows()
+        return {"minted": self.minted_w, "started": started, "taken": self.taken_w, "sent": sent,
+                "reabsorbed": reabsorbed, "retired": retired, "dropped": dropped}
+
+    def restore(self, x: torch.Tensor, w: float) -> None:
+        """Resume from a checkpoint's (x, w): this process starts with that mass."""
+        self.x.copy_(x.to(self.x.device, self.x.dtype))
+        self.started_w += float(w) - self.w
+        self.w = float(w)
+        self.missing.clear()
 
     # The steps ---------------------------------------------------------------------------------
     def fold_residual(self) -> None:
@@ -138,6 +170,7 @@ class PushSum:
             decoded = self.codec.decode(encoded.payload, encoded.params, self.x.shape, self.x.dtype)
             self.residual.add_(self.x - decoded, alpha=len(peers))  # lost on the wire, kept here
         # noted before the shares leave: a node killed in between is recorded holding them in flight
+        self.sent_w += share_w * len(peers)
         self.note(step, w=share_w, in_flight=self.in_flight_w + share_w * len(peers))
         for peer in peers:
             if encoded is None:  # a buffer per peer, the transport's until its Ack is in (see reabsorb_refused)
@@ -174,6 +207,7 @@ class PushSum:
                 self.log.error("node %d: dropped node %d's step-%d share: %s", self.rank, share.sender, share.step,
                                problem)
                 self.dropped_shares += 1
+                self.dropped_w += share.ps_weight
                 self.missing.discard((share.sender, share.step))
                 share.release()
                 continue
@@ -226,6 +260,7 @@ class PushSum:
                              sent, peer, why)
             self.x.add_(share_x)
             self.w += share_w
+            self.reabsorbed_w += share_w
             self.refused_shares += 1
             self.record("reabsorb", now, share_w, peer, sent)
             self._reuse(share_x)
@@ -300,6 +335,7 @@ class PushSum:
         sent as a model to load: z itself, or `model` where the caller's model is not z."""
         share_x, share_w = self.x * 0.5, self.w * 0.5
         sent = share_x / share_w if model is None else model.detach().clone()
+        self.sent_w += share_w
         self.note(step, w=share_w, in_flight=self.in_flight_w + share_w)
         future = self.comm.send(peer, sent, kind=Kind.STATE, step=step, ps_weight=share_w, reliable=True,
                                 settle=True)
@@ -347,6 +383,7 @@ class PushSum:
                 continue
             if delivery.delivered:
                 self.record("send", step, self.w, peer)
+                self.sent_w += self.w
                 self.x.zero_()
                 self.w = 0.0
                 self.note(step)
@@ -363,6 +400,7 @@ class PushSum:
         for share in self.comm.take(Kind.LEAVE, 2 ** 62):
             if self.comm.membership.accept_leave(share.sender, share.ps_weight):
                 self.taken_w += share.ps_weight  # (taken from the inbox, held by nobody)
+                self.dropped_w += share.ps_weight
                 continue  # not a member that leaves, a second hand-over, or more mass than there is
             at, sender, before = max(now, share.step), share.sender, self.w
             self.fold([share], at)
@@ -372,6 +410,7 @@ class PushSum:
             if retired < 1.0:
                 self.log.warning("node %d: retired %.4g instead of 1 unit of mass for node %d (w %.4g)", self.rank,
                                  retired, sender, self.w)
+            self.retired_w += retired
             self.note(at, w=self.w - retired)  # (first: the retired unit is no longer anyone's)
             self.x.mul_(1.0 - retired / self.w)
             self.w -= retired

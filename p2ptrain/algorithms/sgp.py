@@ -161,8 +161,7 @@ class SGP(Algorithm):
 
     def load_state_dict(self, state: dict, step: int) -> torch.Tensor:
         """Resume at `step` with the checkpoint's (x, w); returns z = x / w, the model to load."""
-        self.mass.x.copy_(state["x"].to(self.mass.x.device, self.mass.x.dtype))
-        self.mass.w = float(state["w"])
+        self.mass.restore(state["x"], float(state["w"]))
         self._last_step = self._mixed_through = step - 1  # everything before was folded in when saved
         self.fault_free.resume(step)
         self.mass.missing.clear()
@@ -201,9 +200,10 @@ class SGP(Algorithm):
         self.mass.sink = sink
 
     def stats(self) -> dict[str, float]:
-        return {"ps_weight": self.w, "min_ps_weight": self.min_w, "dropped_shares": float(self.dropped_shares),
-                "ps_in_flight": self.mass.in_flight_w, "ps_minted": self.mass.minted_w,
-                "drained_steps": float(self.drained_steps)}
+        return {**self.mass.stats(), "drained_steps": float(self.drained_steps)}
+
+    def mass_flows(self) -> dict[str, float]:
+        return self.mass.flow_totals()
 
     # The seed's steps --------------------------------------------------------------------------
     def _push(self, step: int, update: tuple[torch.Tensor, float]) -> None:

@@ -4,7 +4,8 @@ the launcher reads it right after a kill, so the chaos verdicts know what went d
 One mmap'd page: a write is a memcpy into the page cache (no system call, no fsync), and the kernel
 keeps the page when the process dies. Two writers, each in its own region, so neither takes a lock:
     training thread  step, w held, w in flight (sent, not yet acknowledged), w taken from the inbox,
-                     w minted for this process (the new units a fresh process started with)
+                     w minted for this process (the new units a fresh process started with), and
+                     the other flows, cumulative: started, sent, reabsorbed, retired, dropped
     event loop       w delivered into the inbox (push-sum shares, state transfers, leavers' mass)
 received - taken is the mass acknowledged to its senders but not folded in yet. Each region is
 written into two slots in turn, framed by its sequence number at both ends: a process killed in the
@@ -18,8 +19,9 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-MAGIC = b"p2pmass2"
-_HELD = struct.Struct("<qqddddq")    # seq, step, w, w in flight, w taken, w minted, seq
+MAGIC = b"p2pmass3"
+_HELD = struct.Struct("<qq9dq")  # seq, step, w, in flight, taken, minted, started, sent, reabsorbed, retired,
+#                                   dropped, seq
 _RECEIVED = struct.Struct("<qdq")    # seq, w received, seq
 _HELD_AT = len(MAGIC)
 _RECEIVED_AT = _HELD_AT + 2 * _HELD.size
@@ -45,11 +47,14 @@ class MassRecord:
         self._held_seq = self._received_seq = 0
         self._received = 0.0
 
-    def held(self, step: int, w: float, in_flight: float, taken: float, minted: float = 0.0) -> None:
-        """Training thread: the mass after a push, fold, re-absorption, split or hand-over."""
+    def held(self, step: int, w: float, in_flight: float, taken: float, minted: float = 0.0,
+             flows: tuple[float, float, float, float, float] = (0.0,) * 5) -> None:
+        """Training thread: the mass after a push, fold, re-absorption, split or hand-over; `flows`
+        = (started, sent, reabsorbed, retired, dropped), cumulative (PushSum.flows)."""
         self._held_seq += 1
         seq = self._held_seq
-        _HELD.pack_into(self._map, _HELD_AT + (seq & 1) * _HELD.size, seq, step, w, in_flight, taken, minted, seq)
+        _HELD.pack_into(self._map, _HELD_AT + (seq & 1) * _HELD.size, seq, step, w, in_flight, taken, minted, *flows,
+                        seq)
 
     def received(self, weight: float) -> None:
         """Event-loop thread: a message carrying `weight` of mass was delivered (and acknowledged)."""
@@ -57,6 +62,11 @@ class MassRecord:
         self._received_seq += 1
         seq = self._received_seq
         _RECEIVED.pack_into(self._map, _RECEIVED_AT + (seq & 1) * _RECEIVED.size, seq, self._received, seq)
+
+    @property
+    def received_total(self) -> float:
+        """The w delivered into the inbox so far (for the node's summary at the end)."""
+        return self._received
 
     def close(self) -> None:
         self._map.close()
@@ -71,10 +81,23 @@ class MassReading:
     in_flight: float  # sent, unacknowledged: lost only if it never lands
     inbox: float      # acknowledged to its senders, not folded in: lost, unless the ack never left
     minted: float = 0.0  # the new units it started with (a fresh process: joined, or restarted)
+    taken: float = 0.0       # cumulative flows (PushSum.flows): the exact ledger's terms
+    received: float = 0.0
+    started: float = 0.0
+    sent: float = 0.0
+    reabsorbed: float = 0.0
+    retired: float = 0.0
+    dropped: float = 0.0
 
     @property
     def uncertain(self) -> float:
         return self.in_flight + self.inbox
+
+    def flows(self) -> dict[str, float]:
+        """The cumulative flows of w by name, as a node's summary has them (`ps_flows`)."""
+        return {"minted": self.minted, "started": self.started, "taken": self.taken, "sent": self.sent,
+                "reabsorbed": self.reabsorbed, "retired": self.retired, "dropped": self.dropped,
+                "received": self.received}
 
 
 def read_mass_record(path: Path) -> MassReading | None:
@@ -89,9 +112,11 @@ def read_mass_record(path: Path) -> MassReading | None:
     if held is None:
         return None
     received = _newest(data, _RECEIVED, _RECEIVED_AT)
-    _, step, w, in_flight, taken, minted, _ = held
-    inbox = max(0.0, (received[1] if received is not None else 0.0) - taken)
-    return MassReading(step=step, w=w, in_flight=in_flight, inbox=inbox, minted=minted)
+    _, step, w, in_flight, taken, minted, started, sent, reabsorbed, retired, dropped, _ = held
+    total = received[1] if received is not None else 0.0
+    return MassReading(step=step, w=w, in_flight=in_flight, inbox=max(0.0, total - taken), minted=minted,
+                       taken=taken, received=total, started=started, sent=sent, reabsorbed=reabsorbed,
+                       retired=retired, dropped=dropped)
 
 
 def _newest(data: bytes, layout: struct.Struct, offset: int) -> tuple | None:

@@ -172,6 +172,7 @@ class Inbox:
         # called (loop thread) with the ps_weight of every delivered message that carries one: the
         # push-sum mass acknowledged to its sender (a push-sum node's mass record, train/mass_record.py)
         self.on_mass: Callable[[float], None] | None = None
+        self.mass_delivered = 0.0  # Σ of those weights since the start (a record made later starts from it)
 
     # Configuration (thread-safe enough: plain attribute writes read on the loop thread) ---------
     def expect(self, kind: int, dtype: torch.dtype, numel: int, *, channel: str | None = None,
@@ -305,8 +306,10 @@ class Inbox:
             shape=tuple(header.shape) or (header.numel,), message_id=header.message_id, peak=peak,
             _release=lambda: self.pool.release(buffer))
         box[header.sender] = message
-        if self.on_mass is not None and header.ps_weight > 0:
-            self.on_mass(header.ps_weight)
+        if header.ps_weight > 0:
+            self.mass_delivered += header.ps_weight
+            if self.on_mass is not None:
+                self.on_mass(header.ps_weight)
         self.senders.heard_from(header.sender, header.step, header.kind)
         self._wake_waiters()
         return message

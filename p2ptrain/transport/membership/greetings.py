@@ -79,6 +79,7 @@ class ClusterSurvey:
     reachable: int  # peers that answered a Hello
     running: bool   # one of them is ready and past step 0
     furthest: int = 0  # the furthest step a compatible peer is at
+    silent: int = 0    # peers that did not answer in time but may be alive (frozen, busy, partitioned)
 
 
 def new_incarnation() -> int:
@@ -433,20 +434,21 @@ class Greetings:
             return found
         extra = self._survey(self.unviewed(), timeout)
         return ClusterSurvey(reachable=found.reachable + extra.reachable, running=extra.running,
-                             furthest=max(found.furthest, extra.furthest))
+                             furthest=max(found.furthest, extra.furthest), silent=found.silent + extra.silent)
 
     def _survey(self, peers: list[int], timeout: float) -> ClusterSurvey:
         futures = [self._hello_once(peer, self.hello_request(), timeout) for peer in peers]
-        reachable, running, furthest = 0, False, 0
+        reachable, running, furthest, silent = 0, False, 0, 0
         for future in futures:
             try:
                 reply = future.result(timeout + 5)
-            except FAILED:
+            except FAILED as exc:
+                silent += not (isinstance(exc, SendFailure) and exc.kind in (FailureKind.GONE, FailureKind.DENIED))
                 continue
             reachable += 1
             running |= bool(reply.compatible and reply.ready and reply.step > 0)
             furthest = max(furthest, reply.step if reply.compatible else 0)
-        return ClusterSurvey(reachable=reachable, running=running, furthest=furthest)
+        return ClusterSurvey(reachable=reachable, running=running, furthest=furthest, silent=silent)
 
     def announce_ready(self) -> list[int]:
         """Tell every peer (one Hello each, failures ignored) that this node is ready again and
