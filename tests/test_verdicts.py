@@ -316,6 +316,25 @@ def test_the_mass_record_keeps_the_last_whole_write_after_a_sigkill(tmp_path):
 # --- a real chaos run ------------------------------------------------------------------------------------
 
 @pytest.mark.timeout(240)
+def test_chaos_compare_runs_the_same_command_without_any_fault_first(tmp_path):
+    """--chaos-compare: a baseline without the plan's joins, slow windows and link bursts (a slow
+    window for a joiner's rank once made the 3-node baseline refuse its own configuration), then the
+    chaos run, judged against the baseline's accuracy."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "p2ptrain", "launch", "--out", str(out), "--no-live", "--nodes", "3",
+           "--algorithm", "sgp", "--steps", "150", "--model", "mlp", "--dataset", "synthetic",
+           "--chaos", "4", "--chaos-kinds", "join,slow,link", "--chaos-seed", "3", "--chaos-compare"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=node_env(), capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, f"launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    baseline = json.loads((out / "baseline" / "report.json").read_text())
+    assert baseline.get("faults", []) == [] and len(baseline["nodes"]) == 3
+    report = json.loads((out / "report.json").read_text())
+    assert {f["action"] for f in report["faults"]} & {"join", "slow", "link"}
+    accuracy = next(v for v in report["verdicts"] if v["name"] == "accuracy")
+    assert accuracy["ok"] and accuracy["figures"]["baseline"] == baseline["cluster"]["mean_test_accuracy"]
+
+
+@pytest.mark.timeout(240)
 def test_a_real_sgp_chaos_run_with_a_kill_is_judged_and_passes(tmp_path):
     """3 SGP nodes, seed 2: node 2 killed near step 43 (restarted at 58), nodes 0 and 1 stalled for
     2.5 s and 2.2 s. 50 ms links pace the run so the restart rejoins well before the end."""

@@ -113,7 +113,7 @@ def _verdict_options(args: argparse.Namespace):
         source = str(Path(args.out) / "baseline" / "report.json")
         fault_free = argparse.Namespace(**{**vars(args), "out": str(Path(args.out) / "baseline"), "chaos": None,
                                            "kill": [], "restart": [], "stall": [], "leave_events": [],
-                                           "join_events": []})
+                                           "join_events": [], "link_bursts": None, "slow_windows": None})
         print(f"p2ptrain launch: --chaos-compare: the fault-free baseline first, into {fault_free.out}",
               file=sys.stderr)
         if _launch(fault_free) != 0:
