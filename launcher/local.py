@@ -478,6 +478,19 @@ def _apply_faults(events: list[FaultEvent], processes: "_NodeProcesses", watcher
              **extra})
 
 
+def _drop_unfired(events: list[FaultEvent], watcher: "_ProgressWatcher", stream: TextIO,
+                  log: Callable[[dict], None]) -> None:
+    """Every node has exited: the events still waiting (a kill that waited for enough others to
+    train, the restart after it, a join of a node that gave up) can never fire. Each is said and
+    logged as skipped, so the launcher ends instead of waiting for them forever."""
+    cluster_step = max((s.step or 0 for s in watcher.states), default=0)
+    for event in list(events):
+        events.remove(event)
+        print(f"fault: {event.action} node {event.rank} skipped: the cluster had finished", file=stream, flush=True)
+        log({"action": event.action, "rank": event.rank, "planned_step": event.at_step, "cluster_step": cluster_step,
+             "seconds": event.seconds, "skipped": True, **event.window})
+
+
 def _training_besides(watcher: "_ProgressWatcher", rank: int) -> int:
     """Nodes other than `rank` that are training now: running, past their start (or rejoin), not
     killed. A kill or leave waits while fewer than MIN_ALIVE are: a plan counts a restarted node as
@@ -507,12 +520,15 @@ def _supervise(processes: "_NodeProcesses", watcher: "_ProgressWatcher", view: "
     """Poll until every node exited 0 (or was killed for good by the fault plan); raise
     ClusterError on the first failure or on timeout."""
     faults = list(faults)
+    log = _fault_logger(fault_log, start)
     while True:
         _check_services(services, log_dir)
         watcher.refresh(processes.returncodes())
         processes.resume_stalled()
         if faults:
-            _apply_faults(faults, processes, watcher, stream, _fault_logger(fault_log, start))
+            _apply_faults(faults, processes, watcher, stream, log)
+        if faults and all(s.returncode is not None or s.down for s in watcher.states):
+            _drop_unfired(faults, watcher, stream, log)
         elapsed = time.monotonic() - start
         view.update(watcher.states, elapsed)
         failed = [s for s in watcher.states if s.failed]

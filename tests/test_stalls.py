@@ -236,6 +236,18 @@ def test_restart_after_the_cluster_finished_is_reported_not_waited_for(tmp_path)
     assert [n["outcome"] for n in report["nodes"][:2]] == ["done", "done"]
 
 
+def test_faults_that_never_came_due_are_skipped_when_the_cluster_has_finished(tmp_path):
+    """A kill and its restart planned past the run's end (in a chaos run: a kill that waited for
+    enough others to train while they finished) can never fire: the launcher logs them as skipped
+    and ends, instead of waiting for them forever (it did: a chaos run hung after its last node)."""
+    proc, report = launch(tmp_path, "never", "--nodes", "2", "--algorithm", "sgp", "--steps", "60",
+                          "--kill", "1@500", "--restart", "1@600", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fault: kill node 1 skipped: the cluster had finished" in proc.stderr
+    assert [(f["action"], f["skipped"]) for f in report["faults"]] == [("kill", True), ("restart", True)]
+    assert [n["outcome"] for n in report["nodes"]] == ["done", "done"]
+
+
 def test_a_rejoining_node_that_finds_no_cluster_exits_at_once(tmp_path):
     from launcher.ports import free_ports
 
