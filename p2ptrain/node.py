@@ -113,12 +113,12 @@ class Node:
             self.metrics_port = server.server_port
         membership = self.transport.membership
         if self.config.join:  # a new member of a running elastic cluster: take a live peer's state first
-            self._wait_to_join(running=self.config.rejoin)
+            self.wait_to_join(running=self.config.rejoin)
             membership.joining = True
             log.info("node %d: joining the running cluster", self.config.rank)
             return self
         if self.config.rejoin and self.config.world_size > 1:  # restarted into a running cluster: never a fresh start
-            self._wait_to_join(running=True)
+            self.wait_to_join(running=True)
             membership.joining = True
             log.info("node %d: the cluster is already training; rejoining", self.config.rank)
             return self
@@ -132,7 +132,7 @@ class Node:
             membership.wait_for_peers(timeout=self.config.peer_timeout)
         return self
 
-    def _wait_to_join(self, running: bool = False) -> None:
+    def wait_to_join(self, running: bool = False) -> None:
         """A joiner: wait (up to the peer timeout) for the cluster to answer, and with join_at for it
         to reach that step (`running`, a restarted node: for a ready peer past step 0 to answer, as
         busy peers may miss one survey); NoClusterToRejoin if it has finished (EMPTY_SURVEYS surveys

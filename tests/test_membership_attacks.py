@@ -255,7 +255,7 @@ def test_a_restarted_node_adopts_a_passed_on_view_its_proposer_and_initial_membe
     """chaos diloco-250-8: nodes 0-2 start, 3 and 4 joined; node 0 proposed (1, 3, 4) and left,
     node 2 left too. Node 1 is a restarted process holding the initial view only. Node 3 passes the
     view on: its proposer 0 and the other member of node 1's base (2) are gone, but node 4, a
-    member of the view, holds it: node 1 adopts it (HEAD refused it, forever)."""
+    member of the view, holds it: node 1 adopts it (it was refused for good when only its base members were asked)."""
     world = 5
     peers = [f"127.0.0.1:{p}" for p in free_ports(world)]
     options = TransportOptions(probe_timeout=1.0, initial_members=3, send_timeout=5.0)
@@ -296,7 +296,7 @@ def test_a_restarted_node_whose_initial_members_all_left_finds_the_joiners():
             nodes[r].mark_ready()
             nodes[r].membership.set_step(100)
         membership = nodes[0].membership
-        assert membership.survey().reachable == 0           # HEAD: all a restarted node 0 ever asks
+        assert membership.survey().reachable == 0           # (all a restarted node 0 asked before)
         found = membership.survey(everyone=True)
         assert found.running and found.furthest == 100
         assert membership.ask_for_state().donor in (3, 4)
@@ -340,4 +340,4 @@ def test_a_joiner_waits_past_the_peer_timeout_while_the_cluster_moves_towards_it
     node = Node.__new__(Node)
     node.config = SimpleNamespace(peer_timeout=0.3, join_at=200, rank=6)
     node.transport = SimpleNamespace(membership=SimpleNamespace(survey=survey))
-    node._wait_to_join(running=False)  # HEAD: NoClusterToRejoin after 0.3 s (the cluster at step ~60)
+    node.wait_to_join(running=False)  # (it gave up after 0.3 s, the cluster at step ~60)
