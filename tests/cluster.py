@@ -17,9 +17,11 @@ from p2ptrain.transport import Transport, TransportOptions
 
 def run_cluster(n: int, body: Callable[[int, Communicator], object], *, timeout: float = 120.0,
                 options: TransportOptions | None = None,
-                options_for: Callable[[int], TransportOptions] | None = None, metrics: bool = False) -> list:
+                options_for: Callable[[int], TransportOptions] | None = None, metrics: bool = False,
+                device: str = "cpu") -> list:
     """Run body on n nodes concurrently; returns the per-rank results, re-raising the first failure.
-    With `metrics` every transport gets its own NodeMetrics (comm.transport.metrics)."""
+    With `metrics` every transport gets its own NodeMetrics (comm.transport.metrics); `device` is the
+    communicators' training device (received tensors are staged onto it)."""
     ports = free_ports(n)
     peers = [f"127.0.0.1:{port}" for port in ports]
     transports, comms = [], []
@@ -29,7 +31,7 @@ def run_cluster(n: int, body: Callable[[int, Communicator], object], *, timeout:
             node_metrics = NodeMetrics(rank) if metrics else None
             transports.append(Transport(rank, n, peers, listen=peers[rank], options=opts,
                                         metrics=node_metrics).start())
-        comms = [Communicator(t, "cpu", peer_timeout=timeout) for t in transports]
+        comms = [Communicator(t, device, peer_timeout=timeout) for t in transports]
         with concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="node") as pool:
             futures = [pool.submit(body, rank, comms[rank]) for rank in range(n)]
             results = []

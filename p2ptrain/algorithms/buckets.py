@@ -56,7 +56,9 @@ class BucketedGradients:
         self.dtype = dtypes.pop() if len(dtypes) == 1 else None
         self.enabled = self.dtype is not None
         self.why_off = "" if self.enabled else "parameters of several dtypes"
-        self.flat = torch.zeros(self.num_params, dtype=self.dtype or torch.float32)
+        # on the parameters' device: the gradient hooks copy into it and the rings sum into it there
+        device = self.params[0].device if self.params else None
+        self.flat = torch.zeros(self.num_params, dtype=self.dtype or torch.float32, device=device)
         self.buckets = self._cut(bucket_bytes)
         for bucket in self.buckets:
             bucket.ring = RingAllReduce(comm, bucket.end - bucket.start, self.flat.dtype, codec=codec,

@@ -561,7 +561,7 @@ class MemberRing:
         members = self.comm.membership.members(step)
         if self.rank not in members or len(members) == 1:
             return params
-        flag = torch.tensor([1.0 if self._apart else 0.0], dtype=torch.float64)
+        flag = torch.tensor([1.0 if self._apart else 0.0], dtype=torch.float64, device=params.device)
         try:
             apart = self.apart_flags(flag, step, average=False, members=members,
                                      deadline=self.switch_deadline(len(members)))

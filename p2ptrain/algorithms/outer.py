@@ -137,7 +137,7 @@ class OuterStateChannel:
         import torch
 
         packed = torch.cat([anchor.reshape(-1), momentum.reshape(-1),
-                            torch.tensor([float(version)], dtype=self.dtype)])
+                            torch.tensor([float(version)], dtype=self.dtype, device=anchor.device)])
         self.comm.send(peer, packed, kind=self.kind, step=step, channel=self.offers_channel, reliable=True)
 
     def wait_offer(self, peer: int, step: int, *, deadline: float | None = None) -> Offer | None:

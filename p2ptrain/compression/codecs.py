@@ -249,6 +249,13 @@ class Fp16(Codec):
         return 2 * int(numel)
 
 
+def _quotient(amax: torch.Tensor, levels: int) -> torch.Tensor:
+    """amax / levels, correctly rounded on every device. (CUDA divides by a host scalar as a
+    multiplication by its reciprocal, one ulp off for some values: a GPU node would then send a
+    different scale, and different bytes, than a CPU node encoding the same tensor.)"""
+    return amax / torch.full_like(amax, levels)
+
+
 class Int8Quantize(Codec):
     """Seed 004 "8-bit scalar quantization with range from the max |value|".
 
@@ -264,7 +271,7 @@ class Int8Quantize(Codec):
     def encode(self, tensor: torch.Tensor) -> Encoded:
         tensor, amax = self._check_input(tensor)
         flat = tensor.reshape(-1)
-        scale = amax / 127.0
+        scale = _quotient(amax, 127)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # all zeros: x / 1 == 0
         # divide (not multiply by 1/scale: that overflows for subnormal scales); in-place passes
         q = flat.div(safe).round_().clamp_(-127, 127).to(torch.int8)
@@ -339,7 +346,7 @@ class Int4Quantize(Codec):
     def encode(self, tensor: torch.Tensor) -> Encoded:
         tensor, amax = self._check_input(tensor)
         flat = tensor.reshape(-1)
-        scale = amax / float(self.LEVELS)
+        scale = _quotient(amax, self.LEVELS)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = flat.div(safe).round_().clamp_(-self.LEVELS, self.LEVELS).add_(8).to(torch.uint8)
         if q.numel() % 2:

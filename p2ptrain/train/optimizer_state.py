@@ -61,7 +61,9 @@ class OptimizerStateVector:
 
     def vector(self) -> torch.Tensor:
         """The state as one flat vector (a copy)."""
-        parts = [self._tensor(p, key, full).detach().reshape(-1).to(self.dtype) for p, key, full in self.layout]
+        # on the parameters' device (a step count may be a CPU scalar even when the model is on CUDA)
+        parts = [self._tensor(p, key, full).detach().reshape(-1).to(p.device, self.dtype)
+                 for p, key, full in self.layout]
         return torch.cat(parts) if parts else torch.empty(0, dtype=self.dtype)
 
     def load(self, values: torch.Tensor) -> None:

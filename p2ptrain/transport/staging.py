@@ -41,6 +41,11 @@ class Staging:
         self._release_finished()
         return device_tensor
 
+    @property
+    def pending(self) -> int:
+        """Host buffers still held because their copy to the device may not have finished."""
+        return len(self._in_flight)
+
     def _release_finished(self) -> None:
         still = []
         for event, message in self._in_flight:
