@@ -97,6 +97,11 @@ class Node:
     def world_size(self) -> int:
         return self.config.world_size
 
+    def members(self) -> tuple[int, ...]:
+        """The ranks training together at this node's current step (every rank, fault-free)."""
+        membership = self.transport.membership
+        return membership.members(membership.step)
+
     # Lifecycle ----------------------------------------------------------------------------------
     def start(self, wait_for_peers: bool = True) -> "Node":
         """Start the transport and metrics endpoint; meet the peers (or rejoin a running cluster).
@@ -341,7 +346,8 @@ def run_node(config: NodeConfig) -> dict:
     torch.set_num_threads(config.threads)
     node = None
     try:
-        loader, test_loader, model, device = training_setup(config)
+        # (the shard follows the members: asked once training runs, when `node` is there)
+        loader, test_loader, model, device = training_setup(config, members=lambda: node.members())
         node = Node(config, device=device)
         node.start()
         try:

@@ -3,32 +3,44 @@ The same for every role, so peers, parameter-server workers and the proxy train 
 and models."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from p2ptrain.train.data import build_dataset, node_shard
 from p2ptrain.train.device import pick_device
+from p2ptrain.train.member_shards import MemberShards
 from p2ptrain.train.models import build_model
 
 
-def training_setup(config):
+def training_setup(config, members: Callable[[], Sequence[int]] | None = None):
     """(train loader of this rank's shard, test loader, model on its device, device): the same for
-    every role, so peers, parameter-server workers and the proxy train on identical data/models."""
+    every role, so peers, parameter-server workers and the proxy train on identical data/models.
+    With `members` (who trains together now) and IID shards, the shard follows the membership
+    (member_shards.py); fault-free that is the rank's own shard, batch for batch."""
     splits = build_dataset(config.dataset, config.data_dir, seed=config.seed,
                            num_train=config.num_train, num_test=config.num_test)
-    part = config.rank % config.world_size  # a node that joined an elastic run later: the shard of a starting
-    if config.dirichlet_alpha is None:      # rank, in its own order (the loader's seed is its own rank's)
-        shard = node_shard(splits.train, part, config.world_size, seed=config.seed)
-    else:
-        from p2ptrain.train.partition import dirichlet_shard
-
-        shard = dirichlet_shard(splits.train, part, config.world_size, config.dirichlet_alpha, seed=config.seed)
     device = pick_device(config.device)
     generator = torch.Generator().manual_seed(config.seed * 1_000_003 + config.rank)
-    loader = torch.utils.data.DataLoader(shard, batch_size=config.batch_size, shuffle=True,
-                                         drop_last=len(shard) >= config.batch_size, generator=generator,
-                                         pin_memory=device.type == "cuda")
+
+    def loader_of(shard) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(shard, batch_size=config.batch_size, shuffle=True,
+                                           drop_last=len(shard) >= config.batch_size, generator=generator,
+                                           pin_memory=device.type == "cuda")
+
+    part = config.rank % config.world_size  # a node that joined an elastic run later: the shard of a starting
+    if config.dirichlet_alpha is not None:  # rank, in its own order (the loader's seed is its own rank's)
+        from p2ptrain.train.partition import dirichlet_shard
+
+        # (a non-IID partition stays by rank: re-cutting it among the members would change every
+        # node's class mix, the very thing such a run studies)
+        loader = loader_of(dirichlet_shard(splits.train, part, config.world_size, config.dirichlet_alpha,
+                                           seed=config.seed))
+    elif members is not None:
+        loader = MemberShards(splits.train, config.rank, config.world_size, members=members, loader=loader_of,
+                              seed=config.seed)
+    else:
+        loader = loader_of(node_shard(splits.train, part, config.world_size, seed=config.seed))
     test_loader = torch.utils.data.DataLoader(splits.test, batch_size=512)
     torch.manual_seed(config.seed)  # identical initial model on every node (and θ_0 on the server)
     model = build_model(config.model, splits.input_shape, splits.num_classes, hidden=config.hidden).to(device)
