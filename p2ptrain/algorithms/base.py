@@ -79,6 +79,10 @@ class Members(Protocol):
     def dead(self) -> frozenset[int]:
         """The peers this node declared dead."""
 
+    def peer_step(self, peer: int, heard_since: int | None = None) -> int | None:
+        """The latest step `peer` was heard at (None: never heard from, or with `heard_since`,
+        not since this node was at that step)."""
+
     def seconds_for_lag(self, lags: int = 1) -> float:
         """About how long this node takes for `lags` lag limits of steps (0.0 before it has a pace)."""
 

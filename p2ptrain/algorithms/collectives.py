@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 
 KIND = Kind.ALLREDUCE
 REALIGN_AFTER = 3  # rounds failed in a row before a ring re-forms over the same members (MemberRing)
+# A predecessor heard this many steps past a call's step has given that step up (a node's Hellos
+# may run ahead of its rings by the bounded delay: overlap 1, Pipe-SGD's one-step-stale ring)
+AHEAD_SLACK = 3
 DEFAULT_CHUNK_KB = 0  # measured in bench peers: see the README's pipelined-ring paragraph
 CHUNK_KB_HELP = ("pipeline the ring all-reduce: cut each segment into chunks of this many KiB, forwarded hop to "
                  "hop as each arrives; 0 = one message per segment")
@@ -317,6 +320,9 @@ class RingAllReduce:
         def hopeless() -> str | None:
             return self._hopeless(ring, step, failures)
 
+        coming = _Approach(ring.prev, [p for p in ring.members if p != self.rank], step, self.comm.membership,
+                           patience=3 * ring.m * link_deadline)
+
         def push(values: torch.Tensor, phase: str, r: int, segment: int, c: int, a: int, b: int) -> None:
             """Encode values[a:b] (with error feedback) and send it as chunk c of (phase, round r):
             uncompressed, the payload is values[a:b] itself."""
@@ -330,7 +336,7 @@ class RingAllReduce:
             segment = ring.rs_recv(r)  # = rs_send(r + 1): each summed chunk goes on at once
             for c, (a, b) in enumerate(ring.chunks[segment]):
                 received = self._recv(ring, step, "rs", r, segment, c, first_deadline if r == c == 0 else deadline,
-                                      hopeless)
+                                      hopeless, coming)
                 torch.add(source[a:b], self._decode(received, b - a), out=flat[a:b])
                 received.release()
                 if r < ring.m - 2:
@@ -341,7 +347,7 @@ class RingAllReduce:
         for r in range(ring.m - 1):  # all-gather: finished chunks travel on, bytes untouched
             segment = ring.ag_recv(r)  # = ag_send(r + 1)
             for c, (a, b) in enumerate(ring.chunks[segment]):
-                received = self._recv(ring, step, "ag", r, segment, c, deadline, hopeless)
+                received = self._recv(ring, step, "ag", r, segment, c, deadline, hopeless, coming)
                 flat[a:b].copy_(self._decode(received, b - a))
                 if r < ring.m - 2:  # forward: uncompressed from flat[a:b], which nothing writes again
                     payload = flat[a:b] if received.codec == compression.UNCOMPRESSED else \
@@ -399,11 +405,14 @@ class RingAllReduce:
                               dtype=self.dtype, numel=numel, shape=(numel,), reliable=True)
 
     def _recv(self, ring: _Ring, step: int, phase: str, r: int, segment: int, c: int,
-              deadline: float | None = None, hopeless=None):
+              deadline: float | None = None, hopeless=None, coming=None):
         # a lagging member is awaited too: the ring cannot complete without it, and a node that
         # skipped it at once would race ahead alone and leave it further behind
-        got = self.comm.gather(self.kind, step, [ring.prev], channel=self._channel(ring.m, phase, r, segment, c),
-                               deadline=deadline, abandon=hopeless, laggards=True)
+        channel = self._channel(ring.m, phase, r, segment, c)
+        got = self.comm.gather(self.kind, step, [ring.prev], channel=channel, deadline=deadline, abandon=hopeless,
+                               laggards=True)
+        while ring.prev not in got and coming is not None and (hopeless is None or hopeless() is None) and coming():
+            got = self.comm.gather(self.kind, step, [ring.prev], channel=channel, abandon=hopeless, laggards=True)
         if ring.prev not in got:
             reason = hopeless() if hopeless is not None else None
             raise CollectiveIncomplete(f"node {self.rank}: step-{step} all-reduce segment ({phase} round {r}) "
@@ -423,6 +432,9 @@ class RingAllReduce:
         dropped = self.comm.membership.departing(step).intersection(ring.members) if self.elastic else ()
         if dropped:
             return f"a newer view drops node(s) {sorted(dropped)}"
+        ahead = self.comm.membership.peer_step(ring.prev)
+        if ahead is not None and ahead > step + AHEAD_SLACK:  # it gave this step up: catch up, don't wait
+            return f"node {ring.prev} is already at step {ahead}"
         return None
 
     def _decode(self, received, numel: int) -> torch.Tensor:
@@ -436,6 +448,41 @@ class RingAllReduce:
             failure = _delivery_failure(future)
             if failure is not None:
                 raise CollectiveIncomplete(f"node {self.rank}: all-reduce message to node {ring.next} {failure}")
+
+
+class _Approach:
+    """Whether a ring that is out of step is coming together at this call's step: another member
+    was heard two or more steps behind it, a member was heard at a later step up to this one within
+    `patience` seconds (about the longest a failing call of its own takes), and the predecessor
+    has not gone past this step. A node ahead then waits rather than give the step up: giving up
+    kept a ring out of step for good, each node failing every step at its own step number (a
+    rejoiner admitted at a switch that the others reached minutes later). A ring in step (members
+    at most one step apart, a ring's jitter) and a lost message (nobody moves) still give a step
+    up after the deadline, as before. Fault-free the segments arrive first and this is never asked."""
+
+    def __init__(self, prev: int, peers: list[int], step: int, membership, *, patience: float):
+        self.prev, self.step, self.membership, self.patience = prev, step, membership, patience
+        self.last = {peer: self._heard(peer) for peer in peers}
+        self.out_of_step = False
+        self.moved_at: float | None = None
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        for peer, before in self.last.items():
+            seen = self._heard(peer)
+            if seen is not None and seen < self.step - 1:
+                self.out_of_step = True
+            if seen is not None and seen <= self.step and (before is None or before < seen):
+                self.moved_at = now  # (first heard of during this call: it is sending, so it moves)
+            self.last[peer] = seen
+        prev = self.last.get(self.prev)
+        return (self.out_of_step and self.moved_at is not None and now - self.moved_at < self.patience
+                and (prev is None or prev <= self.step))
+
+    def _heard(self, peer: int) -> int | None:
+        """`peer`'s step, heard since this node was one step before the call's (older news says
+        nothing about where it is now)."""
+        return self.membership.peer_step(peer, heard_since=self.step - 1)
 
 
 def _delivery_failure(future: concurrent.futures.Future) -> str | None:

@@ -124,9 +124,13 @@ class Liveness:
         behind = [p for p in others if self.lagging(p)]
         return behind if others and 2 * len(behind) > len(others) else []
 
-    def peer_step(self, peer: int) -> int | None:
+    def peer_step(self, peer: int, heard_since: int | None = None) -> int | None:
+        """The latest step `peer` was heard at; None if never, or (with `heard_since`) not since
+        this node was at that step (old news)."""
         seen = self._seen_at.get(peer)
-        return None if seen is None else seen[0]
+        if seen is None or (heard_since is not None and seen[1] < heard_since):
+            return None
+        return seen[0]
 
     def excluded_by(self) -> frozenset[int]:
         """Peers that consider this node dead: it must rejoin before they wait for it again."""

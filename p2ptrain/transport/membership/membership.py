@@ -109,6 +109,11 @@ class Membership:
     def dead(self) -> frozenset[int]:
         return self.liveness.dead()
 
+    def peer_step(self, peer: int, heard_since: int | None = None) -> int | None:
+        """The latest step `peer` was heard at (a message, an Ack, a Hello); None if never, or
+        (with `heard_since`) not since this node was at that step."""
+        return self.liveness.peer_step(peer, heard_since)
+
     def seconds_for_lag(self, lags: int = 1) -> float:
         """About how long this node takes for `lags` lag limits of steps at its measured pace (0.0
         before it has one): how long a member up to the lag limit behind needs to come level (one
