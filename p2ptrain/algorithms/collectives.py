@@ -532,7 +532,10 @@ class MemberRing:
         self.apart_flags = RingAllReduce(comm, 1, torch.float64, tag="end.", elastic=True)
         self.resyncs = 0  # model averages at view switches (stats, tests)
         self.end_averages = 0  # model averages at the end of the run (stats, tests)
-        self._apart = False  # a round was skipped or failed here since the members last averaged
+        # a round was skipped or failed here since the members last averaged. Written by the thread
+        # that runs the rounds (the comm worker when they overlap compute), read by agree_at_end
+        # after finish() drained that worker: one bool, stored and loaded whole, so no lock
+        self._apart = False
         self._resynced_at: int | None = None  # the step whose model average completed (resync_state follows it)
         self._failures = 0  # rounds failed in a row
 
