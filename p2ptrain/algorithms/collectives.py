@@ -28,8 +28,9 @@ log = logging.getLogger(__name__)
 
 KIND = Kind.ALLREDUCE
 REALIGN_AFTER = 3  # rounds failed in a row before a ring re-forms over the same members (MemberRing)
-# A predecessor heard this many steps past a call's step has given that step up (a node's Hellos
-# may run ahead of its rings by the bounded delay: overlap 1, Pipe-SGD's one-step-stale ring)
+# A predecessor heard more than this many steps past a call's step has given that step up (its
+# Acks and Hellos may run ahead of its rings by their delay: overlap 1, Pipe-SGD's one-step-stale
+# ring; RingAllReduce(delay=) raises it, e.g. Streaming DiLoCo's τ)
 AHEAD_SLACK = 3
 DEFAULT_CHUNK_KB = 0  # measured in bench peers: see the README's pipelined-ring paragraph
 CHUNK_KB_HELP = ("pipeline the ring all-reduce: cut each segment into chunks of this many KiB, forwarded hop to "
@@ -115,8 +116,11 @@ class RingAllReduce:
 
     def __init__(self, comm: Comm, numel: int, dtype: torch.dtype | None = None, *,
                  codec: compression.Codec | str | None = None, tag: str = "", kind: int = KIND,
-                 elastic: bool = False, chunk_bytes: int = 0):
+                 elastic: bool = False, chunk_bytes: int = 0, delay: int = 1):
         self.comm = comm
+        # steps a node's own step may run ahead of this ring's calls (overlapped rounds): news of a
+        # predecessor further past a call than this plus a margin means it gave the call up
+        self.ahead_slack = max(AHEAD_SLACK, delay + 2)
         self.rank, self.n = comm.rank, comm.world_size
         self.numel = numel
         self.codec = compression.get_codec(codec or "none") if not isinstance(codec, compression.Codec) else codec
@@ -433,7 +437,7 @@ class RingAllReduce:
         if dropped:
             return f"a newer view drops node(s) {sorted(dropped)}"
         ahead = self.comm.membership.peer_step(ring.prev)
-        if ahead is not None and ahead > step + AHEAD_SLACK:  # it gave this step up: catch up, don't wait
+        if ahead is not None and ahead > step + self.ahead_slack:  # it gave this step up: catch up, don't wait
             return f"node {ring.prev} is already at step {ahead}"
         return None
 

@@ -144,7 +144,7 @@ class DiLoCo(Algorithm):
         self.versions = [known] * self.F
         for p, (start, end) in enumerate(self.bounds):
             self.rings.append(RingAllReduce(self.comm, end - start, params.dtype, codec=codec, tag=f"diloco{p}.",
-                                            kind=KIND, elastic=True))
+                                            kind=KIND, elastic=True, delay=self.tau))
             self.states.append(OuterStateChannel(self.comm, end - start, params.dtype, tag=f"diloco{p}.", kind=KIND))
         self.comm.ready()
         self._params = params
