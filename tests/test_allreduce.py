@@ -218,6 +218,9 @@ class _AllAlive:
     def peer_step(self, peer, heard_since=None):
         return None  # never heard from: the silent neighbour of _LateAcks
 
+    def sent_step(self, peer, kind):
+        return None
+
 
 class _LateAcks:
     """A Comm on a 2-ring whose neighbour never sends a segment (every gather comes back empty) and

@@ -83,6 +83,9 @@ class Members(Protocol):
         """The latest step `peer` was heard at (None: never heard from, or with `heard_since`,
         not since this node was at that step)."""
 
+    def sent_step(self, peer: int, kind: int) -> int | None:
+        """The latest step of a `kind` message from `peer`, its own step (None: none came)."""
+
     def seconds_for_lag(self, lags: int = 1) -> float:
         """About how long this node takes for `lags` lag limits of steps (0.0 before it has a pace)."""
 

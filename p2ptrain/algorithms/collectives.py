@@ -118,8 +118,10 @@ class RingAllReduce:
                  codec: compression.Codec | str | None = None, tag: str = "", kind: int = KIND,
                  elastic: bool = False, chunk_bytes: int = 0, delay: int = 1):
         self.comm = comm
-        # steps a node's own step may run ahead of this ring's calls (overlapped rounds): news of a
-        # predecessor further past a call than this plus a margin means it gave the call up
+        # steps a node's own step (and its other messages of this kind) may run ahead of this
+        # ring's calls (overlapped rounds): news of a predecessor further past a call means it gave
+        # the call up
+        self.delay = delay
         self.ahead_slack = max(AHEAD_SLACK, delay + 2)
         self.rank, self.n = comm.rank, comm.world_size
         self.numel = numel
@@ -436,8 +438,15 @@ class RingAllReduce:
         dropped = self.comm.membership.departing(step).intersection(ring.members) if self.elastic else ()
         if dropped:
             return f"a newer view drops node(s) {sorted(dropped)}"
+        # the predecessor gave this step up: catch up rather than wait. Its ring messages say so
+        # exactly (calls run one after another, each until its sends are acknowledged: one of a
+        # later call means this one is over there); its Acks and Hellos, its current step, only
+        # past the slack
+        sent = self.comm.membership.sent_step(ring.prev, self.kind)
+        if sent is not None and sent > step + self.delay:
+            return f"node {ring.prev} already runs the all-reduce of step {sent}"
         ahead = self.comm.membership.peer_step(ring.prev)
-        if ahead is not None and ahead > step + self.ahead_slack:  # it gave this step up: catch up, don't wait
+        if ahead is not None and ahead > step + self.ahead_slack:
             return f"node {ring.prev} is already at step {ahead}"
         return None
 

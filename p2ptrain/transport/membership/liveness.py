@@ -63,6 +63,7 @@ class Liveness:
         self._unconfirmed: frozenset[int] = frozenset()
         self._alive_since: dict[int, int] = {}          # peer -> first step we expect from it after a rejoin
         self._seen_at: dict[int, tuple[int, int]] = {}  # peer -> (its step, our step) when last seen
+        self._sent_step: dict[tuple[int, int], int] = {}  # (peer, kind) -> the latest step of its messages
         self._incarnations: dict[int, int] = {}         # peer -> incarnation last seen
         self._dead_incarnation: dict[int, int | None] = {}  # peer -> the incarnation that was declared dead
         self._excluded_by: frozenset[int] = frozenset()  # peers that told us they consider us dead
@@ -200,8 +201,9 @@ class Liveness:
         if incarnation:
             self._incarnations = {**self._incarnations, peer: incarnation}
         new = bool(incarnation) and incarnation != known
-        if new and known is not None:
-            self._seen_at = {p: s for p, s in self._seen_at.items() if p != peer}  # a fresh start: forget its step
+        if new and known is not None:  # a fresh start: forget its steps
+            self._seen_at = {p: s for p, s in self._seen_at.items() if p != peer}
+            self._sent_step = {key: s for key, s in self._sent_step.items() if key[0] != peer}
         self.note_step(peer, current_step)
         if peer in self._dead:
             if new and ready and incarnation != self._dead_incarnation.get(peer):
@@ -224,6 +226,13 @@ class Liveness:
                 self._alive_since = {**self._alive_since, peer: step}
         if step is not None:
             self.note_step(peer, step)
+            if kind is not None and step > self._sent_step.get((peer, kind), -1):
+                self._sent_step = {**self._sent_step, (peer, kind): step}
+
+    def sent_step(self, peer: int, kind: int) -> int | None:
+        """The latest step of a `kind` message `peer` sent us (a message's own step, not the
+        sender's current one, which may run ahead of it); None if none came."""
+        return self._sent_step.get((peer, kind))
 
     def excluded(self, by_peer: int) -> None:
         """`by_peer` says it considers us dead."""

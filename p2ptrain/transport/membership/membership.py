@@ -114,6 +114,10 @@ class Membership:
         (with `heard_since`) not since this node was at that step."""
         return self.liveness.peer_step(peer, heard_since)
 
+    def sent_step(self, peer: int, kind: int) -> int | None:
+        """The latest step of a `kind` message from `peer` (None: none came)."""
+        return self.liveness.sent_step(peer, kind)
+
     def seconds_for_lag(self, lags: int = 1) -> float:
         """About how long this node takes for `lags` lag limits of steps at its measured pace (0.0
         before it has one): how long a member up to the lag limit behind needs to come level (one
