@@ -116,11 +116,11 @@ class RingAllReduce:
 
     def __init__(self, comm: Comm, numel: int, dtype: torch.dtype | None = None, *,
                  codec: compression.Codec | str | None = None, tag: str = "", kind: int = KIND,
-                 elastic: bool = False, chunk_bytes: int = 0, delay: int = 1):
+                 elastic: bool = False, chunk_bytes: int = 0, delay: int = 0):
         self.comm = comm
-        # steps a node's own step (and its other messages of this kind) may run ahead of this
-        # ring's calls (overlapped rounds): news of a predecessor further past a call means it gave
-        # the call up
+        # steps a node's other messages of this kind may run ahead of this ring's calls (Streaming
+        # DiLoCo: the next fragment's versions while a sync still runs τ steps); its current step
+        # runs ahead by up to the bounded delay besides (overlapped rounds), hence the slack
         self.delay = delay
         self.ahead_slack = max(AHEAD_SLACK, delay + 2)
         self.rank, self.n = comm.rank, comm.world_size
