@@ -138,3 +138,21 @@ def test_a_node_catches_up_when_excluded_or_far_behind_and_forgets_old_news_afte
     assert m.must_catch_up() and m.excluded_by() == {1}
     m.rejoined()
     assert not m.must_catch_up()
+
+
+def test_a_peer_is_known_by_the_steps_of_its_messages_per_kind_and_by_fresh_news_of_its_step():
+    """Rings tell from a predecessor's messages that it gave a call up (sent_step: a message's own
+    step, per kind, never an Ack's current step), and judge whether members are coming only from
+    news heard since the call began (peer_step's heard_since). A restarted peer starts afresh."""
+    m = membership()
+    m.step = 10
+    m.heard_from(1, 12, pb.MESSAGE_KIND_ALLREDUCE)
+    m.heard_from(1, 11, pb.MESSAGE_KIND_ALLREDUCE)  # older news changes nothing
+    m.note_step(1, 15)  # an Ack: its current step
+    assert m.sent_step(1, pb.MESSAGE_KIND_ALLREDUCE) == 12 and m.sent_step(1, pb.MESSAGE_KIND_STATE) is None
+    assert m.peer_step(1) == 15 and m.peer_step(1, heard_since=10) == 15 and m.peer_step(1, heard_since=11) is None
+    assert m.sent_step(2, pb.MESSAGE_KIND_ALLREDUCE) is None and m.peer_step(2) is None
+    m.hello(1, ready=True, incarnation=7, current_step=0, resume_step=0)
+    m.hello(1, ready=True, incarnation=8, current_step=3, resume_step=3)  # a new process
+    assert m.sent_step(1, pb.MESSAGE_KIND_ALLREDUCE) is None
+    assert m.peer_step(1) == 10  # (a rejoined peer is taken to be at our step: not lagging)
