@@ -38,6 +38,27 @@ def test_a_taken_port_is_one_line_at_once(tmp_path):
     assert seconds < 10  # before torch is imported or data is loaded (0.2 s here when idle)
 
 
+def test_a_restarted_node_whose_metrics_port_was_taken_serves_them_on_a_free_port(capsys):
+    """A first start with a taken metrics port is a configuration error; a restart (P2PTRAIN_REJOIN,
+    as the launcher restarts a killed node) gets a warning and a free port: seen in a chaos run,
+    where another process took the killed node's port as an ephemeral one before its restart."""
+    from launcher.ports import free_ports
+    from p2ptrain.cli.node import check_ports
+    from p2ptrain.settings import ConfigError, NodeConfig
+
+    peers = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        first = NodeConfig(rank=0, world_size=2, peers=peers, metrics_port=port)
+        with pytest.raises(ConfigError, match=f"cannot serve metrics on 0.0.0.0:{port}"):
+            check_ports(first)
+        restarted = check_ports(first.replace(rejoin=True))
+    assert restarted.metrics_port == 0 and restarted.rank == 0
+    assert f"cannot serve metrics on 0.0.0.0:{port}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--dataset", "mnist", "--data-dir", "/nonexistent/mnist"], "data_dir '/nonexistent/mnist' is not a folder"),
     (["--dataset", "mnist"], "--dataset mnist needs --data-dir"),

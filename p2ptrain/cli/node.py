@@ -19,8 +19,7 @@ def add_parser(subcommands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
-    check_ports(config)  # before importing torch: a taken port is said at once
+    config = check_ports(config_from_args(args))  # before importing torch: a taken port is said at once
     if config.role == "ps":
         return serve_parameter_server(config)
     if config.role == "worker":
@@ -65,9 +64,12 @@ def serve_parameter_server(config: NodeConfig) -> int:
     return 0 if summary["complete"] else 1
 
 
-def check_ports(config: NodeConfig) -> None:
+def check_ports(config: NodeConfig) -> NodeConfig:
     """Fail at once, in one line, when this node's gRPC or metrics port is taken (not after
-    loading data and building the model, with a long gRPC traceback)."""
+    loading data and building the model, with a long gRPC traceback); `config` when both are free.
+    A restarted process (rejoin) whose metrics port was taken meanwhile (another process's
+    ephemeral port, say) serves on a free one instead, with a warning: its peers know its gRPC
+    address, not its metrics, and failing would cost the cluster a member."""
     import socket
 
     wanted = []
@@ -89,8 +91,14 @@ def check_ports(config: NodeConfig) -> None:
             try:
                 probe.bind((bind_host, port))
             except OSError as exc:
-                raise ConfigError(f"cannot {'listen' if what == 'listen' else 'serve metrics'} on {host}:{port}: "
-                                  f"{exc.strerror or exc}") from None
+                problem = f"cannot {'listen' if what == 'listen' else 'serve metrics'} on {host}:{port}: " \
+                          f"{exc.strerror or exc}"
+                if what == "metrics" and config.rejoin:
+                    print(f"p2ptrain: warning: {problem}; serving them on a free port instead", file=sys.stderr)
+                    config = config.replace(metrics_port=0)
+                    continue
+                raise ConfigError(problem) from None
+    return config
 
 
 def _fmt(value, spec: str, scale: float = 1.0) -> str:

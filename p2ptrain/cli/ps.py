@@ -20,7 +20,7 @@ def add_parser(subcommands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args, role="ps")
-    check_ports(config)
+    config = check_ports(config)
     return serve_parameter_server(config)
 
 
