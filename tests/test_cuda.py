@@ -135,7 +135,9 @@ def test_launch_on_cuda_trains_like_launch_on_cpu(tmp_path, algorithm, extra):
     assert [n["device"].split(":")[0] for n in gpu["nodes"]] == ["cuda"] * len(gpu["nodes"])
     assert {n["device"] for n in cpu["nodes"]} == {"cpu"}
     accuracy = lambda report: [n["test_accuracy"] for n in report["nodes"]]  # noqa: E731
-    if algorithm in SYNCHRONOUS:  # the same arithmetic in the same order, rounding apart (which 100
+    if algorithm == "gem":  # the server's model is the product; asynchronous workers' copies vary 0.47-0.77
+        assert gpu["ps"]["test_accuracy"] == pytest.approx(cpu["ps"]["test_accuracy"], abs=0.03)
+    elif algorithm in SYNCHRONOUS:  # the same arithmetic in the same order, rounding apart (which 100
         # steps of early training, through int8 rounding, can grow to 0.0125 of accuracy: seen, pipesgd)
         assert accuracy(gpu) == pytest.approx(accuracy(cpu), abs=0.02)
     else:
