@@ -327,7 +327,7 @@ class RingAllReduce:
             return self._hopeless(ring, step, failures)
 
         coming = _Approach(ring.prev, [p for p in ring.members if p != self.rank], step, self.comm.membership,
-                           patience=3 * ring.m * link_deadline)
+                           patience=ring.m * link_deadline)
 
         def push(values: torch.Tensor, phase: str, r: int, segment: int, c: int, a: int, b: int) -> None:
             """Encode values[a:b] (with error feedback) and send it as chunk c of (phase, round r):
@@ -466,8 +466,10 @@ class RingAllReduce:
 class _Approach:
     """Whether a ring that is out of step is coming together at this call's step: another member
     was heard two or more steps behind it, a member was heard at a later step up to this one within
-    `patience` seconds (about the longest a failing call of its own takes), and the predecessor
-    has not gone past this step. A node ahead then waits rather than give the step up: giving up
+    `patience` seconds (a call's first deadline: members behind skip steps their predecessor gave
+    up at once, so they move faster than that; before any move is seen, one more deadline), and
+    the predecessor has not gone past this step. A node ahead then waits rather than give the step
+    up: giving up
     kept a ring out of step for good, each node failing every step at its own step number (a
     rejoiner admitted at a switch that the others reached minutes later). A ring in step (members
     at most one step apart, a ring's jitter) and a lost message (nobody moves) still give a step
@@ -478,6 +480,7 @@ class _Approach:
         self.last = {peer: self._heard(peer) for peer in peers}
         self.out_of_step = False
         self.moved_at: float | None = None
+        self.looked = False
 
     def __call__(self) -> bool:
         now = time.monotonic()
@@ -485,12 +488,16 @@ class _Approach:
             seen = self._heard(peer)
             if seen is not None and seen < self.step - 1:
                 self.out_of_step = True
-            if seen is not None and seen <= self.step and (before is None or before < seen):
-                self.moved_at = now  # (first heard of during this call: it is sending, so it moves)
+            if before is not None and seen is not None and before < seen <= self.step:
+                self.moved_at = now
             self.last[peer] = seen
         prev = self.last.get(self.prev)
-        return (self.out_of_step and self.moved_at is not None and now - self.moved_at < self.patience
-                and (prev is None or prev <= self.step))
+        if not self.out_of_step or (prev is not None and prev > self.step):
+            return False
+        if self.moved_at is None:  # none seen moving yet: one more deadline to see one move, once
+            first, self.looked = not self.looked, True
+            return first
+        return now - self.moved_at < self.patience
 
     def _heard(self, peer: int) -> int | None:
         """`peer`'s step, heard since this node was one step before the call's (older news says
