@@ -14,11 +14,13 @@ import torch
 from torch import nn
 
 from p2ptrain.algorithms.allreduce import AllReduceSGD
+from p2ptrain.algorithms.base import Kind
 from p2ptrain.algorithms.collectives import MemberRing
 from p2ptrain.algorithms.diloco import DiLoCo
 from p2ptrain.algorithms.dpsgd import DPSGD
 from p2ptrain.algorithms.gossip_diloco import GossipDiLoCo
 from p2ptrain.algorithms.pipesgd import PipeSGD
+from p2ptrain.algorithms.pushsum import PushSum
 from p2ptrain.algorithms.sgp import SGP
 from p2ptrain.topology import member_graph, member_topology
 from p2ptrain.train.optimizer import DecentralizedOptimizer, LeftCluster
@@ -195,6 +197,31 @@ def test_sgp_four_nodes_two_join_two_leave_conserving_one_unit_of_mass_per_membe
     mean = torch.stack([r["weight"] for r in stay]).mean(0)  # (2.6-3.5% apart in a static 4-node run of
     for r in stay:                                           # ranks 0-3; 4-6% here, with targets 1.0-1.5x)
         assert float((r["weight"] - mean).abs().max()) < 0.1 * float(mean.abs().max())
+
+
+def test_a_share_whose_sender_a_newer_view_drops_is_not_awaited_to_the_link_deadline():
+    """Push-sum waits for the step-k shares of the in-peers of step k. A view adopted during the wait
+    that drops the sender (a joiner whose proposal lost to a concurrent one is no member at step k
+    after all, so nobody sends to it) ends the wait at once, and the share is not booked as missing
+    (finish() would wait for it again). It used to cost the joiner a whole link deadline, in which a
+    fast cluster finished its run without it."""
+    options = TransportOptions(send_timeout=30.0, link_deadline=60.0)
+
+    def body(rank, comm):
+        mass = PushSum(comm, kind=Kind.PUSH_SUM)
+        mass.start(torch.ones(4, dtype=torch.float64), 1.0)
+        mass.expect(mass.x)
+        comm.ready()
+        if rank == 1:
+            return None  # it sends nothing: the views it holds do not make node 0 its out-peer
+        senders = [1]
+        threading.Timer(0.5, senders.clear).start()  # the newer view arrives
+        began = time.monotonic()
+        mass.mix([1], 0, 0, senders_now=lambda: list(senders))
+        return time.monotonic() - began, set(mass.missing), mass.w
+
+    waited, missing, w = run_cluster(2, body, options=options)[0]
+    assert waited < 30 and missing == set() and w == 1.0
 
 
 def test_dpsgd_takes_a_joiner_and_lets_a_node_leave():

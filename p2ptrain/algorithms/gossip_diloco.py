@@ -200,7 +200,8 @@ class GossipDiLoCo(Algorithm):
                  if self.comm.make_room(peer, 1)]
         mass.push(peers, step)
         mass.reabsorb_refused(step)
-        mass.mix(self.topology.in_peers(self.rank, s), step, step)
+        mass.mix(self.topology.in_peers(self.rank, s), step, step,
+                 senders_now=lambda: self.topology.in_peers(self.rank, s))
         mass.record("w", step, mass.w)
         z = mass.debias()
         self.anchor.copy_(z[:n])

@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from p2ptrain import compression
 from p2ptrain.algorithms.base import Comm, Kind, buffer_like
@@ -189,11 +189,23 @@ class PushSum:
             self.record("send", step, share_w, peer)
         self.w *= p
 
-    def mix(self, senders: list[int], step: int, now: int) -> None:
+    def mix(self, senders: list[int], step: int, now: int,
+            senders_now: Callable[[], list[int]] | None = None) -> None:
         """Add the step-`step` shares of `senders` that arrive within the link deadline, and any late
-        ones that arrived meanwhile; remember the missing ones (they are folded in later)."""
-        arrived = self.comm.gather(self.kind, step, senders, **self._on_channel())
-        self.missing.update((s, step) for s in self.comm.membership.live(senders) if s not in arrived)
+        ones that arrived meanwhile; remember the missing ones (they are folded in later).
+
+        `senders_now`: the senders of step `step` as the views say now. A view adopted during the
+        wait that drops one of them (a joiner whose proposal lost to a concurrent one is no member
+        at that step after all) ends the wait at once: that share will not come. Without a view
+        change it never fires."""
+        abandon = None
+        if senders_now is not None:
+            def abandon() -> str | None:
+                gone = set(senders) - set(senders_now())
+                return f"node(s) {sorted(gone)} no longer send at step {step} (the members changed)" if gone else None
+        arrived = self.comm.gather(self.kind, step, senders, abandon=abandon, **self._on_channel())
+        expected = senders if senders_now is None else [s for s in senders if s in senders_now()]
+        self.missing.update((s, step) for s in self.comm.membership.live(expected) if s not in arrived)
         self.fold(arrived.values(), now)
         self.fold(self.comm.take(self.kind, step, **self._on_channel()), now)  # shares of earlier steps that came late
 

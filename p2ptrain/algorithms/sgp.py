@@ -235,7 +235,8 @@ class SGP(Algorithm):
     def _mix(self, step: int, now: int) -> None:
         """Add the step-`step` shares of the in-neighbours that arrive within the link deadline, and
         any late ones that arrived meanwhile; remember the missing ones (they are folded in later)."""
-        self.mass.mix(self.topology.in_peers(self.rank, step), step, now)
+        self.mass.mix(self.topology.in_peers(self.rank, step), step, now,
+                      senders_now=lambda: self.topology.in_peers(self.rank, step))
 
 
 register(AlgorithmSpec(
