@@ -101,6 +101,28 @@ def test_a_view_that_evicts_a_live_member_is_refused(trio):
     assert transports[1].membership.liveness.alive(2)
 
 
+def test_a_view_proposed_while_another_is_pending_switches_with_it_so_a_refuser_holds_the_same_members(trio):
+    """Node 0 (which lost node 2, say) proposes the members without live node 2: node 1 refuses it,
+    node 2 takes it. Node 2, still alive and wanting in, proposes itself back before the switch:
+    that view switches at the pending one's step, so all three nodes hold the same members at
+    every step. (It used to switch a margin past the furthest step: from the first switch to the
+    second, nodes 0 and 2 trained without node 2 and node 1 with it, and a ring of theirs failed
+    every step in between.)"""
+    transports, _ = trio
+    before = _refused(transports[1])
+    dropping = transports[0].membership.propose([0, 1])
+    _expect_refusal(transports[1], before)
+    wait_until(lambda: transports[2].membership.latest.epoch == 1, 30, "node 2 taking the view that drops it")
+    for transport in transports:
+        transport.membership.set_step(2)  # everyone moved on a little, still short of the switch
+    transports[2].membership.reconcile()  # it stands for itself: the members with it again
+    wait_until(lambda: all(t.membership.latest.epoch == 2 for t in transports), 30, "the view that re-admits node 2")
+    assert transports[2].membership.latest.switch_step == dropping
+    members = [[t.membership.members(step) for step in range(3 * dropping)] for t in transports]
+    assert members[0] == members[1] == members[2]
+    assert members[1][dropping - 1] == members[1][dropping] == (0, 1, 2)
+
+
 @pytest.mark.parametrize("fields", [
     dict(epoch=2 ** 64 - 1, proposer=2 ** 32 - 1, switch_step=2 ** 63),  # the reported one
     dict(epoch=2 ** 60, proposer=0, switch_step=10),   # out of range

@@ -481,19 +481,26 @@ class Greetings:
 
     def propose_view(self, members, margin: int, notice: float = 0.0) -> int:
         """Propose that `members` train together from `margin` steps past the furthest step this
-        node knows of any old or new member (and `notice` seconds at this node's pace), and Hello the
-        view to each of them (failures ignored:
-        a node that misses it hears of it in its next Hello). A reply from a node already at the
+        node knows of any old or new member (and `notice` seconds at this node's pace), or from the
+        switch of a view still pending if that comes sooner and at least half the margin ahead, and
+        Hello the view to each of them (failures ignored: a node that misses it hears of it in its
+        next Hello). A reply from a node already at the
         switch step means it may have gone past it with the old members: propose again further
         on. Returns the switch step of the latest view (another proposer's, if its view won)."""
         members = sorted(set(members))
         margin = max(margin, self.pace.steps_in(notice))  # fast steps: `notice` seconds ahead too
-        for _ in range(3):
+        for attempt in range(3):
             targets = [p for p in sorted((self.views.members_ever | set(members)) - {self.rank})
                        if self.addresses[p]]
             known = [self.liveness.step] + [s for s in map(self.liveness.peer_step, targets) if s is not None]
-            view = self.loop.call(self.views.propose, members, max(known) + margin,
-                                  {m: self.addresses[m] for m in members})
+            switch = max(known) + margin
+            pending = self.views.latest.switch_step
+            if attempt == 0 and max(known) + max(1, margin // 2) <= pending < switch:
+                # A view not in force yet switches early enough: switch with it, replacing it there.
+                # Nodes that never took it (a concurrent proposal's loser, or a node that refused
+                # it: it dropped a node alive there) then hold the same members for every step.
+                switch = pending
+            view = self.loop.call(self.views.propose, members, switch, {m: self.addresses[m] for m in members})
             margin *= 2  # (if a node was past it, the next try goes further)
             request = self.hello_request()  # (it carries the view)
             futures = {peer: self._hello_once(peer, request, 2.0) for peer in targets}
