@@ -80,16 +80,31 @@ def _targets(rank: int) -> torch.Tensor:
     return torch.linspace(-1, 1, DIM, dtype=torch.float64) * (1 + 0.1 * rank)  # (a little heterogeneity)
 
 
+JOIN_PACE = 0.1  # seconds a step of the others takes while a joiner sets up (see _Cluster.pace)
+
+
 class _Cluster:
     """Per-node step counters, so that joiners start and leavers go when the cluster is at a step."""
 
     def __init__(self):
         self.steps: dict[int, int] = {}
+        self.joining: set[int] = set()  # joiners asking in, not at their first step yet
         self.lock = threading.Lock()
 
     def at(self, rank: int, step: int) -> None:
         with self.lock:
             self.steps[rank] = step
+            self.joining.discard(rank)
+
+    def pace(self) -> None:
+        """While a joiner sets up, the others take JOIN_PACE per step. These runs are tiny: tens of
+        steps in 0.1 s, so on a busy machine a joiner's set-up (a state transfer, then its proposal
+        of itself, which switches a view margin past the cluster's step) outlasted the rest of the
+        run, and it could only have become a member after the end. A real step is far longer."""
+        with self.lock:
+            joining = bool(self.joining)
+        if joining:
+            time.sleep(JOIN_PACE)
 
     def wait_until(self, step: int, ranks) -> None:
         deadline = time.monotonic() + 120
@@ -115,6 +130,8 @@ def _train(comm, algorithm, rank, steps, cluster, *, joins_at=None, leaves_at=No
     target = _targets(rank)
     if joins_at is not None:
         cluster.wait_until(joins_at, [0])
+        with cluster.lock:
+            cluster.joining.add(rank)
         comm.membership.joining = True
     inner = torch.optim.AdamW(model.parameters(), lr=lr) if adam else \
         torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
@@ -124,6 +141,7 @@ def _train(comm, algorithm, rank, steps, cluster, *, joins_at=None, leaves_at=No
         while opt.local_step < steps:
             step = opt.local_step
             cluster.at(rank, step)
+            cluster.pace()
             if leaves_at is not None and step >= leaves_at:
                 opt.request_leave()
             x = torch.randn(16, DIM, dtype=torch.float64)
