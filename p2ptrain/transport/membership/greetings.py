@@ -484,9 +484,9 @@ class Greetings:
         node knows of any old or new member (and `notice` seconds at this node's pace), or from the
         switch of a view still pending if that comes sooner and at least half the margin ahead, and
         Hello the view to each of them (failures ignored: a node that misses it hears of it in its
-        next Hello). A reply from a node already at the
-        switch step means it may have gone past it with the old members: propose again further
-        on. Returns the switch step of the latest view (another proposer's, if its view won)."""
+        next Hello). A reply from a node already at the switch step means it may have gone past it
+        with the old members: propose again further on. Returns the switch step of the latest view
+        (another proposer's, if its view won)."""
         members = sorted(set(members))
         margin = max(margin, self.pace.steps_in(notice))  # fast steps: `notice` seconds ahead too
         for attempt in range(3):
