@@ -113,8 +113,12 @@ def finite(out_dir: Path, report: dict) -> Verdict:
 
 def identical(report: dict) -> Verdict:
     """The state the algorithm keeps the same bits on every member (Algorithm.shared_state: a
-    ring's model, DiLoCo's anchor) has one digest across the final members."""
-    members = final_members(report)
+    ring's model, DiLoCo's anchor) has one digest across the final members. A node restarted so
+    late that its view switched at or after the run's last step never trained as a member: it took
+    a donor's state and ran the last steps alone, so it is not held to the members' bits."""
+    steps = report.get("config", {}).get("steps")
+    members = [n for n in final_members(report)
+               if not (isinstance(steps, int) and isinstance(n.get("start_step"), int) and n["start_step"] >= steps)]
     states = {n["rank"]: n.get("shared_state") for n in members}
     if not any(states.values()):
         return Verdict("identical", True, "n/a: the algorithm keeps no state identical across members",

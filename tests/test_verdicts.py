@@ -90,6 +90,12 @@ def test_identical_compares_the_shared_state_digests_of_final_members(tmp_path):
     assert verdict.detail == f"model differs across final members: nodes [0, 1] {'a' * 12} vs nodes [2] {'b' * 12}"
     verdict = verdicts.identical(write_run(tmp_path, [{"rank": 0, "shared_state": None}, {"rank": 1}]))
     assert verdict.ok and verdict.detail.startswith("n/a")
+    # a restart whose view would switch at step 103 of a 100-step run never trained as a member
+    late = [*same[:2], {"rank": 2, "shared_state": _digest("b"), "start_step": 103}]
+    verdict = verdicts.identical(write_run(tmp_path, late))
+    assert verdict.ok and verdict.detail.endswith(f"on 2 final members (sha256 {'a' * 12})")
+    in_time = [*same[:2], {"rank": 2, "shared_state": _digest("b"), "start_step": 99}]
+    assert not verdicts.identical(write_run(tmp_path, in_time)).ok
 
 
 # --- mass --------------------------------------------------------------------------------------------
