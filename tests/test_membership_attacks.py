@@ -113,11 +113,17 @@ def test_a_view_proposed_while_another_is_pending_switches_with_it_so_a_refuser_
     dropping = transports[0].membership.propose([0, 1])
     _expect_refusal(transports[1], before)
     wait_until(lambda: transports[2].membership.latest.epoch == 1, 30, "node 2 taking the view that drops it")
+    # node 1 knows that the nodes holding the refused view train without node 2 from its switch on:
+    # a ring of it with them fails at once there instead of by deadlines
+    refuser = transports[1].membership
+    assert refuser.split_members(dropping - 1) is None and refuser.split_members(dropping) == (0, 1)
+    assert transports[0].membership.split_members(dropping) is None  # (it holds the view itself)
     for transport in transports:
         transport.membership.set_step(2)  # everyone moved on a little, still short of the switch
     transports[2].membership.reconcile()  # it stands for itself: the members with it again
     wait_until(lambda: all(t.membership.latest.epoch == 2 for t in transports), 30, "the view that re-admits node 2")
     assert transports[2].membership.latest.switch_step == dropping
+    assert refuser.split_members(dropping) is None  # the greater view is in force there for everyone
     members = [[t.membership.members(step) for step in range(3 * dropping)] for t in transports]
     assert members[0] == members[1] == members[2]
     assert members[1][dropping - 1] == members[1][dropping] == (0, 1, 2)

@@ -68,6 +68,10 @@ class Members(Protocol):
     def departing(self, step: int) -> frozenset[int]:
         """Members at `step` that a pending view drops without their own say (they died)."""
 
+    def split_members(self, step: int) -> tuple[int, ...] | None:
+        """The members that some nodes hold at `step` by a view this node refused (an eviction of
+        a peer alive here); None when there is none."""
+
     def live(self, peers: Iterable[int]) -> list[int]:
         """The peers neither dead nor lagging: send to and wait for these only."""
 

@@ -438,6 +438,9 @@ class RingAllReduce:
         dropped = self.comm.membership.departing(step).intersection(ring.members) if self.elastic else ()
         if dropped:
             return f"a newer view drops node(s) {sorted(dropped)}"
+        split = self.comm.membership.split_members(step) if self.elastic else None
+        if split is not None and split != ring.members:
+            return f"nodes that took a view this node refused train over members {list(split)} at this step"
         # the predecessor gave this step up: catch up rather than wait. Its ring messages say so
         # exactly (calls run one after another, each until its sends are acknowledged: one of a
         # later call means this one is over there); its Acks and Hellos, its current step, only

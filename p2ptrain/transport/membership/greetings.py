@@ -27,6 +27,7 @@ from p2ptrain.transport.paths.lane_path import LanePorts
 from p2ptrain.transport.routes import RouteTable
 
 log = logging.getLogger(__name__)
+MAX_REFUSED_EVICTIONS = 8  # refused evictions remembered (Membership.split_view)
 
 
 class StepPace:
@@ -124,6 +125,7 @@ class Greetings:
         self.announced: set[int] = set()      # peers that greeted us, or answered our Hello as themselves
         self._vetting: set[tuple[int, int]] = set()  # views whose claims are being confirmed
         self.refused_views = 0
+        self.refused_evictions: tuple[View, ...] = ()  # views refused for evicting a live peer (newest last)
 
     def others(self) -> list[int]:
         """The peers to greet: the members of the latest view (every node, in a static run), and
@@ -256,6 +258,8 @@ class Greetings:
             self.announced.add(member)
         for member in sorted(doubts.dropped_live):
             if await self.probe(member):
+                if view.proposer in self.views.latest.members:  # its proposer (and the evicted) hold it
+                    self.refused_evictions = (*self.refused_evictions[-(MAX_REFUSED_EVICTIONS - 1):], view)
                 return f"it drops node {member}, which is alive here and did not leave"
         return ""
 

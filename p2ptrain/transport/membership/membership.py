@@ -72,6 +72,17 @@ class Membership:
         latest = self.views.latest
         return frozenset(set(self.members(step)) - set(latest.members) - {latest.proposer})
 
+    def split_members(self, step: int) -> tuple[int, ...] | None:
+        """The members of a view this node refused because it evicts a peer alive here, when that
+        view is in force at `step` for the nodes that took it (its proposer and the evicted, at
+        least): they train over other members there than this node, so a ring with them cannot
+        complete until a greater view switches (the evicted proposing itself back, or a re-formed
+        ring). None without such a refusal, so always without faults."""
+        for view in reversed(self.greetings.refused_evictions):
+            if view.switch_step <= step and not self.views.supersedes(view, step):
+                return view.members
+        return None
+
     def accept_leave(self, peer: int, weight: float) -> str:
         """Whether to absorb push-sum mass `weight` that `peer` hands over as it leaves: "" (yes,
         once) or why not. Only a member that the current or a pending view drops may hand over,

@@ -103,6 +103,11 @@ class Views:
                 return view
         return self._history[0]
 
+    def supersedes(self, view: View, step: int) -> bool:
+        """A view greater than `view` held here is in force by `step` (a node holding both would
+        train by the greater one there)."""
+        return any(v.order > view.order and v.switch_step <= step for v in self._history)
+
     def switches_at(self, step: int) -> bool:
         """Another view takes effect at `step` (a ring re-forms here, even over the same members:
         a view that repeats them is how a ring whose nodes fell out of step re-aligns)."""
