@@ -204,7 +204,7 @@ class PushSum:
                 gone = set(senders) - set(senders_now())
                 return f"node(s) {sorted(gone)} no longer send at step {step} (the members changed)" if gone else None
         arrived = self.comm.gather(self.kind, step, senders, abandon=abandon, **self._on_channel())
-        expected = senders if senders_now is None else [s for s in senders if s in senders_now()]
+        expected = senders if senders_now is None else sorted(set(senders).intersection(senders_now()))
         self.missing.update((s, step) for s in self.comm.membership.live(expected) if s not in arrived)
         self.fold(arrived.values(), now)
         self.fold(self.comm.take(self.kind, step, **self._on_channel()), now)  # shares of earlier steps that came late

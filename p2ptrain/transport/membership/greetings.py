@@ -27,7 +27,7 @@ from p2ptrain.transport.paths.lane_path import LanePorts
 from p2ptrain.transport.routes import RouteTable
 
 log = logging.getLogger(__name__)
-MAX_REFUSED_EVICTIONS = 8  # refused evictions remembered (Membership.split_view)
+MAX_REFUSED_EVICTIONS = 8  # refused evictions remembered (Membership.split_members)
 
 
 class StepPace:
