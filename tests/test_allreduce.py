@@ -71,6 +71,62 @@ def test_a_ring_out_of_step_comes_back_in_step_and_the_node_ahead_never_gives_a_
             torch.testing.assert_close(value, sum(vector(r, numel, salt=step) for r in range(3)), atol=1e-5, rtol=0)
 
 
+@pytest.mark.timeout(150)
+def test_a_predecessor_heard_at_a_view_switch_is_not_awaited_for_the_steps_before_it():
+    """Node 0 is at the switch step S of a view every node holds and says so in a Hello; nodes 1
+    and 2 are still at S-3 .. S-1 (nodes on either side of a refused eviction reach the switch
+    that ends it at different steps; seen in the slow Pipe-SGD chaos run, where those behind
+    waited 12 s at each of these steps). A member at a switch step runs no earlier round, so they
+    give each one up at once (well within the 60 s link deadline, which the slack past the bounded
+    delay alone would wait out), then the three meet at S and the round there completes exactly."""
+    from p2ptrain.transport import TransportOptions
+
+    numel, deadline = 12, 60.0
+    behind_done = threading.Event()
+
+    def body(rank, comm):
+        reduce = RingAllReduce(comm, numel, elastic=True)
+        comm.ready()
+        if rank == 0:
+            comm.membership.realign()  # the same members again, switching a margin ahead
+        wait_for(lambda: comm.membership.latest.epoch == 1, 30, "view")
+        switch = comm.membership.latest.switch_step
+        given_up = []
+        if rank == 0:
+            comm.set_step(switch)
+            assert comm.membership.probe(1)  # (a Hello: node 1 hears where node 0 is)
+            behind_done.wait(4 * deadline)  # its first segment of S would tell node 1 too
+        else:
+            wait_for(lambda: comm.membership.peer_step(0) == switch or rank == 2, 30, "Hello from node 0")
+            for step in range(switch - 3, switch):
+                comm.set_step(step)
+                started = time.monotonic()
+                try:
+                    reduce(vector(rank, numel, salt=step), step=step, average=False)
+                except CollectiveIncomplete as exc:
+                    given_up.append((step, time.monotonic() - started, str(exc)))
+            comm.set_step(switch)
+            if rank == 2:
+                behind_done.set()
+        return switch, given_up, reduce(vector(rank, numel, salt=99), step=switch, average=False).clone()
+
+    results = run_cluster(3, body, options=TransportOptions(send_timeout=30.0, link_deadline=deadline))
+    switch = results[0][0]
+    assert switch >= 3 and all(r[0] == switch for r in results)
+    for rank, (_, given_up, value) in enumerate(results):
+        assert [step for step, *_ in given_up] == ([] if rank == 0 else list(range(switch - 3, switch)))
+        assert all(seconds < deadline / 3 for _, seconds, _ in given_up), given_up
+        torch.testing.assert_close(value, sum(vector(r, numel, salt=99) for r in range(3)), atol=1e-5, rtol=0)
+    assert all(f"past the view switch at step {switch}" in reason for *_, reason in results[1][1]), results[1][1]
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout}s"
+        time.sleep(0.01)
+
+
 @pytest.mark.parametrize("n,numel", [(2, 10), (3, 1001), (5, 3), (4, 64)])
 def test_ring_allreduce_sum_and_mean_exact(n, numel):
     def body(rank, comm):

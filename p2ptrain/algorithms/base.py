@@ -65,6 +65,9 @@ class Members(Protocol):
     def switches_at(self, step: int) -> bool:
         """The members at `step` differ from those at step - 1."""
 
+    def first_switch(self, after: int, until: int) -> int | None:
+        """The first step in (after, until] at which the members change (None: none)."""
+
     def departing(self, step: int) -> frozenset[int]:
         """Members at `step` that a pending view drops without their own say (they died)."""
 
@@ -193,7 +196,9 @@ class Algorithm(ABC):
     def members_changed(self, step: int, params: "torch.Tensor") -> "torch.Tensor | None":
         """A new view takes effect at `step` (nodes joined or left; the engine calls this before
         the step's hooks); returns new parameters if the algorithm changed them. Default: nothing
-        (graphs follow Comm.members by themselves); rings re-form and re-synchronize here."""
+        (graphs follow Comm.members by themselves); rings re-form and re-synchronize here, after
+        completing any round still in flight and before telling peers they are at `step`
+        (Comm.set_step): a ring member heard at a switch step runs no earlier round any more."""
         return None
 
     def reduce_gradients(self, step: int, grads: "torch.Tensor") -> "torch.Tensor | None":

@@ -451,6 +451,15 @@ class RingAllReduce:
         ahead = self.comm.membership.peer_step(ring.prev)
         if ahead is not None and ahead > step + self.ahead_slack:
             return f"node {ring.prev} is already at step {ahead}"
+        # ... and exactly once it reached a view's switch past this step's bounded delay: a member
+        # drains its rounds in flight before it starts a switch step (Algorithm.members_changed),
+        # so it runs none of an earlier step from there on. (Nodes on either side of a refused
+        # eviction reach the switch that ends it at different steps: those behind would otherwise
+        # wait out a deadline at each step short of the slack, tens of seconds in a chaos run.)
+        switch = self.comm.membership.first_switch(step + self.delay, ahead) \
+            if self.elastic and ahead is not None else None
+        if switch is not None:
+            return f"node {ring.prev} is already at step {ahead}, past the view switch at step {switch}"
         return None
 
     def _decode(self, received, numel: int) -> torch.Tensor:

@@ -58,6 +58,10 @@ class Membership:
         """The members change at `step` (a ring re-forms, and first re-synchronizes the model)."""
         return self.views.switches_at(step)
 
+    def first_switch(self, after: int, until: int) -> int | None:
+        """The first step in (after, until] at which the members change, as the views held here say."""
+        return self.views.first_switch(after, until)
+
     def first_step_as_member(self, step: int) -> int | None:
         """The first step >= `step` at which this node is a member (a joiner: its view's switch)."""
         return self.views.first_step_as_member(self.rank, step)

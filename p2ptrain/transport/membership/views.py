@@ -113,6 +113,11 @@ class Views:
         a view that repeats them is how a ring whose nodes fell out of step re-aligns)."""
         return step > 0 and self.view_at(step) is not self.view_at(step - 1)
 
+    def first_switch(self, after: int, until: int) -> int | None:
+        """The first step in (after, until] at which another view takes effect (None: none does)."""
+        steps = sorted({v.switch_step for v in self._history if after < v.switch_step <= until})
+        return next((step for step in steps if self.switches_at(step)), None)
+
     def member_since(self, rank: int) -> int:
         """The step since which `rank` is a member without a break (0: from the start)."""
         steps = sorted({v.switch_step for v in self._history if v.switch_step > 0}, reverse=True)
