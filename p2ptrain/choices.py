@@ -13,6 +13,7 @@ from typing import Literal, get_args
 Role = Literal["peer", "ps", "worker"]  # peer: decentralized node; ps / worker: a parameter server and its workers
 Device = Literal["auto", "cpu", "cuda"]  # auto: cuda when available
 DataPlane = Literal["auto", "grpc", "tcp"]  # how tensor payloads travel (transport/dataplane.py)
+Reachability = Literal["auto", "public", "private"]  # can peers dial this node (transport/reachability.py)
 ModelName = Literal["mlp", "cnn"]
 DatasetName = Literal["synthetic", "mnist", "idx"]  # mnist and idx: MNIST-style IDX files in a folder
 OptimizerName = Literal["sgd", "adamw"]  # the local optimizer `p2ptrain node` builds
@@ -20,10 +21,12 @@ OptimizerName = Literal["sgd", "adamw"]  # the local optimizer `p2ptrain node` b
 ROLE_NAMES: tuple[str, ...] = get_args(Role)
 DEVICE_NAMES: tuple[str, ...] = get_args(Device)
 DATA_PLANE_NAMES: tuple[str, ...] = get_args(DataPlane)
+REACHABILITY_NAMES: tuple[str, ...] = get_args(Reachability)
 MODEL_NAMES: tuple[str, ...] = get_args(ModelName)
 DATASET_NAMES: tuple[str, ...] = get_args(DatasetName)
 OPTIMIZER_NAMES: tuple[str, ...] = get_args(OptimizerName)
 IDX_DATASETS: tuple[str, ...] = ("mnist", "idx")  # the data sets read from --data-dir
 
 __all__ = ["DATASET_NAMES", "DATA_PLANE_NAMES", "DEVICE_NAMES", "IDX_DATASETS", "MODEL_NAMES", "OPTIMIZER_NAMES",
-           "ROLE_NAMES", "DataPlane", "DatasetName", "Device", "ModelName", "OptimizerName", "Role"]
+           "REACHABILITY_NAMES", "ROLE_NAMES", "DataPlane", "DatasetName", "Device", "ModelName", "OptimizerName",
+           "Reachability", "Role"]

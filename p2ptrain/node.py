@@ -70,6 +70,7 @@ class Node:
         self.comm = Communicator(self.transport, self.device, peer_timeout=config.peer_timeout)
         self.metrics_port: int | None = None
         self._metrics_server = None
+        self.reachability = "unknown"  # whether peers can dial this node: public / private (start() asks)
         out = Path(config.out) if config.out else None
         if out:
             out.mkdir(parents=True, exist_ok=True)
@@ -116,26 +117,37 @@ class Node:
             server, _ = self.metrics.serve(self.config.metrics_port, addr=self.config.metrics_bind_host)
             self._metrics_server = server
             self.metrics_port = server.server_port
+        self._meet(wait_for_peers)
+        if self.config.world_size > 1:
+            self.reachability = self.transport.check_reachability()
+            if self.config.uses_rendezvous:
+                try:
+                    rendezvous.publish_reachability(self.config, self.reachability)
+                except Exception as exc:  # (informational: peers hear it in Hellos anyway)
+                    log.warning("node %d: could not publish its reachability to the store: %s", self.config.rank, exc)
+        return self
+
+    def _meet(self, wait_for_peers: bool) -> None:
+        """Meet the peers, or prepare to (re)join a running cluster."""
         membership = self.transport.membership
         if self.config.join:  # a new member of a running elastic cluster: take a live peer's state first
             self.wait_to_join(running=self.config.rejoin)
             membership.joining = True
             log.info("node %d: joining the running cluster", self.config.rank)
-            return self
+            return
         if self.config.rejoin and self.config.world_size > 1:  # restarted into a running cluster: never a fresh start
             self.wait_to_join(running=True)
             membership.joining = True
             log.info("node %d: the cluster is already training; rejoining", self.config.rank)
-            return self
+            return
         if self.config.world_size > 1:
             survey = membership.survey()
             if survey.running:
                 membership.joining = True  # a restarted node: its peers train on; fetch state, don't wait for all
                 log.info("node %d: the cluster is already training; rejoining", self.config.rank)
-                return self
+                return
         if wait_for_peers and self.config.world_size > 1:
             membership.wait_for_peers(timeout=self.config.peer_timeout)
-        return self
 
     def wait_to_join(self, running: bool = False) -> None:
         """A joiner: wait (up to the peer timeout) for the cluster to answer, and with join_at for it
@@ -316,7 +328,7 @@ class Node:
             "forwarded_messages": counter_total(self.metrics.registry, "p2ptrain_forwarded_messages_total"),
             "forwarded_bytes": counter_total(self.metrics.registry, "p2ptrain_forwarded_bytes_total"),
             "ps_weight": stats.get("ps_weight", 1.0), "min_ps_weight": stats.get("min_ps_weight", 1.0),
-            "device": self.device.type, "metrics_port": self.metrics_port,
+            "device": self.device.type, "metrics_port": self.metrics_port, "reachability": self.reachability,
             "start_step": 0, "rejoined": False, "catch_ups": 0, "skipped_steps": 0,
             **(optimizer.summary() if optimizer is not None else {}),
             "joined": self.config.join,

@@ -215,7 +215,7 @@ def test_node_help_mentions_every_setting(capsys):
 def test_launch_help_mentions_shared_settings(capsys):
     text = _help(capsys, ["launch", "--help"])
     per_node = {"rank", "world_size", "peers", "listen", "metrics_port", "metrics_host", "role", "ps_address",
-                "rejoin", "join", "join_at", "rendezvous", "advertise", "run_id", "lane_port"}
+                "rejoin", "join", "join_at", "rendezvous", "advertise", "run_id", "lane_port", "reachability"}
     missing = [f for f in FIELDS if f not in per_node and _flag(f) not in text]
     assert missing == []
     for flag in ("--nodes", "--timeout", "--no-metrics", "--live", "--no-live"):

@@ -116,6 +116,19 @@ def test_ranks_assigned_in_arrival_order_and_addresses_exchanged():
     assert store.get("p2ptrain/p2ptrain/address/1") == b"127.0.0.1:7002"  # keys under p2ptrain/<run id>/
 
 
+def test_reachability_is_published_and_read_back_signed_with_a_token(tmp_path):
+    store = start_store()
+    token = tmp_path / "token"
+    token.write_text("s3cret-token-of-the-run")
+    config = settings(store.port, rank=1, auth_token_file=str(token))
+    assert rendezvous.read_reachability(config, 1) is None
+    rendezvous.publish_reachability(config, "private")
+    assert rendezvous.read_reachability(config, 1) == "private"
+    assert store.get("p2ptrain/p2ptrain/reachability/1").startswith(b"p2ptrain-signed-v1 ")
+    store.set("p2ptrain/p2ptrain/reachability/1", "public")  # a stranger's unsigned entry is not believed
+    assert rendezvous.read_reachability(config, 1) is None
+
+
 def test_rank_claimed_twice_world_size_mismatch_and_missing_nodes_are_clear_errors():
     store = start_store()
     one = settings(store.port, rank=1, run_id="twice", timeout=1.0)
@@ -235,6 +248,8 @@ def test_nodes_meet_through_an_explicit_store_that_assigns_ranks(tmp_path):
     addresses = [store.get(f"p2ptrain/explicit/address/{r}").decode() for r in range(3)]
     assert len(set(addresses)) == 3 and all(a.startswith("127.0.0.1:") for a in addresses), addresses
     assert store.add("p2ptrain/explicit/next_rank", 0) == 3
+    # each asked a peer to dial it back at that address, and said so in the store
+    assert [store.get(f"p2ptrain/explicit/reachability/{r}") for r in range(3)] == [b"public"] * 3
     assert min(n["test_accuracy"] for n in nodes) > 0.2, nodes  # chance is 0.1
 
 

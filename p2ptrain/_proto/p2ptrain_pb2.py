@@ -25,21 +25,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ep2ptrain.proto\x12\x0bp2ptrain.v1\"\xa1\x03\n\x0cTensorHeader\x12\x0e\n\x06sender\x18\x01 \x01(\r\x12\x10\n\x08receiver\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12&\n\x04kind\x18\x04 \x01(\x0e\x32\x18.p2ptrain.v1.MessageKind\x12!\n\x05\x64type\x18\x05 \x01(\x0e\x32\x12.p2ptrain.v1.DType\x12\r\n\x05shape\x18\x06 \x03(\x03\x12\r\n\x05numel\x18\x07 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x08 \x01(\x04\x12!\n\x05\x63odec\x18\t \x01(\x0e\x32\x12.p2ptrain.v1.Codec\x12\x14\n\x0c\x63odec_params\x18\n \x03(\x01\x12\x11\n\tps_weight\x18\x0b \x01(\x01\x12\x13\n\x0brelay_count\x18\x0c \x01(\x01\x12\x12\n\nmessage_id\x18\r \x01(\x04\x12\r\n\x05route\x18\x0e \x03(\r\x12\x0f\n\x07\x63hannel\x18\x0f \x01(\t\x12\x32\n\x0e\x63ommit_scaling\x18\x10 \x01(\x0e\x32\x1a.p2ptrain.v1.CommitScaling\x12\x10\n\x03via\x18\x11 \x01(\rH\x00\x88\x01\x01\x42\x06\n\x04_via\"U\n\x0bTensorChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.p2ptrain.v1.TensorHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\t\n\x07payload\"\x83\x02\n\x03\x41\x63k\x12\'\n\x06status\x18\x01 \x01(\x0e\x32\x17.p2ptrain.v1.Ack.Status\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x04\x12\x12\n\nmessage_id\x18\x05 \x01(\x04\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x17\n\x0fsender_excluded\x18\x07 \x01(\x08\"`\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fSTATUS_ACCEPTED\x10\x01\x12\x14\n\x10STATUS_DUPLICATE\x10\x02\x12\x13\n\x0fSTATUS_REJECTED\x10\x03\"\x8a\x02\n\x0cHelloRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x18\n\x10protocol_version\x18\x03 \x01(\t\x12\x1a\n\x12\x63onfig_fingerprint\x18\x04 \x01(\t\x12\r\n\x05ready\x18\x05 \x01(\x08\x12\x12\n\nwant_state\x18\x06 \x01(\x08\x12\x0c\n\x04step\x18\x07 \x01(\x04\x12\x14\n\x0c\x63urrent_step\x18\x08 \x01(\x04\x12\x13\n\x0bincarnation\x18\t \x01(\x04\x12\x11\n\tlane_port\x18\n \x01(\r\x12\x1f\n\x04view\x18\x14 \x01(\x0b\x32\x11.p2ptrain.v1.View\x12\x0f\n\x07\x61\x64\x64ress\x18\x15 \x01(\t\"\x8a\x02\n\nHelloReply\x12\x0f\n\x07node_id\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x18\n\x10protocol_version\x18\x03 \x01(\t\x12\x1a\n\x12\x63onfig_fingerprint\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x04\x12\x12\n\ncompatible\x18\x06 \x01(\x08\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\r\n\x05ready\x18\x08 \x01(\x08\x12\x17\n\x0f\x63\x61ller_excluded\x18\t \x01(\x08\x12\x13\n\x0bincarnation\x18\n \x01(\x04\x12\x11\n\tlane_port\x18\x0b \x01(\r\x12\x1f\n\x04view\x18\x14 \x01(\x0b\x32\x11.p2ptrain.v1.View\"`\n\x04View\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08proposer\x18\x02 \x01(\r\x12\x13\n\x0bswitch_step\x18\x03 \x01(\x04\x12\x0f\n\x07members\x18\x04 \x03(\r\x12\x11\n\taddresses\x18\x05 \x03(\t\"4\n\rSettleRequest\x12\x0e\n\x06sender\x18\x01 \x01(\r\x12\x13\n\x0bmessage_ids\x18\x02 \x03(\x04\"5\n\x0bSettleReply\x12\x11\n\tdelivered\x18\x01 \x03(\x04\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"P\n\rLaneChallenge\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\x16\n\x0etoken_required\x18\x03 \x01(\x08\"U\n\x08LaneAuth\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\r\x12\x10\n\x08receiver\x18\x03 \x01(\r\x12\r\n\x05proof\x18\x04 \x01(\x0c\"A\n\rLaneAuthReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"S\n\x0bPullRequest\x12\x0e\n\x06worker\x18\x01 \x01(\r\x12\x18\n\x10protocol_version\x18\x02 \x01(\t\x12\x1a\n\x12\x63onfig_fingerprint\x18\x03 \x01(\t\"_\n\x0b\x43ommitReply\x12\x1d\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x10.p2ptrain.v1.Ack\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x11\n\tstaleness\x18\x03 \x01(\x04\x12\r\n\x05scale\x18\x04 \x01(\x01\",\n\x0b\x44oneRequest\x12\x0e\n\x06worker\x18\x01 \x01(\r\x12\r\n\x05steps\x18\x02 \x01(\x04\"C\n\tDoneReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0cworkers_done\x18\x02 \x01(\r\x12\x0f\n\x07workers\x18\x03 \x01(\r*\x93\x02\n\x0bMessageKind\x12\x1c\n\x18MESSAGE_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15MESSAGE_KIND_PUSH_SUM\x10\x01\x12\x17\n\x13MESSAGE_KIND_GOSSIP\x10\x02\x12\x1a\n\x16MESSAGE_KIND_ALLREDUCE\x10\x03\x12\x16\n\x12MESSAGE_KIND_RELAY\x10\x04\x12\x16\n\x12MESSAGE_KIND_STATE\x10\x05\x12\x16\n\x12MESSAGE_KIND_BENCH\x10\x06\x12\x1a\n\x16MESSAGE_KIND_PS_PARAMS\x10\x07\x12\x1a\n\x16MESSAGE_KIND_PS_COMMIT\x10\x08\x12\x16\n\x12MESSAGE_KIND_LEAVE\x10\t*\x8c\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04\x12\x0e\n\nDTYPE_INT8\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06*\x8c\x01\n\x05\x43odec\x12\x0e\n\nCODEC_NONE\x10\x00\x12\x11\n\rCODEC_TRUNC16\x10\x01\x12\x17\n\x13\x43ODEC_INT8_QUANTIZE\x10\x02\x12\x0e\n\nCODEC_BF16\x10\x03\x12\x17\n\x13\x43ODEC_INT4_QUANTIZE\x10\x04\x12\x0e\n\nCODEC_TOPK\x10\x05\x12\x0e\n\nCODEC_FP16\x10\x06*F\n\rCommitScaling\x12\x17\n\x13\x43OMMIT_SCALING_NONE\x10\x00\x12\x1c\n\x18\x43OMMIT_SCALING_STALENESS\x10\x01\x32\xbf\x01\n\x04Peer\x12:\n\nPushTensor\x12\x18.p2ptrain.v1.TensorChunk\x1a\x10.p2ptrain.v1.Ack(\x01\x12;\n\x05Hello\x12\x19.p2ptrain.v1.HelloRequest\x1a\x17.p2ptrain.v1.HelloReply\x12>\n\x06Settle\x12\x1a.p2ptrain.v1.SettleRequest\x1a\x18.p2ptrain.v1.SettleReply2\xc9\x01\n\x0fParameterServer\x12<\n\x04Pull\x12\x18.p2ptrain.v1.PullRequest\x1a\x18.p2ptrain.v1.TensorChunk0\x01\x12>\n\x06\x43ommit\x12\x18.p2ptrain.v1.TensorChunk\x1a\x18.p2ptrain.v1.CommitReply(\x01\x12\x38\n\x04\x44one\x12\x18.p2ptrain.v1.DoneRequest\x1a\x16.p2ptrain.v1.DoneReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ep2ptrain.proto\x12\x0bp2ptrain.v1\"\xa1\x03\n\x0cTensorHeader\x12\x0e\n\x06sender\x18\x01 \x01(\r\x12\x10\n\x08receiver\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12&\n\x04kind\x18\x04 \x01(\x0e\x32\x18.p2ptrain.v1.MessageKind\x12!\n\x05\x64type\x18\x05 \x01(\x0e\x32\x12.p2ptrain.v1.DType\x12\r\n\x05shape\x18\x06 \x03(\x03\x12\r\n\x05numel\x18\x07 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x08 \x01(\x04\x12!\n\x05\x63odec\x18\t \x01(\x0e\x32\x12.p2ptrain.v1.Codec\x12\x14\n\x0c\x63odec_params\x18\n \x03(\x01\x12\x11\n\tps_weight\x18\x0b \x01(\x01\x12\x13\n\x0brelay_count\x18\x0c \x01(\x01\x12\x12\n\nmessage_id\x18\r \x01(\x04\x12\r\n\x05route\x18\x0e \x03(\r\x12\x0f\n\x07\x63hannel\x18\x0f \x01(\t\x12\x32\n\x0e\x63ommit_scaling\x18\x10 \x01(\x0e\x32\x1a.p2ptrain.v1.CommitScaling\x12\x10\n\x03via\x18\x11 \x01(\rH\x00\x88\x01\x01\x42\x06\n\x04_via\"U\n\x0bTensorChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.p2ptrain.v1.TensorHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\t\n\x07payload\"\x83\x02\n\x03\x41\x63k\x12\'\n\x06status\x18\x01 \x01(\x0e\x32\x17.p2ptrain.v1.Ack.Status\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x04\x12\x12\n\nmessage_id\x18\x05 \x01(\x04\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x17\n\x0fsender_excluded\x18\x07 \x01(\x08\"`\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fSTATUS_ACCEPTED\x10\x01\x12\x14\n\x10STATUS_DUPLICATE\x10\x02\x12\x13\n\x0fSTATUS_REJECTED\x10\x03\"\xbb\x02\n\x0cHelloRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x18\n\x10protocol_version\x18\x03 \x01(\t\x12\x1a\n\x12\x63onfig_fingerprint\x18\x04 \x01(\t\x12\r\n\x05ready\x18\x05 \x01(\x08\x12\x12\n\nwant_state\x18\x06 \x01(\x08\x12\x0c\n\x04step\x18\x07 \x01(\x04\x12\x14\n\x0c\x63urrent_step\x18\x08 \x01(\x04\x12\x13\n\x0bincarnation\x18\t \x01(\x04\x12\x11\n\tlane_port\x18\n \x01(\r\x12\x1f\n\x04view\x18\x14 \x01(\x0b\x32\x11.p2ptrain.v1.View\x12\x0f\n\x07\x61\x64\x64ress\x18\x15 \x01(\t\x12/\n\x0creachability\x18\x16 \x01(\x0e\x32\x19.p2ptrain.v1.Reachability\"\xbb\x02\n\nHelloReply\x12\x0f\n\x07node_id\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x18\n\x10protocol_version\x18\x03 \x01(\t\x12\x1a\n\x12\x63onfig_fingerprint\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x04\x12\x12\n\ncompatible\x18\x06 \x01(\x08\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\r\n\x05ready\x18\x08 \x01(\x08\x12\x17\n\x0f\x63\x61ller_excluded\x18\t \x01(\x08\x12\x13\n\x0bincarnation\x18\n \x01(\x04\x12\x11\n\tlane_port\x18\x0b \x01(\r\x12\x1f\n\x04view\x18\x14 \x01(\x0b\x32\x11.p2ptrain.v1.View\x12/\n\x0creachability\x18\x15 \x01(\x0e\x32\x19.p2ptrain.v1.Reachability\"7\n\x0f\x44ialBackRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\r\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"W\n\rDialBackReply\x12\x0f\n\x07grpc_ok\x18\x01 \x01(\x08\x12\x14\n\x0clane_checked\x18\x02 \x01(\x08\x12\x0f\n\x07lane_ok\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"`\n\x04View\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08proposer\x18\x02 \x01(\r\x12\x13\n\x0bswitch_step\x18\x03 \x01(\x04\x12\x0f\n\x07members\x18\x04 \x03(\r\x12\x11\n\taddresses\x18\x05 \x03(\t\"4\n\rSettleRequest\x12\x0e\n\x06sender\x18\x01 \x01(\r\x12\x13\n\x0bmessage_ids\x18\x02 \x03(\x04\"5\n\x0bSettleReply\x12\x11\n\tdelivered\x18\x01 \x03(\x04\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"P\n\rLaneChallenge\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\x16\n\x0etoken_required\x18\x03 \x01(\x08\"U\n\x08LaneAuth\x12\x18\n\x10protocol_version\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\r\x12\x10\n\x08receiver\x18\x03 \x01(\r\x12\r\n\x05proof\x18\x04 \x01(\x0c\"A\n\rLaneAuthReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"S\n\x0bPullRequest\x12\x0e\n\x06worker\x18\x01 \x01(\r\x12\x18\n\x10protocol_version\x18\x02 \x01(\t\x12\x1a\n\x12\x63onfig_fingerprint\x18\x03 \x01(\t\"_\n\x0b\x43ommitReply\x12\x1d\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x10.p2ptrain.v1.Ack\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x11\n\tstaleness\x18\x03 \x01(\x04\x12\r\n\x05scale\x18\x04 \x01(\x01\",\n\x0b\x44oneRequest\x12\x0e\n\x06worker\x18\x01 \x01(\r\x12\r\n\x05steps\x18\x02 \x01(\x04\"C\n\tDoneReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0cworkers_done\x18\x02 \x01(\r\x12\x0f\n\x07workers\x18\x03 \x01(\r*\x93\x02\n\x0bMessageKind\x12\x1c\n\x18MESSAGE_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15MESSAGE_KIND_PUSH_SUM\x10\x01\x12\x17\n\x13MESSAGE_KIND_GOSSIP\x10\x02\x12\x1a\n\x16MESSAGE_KIND_ALLREDUCE\x10\x03\x12\x16\n\x12MESSAGE_KIND_RELAY\x10\x04\x12\x16\n\x12MESSAGE_KIND_STATE\x10\x05\x12\x16\n\x12MESSAGE_KIND_BENCH\x10\x06\x12\x1a\n\x16MESSAGE_KIND_PS_PARAMS\x10\x07\x12\x1a\n\x16MESSAGE_KIND_PS_COMMIT\x10\x08\x12\x16\n\x12MESSAGE_KIND_LEAVE\x10\t*\x8c\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04\x12\x0e\n\nDTYPE_INT8\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06*\x8c\x01\n\x05\x43odec\x12\x0e\n\nCODEC_NONE\x10\x00\x12\x11\n\rCODEC_TRUNC16\x10\x01\x12\x17\n\x13\x43ODEC_INT8_QUANTIZE\x10\x02\x12\x0e\n\nCODEC_BF16\x10\x03\x12\x17\n\x13\x43ODEC_INT4_QUANTIZE\x10\x04\x12\x0e\n\nCODEC_TOPK\x10\x05\x12\x0e\n\nCODEC_FP16\x10\x06*F\n\rCommitScaling\x12\x17\n\x13\x43OMMIT_SCALING_NONE\x10\x00\x12\x1c\n\x18\x43OMMIT_SCALING_STALENESS\x10\x01*[\n\x0cReachability\x12\x18\n\x14REACHABILITY_UNKNOWN\x10\x00\x12\x17\n\x13REACHABILITY_PUBLIC\x10\x01\x12\x18\n\x14REACHABILITY_PRIVATE\x10\x02\x32\x85\x02\n\x04Peer\x12:\n\nPushTensor\x12\x18.p2ptrain.v1.TensorChunk\x1a\x10.p2ptrain.v1.Ack(\x01\x12;\n\x05Hello\x12\x19.p2ptrain.v1.HelloRequest\x1a\x17.p2ptrain.v1.HelloReply\x12>\n\x06Settle\x12\x1a.p2ptrain.v1.SettleRequest\x1a\x18.p2ptrain.v1.SettleReply\x12\x44\n\x08\x44ialBack\x12\x1c.p2ptrain.v1.DialBackRequest\x1a\x1a.p2ptrain.v1.DialBackReply2\xc9\x01\n\x0fParameterServer\x12<\n\x04Pull\x12\x18.p2ptrain.v1.PullRequest\x1a\x18.p2ptrain.v1.TensorChunk0\x01\x12>\n\x06\x43ommit\x12\x18.p2ptrain.v1.TensorChunk\x1a\x18.p2ptrain.v1.CommitReply(\x01\x12\x38\n\x04\x44one\x12\x18.p2ptrain.v1.DoneRequest\x1a\x16.p2ptrain.v1.DoneReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'p2ptrain_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MESSAGEKIND']._serialized_start=2079
-  _globals['_MESSAGEKIND']._serialized_end=2354
-  _globals['_DTYPE']._serialized_start=2357
-  _globals['_DTYPE']._serialized_end=2497
-  _globals['_CODEC']._serialized_start=2500
-  _globals['_CODEC']._serialized_end=2640
-  _globals['_COMMITSCALING']._serialized_start=2642
-  _globals['_COMMITSCALING']._serialized_end=2712
+  _globals['_MESSAGEKIND']._serialized_start=2323
+  _globals['_MESSAGEKIND']._serialized_end=2598
+  _globals['_DTYPE']._serialized_start=2601
+  _globals['_DTYPE']._serialized_end=2741
+  _globals['_CODEC']._serialized_start=2744
+  _globals['_CODEC']._serialized_end=2884
+  _globals['_COMMITSCALING']._serialized_start=2886
+  _globals['_COMMITSCALING']._serialized_end=2956
+  _globals['_REACHABILITY']._serialized_start=2958
+  _globals['_REACHABILITY']._serialized_end=3049
   _globals['_TENSORHEADER']._serialized_start=32
   _globals['_TENSORHEADER']._serialized_end=449
   _globals['_TENSORCHUNK']._serialized_start=451
@@ -49,31 +51,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ACK_STATUS']._serialized_start=702
   _globals['_ACK_STATUS']._serialized_end=798
   _globals['_HELLOREQUEST']._serialized_start=801
-  _globals['_HELLOREQUEST']._serialized_end=1067
-  _globals['_HELLOREPLY']._serialized_start=1070
-  _globals['_HELLOREPLY']._serialized_end=1336
-  _globals['_VIEW']._serialized_start=1338
-  _globals['_VIEW']._serialized_end=1434
-  _globals['_SETTLEREQUEST']._serialized_start=1436
-  _globals['_SETTLEREQUEST']._serialized_end=1488
-  _globals['_SETTLEREPLY']._serialized_start=1490
-  _globals['_SETTLEREPLY']._serialized_end=1543
-  _globals['_LANECHALLENGE']._serialized_start=1545
-  _globals['_LANECHALLENGE']._serialized_end=1625
-  _globals['_LANEAUTH']._serialized_start=1627
-  _globals['_LANEAUTH']._serialized_end=1712
-  _globals['_LANEAUTHREPLY']._serialized_start=1714
-  _globals['_LANEAUTHREPLY']._serialized_end=1779
-  _globals['_PULLREQUEST']._serialized_start=1781
-  _globals['_PULLREQUEST']._serialized_end=1864
-  _globals['_COMMITREPLY']._serialized_start=1866
-  _globals['_COMMITREPLY']._serialized_end=1961
-  _globals['_DONEREQUEST']._serialized_start=1963
-  _globals['_DONEREQUEST']._serialized_end=2007
-  _globals['_DONEREPLY']._serialized_start=2009
-  _globals['_DONEREPLY']._serialized_end=2076
-  _globals['_PEER']._serialized_start=2715
-  _globals['_PEER']._serialized_end=2906
-  _globals['_PARAMETERSERVER']._serialized_start=2909
-  _globals['_PARAMETERSERVER']._serialized_end=3110
+  _globals['_HELLOREQUEST']._serialized_end=1116
+  _globals['_HELLOREPLY']._serialized_start=1119
+  _globals['_HELLOREPLY']._serialized_end=1434
+  _globals['_DIALBACKREQUEST']._serialized_start=1436
+  _globals['_DIALBACKREQUEST']._serialized_end=1491
+  _globals['_DIALBACKREPLY']._serialized_start=1493
+  _globals['_DIALBACKREPLY']._serialized_end=1580
+  _globals['_VIEW']._serialized_start=1582
+  _globals['_VIEW']._serialized_end=1678
+  _globals['_SETTLEREQUEST']._serialized_start=1680
+  _globals['_SETTLEREQUEST']._serialized_end=1732
+  _globals['_SETTLEREPLY']._serialized_start=1734
+  _globals['_SETTLEREPLY']._serialized_end=1787
+  _globals['_LANECHALLENGE']._serialized_start=1789
+  _globals['_LANECHALLENGE']._serialized_end=1869
+  _globals['_LANEAUTH']._serialized_start=1871
+  _globals['_LANEAUTH']._serialized_end=1956
+  _globals['_LANEAUTHREPLY']._serialized_start=1958
+  _globals['_LANEAUTHREPLY']._serialized_end=2023
+  _globals['_PULLREQUEST']._serialized_start=2025
+  _globals['_PULLREQUEST']._serialized_end=2108
+  _globals['_COMMITREPLY']._serialized_start=2110
+  _globals['_COMMITREPLY']._serialized_end=2205
+  _globals['_DONEREQUEST']._serialized_start=2207
+  _globals['_DONEREQUEST']._serialized_end=2251
+  _globals['_DONEREPLY']._serialized_start=2253
+  _globals['_DONEREPLY']._serialized_end=2320
+  _globals['_PEER']._serialized_start=3052
+  _globals['_PEER']._serialized_end=3313
+  _globals['_PARAMETERSERVER']._serialized_start=3316
+  _globals['_PARAMETERSERVER']._serialized_end=3517
 # @@protoc_insertion_point(module_scope)

@@ -50,6 +50,11 @@ class PeerStub:
                 request_serializer=p2ptrain__pb2.SettleRequest.SerializeToString,
                 response_deserializer=p2ptrain__pb2.SettleReply.FromString,
                 _registered_method=True)
+        self.DialBack = channel.unary_unary(
+                '/p2ptrain.v1.Peer/DialBack',
+                request_serializer=p2ptrain__pb2.DialBackRequest.SerializeToString,
+                response_deserializer=p2ptrain__pb2.DialBackReply.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -76,6 +81,13 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DialBack(self, request, context):
+        """Dial the caller back at the address held for it (reachability detection).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +105,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Settle,
                     request_deserializer=p2ptrain__pb2.SettleRequest.FromString,
                     response_serializer=p2ptrain__pb2.SettleReply.SerializeToString,
+            ),
+            'DialBack': grpc.unary_unary_rpc_method_handler(
+                    servicer.DialBack,
+                    request_deserializer=p2ptrain__pb2.DialBackRequest.FromString,
+                    response_serializer=p2ptrain__pb2.DialBackReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +193,33 @@ class Peer:
             '/p2ptrain.v1.Peer/Settle',
             p2ptrain__pb2.SettleRequest.SerializeToString,
             p2ptrain__pb2.SettleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DialBack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/p2ptrain.v1.Peer/DialBack',
+            p2ptrain__pb2.DialBackRequest.SerializeToString,
+            p2ptrain__pb2.DialBackReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -33,6 +33,7 @@ from p2ptrain.choices import (
     Device,
     ModelName,
     OptimizerName,
+    Reachability,
     Role,
 )
 from p2ptrain.settings.parsers import (
@@ -306,6 +307,10 @@ class TransportSettings:
                 "lanes required (a peer without one is an error) (default {default})")
     lane_port: int = setting(0, "port of this node's TCP lane, on the host of --listen (default 0: a free port, "
                                 "advertised to peers in Hello)", metavar="PORT", per_node=True)
+    reachability: Reachability = setting(
+        "auto", "whether peers can dial this node at its address: auto = ask one or two peers to dial it back at "
+                "start; public / private = say so without asking (a node behind NAT or a firewall is private) "
+                "(default {default})", per_node=True)
 
     @property
     def chunk_bytes(self) -> int:

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from p2ptrain.choices import DataPlane
+from p2ptrain.choices import DataPlane, Reachability
 from p2ptrain.transport.faults import LinkTable
 from p2ptrain.transport.framing import DEFAULT_CHUNK_BYTES
 from p2ptrain.transport.membership.liveness import DEFAULT_MAX_LAG
@@ -44,6 +44,7 @@ class TransportOptions:
     data_plane: DataPlane = "auto"     # tensor payloads over the peers' TCP lanes (auto: where offered),
                                        # or gRPC streaming only (paths/router.py)
     lane_port: int = 0                 # the TCP lane's port, on the gRPC listen host (0: one the OS picks)
+    reachability: Reachability = "auto"  # can peers dial this node: auto = ask them (reachability.py)
     initial_members: int | None = None  # elastic runs: ranks below this start as members, the others join
                                        # later (None: every rank of the world is a member from the start)
     view_margin: int = DEFAULT_VIEW_MARGIN  # steps between a membership change's proposal and its switch

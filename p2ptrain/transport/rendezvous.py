@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 # store.add integers, cannot be signed: a stranger can disturb them, never name an address).
 #   joined          a counter of nodes that have read every address: nobody goes on before all have,
 #                   so the process hosting the store never takes it away from a node still reading
+#   reachability/<rank>  "public", "private" or "unknown": whether peers could dial node <rank> back
+#                   at its address (transport/reachability.py), set once its start-up check is done
 KEY_PREFIX = "p2ptrain"   # then /<run id>/...
 ANY_PORT_LISTEN = "[::]:0"  # a rendezvous node's default bind address: every interface, a port the OS picks
 POLL_SECONDS = 0.05
@@ -142,6 +144,17 @@ def exchange_addresses(config: RendezvousSettings, port: int) -> list[str]:
     log.info("node %d: rendezvous %s run %r: this node at %s; peers %s", config.rank, config.rendezvous,
              config.run_id, me, ",".join(addresses))
     return addresses
+
+
+def publish_reachability(config: RendezvousSettings, value: str) -> None:
+    """Say in the store whether peers can dial this node ("public" / "private" / "unknown"): its
+    peers hear it in Hellos, a tool or a later joiner reads it here."""
+    StoreEntries(_run_store(config), config).set(f"reachability/{config.rank}", value)
+
+
+def read_reachability(config: RendezvousSettings, rank: int) -> str | None:
+    """What node `rank` published about its reachability (None: nothing yet, or a forged entry)."""
+    return StoreEntries(_run_store(config), config).read(f"reachability/{rank}")
 
 
 def _missing(config: RendezvousSettings, keys: list[str], found: dict[str, str], entries: "StoreEntries") -> str:

@@ -18,7 +18,7 @@ from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.framing import deserialize_chunk
 from p2ptrain.transport.health import ServingStatus, add_standard_services
 from p2ptrain.transport.membership.identity import PROTOCOL_VERSION
-from p2ptrain.transport.paths.grpc_path import HELLO_METHOD, PUSH_METHOD, SERVICE_NAME, SETTLE_METHOD
+from p2ptrain.transport.paths.grpc_path import DIAL_BACK_METHOD, HELLO_METHOD, PUSH_METHOD, SERVICE_NAME, SETTLE_METHOD
 from p2ptrain.transport.peer_identity import IDENTITY, IdentityCheck, drain
 from p2ptrain.transport.reception import Answers
 from p2ptrain.transport.security import Security
@@ -38,13 +38,14 @@ class PeerService:
     claimed sender its client certificate does not name is refused with PERMISSION_DENIED first."""
 
     def __init__(self, answers: Answers, greetings, world_size: int, forwarder=None,
-                 identity: IdentityCheck | None = None):
+                 identity: IdentityCheck | None = None, dial_back=None):
         self.answers = answers
         self.inbox = answers.inbox
         self.greetings = greetings
         self.world_size = world_size
         self.forwarder = forwarder
         self.identity = identity
+        self.dial_back = dial_back  # reachability.DialBack (None: DialBack is not offered)
 
     async def push_tensor(self, requests, context) -> pb.Ack:
         reception = None
@@ -94,6 +95,15 @@ class PeerService:
         delivered = self.inbox.settle(request.sender, list(request.message_ids))
         return pb.SettleReply(delivered=delivered, incarnation=self.greetings.incarnation)
 
+    async def dial_back_call(self, request: pb.DialBackRequest, context) -> pb.DialBackReply:
+        """Dial the caller back at the address this node holds for it (reachability.py)."""
+        if self.identity is not None:
+            await self._deny(context, self.identity.claim_problem(self.identity.grpc_peer(context), request.node_id,
+                                                                  "a DialBack"))
+        if self.dial_back is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node does not dial back")
+        return await self.dial_back.answer(request)
+
     async def _deny(self, context, problem: str | None, rest=None) -> None:
         """Refuse the call (PERMISSION_DENIED, counted as `identity`) if its claim is not backed;
         `rest`: what is left of a client stream, read first so that the caller sees the refusal."""
@@ -115,6 +125,9 @@ class PeerService:
             "Settle": grpc.unary_unary_rpc_method_handler(
                 self.settle, request_deserializer=pb.SettleRequest.FromString,
                 response_serializer=pb.SettleReply.SerializeToString),
+            "DialBack": grpc.unary_unary_rpc_method_handler(
+                self.dial_back_call, request_deserializer=pb.DialBackRequest.FromString,
+                response_serializer=pb.DialBackReply.SerializeToString),
         })
 
 
@@ -135,4 +148,4 @@ async def serve(handler: grpc.GenericRpcHandler, service_name: str, *, listen: s
 
 
 __all__ = ["PeerService", "serve", "PROTOCOL_VERSION", "SERVICE_NAME", "PUSH_METHOD", "HELLO_METHOD",
-           "SETTLE_METHOD"]
+           "SETTLE_METHOD", "DIAL_BACK_METHOD"]

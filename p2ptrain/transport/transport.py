@@ -10,6 +10,7 @@ the parts themselves; the transport never knows what an algorithm means by a ten
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from typing import Callable
 
@@ -17,6 +18,7 @@ import torch
 
 from p2ptrain.addresses import split_address
 from p2ptrain.settings.parsers import parse_relay_routes, parse_relays
+from p2ptrain.transport import reachability
 from p2ptrain.transport.errors import PeerError
 from p2ptrain.transport.faults import EmulatedLinks
 from p2ptrain.transport.forwarding import Forwarder
@@ -43,6 +45,8 @@ from p2ptrain.transport.tuning import tune_process_for_transfer
 
 WATCH_INTERVAL = 0.05  # seconds between re-checks of a gather that may be abandoned
 
+
+log = logging.getLogger(__name__)
 
 class Transport:
     """Tensor push/receive for node `rank` of `world_size`; peers[i] is node i's address. peers=None:
@@ -91,6 +95,8 @@ class Transport:
                               metrics=metrics)
         self.membership = Membership(views, liveness, greetings, view_margin=options.view_margin,
                                      view_notice=options.view_notice)
+        self.dial_back = reachability.DialBack(rank, self.grpc, self.lane_ports, options.security,
+                                               hello=greetings.hello_request, timeout=options.probe_timeout)
 
         # Receiving, forwarding, sending.
         self.inbox = Inbox(rank, world_size, liveness, step_window=options.step_window, pin_memory=options.pin_memory)
@@ -113,7 +119,7 @@ class Transport:
 
     async def _start_server(self) -> None:
         service = PeerService(self.answers, self.membership.greetings, self.world_size, self.forwarder,
-                              identity=self.identity)
+                              identity=self.identity, dial_back=self.dial_back)
         if self.lane_ports is not None:  # listening before any Hello can advertise it
             self.membership.greetings.lane_port = await self._start_lane()
         try:
@@ -150,6 +156,29 @@ class Transport:
     def peers(self) -> list[str]:
         """Every node's address, in rank order ("" for a joiner not heard of yet)."""
         return self.grpc.addresses
+
+    def check_reachability(self) -> str:
+        """Whether peers can dial this node (reachability.py): asked of peers it reached when
+        `options.reachability` is auto, else taken from it; said in every Hello from now on.
+        Returns "public", "private" or "unknown" (nobody could tell)."""
+        greetings = self.membership.greetings
+        forced = reachability.NAMES[self.options.reachability]
+        if forced != reachability.NAMES["auto"]:
+            greetings.reachability = forced
+            return reachability.SHOWN[forced]
+        helpers = sorted(greetings.reached, key=lambda peer: (peer - self.rank) % self.world_size)  # (spread out)
+        if not helpers:
+            return reachability.SHOWN[greetings.reachability]
+        found, notes = self.loop.submit(reachability.ask(self.grpc, helpers, self.rank, greetings.incarnation,
+                                                         2 * self.options.probe_timeout)).result()
+        greetings.reachability = found
+        shown = reachability.SHOWN[found]
+        if found == reachability.NAMES["private"]:
+            log.warning("node %d: peers cannot dial this node at %s (private: behind NAT or a firewall?): %s",
+                        self.rank, self.grpc.addresses[self.rank], "; ".join(notes)[:500])
+        else:
+            log.info("node %d: reachability %s%s", self.rank, shown, f" ({'; '.join(notes)[:300]})" if notes else "")
+        return shown
 
     def set_peer_addresses(self, addresses: list[str]) -> None:
         """Every node's address, in rank order, learned once this server is bound (a rendezvous

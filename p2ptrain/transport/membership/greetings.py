@@ -126,6 +126,8 @@ class Greetings:
         self._vetting: set[tuple[int, int]] = set()  # views whose claims are being confirmed
         self.refused_views = 0
         self.refused_evictions: tuple[View, ...] = ()  # views refused for evicting a live peer (newest last)
+        self.reachability = pb.REACHABILITY_UNKNOWN  # can peers dial us? (reachability.py; said in Hellos)
+        self.peer_reachability: dict[int, int] = {}  # ... each peer's, as its latest Hello or reply said
 
     def others(self) -> list[int]:
         """The peers to greet: the members of the latest view (every node, in a static run), and
@@ -276,7 +278,8 @@ class Greetings:
                                protocol_version=me.protocol_version, config_fingerprint=me.config_fingerprint,
                                step=self.resume_step, current_step=self.liveness.step,
                                incarnation=self.incarnation, lane_port=self.lane_port,
-                               view=self.views.latest.to_proto(), address=self.addresses[self.rank])
+                               view=self.views.latest.to_proto(), address=self.addresses[self.rank],
+                               reachability=self.reachability)
 
     async def greet(self, peer: int, request: pb.HelloRequest, timeout: float,
                     wait_for_ready: bool = True) -> pb.HelloReply:
@@ -287,6 +290,7 @@ class Greetings:
             self.reached.add(peer)  # it is up: a refused connection from now on means it went away
             if self.lane_ports is not None:
                 self.lane_ports.learn(peer, reply.lane_port)
+            self._note_reachability(peer, reply.reachability)
             self.liveness.note_step(peer, reply.step)
             if reply.caller_excluded:
                 self.liveness.excluded(by_peer=peer)
@@ -339,7 +343,8 @@ class Greetings:
                              config_fingerprint=me.config_fingerprint, step=self.liveness.step,
                              compatible=not reason or known, reason=reason, ready=ready,
                              caller_excluded=known and self.liveness.excludes(peer), incarnation=self.incarnation,
-                             lane_port=self.lane_port, view=self.views.latest.to_proto())
+                             lane_port=self.lane_port, view=self.views.latest.to_proto(),
+                             reachability=self.reachability)
 
     def on_hello(self, request: pb.HelloRequest) -> str:
         """Membership news from a Hello; returns why a want_state request is refused ("" = served)."""
@@ -350,6 +355,7 @@ class Greetings:
             self.adopt_view(request.view, peer)
         if self.lane_ports is not None:
             self.lane_ports.learn(peer, request.lane_port)
+        self._note_reachability(peer, request.reachability)
         was_dead = not self.liveness.alive(peer)
         known_before = self.liveness.incarnation(peer)
         self.liveness.hello(peer, ready=request.ready, incarnation=request.incarnation,
@@ -370,6 +376,10 @@ class Greetings:
         if request.ready:  # a member catching up (or a joiner whose view lost to a concurrent one) holds state
             self._holding_state = self._holding_state | {peer}
         return ""
+
+    def _note_reachability(self, peer: int, value: int) -> None:
+        if value in (pb.REACHABILITY_PUBLIC, pb.REACHABILITY_PRIVATE):  # (an unknown enum value says nothing)
+            self.peer_reachability[peer] = value
 
     def joining(self, peer: int) -> bool:
         """`peer` is not a member of the latest view: it joins (or comes back after leaving)."""

@@ -24,6 +24,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Peer"].full_name  # "p2ptrain.v1.
 PUSH_METHOD = f"/{SERVICE_NAME}/PushTensor"
 HELLO_METHOD = f"/{SERVICE_NAME}/Hello"
 SETTLE_METHOD = f"/{SERVICE_NAME}/Settle"
+DIAL_BACK_METHOD = f"/{SERVICE_NAME}/DialBack"
 GONE_CHECK_SECONDS = 1.0  # a connect that neither succeeds nor is refused within this says nothing
 
 _KINDS = {grpc.StatusCode.UNAVAILABLE: FailureKind.UNREACHABLE,
@@ -99,6 +100,10 @@ class PeerClient:
                                                 request_serializer=pb.SettleRequest.SerializeToString,
                                                 response_deserializer=pb.SettleReply.FromString)
 
+        self._dial_back = self.channel.unary_unary(DIAL_BACK_METHOD,
+                                                   request_serializer=pb.DialBackRequest.SerializeToString,
+                                                   response_deserializer=pb.DialBackReply.FromString)
+
     def metadata(self, method: str):
         """A fresh authorization for one call of `method` (None without a token)."""
         return self.security.call_metadata(method, self.sender, self.receiver)
@@ -155,6 +160,15 @@ class PeerClient:
         try:
             return await self._settle(request, timeout=timeout, wait_for_ready=False,
                                       metadata=self.metadata(SETTLE_METHOD))
+        except grpc.aio.AioRpcError as exc:
+            raise await self.failure(exc, sent) from None
+
+    async def dial_back(self, request: pb.DialBackRequest, timeout: float) -> pb.DialBackReply:
+        """Ask the peer to dial this node back (reachability.py); fails fast if it is down."""
+        sent = time.monotonic()
+        try:
+            return await self._dial_back(request, timeout=timeout, wait_for_ready=False,
+                                         metadata=self.metadata(DIAL_BACK_METHOD))
         except grpc.aio.AioRpcError as exc:
             raise await self.failure(exc, sent) from None
 
@@ -258,6 +272,14 @@ class GrpcPath:
                                                       self.security, sender=self.rank, receiver=peer)
         return client
 
+    def fresh_client(self, peer: int) -> PeerClient:
+        """A client of its own (a new connection, not the shared channel) to the address held for
+        `peer`: whether that address can be dialled now (reachability.py). The caller closes it."""
+        if not self.addresses[peer]:
+            raise SendFailure(FailureKind.UNREACHABLE, f"no address known for node {peer}")
+        return PeerClient(self.addresses[peer], self.options + [("grpc.use_local_subchannel_pool", 1)],
+                          self.chunk_bytes, self.security, sender=self.rank, receiver=peer)
+
     async def push(self, peer: int, header: pb.TensorHeader, payload: memoryview, timeout: float,
                    wait_for_ready: bool = True) -> pb.Ack:
         return await self.client(peer).push(header, payload, timeout, wait_for_ready=wait_for_ready)
@@ -273,5 +295,5 @@ class GrpcPath:
             await client.close()
 
 
-__all__ = ["GrpcPath", "HELLO_METHOD", "PUSH_METHOD", "PeerClient", "PushCall", "SERVICE_NAME", "SETTLE_METHOD",
-           "failure_from", "failure_of", "nothing_listens", "status_of"]
+__all__ = ["DIAL_BACK_METHOD", "GrpcPath", "HELLO_METHOD", "PUSH_METHOD", "PeerClient", "PushCall", "SERVICE_NAME",
+           "SETTLE_METHOD", "failure_from", "failure_of", "nothing_listens", "status_of"]

@@ -72,6 +72,10 @@ class LanePorts:
     def known(self, peer: int) -> bool:
         return peer in self._ports
 
+    def advertised(self, peer: int) -> int:
+        """The lane port `peer`'s latest Hello named, usable lately or not (0: none known)."""
+        return self._ports.get(peer, 0)
+
     def port_of(self, peer: int) -> int:
         """The lane port `peer` advertised; 0 when it offers none, is not known, or failed lately."""
         if time.monotonic() < self._unusable.get(peer, 0.0):

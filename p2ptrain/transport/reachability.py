@@ -1,0 +1,133 @@
+"""Reachability: can the other nodes dial this one at the address they hold for it?
+
+A node behind NAT or a firewall opens connections but cannot be dialled: it is *private*. Knowing
+it is the first step to reaching it anyway (reverse connections, relays chosen by the runtime). At
+start a node asks one or two peers it already reached to dial it back (the DialBack RPC):
+
+- the helper opens a fresh gRPC connection to the address it holds for the asker and says Hello;
+  the answer must come from the asker's incarnation (not another process at that address);
+- it connects to the asker's lane (the port from the asker's Hellos, on the host of that address),
+  which must open with a LaneChallenge.
+
+The asker is *public* if a helper got through on gRPC and on its lane (when it offers one),
+*private* if every helper that answered failed, and stays *unknown* if none answered (an old peer
+without DialBack, or nobody reached). `--reachability public|private` skips the check. The helper
+dials only what it holds for the asker, never an address from the request, so a DialBack cannot
+aim a node at a third party; and it answers one at a time, so a flood costs one dial at a time.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.addresses import split_address
+from p2ptrain.transport.errors import SendFailure
+from p2ptrain.transport.laneframes import LANE_PROTOCOL, LaneFrameError, decode
+from p2ptrain.transport.paths.grpc_path import GrpcPath
+from p2ptrain.transport.paths.lane_path import LaneConnection, LanePorts
+from p2ptrain.transport.security import Security
+
+log = logging.getLogger(__name__)
+
+NAMES = {"auto": pb.REACHABILITY_UNKNOWN, "public": pb.REACHABILITY_PUBLIC, "private": pb.REACHABILITY_PRIVATE}
+SHOWN = {pb.REACHABILITY_UNKNOWN: "unknown", pb.REACHABILITY_PUBLIC: "public", pb.REACHABILITY_PRIVATE: "private"}
+HELPERS = 2  # peers asked to dial back (one may be unable to answer)
+
+
+class DialBack:
+    """The helper's side: dial node `request.node_id` back at what this node holds for it."""
+
+    def __init__(self, rank: int, grpc: GrpcPath, lane_ports: LanePorts | None, security: Security, *,
+                 hello, timeout: float):
+        self.rank = rank
+        self.grpc = grpc
+        self.lane_ports = lane_ports
+        self.security = security
+        self.hello = hello  # () -> pb.HelloRequest: this node's own Hello
+        self.timeout = timeout
+        self._one_at_a_time = asyncio.Lock()
+
+    async def answer(self, request: pb.DialBackRequest) -> pb.DialBackReply:
+        asker = request.node_id
+        if not 0 <= asker < len(self.grpc.addresses) or asker == self.rank or not self.grpc.addresses[asker]:
+            return pb.DialBackReply(detail=f"node {self.rank} holds no address for node {asker}")
+        async with self._one_at_a_time:
+            grpc_ok, problems = await self._dial_grpc(asker, request.incarnation), []
+            if grpc_ok is not True:
+                problems.append(grpc_ok)
+            port = self.lane_ports.advertised(asker) if self.lane_ports is not None else 0
+            lane_ok = await self._dial_lane(asker, port) if port else True
+            if lane_ok is not True:
+                problems.append(lane_ok)
+        return pb.DialBackReply(grpc_ok=grpc_ok is True, lane_checked=bool(port),
+                                lane_ok=bool(port) and lane_ok is True, detail="; ".join(problems))
+
+    async def _dial_grpc(self, asker: int, incarnation: int) -> bool | str:
+        """True, or what went wrong dialling the asker's gRPC address afresh."""
+        address = self.grpc.addresses[asker]
+        client = self.grpc.fresh_client(asker)
+        try:
+            reply = await client.hello(self.hello(), self.timeout, wait_for_ready=False)
+        except SendFailure as exc:
+            return f"node {self.rank} could not dial {address}: {exc}"
+        finally:
+            await client.close()
+        if reply.node_id != asker or reply.incarnation != incarnation:
+            return f"node {self.rank} reached another process at {address} (node {reply.node_id})"
+        return True
+
+    async def _dial_lane(self, asker: int, port: int) -> bool | str:
+        """True, or what went wrong connecting to the asker's lane (its challenge read, then closed)."""
+        host = (split_address(self.grpc.addresses[asker]) or ("", 0))[0]
+        where = f"node {self.rank} could not open the lane at {host}:{port}"
+        ssl = self.security.lane_client_context()
+        connection = None
+        try:
+            _, connection = await asyncio.wait_for(asyncio.get_running_loop().create_connection(
+                LaneConnection, host, port, ssl=ssl,
+                server_hostname=self.security.lane_server_name(host) if ssl else None), self.timeout)
+            challenge = decode(pb.LaneChallenge, await asyncio.wait_for(connection.frame(), self.timeout))
+        except (OSError, asyncio.TimeoutError, LaneFrameError) as exc:
+            return f"{where}: {type(exc).__name__}: {exc}"
+        finally:
+            if connection is not None and connection.transport is not None:
+                connection.transport.close()
+        if challenge.protocol_version != LANE_PROTOCOL:
+            return f"{where}: it speaks {challenge.protocol_version[:40]!r}"
+        return True
+
+
+def verdict(replies: list[pb.DialBackReply]) -> int:
+    """The asker's reachability from its helpers' replies (those that answered)."""
+    if not replies:
+        return pb.REACHABILITY_UNKNOWN
+    if any(r.grpc_ok and (r.lane_ok or not r.lane_checked) for r in replies):
+        return pb.REACHABILITY_PUBLIC
+    return pb.REACHABILITY_PRIVATE
+
+
+async def ask(grpc: GrpcPath, helpers: list[int], rank: int, incarnation: int, timeout: float,
+              ) -> tuple[int, list[str]]:
+    """Ask `helpers` (at most HELPERS of them, together) to dial node `rank` (of `incarnation`)
+    back; the verdict and what each said."""
+    request = pb.DialBackRequest(node_id=rank, incarnation=incarnation)
+    async def one(peer: int):
+        client = grpc.client(peer)
+        return peer, await client.dial_back(request, timeout)
+
+    outcomes = await asyncio.gather(*(one(p) for p in helpers[:HELPERS]), return_exceptions=True)
+    replies, notes = [], []
+    for peer, outcome in zip(helpers, outcomes):
+        if isinstance(outcome, BaseException):
+            if not isinstance(outcome, (SendFailure, OSError)):
+                raise outcome
+            notes.append(f"node {peer} did not answer: {outcome}")
+            continue
+        replies.append(outcome[1])
+        if outcome[1].detail:
+            notes.append(outcome[1].detail)
+    return verdict(replies), notes
+
+
+__all__ = ["DialBack", "HELPERS", "NAMES", "SHOWN", "ask", "verdict"]

@@ -1,0 +1,131 @@
+"""Reachability detection (issue 25, part 1): real Transports on loopback ask a peer to dial them back.
+
+A node that listens on 127.0.0.1 while its peers hold 127.0.0.2 for it is what a node behind NAT
+looks like from outside: it reaches its peers, they cannot open a connection to it (refused).
+"""
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from launcher.ports import free_ports
+from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.transport import Transport, TransportOptions
+from p2ptrain.transport.reachability import verdict
+from p2ptrain.transport.server import DIAL_BACK_METHOD
+from tests.test_transport import wait_until
+
+
+def _pair(options_for=lambda rank: TransportOptions(probe_timeout=1.0), advertised_elsewhere: int | None = None):
+    """Two started Transports; `advertised_elsewhere`: that rank listens on 127.0.0.1 but both hold
+    127.0.0.2 for it (peers cannot dial it)."""
+    ports = free_ports(2)
+    peers = [f"127.0.0.1:{p}" for p in ports]
+    listen = list(peers)
+    if advertised_elsewhere is not None:
+        peers[advertised_elsewhere] = f"127.0.0.2:{ports[advertised_elsewhere]}"
+    return [Transport(r, 2, peers, listen=listen[r], options=options_for(r)).start() for r in range(2)]
+
+
+@pytest.fixture
+def transports(request):
+    made = []
+    yield made
+    for transport in made:
+        transport.stop()
+
+
+def _greet(transport: Transport, peer: int) -> None:
+    transport.loop.submit(transport.membership.greetings.hello(peer, 10.0)).result(20)
+
+
+def test_a_node_its_peer_can_dial_back_is_public_and_says_so_in_its_hellos(transports):
+    transports += _pair()
+    a, b = transports
+    _greet(b, 0)  # b reached a (and a learned b's lane port from that Hello)
+    assert b.check_reachability() == "public"
+    assert b.membership.greetings.reachability == pb.REACHABILITY_PUBLIC
+    _greet(b, 0)  # its next Hello says it
+    assert a.membership.greetings.peer_reachability == {1: pb.REACHABILITY_PUBLIC}
+    _greet(a, 1)  # and so does its answer to a's Hello
+    assert a.membership.greetings.peer_reachability == {1: pb.REACHABILITY_PUBLIC}
+
+
+def test_a_node_its_peer_cannot_dial_at_the_address_it_holds_is_private(transports, caplog):
+    transports += _pair(advertised_elsewhere=1)
+    a, b = transports
+    _greet(b, 0)
+    with caplog.at_level("WARNING"):
+        assert b.check_reachability() == "private"
+    assert f"could not dial {a.peers[1]}" in caplog.text and "could not open the lane" in caplog.text
+    _greet(b, 0)
+    assert a.membership.greetings.peer_reachability == {1: pb.REACHABILITY_PRIVATE}
+
+
+def test_a_forced_reachability_is_said_without_asking(transports):
+    transports += _pair(lambda rank: TransportOptions(probe_timeout=1.0, reachability="private" if rank else "auto"))
+    a, b = transports
+    assert b.check_reachability() == "private"  # (it reached nobody: asking was impossible anyway)
+    _greet(b, 0)
+    assert a.membership.greetings.peer_reachability == {1: pb.REACHABILITY_PRIVATE}
+    _greet(a, 1)
+    assert a.check_reachability() == "public"  # a reached b: b dials a back
+
+
+def test_nobody_reached_leaves_reachability_unknown(transports):
+    transports += _pair()
+    assert transports[1].check_reachability() == "unknown"
+
+
+def test_dial_back_only_dials_what_the_helper_holds_and_checks_the_incarnation(transports):
+    """A stranger's DialBack names a rank the helper holds no address for: nothing is dialled. One
+    naming node 1 with another incarnation: the helper dials node 1, which answers as itself but
+    from another incarnation, so it is not the asker."""
+    transports += _pair()
+    a, b = transports
+    with grpc.insecure_channel(a.peers[0]) as channel:
+        dial_back = channel.unary_unary(DIAL_BACK_METHOD, request_serializer=pb.DialBackRequest.SerializeToString,
+                                        response_deserializer=pb.DialBackReply.FromString)
+        reply = dial_back(pb.DialBackRequest(node_id=7, incarnation=1), timeout=10)
+        assert not reply.grpc_ok and "holds no address for node 7" in reply.detail
+        reply = dial_back(pb.DialBackRequest(node_id=1, incarnation=b.membership.greetings.incarnation + 1),
+                          timeout=10)
+        assert not reply.grpc_ok and "reached another process" in reply.detail
+        reply = dial_back(pb.DialBackRequest(node_id=1, incarnation=b.membership.greetings.incarnation), timeout=10)
+        assert reply.grpc_ok, reply.detail
+
+
+def test_the_verdict_needs_one_helper_through_on_grpc_and_on_the_lane_it_tried():
+    through = pb.DialBackReply(grpc_ok=True, lane_checked=True, lane_ok=True)
+    no_lane = pb.DialBackReply(grpc_ok=True)  # the asker offers no lane
+    lane_blocked = pb.DialBackReply(grpc_ok=True, lane_checked=True, lane_ok=False)
+    refused = pb.DialBackReply(detail="refused")
+    assert verdict([]) == pb.REACHABILITY_UNKNOWN
+    assert verdict([refused, through]) == pb.REACHABILITY_PUBLIC
+    assert verdict([no_lane]) == pb.REACHABILITY_PUBLIC
+    assert verdict([lane_blocked]) == pb.REACHABILITY_PRIVATE
+    assert verdict([refused, refused]) == pb.REACHABILITY_PRIVATE
+
+
+def test_a_node_finds_its_reachability_at_start():
+    """Through the public API: two nodes started with p2ptrain's Node report public."""
+    from p2ptrain.node import Node
+    from p2ptrain.settings import NodeConfig
+
+    peers = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    nodes = [Node(NodeConfig(rank=r, world_size=2, peers=peers, peer_timeout=30.0)) for r in range(2)]
+
+    threads = [threading.Thread(target=node.start) for node in nodes]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        wait_until(lambda: all(node.reachability != "unknown" for node in nodes), 30, "verdicts")
+        assert [node.reachability for node in nodes] == ["public", "public"]
+        assert [node.summary()["reachability"] for node in nodes] == ["public", "public"]  # (node<rank>.json)
+    finally:
+        for node in nodes:
+            node.stop()
