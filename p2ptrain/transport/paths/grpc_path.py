@@ -147,28 +147,21 @@ class PeerClient:
     async def hello(self, request: pb.HelloRequest, timeout: float | None,
                     wait_for_ready: bool = True) -> pb.HelloReply:
         timeout = await self.ready(timeout, wait_for_ready)
-        sent = time.monotonic()
-        try:
-            return await self._hello(request, timeout=timeout, wait_for_ready=wait_for_ready,
-                                     metadata=self.metadata(HELLO_METHOD))
-        except grpc.aio.AioRpcError as exc:
-            raise await self.failure(exc, sent) from None
+        return await self._unary(self._hello, HELLO_METHOD, request, timeout, wait_for_ready)
 
     async def settle(self, request: pb.SettleRequest, timeout: float | None) -> pb.SettleReply:
         """Ask the peer which of our messages it delivered (it voids the rest); fails fast if down."""
-        sent = time.monotonic()
-        try:
-            return await self._settle(request, timeout=timeout, wait_for_ready=False,
-                                      metadata=self.metadata(SETTLE_METHOD))
-        except grpc.aio.AioRpcError as exc:
-            raise await self.failure(exc, sent) from None
+        return await self._unary(self._settle, SETTLE_METHOD, request, timeout, wait_for_ready=False)
 
     async def dial_back(self, request: pb.DialBackRequest, timeout: float) -> pb.DialBackReply:
         """Ask the peer to dial this node back (reachability.py); fails fast if it is down."""
+        return await self._unary(self._dial_back, DIAL_BACK_METHOD, request, timeout, wait_for_ready=False)
+
+    async def _unary(self, stub, method: str, request, timeout: float | None, wait_for_ready: bool):
+        """One unary call with a fresh proof; SendFailure if it fails."""
         sent = time.monotonic()
         try:
-            return await self._dial_back(request, timeout=timeout, wait_for_ready=False,
-                                         metadata=self.metadata(DIAL_BACK_METHOD))
+            return await stub(request, timeout=timeout, wait_for_ready=wait_for_ready, metadata=self.metadata(method))
         except grpc.aio.AioRpcError as exc:
             raise await self.failure(exc, sent) from None
 
