@@ -41,7 +41,9 @@ TBF_HZ = 250
 TBF_LATENCY = "100ms"
 _CAP_NET_ADMIN, _CAP_SYS_ADMIN = 12, 21
 _RUN_ID = re.compile(r"^[0-9a-f]{4}$")
-_OWNED = re.compile(rf"^{PREFIX}(?:br([0-9a-f]{{4}})|([0-9a-f]{{4}})[nh]\d+)$")
+_OWNED = re.compile(rf"^{PREFIX}(?:br([0-9a-f]{{4}})|([0-9a-f]{{4}})[nhru]\d+)$")
+LAN_IFNAME = "lan"                        # a NAT router's bridge towards the nodes behind it
+NAT_LAN = "192.168.{group}.0/24"          # the LAN behind NAT router <group - 1>: inside namespaces only
 
 
 class NetnsUnavailable(RuntimeError):
@@ -105,6 +107,18 @@ class NetnsNode:
     namespace: str
     host_ifname: str
     address: str
+    router: str = ""  # the namespace of the NAT router it sits behind ("": on the public bridge)
+
+
+@dataclass(frozen=True)
+class NatRouter:
+    """A home router: its uplink on the run's bridge (`address`), a LAN bridge towards the nodes
+    behind it; it masquerades what they send out and drops every connection opened from outside."""
+    group: int
+    namespace: str
+    uplink_ifname: str  # the host end of its uplink veth, on the run's bridge
+    address: str
+    lan: ipaddress.IPv4Network
 
 
 class NetnsCluster:
@@ -116,9 +130,19 @@ class NetnsCluster:
     """
 
     def __init__(self, nodes: int, *, bandwidth: float | None = None, subnet: str | None = None,
-                 shape_ingress: bool = True, run_id: str | None = None, stream: TextIO | None = None):
+                 shape_ingress: bool = True, run_id: str | None = None, stream: TextIO | None = None,
+                 nat: tuple[tuple[int, ...], ...] = ()):
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
+        behind = [rank for group in nat for rank in group]
+        if len(set(behind)) != len(behind) or not all(0 <= rank < nodes for rank in behind) or \
+                any(not group for group in nat) or len(nat) > 250:
+            raise ValueError(f"nat groups must be non-empty, disjoint sets of ranks below {nodes} (at most 250), "
+                             f"got {nat!r}")
+        if nat and shutil.which("nft") is None:
+            raise NetnsUnavailable("NAT routers need `nft` (Debian package nftables), not found on PATH")
+        self.nat = tuple(tuple(group) for group in nat)
+        self.routers: list[NatRouter] = []
         if bandwidth is not None and not (bandwidth > 0 and math.isfinite(bandwidth)):
             raise ValueError(f"bandwidth must be a positive number of bytes/s, got {bandwidth!r}")
         if run_id is not None and not _RUN_ID.match(run_id):
@@ -186,15 +210,33 @@ class NetnsCluster:
             check_free(self._requested_subnet)
         self.subnet = self._requested_subnet or pick_subnet(self.run_id)
         self.bridge_address = str(self.subnet.broadcast_address - 1)  # .254 of a /24; nodes from .1
-        self.nodes = [NetnsNode(rank, f"{PREFIX}{self.run_id}n{rank}", f"{PREFIX}{self.run_id}h{rank}",
-                                str(self.subnet.network_address + rank + 1)) for rank in range(self.size)]
+        # routers on the bridge from .253 down (the bridge is .254, nodes from .1 up)
+        self.routers = [NatRouter(g, f"{PREFIX}{self.run_id}r{g}", f"{PREFIX}{self.run_id}u{g}",
+                                  str(self.subnet.broadcast_address - 2 - g),
+                                  ipaddress.ip_network(NAT_LAN.format(group=g + 1))) for g in range(len(self.nat))]
+        router_of = {rank: self.routers[g] for g, group in enumerate(self.nat) for rank in group}
+
+        def address(rank: int) -> str:
+            router = router_of.get(rank)
+            if router is None:
+                return str(self.subnet.network_address + rank + 1)
+            return str(router.lan.network_address + 2 + self.nat[router.group].index(rank))
+
+        self.nodes = [NetnsNode(rank, f"{PREFIX}{self.run_id}n{rank}", f"{PREFIX}{self.run_id}h{rank}", address(rank),
+                                router=router_of[rank].namespace if rank in router_of else "")
+                      for rank in range(self.size)]
         prefixlen = self.subnet.prefixlen
         _ip("link", "add", self.bridge, "type", "bridge", "forward_delay", "0")
         # Bridged frames must not pass through iptables (e.g. a FORWARD DROP policy set by docker).
         _ip("link", "set", self.bridge, "type", "bridge", "nf_call_iptables", "0", check=False)
         _ip("addr", "add", f"{self.bridge_address}/{prefixlen}", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
+        for router in self.routers:
+            self._create_router(router, prefixlen)
         for node in self.nodes:
+            if node.router:
+                self._create_behind_router(node, router_of[node.rank])
+                continue
             _ip("netns", "add", node.namespace)
             _ip("link", "add", node.host_ifname, "type", "veth", "peer", "name", NS_IFNAME,
                 "netns", node.namespace)
@@ -214,6 +256,36 @@ class NetnsCluster:
             print(f"netns: {self.size} namespaces {self.nodes[0].namespace}..{self.nodes[-1].namespace} on bridge "
                   f"{self.bridge} ({self.bridge_address}), subnet {self.subnet}, {cap}", file=self.stream, flush=True)
 
+    def _create_router(self, router: NatRouter, prefixlen: int) -> None:
+        """The router's namespace: uplink on the bridge, LAN bridge, forwarding, NAT and firewall."""
+        ns = router.namespace
+        _ip("netns", "add", ns)
+        _ip("link", "add", router.uplink_ifname, "type", "veth", "peer", "name", NS_IFNAME, "netns", ns)
+        _ip("link", "set", router.uplink_ifname, "master", self.bridge, "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("-n", ns, "addr", "add", f"{router.address}/{prefixlen}", "dev", NS_IFNAME)
+        _ip("-n", ns, "link", "set", NS_IFNAME, "up")
+        _ip("-n", ns, "link", "add", LAN_IFNAME, "type", "bridge", "forward_delay", "0")
+        _ip("-n", ns, "addr", "add", f"{router.lan.network_address + 1}/{router.lan.prefixlen}", "dev", LAN_IFNAME)
+        _ip("-n", ns, "link", "set", LAN_IFNAME, "up")
+        _run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        for rule in nat_rules(NS_IFNAME, LAN_IFNAME):
+            _run(["ip", "netns", "exec", ns, "nft", *rule])
+
+    def _create_behind_router(self, node: NetnsNode, router: NatRouter) -> None:
+        """A node on its router's LAN, the router its default gateway (no route in from outside)."""
+        _ip("netns", "add", node.namespace)
+        _ip("link", "add", node.host_ifname, "type", "veth", "peer", "name", NS_IFNAME, "netns", node.namespace)
+        _ip("link", "set", node.host_ifname, "netns", router.namespace)
+        _ip("-n", router.namespace, "link", "set", node.host_ifname, "master", LAN_IFNAME, "up")
+        _ip("-n", node.namespace, "link", "set", "lo", "up")
+        _ip("-n", node.namespace, "addr", "add", f"{node.address}/{router.lan.prefixlen}", "dev", NS_IFNAME)
+        _ip("-n", node.namespace, "link", "set", NS_IFNAME, "up")
+        _ip("-n", node.namespace, "route", "add", "default", "via", str(router.lan.network_address + 1))
+        if self.bandwidth is not None:
+            _run(["ip", "netns", "exec", node.namespace, "tc", "qdisc", "add", "dev", NS_IFNAME, "root",
+                  *tbf_args(self.bandwidth)])
+
     # what the launcher needs ------------------------------------------------------------------
     @property
     def addresses(self) -> list[str]:
@@ -227,6 +299,25 @@ class NetnsCluster:
         """Keyword arguments for run_local_cluster / plan_cluster: one address and one
         `ip netns exec` prefix per rank."""
         return {"hosts": self.addresses, "argv_prefixes": [self.exec_prefix(r) for r in range(self.size)]}
+
+
+def nat_rules(uplink: str, lan: str) -> list[list[str]]:
+    """`nft` commands of a home router: what the LAN sends out leaves with the uplink's address
+    (masquerade), answers come back (connection tracking), and every connection opened from the
+    uplink side, to the router or through it, is dropped."""
+    return [
+        ["add", "table", "ip", "p2pnat"],
+        ["add", "chain", "ip", "p2pnat", "postrouting", "{ type nat hook postrouting priority srcnat ; }"],
+        ["add", "rule", "ip", "p2pnat", "postrouting", "oifname", uplink, "masquerade"],
+        ["add", "table", "inet", "p2pfirewall"],
+        ["add", "chain", "inet", "p2pfirewall", "forward",
+         "{ type filter hook forward priority filter ; policy drop ; }"],
+        ["add", "rule", "inet", "p2pfirewall", "forward", "ct", "state", "established,related", "accept"],
+        ["add", "rule", "inet", "p2pfirewall", "forward", "iifname", lan, "accept"],
+        ["add", "chain", "inet", "p2pfirewall", "input", "{ type filter hook input priority filter ; policy drop ; }"],
+        ["add", "rule", "inet", "p2pfirewall", "input", "ct", "state", "established,related", "accept"],
+        ["add", "rule", "inet", "p2pfirewall", "input", "iifname", "{", lan, ",", "lo", "}", "accept"],
+    ]
 
 
 def _raise_exit(signum, frame):
@@ -336,7 +427,8 @@ def _claim_run_id(requested: str | None) -> str:
 
 
 def owned_runs() -> dict[str, list[str]]:
-    """Run id -> the namespaces and host links named like ours (p2pbr<id>, p2p<id>n<i>, p2p<id>h<i>)."""
+    """Run id -> the namespaces and host links named like ours (p2pbr<id>, p2p<id>n<i>, p2p<id>h<i>,
+    and NAT routers' p2p<id>r<g>, p2p<id>u<g>)."""
     names = [line.split()[0] for line in _ip("netns", "list").stdout.splitlines() if line.strip()]
     names += [line.split(":")[1].strip().split("@")[0] for line in _ip("-o", "link", "show").stdout.splitlines()]
     runs: dict[str, list[str]] = {}
@@ -365,7 +457,7 @@ def remove_run(run_id: str) -> None:
     if not _RUN_ID.match(run_id):
         raise ValueError(f"run id must be 4 lowercase hex digits, got {run_id!r}")
     names = owned_runs().get(run_id, [])
-    namespaces = [n for n in names if re.fullmatch(rf"{PREFIX}{run_id}n\d+", n)]
+    namespaces = [n for n in names if re.fullmatch(rf"{PREFIX}{run_id}[nr]\d+", n)]  # nodes, NAT routers
     errors = []
     for ns in namespaces:  # a namespace stays alive while a process is in it
         for pid in _ip("netns", "pids", ns, check=False).stdout.split():
@@ -374,7 +466,7 @@ def remove_run(run_id: str) -> None:
             except (ProcessLookupError, ValueError):
                 pass
     for name in names:
-        if name not in namespaces and re.fullmatch(rf"{PREFIX}{run_id}h\d+", name):
+        if name not in namespaces and re.fullmatch(rf"{PREFIX}{run_id}[hu]\d+", name):
             errors += _quiet(_ip("link", "del", name, check=False))  # deletes both veth ends
     for ns in namespaces:
         errors += _quiet(_ip("netns", "del", ns, check=False))

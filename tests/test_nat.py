@@ -1,0 +1,82 @@
+"""Real NAT (issue 25): nodes behind a home router namespace that masquerades what they send and
+drops every connection opened from outside (nftables), beside nodes on the public bridge.
+
+Needs root, network namespaces and `nft` (Debian's nftables, installed by .ci/run); elsewhere the
+namespace tests skip and say why.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from launcher import netns
+from tests.conftest import ROOT, node_env
+
+_unavailable = netns.probe() or (None if shutil.which("nft") else "`nft` (Debian package nftables) not found")
+needs_nat = pytest.mark.skipif(_unavailable is not None, reason=f"NAT namespaces unavailable: {_unavailable}")
+PORT = 50051
+
+# One node: start a Transport on its namespace address, greet `greet`, ask for a dial-back, print
+# the verdict, and serve its peers' questions until stdin closes.
+PROBE = """
+import json, sys
+from p2ptrain.transport import Transport, TransportOptions
+rank, peers = int(sys.argv[1]), sys.argv[2].split(",")
+greet = [int(p) for p in sys.argv[3].split(",") if p]
+transport = Transport(rank, len(peers), peers, listen=peers[rank], options=TransportOptions(probe_timeout=2.0)).start()
+for peer in greet:
+    transport.loop.submit(transport.membership.greetings.hello(peer, 30.0)).result(60)
+print(json.dumps({"rank": rank, "reachability": transport.check_reachability()}), flush=True)
+sys.stdin.read()
+transport.stop()
+"""
+
+
+def test_nat_rules_masquerade_out_and_drop_what_comes_in():
+    rules = [" ".join(rule) for rule in netns.nat_rules("eth0", "lan")]
+    assert "add rule ip p2pnat postrouting oifname eth0 masquerade" in rules
+    assert any("forward" in r and "policy drop" in r for r in rules)
+    assert any("input" in r and "policy drop" in r for r in rules)
+    assert "add rule inet p2pfirewall forward ct state established,related accept" in rules
+
+
+@pytest.mark.parametrize("groups", [((2,), (0, 1, 2, 3)), ((1, 1),), ((5,),), ((),)])
+def test_nat_groups_must_be_disjoint_non_empty_ranks(groups):
+    with pytest.raises(ValueError, match="nat groups"):
+        netns.NetnsCluster(4, nat=groups)
+
+
+@needs_nat
+@pytest.mark.timeout(180)
+def test_a_node_behind_nat_finds_itself_private_and_public_nodes_public():
+    """Nodes 0 and 1 on the public bridge, node 2 behind a NAT router: node 2 reaches both (its
+    connections leave with the router's address), neither can open one to it, so its dial-back
+    fails and it says it is private; 0 and 1 dial each other back: public."""
+    with netns.NetnsCluster(3, nat=((2,),)) as cluster:
+        assert cluster.nodes[2].router == cluster.routers[0].namespace
+        peers = ",".join(f"{node.address}:{PORT}" for node in cluster.nodes)
+        greet = {0: "1", 1: "0", 2: "0,1"}
+        procs = [subprocess.Popen(cluster.exec_prefix(rank) + [sys.executable, "-c", PROBE, str(rank), peers,
+                                                               greet[rank]],
+                                  cwd=ROOT, env=node_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for rank in range(3)]
+        try:
+            found = {}
+            for proc in procs:
+                line = proc.stdout.readline()
+                assert line, proc.stderr.read()[-3000:] if proc.poll() is not None else "no verdict"
+                found.update({json.loads(line)["rank"]: json.loads(line)["reachability"]})
+        finally:
+            for proc in procs:
+                try:
+                    proc.communicate("", timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.communicate()
+        assert found == {0: "public", 1: "public", 2: "private"}
+        run_id = cluster.run_id
+    assert not netns.owned_runs().get(run_id), "the router's namespace and links were not removed"
