@@ -63,6 +63,8 @@ class NodeMetrics:
                              registry=r)
         self.live_peers = Gauge("p2ptrain_live_peers", "Peers this node considers alive (itself excluded)",
                                 ["node"], registry=r)
+        self.reachability = Gauge("p2ptrain_reachability", "Whether peers can dial this node at its address: "
+                                  "0 unknown, 1 public, 2 private (behind NAT or a firewall)", ["node"], registry=r)
         self.membership_changes = Counter("p2ptrain_membership_changes",
                                           "Peers declared dead or seen alive again", ["node", "peer"],
                                           registry=r)
@@ -97,6 +99,10 @@ class NodeMetrics:
 
     def on_rejected(self, reason: str) -> None:
         self.rejected_messages.labels(self.node, reason).inc()
+
+    def on_reachability(self, reachability: int) -> None:
+        """0 unknown, 1 public, 2 private (the proto's Reachability)."""
+        self.reachability.labels(self.node).set(reachability)
 
     def on_lane_message(self, peer: int) -> None:
         self.lane_messages.labels(self.node, str(peer)).inc()

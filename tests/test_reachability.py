@@ -12,10 +12,15 @@ import pytest
 
 from launcher.ports import free_ports
 from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.metrics import NodeMetrics
 from p2ptrain.transport import Transport, TransportOptions
 from p2ptrain.transport.reachability import verdict
 from p2ptrain.transport.server import DIAL_BACK_METHOD
 from tests.test_transport import wait_until
+
+
+def _reachability_gauge(transport: Transport) -> float | None:
+    return transport.metrics.registry.get_sample_value("p2ptrain_reachability", {"node": str(transport.rank)})
 
 
 def _pair(options_for=lambda rank: TransportOptions(probe_timeout=1.0), advertised_elsewhere: int | None = None):
@@ -26,7 +31,8 @@ def _pair(options_for=lambda rank: TransportOptions(probe_timeout=1.0), advertis
     listen = list(peers)
     if advertised_elsewhere is not None:
         peers[advertised_elsewhere] = f"127.0.0.2:{ports[advertised_elsewhere]}"
-    return [Transport(r, 2, peers, listen=listen[r], options=options_for(r)).start() for r in range(2)]
+    return [Transport(r, 2, peers, listen=listen[r], options=options_for(r), metrics=NodeMetrics(r)).start()
+            for r in range(2)]
 
 
 @pytest.fixture
@@ -45,8 +51,10 @@ def test_a_node_its_peer_can_dial_back_is_public_and_says_so_in_its_hellos(trans
     transports += _pair()
     a, b = transports
     _greet(b, 0)  # b reached a (and a learned b's lane port from that Hello)
+    assert _reachability_gauge(b) is None  # (not asked yet)
     assert b.check_reachability() == "public"
     assert b.membership.greetings.reachability == pb.REACHABILITY_PUBLIC
+    assert _reachability_gauge(b) == 1.0
     _greet(b, 0)  # its next Hello says it
     assert a.membership.greetings.peer_reachability == {1: pb.REACHABILITY_PUBLIC}
     _greet(a, 1)  # and so does its answer to a's Hello
@@ -59,6 +67,7 @@ def test_a_node_its_peer_cannot_dial_at_the_address_it_holds_is_private(transpor
     _greet(b, 0)
     with caplog.at_level("WARNING"):
         assert b.check_reachability() == "private"
+    assert _reachability_gauge(b) == 2.0
     assert f"could not dial {a.peers[1]}" in caplog.text and "could not open the lane" in caplog.text
     _greet(b, 0)
     assert a.membership.greetings.peer_reachability == {1: pb.REACHABILITY_PRIVATE}

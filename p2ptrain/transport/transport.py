@@ -162,18 +162,17 @@ class Transport:
         `options.reachability` is auto, else taken from it; said in every Hello from now on.
         Returns "public", "private" or "unknown" (nobody could tell)."""
         greetings = self.membership.greetings
-        forced = reachability.NAMES[self.options.reachability]
-        if forced != reachability.NAMES["auto"]:
-            greetings.reachability = forced
-            return reachability.SHOWN[forced]
+        found = reachability.NAMES[self.options.reachability]
         helpers = sorted(greetings.reached, key=lambda peer: (peer - self.rank) % self.world_size)  # (spread out)
-        if not helpers:
-            return reachability.SHOWN[greetings.reachability]
-        found, notes = self.loop.submit(reachability.ask(self.grpc, helpers, self.rank, greetings.incarnation,
-                                                         2 * self.options.probe_timeout)).result()
+        notes: list[str] = []
+        if found == reachability.NAMES["auto"] and helpers:
+            found, notes = self.loop.submit(reachability.ask(self.grpc, helpers, self.rank, greetings.incarnation,
+                                                             2 * self.options.probe_timeout)).result()
         greetings.reachability = found
+        if self.metrics is not None:
+            self.metrics.on_reachability(found)
         shown = reachability.SHOWN[found]
-        if found == reachability.NAMES["private"]:
+        if found == reachability.NAMES["private"] and notes:
             log.warning("node %d: peers cannot dial this node at %s (private: behind NAT or a firewall?): %s",
                         self.rank, self.grpc.addresses[self.rank], "; ".join(notes)[:500])
         else:
