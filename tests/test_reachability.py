@@ -6,6 +6,7 @@ looks like from outside: it reaches its peers, they cannot open a connection to 
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -14,7 +15,7 @@ from launcher.ports import free_ports
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.metrics import NodeMetrics
 from p2ptrain.transport import Transport, TransportOptions
-from p2ptrain.transport.reachability import verdict
+from p2ptrain.transport.reachability import MIN_INTERVAL, verdict
 from p2ptrain.transport.server import DIAL_BACK_METHOD
 from tests.test_transport import wait_until
 
@@ -102,8 +103,16 @@ def test_dial_back_only_dials_what_the_helper_holds_and_checks_the_incarnation(t
         reply = dial_back(pb.DialBackRequest(node_id=1, incarnation=b.membership.greetings.incarnation + 1),
                           timeout=10)
         assert not reply.grpc_ok and "reached another process" in reply.detail
+        time.sleep(MIN_INTERVAL)  # (node 1 was just dialled)
         reply = dial_back(pb.DialBackRequest(node_id=1, incarnation=b.membership.greetings.incarnation), timeout=10)
         assert reply.grpc_ok, reply.detail
+        # a flood dials node 1 once a second at most: the same incarnation gets the same answer,
+        # another one is refused as too soon (the asker counts it as not answered, not as private)
+        again = dial_back(pb.DialBackRequest(node_id=1, incarnation=b.membership.greetings.incarnation), timeout=10)
+        assert again == reply
+        with pytest.raises(grpc.RpcError) as refused:
+            dial_back(pb.DialBackRequest(node_id=1, incarnation=5), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_the_verdict_needs_one_helper_through_on_grpc_and_on_the_lane_it_tried():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.addresses import split_address
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 NAMES = {"auto": pb.REACHABILITY_UNKNOWN, "public": pb.REACHABILITY_PUBLIC, "private": pb.REACHABILITY_PRIVATE}
 SHOWN = {pb.REACHABILITY_UNKNOWN: "unknown", pb.REACHABILITY_PUBLIC: "public", pb.REACHABILITY_PRIVATE: "private"}
 HELPERS = 2  # peers asked to dial back (one may be unable to answer)
+MIN_INTERVAL = 1.0  # seconds between two dial-backs of one node: a flood of DialBacks costs one dial a second
 
 
 class DialBack:
@@ -47,12 +49,19 @@ class DialBack:
         self.hello = hello  # () -> pb.HelloRequest: this node's own Hello
         self.timeout = timeout
         self._one_at_a_time = asyncio.Lock()
+        self._last: dict[int, tuple[float, int, pb.DialBackReply]] = {}  # asker -> (when, incarnation, reply)
 
-    async def answer(self, request: pb.DialBackRequest) -> pb.DialBackReply:
+    async def answer(self, request: pb.DialBackRequest) -> pb.DialBackReply | None:
+        """The outcome of dialling the asker back; None (the caller says RESOURCE_EXHAUSTED) when
+        it was dialled less than MIN_INTERVAL ago as another incarnation (the same one gets that
+        outcome again)."""
         asker = request.node_id
         if not 0 <= asker < len(self.grpc.addresses) or asker == self.rank or not self.grpc.addresses[asker]:
             return pb.DialBackReply(detail=f"node {self.rank} holds no address for node {asker}")
         async with self._one_at_a_time:
+            last = self._last.get(asker)
+            if last is not None and time.monotonic() - last[0] < MIN_INTERVAL:
+                return last[2] if last[1] == request.incarnation else None
             grpc_ok, problems = await self._dial_grpc(asker, request.incarnation), []
             if grpc_ok is not True:
                 problems.append(grpc_ok)
@@ -60,8 +69,10 @@ class DialBack:
             lane_ok = await self._dial_lane(asker, port) if port else True
             if lane_ok is not True:
                 problems.append(lane_ok)
-        return pb.DialBackReply(grpc_ok=grpc_ok is True, lane_checked=bool(port),
-                                lane_ok=bool(port) and lane_ok is True, detail="; ".join(problems))
+            reply = pb.DialBackReply(grpc_ok=grpc_ok is True, lane_checked=bool(port),
+                                     lane_ok=bool(port) and lane_ok is True, detail="; ".join(problems))
+            self._last[asker] = (time.monotonic(), request.incarnation, reply)
+        return reply
 
     async def _dial_grpc(self, asker: int, incarnation: int) -> bool | str:
         """True, or what went wrong dialling the asker's gRPC address afresh."""

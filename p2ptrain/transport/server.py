@@ -102,7 +102,10 @@ class PeerService:
                                                                   "a DialBack"))
         if self.dial_back is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node does not dial back")
-        return await self.dial_back.answer(request)
+        reply = await self.dial_back.answer(request)
+        if reply is None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"node {request.node_id} was just dialled back")
+        return reply
 
     async def _deny(self, context, problem: str | None, rest=None) -> None:
         """Refuse the call (PERMISSION_DENIED, counted as `identity`) if its claim is not backed;
