@@ -18,7 +18,6 @@ aim a node at a third party; and it answers one at a time, so a flood costs one 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
@@ -28,8 +27,6 @@ from p2ptrain.transport.laneframes import LANE_PROTOCOL, LaneFrameError, decode
 from p2ptrain.transport.paths.grpc_path import GrpcPath
 from p2ptrain.transport.paths.lane_path import LaneConnection, LanePorts
 from p2ptrain.transport.security import Security
-
-log = logging.getLogger(__name__)
 
 NAMES = {"auto": pb.REACHABILITY_UNKNOWN, "public": pb.REACHABILITY_PUBLIC, "private": pb.REACHABILITY_PRIVATE}
 SHOWN = {pb.REACHABILITY_UNKNOWN: "unknown", pb.REACHABILITY_PUBLIC: "public", pb.REACHABILITY_PRIVATE: "private"}
@@ -123,6 +120,7 @@ async def ask(grpc: GrpcPath, helpers: list[int], rank: int, incarnation: int, t
     """Ask `helpers` (at most HELPERS of them, together) to dial node `rank` (of `incarnation`)
     back; the verdict and what each said."""
     request = pb.DialBackRequest(node_id=rank, incarnation=incarnation)
+
     async def one(peer: int):
         client = grpc.client(peer)
         return peer, await client.dial_back(request, timeout)
