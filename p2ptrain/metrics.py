@@ -63,6 +63,8 @@ class NodeMetrics:
                              registry=r)
         self.live_peers = Gauge("p2ptrain_live_peers", "Peers this node considers alive (itself excluded)",
                                 ["node"], registry=r)
+        self.peer_via = Gauge("p2ptrain_peer_via", "How this node's last delivered message reached the peer: -1 "
+                              "directly, else the rank of the relay it went through", peer, registry=r)
         self.reachability = Gauge("p2ptrain_reachability", "Whether peers can dial this node at its address: "
                                   "0 unknown, 1 public, 2 private (behind NAT or a firewall)", ["node"], registry=r)
         self.membership_changes = Counter("p2ptrain_membership_changes",
@@ -99,6 +101,10 @@ class NodeMetrics:
 
     def on_rejected(self, reason: str) -> None:
         self.rejected_messages.labels(self.node, reason).inc()
+
+    def on_peer_via(self, peer: int, via: int) -> None:
+        """-1: `peer` was reached directly; else through relay `via`."""
+        self.peer_via.labels(self.node, str(peer)).set(via)
 
     def on_reachability(self, reachability: int) -> None:
         """0 unknown, 1 public, 2 private (the proto's Reachability)."""

@@ -329,6 +329,7 @@ class Node:
             "forwarded_bytes": counter_total(self.metrics.registry, "p2ptrain_forwarded_bytes_total"),
             "ps_weight": stats.get("ps_weight", 1.0), "min_ps_weight": stats.get("min_ps_weight", 1.0),
             "device": self.device.type, "metrics_port": self.metrics_port, "reachability": self.reachability,
+            "paths": {str(peer): how for peer, how in self.transport.router.paths_taken().items()},
             "start_step": 0, "rejoined": False, "catch_ups": 0, "skipped_steps": 0,
             **(optimizer.summary() if optimizer is not None else {}),
             "joined": self.config.join,

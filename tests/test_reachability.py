@@ -144,6 +144,7 @@ def test_a_node_finds_its_reachability_at_start():
         wait_until(lambda: all(node.reachability != "unknown" for node in nodes), 30, "verdicts")
         assert [node.reachability for node in nodes] == ["public", "public"]
         assert [node.summary()["reachability"] for node in nodes] == ["public", "public"]  # (node<rank>.json)
+        assert [node.summary()["paths"] for node in nodes] == [{}, {}]  # (nothing sent yet)
     finally:
         for node in nodes:
             node.stop()

@@ -196,6 +196,11 @@ def test_blocked_link_is_found_out_and_relayed_around(plane):
         assert forwarded(t[1]) == 3 and forwarded(t[1], "bytes") == 3 * 4000
         assert not t[0].routes.direct_ok(2)
         assert sample(t[0], "p2ptrain_send_errors_total", node="0", peer="2") is None
+        assert t[0].router.paths_taken() == {2: "via 1"}
+        assert sample(t[0], "p2ptrain_peer_via", node="0", peer="2") == 1.0
+        t[0].sender.send(1, payload(1000), kind=KIND, step=0).result(30)
+        assert t[0].router.paths_taken() == {1: "direct", 2: "via 1"}
+        assert sample(t[0], "p2ptrain_peer_via", node="0", peer="1") == -1.0
 
 
 @pytest.mark.parametrize("plane", PLANES)
@@ -441,5 +446,8 @@ def test_launch_trains_across_cut_groups_through_a_relay(tmp_path):
           f"({summaries[BRIDGE]['forwarded_bytes']} bytes); min accuracy {report['cluster']['min_test_accuracy']:.3f}")
     assert expected > 0 and summaries[BRIDGE]["forwarded_messages"] == expected
     assert all(s["forwarded_messages"] == 0 for r, s in summaries.items() if r != BRIDGE)
+    for a, b in CUT:  # the report says how each cut pair reached each other
+        assert summaries[a]["paths"].get(str(b)) in (None, f"via {BRIDGE}")
+        assert summaries[b]["paths"].get(str(a)) in (None, f"via {BRIDGE}")
     assert report["cluster"]["min_test_accuracy"] > 0.6, report["cluster"]
     assert sum(s["ps_weight"] for s in summaries.values()) == pytest.approx(n, abs=1e-9)

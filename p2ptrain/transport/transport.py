@@ -107,7 +107,7 @@ class Transport:
         self.lanes = LanePath(rank, options.security, self.lane_ports, addresses, greetings,
                               discovery_timeout=options.probe_timeout, metrics=metrics) if self.lane_ports else None
         paths = [path for path in (self.lanes, self.grpc) if path is not None]  # tried in this order
-        self.router = Router(rank, paths, self.grpc, self.routes, links=self.links)
+        self.router = Router(rank, paths, self.grpc, self.routes, links=self.links, metrics=metrics)
         self.sender = Sender(rank, world_size, options, self.loop, self.router, self.grpc, greetings, liveness,
                              metrics)
 

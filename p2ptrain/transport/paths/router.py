@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 # Direct pushes in flight to one peer, on either plane: the Inbox's default max_receptions_per_sender.
 IN_FLIGHT_PER_PEER = 8
+DIRECT = -1  # Router.via of a peer reached directly (else the rank of the relay)
 
 
 class Router:
@@ -36,13 +37,26 @@ class Router:
     `paths` that can carry the message; relayed hops go by `relay` (gRPC streams are piped on)."""
 
     def __init__(self, rank: int, paths: Sequence[DirectPath], relay: GrpcPath, routes: RouteTable, *,
-                 links: EmulatedLinks | None = None):
+                 links: EmulatedLinks | None = None, metrics=None):
         self.rank = rank
         self.paths = tuple(paths)
         self.relay = relay
         self.routes = routes
         self.links = links
+        self.metrics = metrics
+        self.via: dict[int, int] = {}  # per peer: how its last delivered message went (DIRECT, or a relay's rank)
         self._slots: dict[int, asyncio.Semaphore] = {}  # per peer: direct pushes in flight
+
+    def paths_taken(self) -> dict[int, str]:
+        """How each peer was last reached: "direct" or "via K" (the run's report)."""
+        return {peer: "direct" if via == DIRECT else f"via {via}" for peer, via in sorted(self.via.items())}
+
+    def _took(self, peer: int, via: int, ack: pb.Ack) -> pb.Ack:
+        if self.via.get(peer) != via:  # (a dict lookup per message; the gauge only on a change)
+            self.via[peer] = via
+            if self.metrics is not None:
+                self.metrics.on_peer_via(peer, via)
+        return ack
 
     async def push(self, peer: int, header: pb.TensorHeader, payload: memoryview, reliable: bool,
                    timeout: float, wait_for_ready: bool = True) -> pb.Ack:
@@ -50,7 +64,8 @@ class Router:
         routes = self.routes
         declared = routes.declared(peer)
         if declared is not None:
-            return await self._hop(declared, peer, header, payload, reliable, timeout, wait_for_ready)
+            return self._took(peer, declared[0],
+                              await self._hop(declared, peer, header, payload, reliable, timeout, wait_for_ready))
         failure: SendFailure | None = None
         if routes.direct_ok(peer):
             # Detecting unreachable peers: fail fast on a refused connect when a relay is there to try.
@@ -58,7 +73,7 @@ class Router:
             try:
                 ack = await self._hop((), peer, header, payload, reliable, timeout, wait_for_ready and not fast)
                 routes.mark_reached(peer)
-                return ack
+                return self._took(peer, DIRECT, ack)
             except LinkUnreachable as exc:
                 failure = exc
             except SendFailure as exc:
@@ -72,7 +87,7 @@ class Router:
         if failure is None and not candidates:  # down earlier, no relay now: maybe the link healed
             ack = await self._hop((), peer, header, payload, reliable, timeout, wait_for_ready)
             routes.mark_reached(peer)
-            return ack
+            return self._took(peer, DIRECT, ack)
         for i, via in enumerate(candidates):
             last = i == len(candidates) - 1
             try:
@@ -91,7 +106,7 @@ class Router:
             if ack.status == pb.Ack.STATUS_REJECTED and ack.reason == RELAY_UNREACHABLE and not last:
                 continue  # this relay cannot reach the peer either: nothing delivered, try the next
             routes.remember_via(peer, via)
-            return ack
+            return self._took(peer, via, ack)
         raise failure if failure is not None else SendFailure(FailureKind.UNREACHABLE,
                                                               f"node {self.rank}: no relay to reach {peer}")
 
