@@ -64,7 +64,8 @@ class NodeMetrics:
         self.live_peers = Gauge("p2ptrain_live_peers", "Peers this node considers alive (itself excluded)",
                                 ["node"], registry=r)
         self.peer_via = Gauge("p2ptrain_peer_via", "How this node's last delivered message reached the peer: -1 "
-                              "directly, else the rank of the relay it went through", peer, registry=r)
+                              "directly, -2 down the reverse stream the (private) peer opened, else the rank of "
+                              "the relay it went through", peer, registry=r)
         self.reachability = Gauge("p2ptrain_reachability", "Whether peers can dial this node at its address: "
                                   "0 unknown, 1 public, 2 private (behind NAT or a firewall)", ["node"], registry=r)
         self.membership_changes = Counter("p2ptrain_membership_changes",

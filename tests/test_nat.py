@@ -80,3 +80,24 @@ def test_a_node_behind_nat_finds_itself_private_and_public_nodes_public():
         assert found == {0: "public", 1: "public", 2: "private"}
         run_id = cluster.run_id
     assert not netns.owned_runs().get(run_id), "the router's namespace and links were not removed"
+
+
+@needs_nat
+@pytest.mark.timeout(240)
+def test_sgp_trains_with_a_node_behind_nat_and_no_route_flags(tmp_path):
+    """`launch --netns --nat 2`: node 2 sits behind a NAT router. It finds itself private and opens a
+    reverse stream to nodes 0 and 1, which send to it down those streams; nobody declares a route.
+    Every node finishes, push-sum mass is exact (Σ w = 3) and the report says who reached whom how."""
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "p2ptrain", "launch", "--netns", "--nat", "2", "--nodes", "3", "--out", str(out),
+            "--no-live", "--algorithm", "sgp", "--steps", "60", "--model", "mlp", "--dataset", "synthetic",
+            "--no-metrics"]
+    proc = subprocess.run(argv, cwd=ROOT, env=node_env(), capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, f"launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    report = json.loads((out / "report.json").read_text())
+    nodes = {n["rank"]: n for n in report["nodes"]}
+    assert [nodes[r]["reachability"] for r in range(3)] == ["public", "public", "private"]
+    assert nodes[0]["paths"]["2"] == nodes[1]["paths"]["2"] == "reverse"
+    assert nodes[2]["paths"] == {"0": "direct", "1": "direct"}
+    assert sum(n["ps_weight"] for n in nodes.values()) == pytest.approx(3.0, abs=1e-9)
+    assert report["cluster"]["min_test_accuracy"] > 0.3, report["cluster"]

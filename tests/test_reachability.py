@@ -81,7 +81,7 @@ def test_a_forced_reachability_is_said_without_asking(transports):
     _greet(b, 0)
     assert a.membership.greetings.peer_reachability == {1: pb.REACHABILITY_PRIVATE}
     _greet(a, 1)
-    assert a.check_reachability() == "public"  # a reached b: b dials a back
+    assert a.check_reachability() == "unknown"  # its only peer is private: nobody to dial it back
 
 
 def test_nobody_reached_leaves_reachability_unknown(transports):
@@ -115,14 +115,14 @@ def test_dial_back_only_dials_what_the_helper_holds_and_checks_the_incarnation(t
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-def test_the_verdict_needs_one_helper_through_on_grpc_and_on_the_lane_it_tried():
+def test_the_verdict_is_public_only_if_every_helper_got_through_on_grpc_and_the_lane_it_tried():
     through = pb.DialBackReply(grpc_ok=True, lane_checked=True, lane_ok=True)
     no_lane = pb.DialBackReply(grpc_ok=True)  # the asker offers no lane
     lane_blocked = pb.DialBackReply(grpc_ok=True, lane_checked=True, lane_ok=False)
     refused = pb.DialBackReply(detail="refused")
     assert verdict([]) == pb.REACHABILITY_UNKNOWN
-    assert verdict([refused, through]) == pb.REACHABILITY_PUBLIC
-    assert verdict([no_lane]) == pb.REACHABILITY_PUBLIC
+    assert verdict([through, no_lane]) == pb.REACHABILITY_PUBLIC
+    assert verdict([refused, through]) == pb.REACHABILITY_PRIVATE  # (through: a helper on its own LAN)
     assert verdict([lane_blocked]) == pb.REACHABILITY_PRIVATE
     assert verdict([refused, refused]) == pb.REACHABILITY_PRIVATE
 

@@ -55,6 +55,11 @@ class PeerStub:
                 request_serializer=p2ptrain__pb2.DialBackRequest.SerializeToString,
                 response_deserializer=p2ptrain__pb2.DialBackReply.FromString,
                 _registered_method=True)
+        self.Reverse = channel.stream_stream(
+                '/p2ptrain.v1.Peer/Reverse',
+                request_serializer=p2ptrain__pb2.ReverseUp.SerializeToString,
+                response_deserializer=p2ptrain__pb2.ReverseDown.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -88,6 +93,13 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reverse(self, request_iterator, context):
+        """A private caller's stream, down which the callee makes its calls to the caller.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +122,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.DialBack,
                     request_deserializer=p2ptrain__pb2.DialBackRequest.FromString,
                     response_serializer=p2ptrain__pb2.DialBackReply.SerializeToString,
+            ),
+            'Reverse': grpc.stream_stream_rpc_method_handler(
+                    servicer.Reverse,
+                    request_deserializer=p2ptrain__pb2.ReverseUp.FromString,
+                    response_serializer=p2ptrain__pb2.ReverseDown.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +237,33 @@ class Peer:
             '/p2ptrain.v1.Peer/DialBack',
             p2ptrain__pb2.DialBackRequest.SerializeToString,
             p2ptrain__pb2.DialBackReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reverse(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/p2ptrain.v1.Peer/Reverse',
+            p2ptrain__pb2.ReverseUp.SerializeToString,
+            p2ptrain__pb2.ReverseDown.FromString,
             options,
             channel_credentials,
             insecure,

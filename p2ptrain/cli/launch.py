@@ -50,6 +50,10 @@ def add_parser(subcommands) -> None:
                              "or 12MB/s")
     launch.add_argument("--netns-subnet", metavar="CIDR",
                         help="with --netns: private IPv4 subnet for the nodes (default: a free 10.x.y.0/24)")
+    launch.add_argument("--nat", metavar="RANKS[/RANKS...]",
+                        help="with --netns: put these nodes behind NAT routers that drop every connection opened "
+                             "from outside, one router per '/'-separated group: 3,4/5 = nodes 3 and 4 behind one, "
+                             "node 5 behind another (they find themselves private and reach out)")
     launch.add_argument("--chaos", type=int, metavar="COUNT",
                         help="COUNT random faults (kill + restart, stall of 1 s to --chaos-max-stall, leave, join, "
                              "a link's drop burst or block, a slow node), seeded by --chaos-seed, keeping 2 nodes "
@@ -316,9 +320,9 @@ def _netns_options(args: argparse.Namespace, server: bool) -> dict | None:
     """NetnsCluster keyword arguments from --netns/--bandwidth/--netns-subnet (None without --netns),
     validated before anything starts."""
     if not args.netns:
-        if args.bandwidth is not None or args.netns_subnet is not None:
-            raise ConfigError("--bandwidth and --netns-subnet need --netns (without namespaces, emulate a cap "
-                              "with --link bandwidth=RATE)")
+        if args.bandwidth is not None or args.netns_subnet is not None or args.nat is not None:
+            raise ConfigError("--bandwidth, --netns-subnet and --nat need --netns (without namespaces, emulate a "
+                              "cap with --link bandwidth=RATE)")
         return None
     if server:
         raise ConfigError(f"--netns does not run a parameter server (--algorithm {args.algorithm}) yet")
@@ -336,7 +340,18 @@ def _netns_options(args: argparse.Namespace, server: bool) -> dict | None:
             raise ValueError(f"{args.nodes} nodes do not fit the automatic /24: give a larger --netns-subnet")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    return {"bandwidth": bandwidth, "subnet": args.netns_subnet}
+    nat: tuple[tuple[int, ...], ...] = ()
+    if args.nat is not None:
+        try:
+            nat = tuple(tuple(int(rank) for rank in group.split(",")) for group in args.nat.split("/"))
+        except ValueError:
+            raise ConfigError(f"--nat {args.nat!r}: give ranks, e.g. 3,4/5") from None
+        behind = [rank for group in nat for rank in group]
+        if len(set(behind)) != len(behind) or not all(0 <= rank < args.nodes for rank in behind):
+            raise ConfigError(f"--nat {args.nat!r}: each rank below --nodes {args.nodes} at most once")
+        if len(behind) == args.nodes:
+            raise ConfigError("--nat: at least one node must stay public (the private ones reach out to it)")
+    return {"bandwidth": bandwidth, "subnet": args.netns_subnet, "nat": nat}
 
 
 __all__ = ["add_parser", "run"]

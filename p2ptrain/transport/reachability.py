@@ -1,19 +1,13 @@
 """Reachability: can the other nodes dial this one at the address they hold for it?
 
-A node behind NAT or a firewall opens connections but cannot be dialled: it is *private*. Knowing
-it is the first step to reaching it anyway (reverse connections, relays chosen by the runtime). At
-start a node asks one or two peers it already reached to dial it back (the DialBack RPC):
+A node behind NAT or a firewall dials out but cannot be dialled: it is *private*. At start it asks
+one or two peers it reached to dial it back (DialBack): a fresh gRPC connection to the address
+they hold for it, answered by its own incarnation, and a connect to its lane, which must open with
+a LaneChallenge. Public only if every helper that answered got through; private if one failed (a
+helper on its own LAN gets through where the world does not); unknown if none answered.
 
-- the helper opens a fresh gRPC connection to the address it holds for the asker and says Hello;
-  the answer must come from the asker's incarnation (not another process at that address);
-- it connects to the asker's lane (the port from the asker's Hellos, on the host of that address),
-  which must open with a LaneChallenge.
-
-The asker is *public* if a helper got through on gRPC and on its lane (when it offers one),
-*private* if every helper that answered failed, and stays *unknown* if none answered (an old peer
-without DialBack, or nobody reached). `--reachability public|private` skips the check. The helper
-dials only what it holds for the asker, never an address from the request, so a DialBack cannot
-aim a node at a third party; and it answers one at a time, so a flood costs one dial at a time.
+A helper dials only what it holds for the asker, never an address from the request (DialBack
+cannot aim a node at a third party), one dial at a time and one per asker a second at most.
 """
 from __future__ import annotations
 
@@ -32,6 +26,7 @@ NAMES = {"auto": pb.REACHABILITY_UNKNOWN, "public": pb.REACHABILITY_PUBLIC, "pri
 SHOWN = {pb.REACHABILITY_UNKNOWN: "unknown", pb.REACHABILITY_PUBLIC: "public", pb.REACHABILITY_PRIVATE: "private"}
 HELPERS = 2  # peers asked to dial back (one may be unable to answer)
 MIN_INTERVAL = 1.0  # seconds between two dial-backs of one node: a flood of DialBacks costs one dial a second
+DIAL_SECONDS = 5.0  # at least this long for each dial back: a busy machine must not make a node private
 
 
 class DialBack:
@@ -44,7 +39,7 @@ class DialBack:
         self.lane_ports = lane_ports
         self.security = security
         self.hello = hello  # () -> pb.HelloRequest: this node's own Hello
-        self.timeout = timeout
+        self.timeout = max(timeout, DIAL_SECONDS)
         self._one_at_a_time = asyncio.Lock()
         self._last: dict[int, tuple[float, int, pb.DialBackReply]] = {}  # asker -> (when, incarnation, reply)
 
@@ -107,10 +102,13 @@ class DialBack:
 
 
 def verdict(replies: list[pb.DialBackReply]) -> int:
-    """The asker's reachability from its helpers' replies (those that answered)."""
+    """The asker's reachability from its helpers' replies (those that answered): public only if
+    every one got through. A helper on the asker's own LAN behind the same NAT gets through where
+    the rest of the world does not; a node judged private when it is not still works (it reaches
+    out, and its peers call it down its streams), the other way round it would be cut off."""
     if not replies:
         return pb.REACHABILITY_UNKNOWN
-    if any(r.grpc_ok and (r.lane_ok or not r.lane_checked) for r in replies):
+    if all(r.grpc_ok and (r.lane_ok or not r.lane_checked) for r in replies):
         return pb.REACHABILITY_PUBLIC
     return pb.REACHABILITY_PRIVATE
 

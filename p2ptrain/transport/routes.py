@@ -41,10 +41,20 @@ class RouteTable:
         self._down_until: dict[int, float] = {}
         self._reached: set[int] = set()
         self._via: dict[int, int] = {}  # peer -> relay that last delivered to it
+        self.private: set[int] = set()  # peers that said they cannot be dialled (reachability.py)
 
-    @property
-    def detect(self) -> bool:
-        return self.relays is not None
+    def detects(self, peer: int) -> bool:
+        """A failed connect to `peer` is found out at once and relayed around: relays are configured,
+        or the peer said it is private (behind NAT: only the peers it opened a reverse stream to
+        reach it, and they relay for the others)."""
+        return self.relays is not None or peer in self.private
+
+    def note_private(self, peer: int, private: bool) -> None:
+        """What `peer`'s Hellos say of its reachability (reachability.py)."""
+        if private:
+            self.private.add(peer)
+        else:
+            self.private.discard(peer)
 
     def declared(self, peer: int) -> tuple[int, ...] | None:
         return self.routes.get(peer)

@@ -19,6 +19,7 @@ from p2ptrain.transport.framing import deserialize_chunk
 from p2ptrain.transport.health import ServingStatus, add_standard_services
 from p2ptrain.transport.membership.identity import PROTOCOL_VERSION
 from p2ptrain.transport.paths.grpc_path import DIAL_BACK_METHOD, HELLO_METHOD, PUSH_METHOD, SERVICE_NAME, SETTLE_METHOD
+from p2ptrain.transport.paths.reverse import serve_reverse
 from p2ptrain.transport.peer_identity import IDENTITY, IdentityCheck, drain
 from p2ptrain.transport.reception import Answers
 from p2ptrain.transport.security import Security
@@ -38,7 +39,8 @@ class PeerService:
     claimed sender its client certificate does not name is refused with PERMISSION_DENIED first."""
 
     def __init__(self, answers: Answers, greetings, world_size: int, forwarder=None,
-                 identity: IdentityCheck | None = None, dial_back=None):
+                 identity: IdentityCheck | None = None, dial_back=None, reverse_clients: dict | None = None,
+                 chunk_bytes: int = 0):
         self.answers = answers
         self.inbox = answers.inbox
         self.greetings = greetings
@@ -46,6 +48,8 @@ class PeerService:
         self.forwarder = forwarder
         self.identity = identity
         self.dial_back = dial_back  # reachability.DialBack (None: DialBack is not offered)
+        self.reverse_clients = reverse_clients  # GrpcPath.reverse_clients (None: no Reverse streams taken)
+        self.chunk_bytes = chunk_bytes
 
     async def push_tensor(self, requests, context) -> pb.Ack:
         reception = None
@@ -107,6 +111,24 @@ class PeerService:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"node {request.node_id} was just dialled back")
         return reply
 
+    async def reverse(self, requests, context):
+        """A private peer's stream, down which this node makes its calls to it (reverse.py)."""
+        if self.reverse_clients is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node takes no reverse streams")
+
+        def claim_problem(node_id: int) -> str | None:
+            if self.identity is None:
+                return None
+            problem = self.identity.claim_problem(self.identity.grpc_peer(context), node_id, "a Reverse stream")
+            if problem:
+                self.answers.count_refusal(IDENTITY)
+            return problem
+
+        async for frame in serve_reverse(requests, context, rank=self.answers.rank, world_size=self.world_size,
+                                         chunk_bytes=self.chunk_bytes, clients=self.reverse_clients,
+                                         claim_problem=claim_problem):
+            yield frame
+
     async def _deny(self, context, problem: str | None, rest=None) -> None:
         """Refuse the call (PERMISSION_DENIED, counted as `identity`) if its claim is not backed;
         `rest`: what is left of a client stream, read first so that the caller sees the refusal."""
@@ -131,6 +153,9 @@ class PeerService:
             "DialBack": grpc.unary_unary_rpc_method_handler(
                 self.dial_back_call, request_deserializer=pb.DialBackRequest.FromString,
                 response_serializer=pb.DialBackReply.SerializeToString),
+            "Reverse": grpc.stream_stream_rpc_method_handler(
+                self.reverse, request_deserializer=pb.ReverseUp.FromString,
+                response_serializer=pb.ReverseDown.SerializeToString),
         })
 
 

@@ -9,6 +9,7 @@ the parts themselves; the transport never knows what an algorithm means by a ten
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -35,6 +36,7 @@ from p2ptrain.transport.message import Message
 from p2ptrain.transport.options import TransportOptions
 from p2ptrain.transport.paths.grpc_path import SERVICE_NAME, GrpcPath
 from p2ptrain.transport.paths.lane_path import LanePath, LanePorts
+from p2ptrain.transport.paths.reverse import ReverseLink
 from p2ptrain.transport.paths.router import Router
 from p2ptrain.transport.peer_identity import identity_check
 from p2ptrain.transport.reception import Answers
@@ -75,6 +77,9 @@ class Transport:
         # here when our own certificate names another node).
         self.identity = identity_check(options.security, rank)
         self._server = None  # the gRPC server (server.serve), made on the loop thread
+        self.service: PeerService | None = None  # its Peer service (answers calls down reverse streams too)
+        self.reverse_links: dict[int, ReverseLink] = {}  # a private node's streams to its peers (reverse.py)
+        self._reachability_found = False
 
         # Paths out: gRPC always, the lane unless data_plane is grpc, through emulated links if any.
         links = options.links if options.links is not None and not options.links.is_noop else None
@@ -97,6 +102,8 @@ class Transport:
                                      view_notice=options.view_notice)
         self.dial_back = reachability.DialBack(rank, self.grpc, self.lane_ports, options.security,
                                                hello=greetings.hello_request, timeout=options.probe_timeout)
+        if world_size > 1:
+            greetings.check_reachability = self.check_reachability  # (as soon as peers answer: wait_for_peers)
 
         # Receiving, forwarding, sending.
         self.inbox = Inbox(rank, world_size, liveness, step_window=options.step_window, pin_memory=options.pin_memory)
@@ -118,8 +125,9 @@ class Transport:
         return self
 
     async def _start_server(self) -> None:
-        service = PeerService(self.answers, self.membership.greetings, self.world_size, self.forwarder,
-                              identity=self.identity, dial_back=self.dial_back)
+        self.service = service = PeerService(
+            self.answers, self.membership.greetings, self.world_size, self.forwarder, identity=self.identity,
+            dial_back=self.dial_back, reverse_clients=self.grpc.reverse_clients, chunk_bytes=self.options.chunk_bytes)
         if self.lane_ports is not None:  # listening before any Hello can advertise it
             self.membership.greetings.lane_port = await self._start_lane()
         try:
@@ -162,22 +170,48 @@ class Transport:
         `options.reachability` is auto, else taken from it; said in every Hello from now on.
         Returns "public", "private" or "unknown" (nobody could tell)."""
         greetings = self.membership.greetings
+        if self._reachability_found:  # (wait_for_peers asked already)
+            return reachability.SHOWN[greetings.reachability]
         found = reachability.NAMES[self.options.reachability]
-        helpers = sorted(greetings.reached, key=lambda peer: (peer - self.rank) % self.world_size)  # (spread out)
+        helpers = sorted((p for p in greetings.reached if p not in self.routes.private),  # (private: no dial-back)
+                         key=lambda peer: (peer - self.rank) % self.world_size)  # (spread out)
         notes: list[str] = []
         if found == reachability.NAMES["auto"] and helpers:
             found, notes = self.loop.submit(reachability.ask(self.grpc, helpers, self.rank, greetings.incarnation,
-                                                             2 * self.options.probe_timeout)).result()
+                                                             2 * self.dial_back.timeout + 5)).result()
         greetings.reachability = found
+        self._reachability_found = found != reachability.NAMES["auto"]  # (unknown: ask again later)
         if self.metrics is not None:
             self.metrics.on_reachability(found)
         shown = reachability.SHOWN[found]
+        if found == reachability.NAMES["private"]:
+            self.loop.call(self._reach_out)
         if found == reachability.NAMES["private"] and notes:
             log.warning("node %d: peers cannot dial this node at %s (private: behind NAT or a firewall?): %s",
                         self.rank, self.grpc.addresses[self.rank], "; ".join(notes)[:500])
         else:
             log.info("node %d: reachability %s%s", self.rank, shown, f" ({'; '.join(notes)[:300]})" if notes else "")
         return shown
+
+    def _reach_out(self) -> None:
+        """Private: peers cannot dial this node, so it keeps a Reverse stream open to each peer it
+        reached (now, and each one it reaches later), and they make their calls down it
+        (reverse.py). Its lane is no longer offered (a connect to it would only wait out a
+        timeout); the next Hellos say so."""
+        greetings = self.membership.greetings
+        greetings.lane_port = 0
+        greetings.reach_out = self._open_reverse
+        for peer in sorted(greetings.reached):
+            self._open_reverse(peer)
+            self.loop.spawn(greetings.hello(peer, self.options.probe_timeout, wait_for_ready=False))
+
+    def _open_reverse(self, peer: int) -> None:
+        """(On the loop thread.) A Reverse stream to `peer`, kept open from now on."""
+        if peer not in self.reverse_links and self.grpc.addresses[peer]:
+            greetings = self.membership.greetings
+            link = self.reverse_links[peer] = ReverseLink(self.rank, peer, self.grpc.direct_client(peer),
+                                                          self.service, lambda: greetings.incarnation)
+            link.start()
 
     def set_peer_addresses(self, addresses: list[str]) -> None:
         """Every node's address, in rank order, learned once this server is bound (a rendezvous
@@ -196,6 +230,12 @@ class Transport:
     def stop(self) -> None:
         """Graceful: in-flight RPCs get `shutdown_grace` seconds, then channels close."""
         async def shutdown() -> None:
+            for link in self.reverse_links.values():
+                await link.stop()
+            for client in list(self.grpc.reverse_clients.values()):  # (their Reverse calls end now, not cut)
+                client.close()
+            if self.grpc.reverse_clients:
+                await asyncio.sleep(0.05)
             if self.health is not None:
                 await self.health.drain()  # NOT_SERVING before the grace period: probes stop routing here
             if self._server is not None:

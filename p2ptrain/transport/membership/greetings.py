@@ -128,6 +128,9 @@ class Greetings:
         self.refused_evictions: tuple[View, ...] = ()  # views refused for evicting a live peer (newest last)
         self.reachability = pb.REACHABILITY_UNKNOWN  # can peers dial us? (reachability.py; said in Hellos)
         self.peer_reachability: dict[int, int] = {}  # ... each peer's, as its latest Hello or reply said
+        self.vouched: set[int] = set()  # peers that a peer we reached has met (HelloReply.met)
+        self.check_reachability = None  # () -> str: Transport's check, run in wait_for_peers once peers answer
+        self.reach_out = None  # (peer) -> None: a private node's reverse stream to a peer it reached (Transport)
 
     def others(self) -> list[int]:
         """The peers to greet: the members of the latest view (every node, in a static run), and
@@ -291,6 +294,12 @@ class Greetings:
             if self.lane_ports is not None:
                 self.lane_ports.learn(peer, reply.lane_port)
             self._note_reachability(peer, reply.reachability)
+            if self.reachability == pb.REACHABILITY_PRIVATE and self.reach_out is not None:
+                self.reach_out(peer)  # (once per peer: the peers waiting for us meet us down it)
+            self.vouched.update(m for m in reply.met[:self.world_size] if 0 <= m < self.world_size and m != self.rank)
+            for other in reply.private_peers[:self.world_size]:  # (second hand: what they said themselves wins)
+                if 0 <= other < self.world_size and other != self.rank and other not in self.peer_reachability:
+                    self.routes.note_private(other, True)
             self.liveness.note_step(peer, reply.step)
             if reply.caller_excluded:
                 self.liveness.excluded(by_peer=peer)
@@ -303,8 +312,10 @@ class Greetings:
         return await self.greet(peer, self.hello_request(), timeout, wait_for_ready)
 
     async def probe(self, peer: int) -> bool:
-        """Hello `peer` without waiting for a connection; declare it dead if it does not answer."""
-        if peer in self._probing:
+        """Hello `peer` without waiting for a connection; declare it dead if it does not answer.
+        Two private nodes cannot greet each other (their messages go through relays): no probe."""
+        if peer in self._probing or (self.reachability == pb.REACHABILITY_PRIVATE and peer in self.routes.private
+                                     and peer not in self.grpc.reverse_clients):
             return self.liveness.alive(peer)
         self._probing.add(peer)
         try:
@@ -344,7 +355,9 @@ class Greetings:
                              compatible=not reason or known, reason=reason, ready=ready,
                              caller_excluded=known and self.liveness.excludes(peer), incarnation=self.incarnation,
                              lane_port=self.lane_port, view=self.views.latest.to_proto(),
-                             reachability=self.reachability)
+                             reachability=self.reachability, met=sorted(self.announced),
+                             private_peers=sorted(p for p, v in self.peer_reachability.items()
+                                                  if v == pb.REACHABILITY_PRIVATE))
 
     def on_hello(self, request: pb.HelloRequest) -> str:
         """Membership news from a Hello; returns why a want_state request is refused ("" = served)."""
@@ -380,6 +393,7 @@ class Greetings:
     def _note_reachability(self, peer: int, value: int) -> None:
         if value in (pb.REACHABILITY_PUBLIC, pb.REACHABILITY_PRIVATE):  # (an unknown enum value says nothing)
             self.peer_reachability[peer] = value
+            self.routes.note_private(peer, value == pb.REACHABILITY_PRIVATE)
 
     def joining(self, peer: int) -> bool:
         """`peer` is not a member of the latest view: it joins (or comes back after leaving)."""
@@ -557,23 +571,34 @@ class Greetings:
         incompatible peer at once, or on one still unreachable / not ready after `timeout`."""
         deadline = time.monotonic() + timeout
         waiting = {peer for peer in self.others() if not self.routes.skip_hello(peer)}  # routed: not greeted
+        check_after = min(2, len(waiting))  # peers reached before this node asks whether it is private
         last_problem: dict[int, str] = {}
         while waiting:
             if require_ready:
                 waiting -= self.ready_peers  # a peer that said so in its own Hello may be gone by now
+            if self.check_reachability is not None and len(self.reached) >= check_after:
+                check, self.check_reachability = self.check_reachability, None
+                check()  # (private: it reaches out now, so the peers waiting for it meet it)
+            if self.reachability == pb.REACHABILITY_PRIVATE:
+                # a peer it cannot greet (private too, behind another NAT) counts as met once a
+                # peer it reached has met it: their messages go through that peer
+                waiting -= self.vouched & self.routes.private
             if not waiting:
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             attempt = min(remaining, 1.0)  # short attempts: notice peers that announce themselves
-            futures = {peer: self.loop.submit(self.hello(peer, attempt)) for peer in waiting}
+            asked = waiting | (self.reached if self.reachability == pb.REACHABILITY_PRIVATE else set())
+            futures = {peer: self.loop.submit(self.hello(peer, attempt)) for peer in asked}
             for peer, future in futures.items():
                 try:
                     reply = future.result(attempt + 5)
                 except FAILED as exc:
                     last_problem[peer] = f"unreachable: {describe(exc)}"
                     continue
+                if peer not in waiting:
+                    continue  # (asked again for whom it met)
                 reason = reply.reason[:200] or self.identity.compatibility(
                     reply.world_size, reply.protocol_version, reply.config_fingerprint)
                 if not reply.compatible or reason:

@@ -25,6 +25,7 @@ PUSH_METHOD = f"/{SERVICE_NAME}/PushTensor"
 HELLO_METHOD = f"/{SERVICE_NAME}/Hello"
 SETTLE_METHOD = f"/{SERVICE_NAME}/Settle"
 DIAL_BACK_METHOD = f"/{SERVICE_NAME}/DialBack"
+REVERSE_METHOD = f"/{SERVICE_NAME}/Reverse"
 GONE_CHECK_SECONDS = 1.0  # a connect that neither succeeds nor is refused within this says nothing
 
 _KINDS = {grpc.StatusCode.UNAVAILABLE: FailureKind.UNREACHABLE,
@@ -46,10 +47,15 @@ def status_of(kind: FailureKind) -> grpc.StatusCode:
     return _STATUS.get(kind, grpc.StatusCode.UNKNOWN)
 
 
+def kind_of(code: grpc.StatusCode) -> FailureKind:
+    """The failure a call ended with `code` amounts to (status_of's inverse)."""
+    return _KINDS.get(code, FailureKind.PROTOCOL)
+
+
 def failure_from(exc: grpc.RpcError) -> SendFailure:
     """The SendFailure a failed call amounts to, from its status alone ("CODE: details")."""
     details = " ".join((exc.details() or "").split())  # one line, whatever gRPC put in it
-    return SendFailure(_KINDS.get(exc.code(), FailureKind.PROTOCOL), f"{exc.code().name}: {details}")
+    return SendFailure(kind_of(exc.code()), f"{exc.code().name}: {details}")
 
 
 async def failure_of(exc: grpc.aio.AioRpcError, address: str) -> SendFailure:
@@ -241,6 +247,7 @@ class GrpcPath:
         self.chunk_bytes = chunk_bytes
         self.security = security
         self._clients: dict[int, PeerClient] = {}
+        self.reverse_clients: dict = {}  # private peer -> its reverse.ReverseClient (while its stream is open)
 
     def set_addresses(self, addresses: list[str]) -> None:
         """Peer addresses learned after start-up (a rendezvous); before any channel is made."""
@@ -257,6 +264,14 @@ class GrpcPath:
         return True
 
     def client(self, peer: int) -> PeerClient:
+        """The client to `peer`: down the reverse stream it opened if it is private (reverse.py),
+        else the channel to its address."""
+        reverse = self.reverse_clients.get(peer)
+        if reverse is not None and not reverse.closed:
+            return reverse
+        return self.direct_client(peer)
+
+    def direct_client(self, peer: int) -> PeerClient:
         if not self.addresses[peer]:
             raise SendFailure(FailureKind.UNREACHABLE, f"no address known for node {peer} (it has not joined)")
         client = self._clients.get(peer)
@@ -289,4 +304,4 @@ class GrpcPath:
 
 
 __all__ = ["DIAL_BACK_METHOD", "GrpcPath", "HELLO_METHOD", "PUSH_METHOD", "PeerClient", "PushCall", "SERVICE_NAME",
-           "SETTLE_METHOD", "failure_from", "failure_of", "nothing_listens", "status_of"]
+           "REVERSE_METHOD", "SETTLE_METHOD", "failure_from", "kind_of", "failure_of", "nothing_listens", "status_of"]

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 # Direct pushes in flight to one peer, on either plane: the Inbox's default max_receptions_per_sender.
 IN_FLIGHT_PER_PEER = 8
 DIRECT = -1  # Router.via of a peer reached directly (else the rank of the relay)
+REVERSE = -2  # ... of a private peer reached down the reverse stream it opened (reverse.py)
 
 
 class Router:
@@ -49,9 +50,12 @@ class Router:
 
     def paths_taken(self) -> dict[int, str]:
         """How each peer was last reached: "direct" or "via K" (the run's report)."""
-        return {peer: "direct" if via == DIRECT else f"via {via}" for peer, via in sorted(self.via.items())}
+        named = {DIRECT: "direct", REVERSE: "reverse"}
+        return {peer: named.get(via, f"via {via}") for peer, via in sorted(self.via.items())}
 
     def _took(self, peer: int, via: int, ack: pb.Ack) -> pb.Ack:
+        if via == DIRECT and peer in self.relay.reverse_clients:
+            via = REVERSE
         if self.via.get(peer) != via:  # (a dict lookup per message; the gauge only on a change)
             self.via[peer] = via
             if self.metrics is not None:
@@ -69,7 +73,7 @@ class Router:
         failure: SendFailure | None = None
         if routes.direct_ok(peer):
             # Detecting unreachable peers: fail fast on a refused connect when a relay is there to try.
-            fast = routes.detect and bool(routes.candidates(peer))
+            fast = routes.detects(peer) and bool(routes.candidates(peer))
             try:
                 ack = await self._hop((), peer, header, payload, reliable, timeout, wait_for_ready and not fast)
                 routes.mark_reached(peer)
@@ -92,7 +96,7 @@ class Router:
             last = i == len(candidates) - 1
             try:
                 ack = await self._hop((via,), peer, header, payload, reliable, timeout,
-                                      wait_for_ready and (last or not routes.detect))
+                                      wait_for_ready and (last or not routes.detects(peer)))
             except LinkUnreachable as exc:
                 routes.mark_unreachable(via)
                 failure = exc
