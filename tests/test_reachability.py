@@ -15,7 +15,7 @@ from launcher.ports import free_ports
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.metrics import NodeMetrics
 from p2ptrain.transport import Transport, TransportOptions
-from p2ptrain.transport.reachability import MIN_INTERVAL, verdict
+from p2ptrain.transport.reachability import MIN_INTERVAL, far_first, observed_host, verdict
 from p2ptrain.transport.server import DIAL_BACK_METHOD
 from tests.test_transport import wait_until
 
@@ -125,6 +125,18 @@ def test_the_verdict_is_public_only_if_every_helper_got_through_on_grpc_and_the_
     assert verdict([refused, through]) == pb.REACHABILITY_PRIVATE  # (through: a helper on its own LAN)
     assert verdict([lane_blocked]) == pb.REACHABILITY_PRIVATE
     assert verdict([refused, refused]) == pb.REACHABILITY_PRIVATE
+    natted = pb.DialBackReply(grpc_ok=True, lane_checked=True, lane_ok=True, observed="10.1.2.253")
+    assert verdict([through, natted], own_host="192.168.1.2") == pb.REACHABILITY_PRIVATE  # (a NAT rewrote it)
+    assert verdict([natted], own_host="10.1.2.253") == pb.REACHABILITY_PUBLIC
+    assert verdict([natted], own_host="node0.example") == pb.REACHABILITY_PUBLIC  # (a host name says nothing)
+
+
+def test_helpers_outside_the_own_subnet_are_asked_first_and_observed_hosts_are_parsed():
+    addresses = ["10.0.0.1:1", "10.0.0.2:1", "192.168.1.2:1", "192.168.1.3:1", "192.168.1.4:1", "node5:1"]
+    assert far_first([0, 1, 3, 4, 5], addresses, rank=2, world_size=6) == [5, 0, 1, 3, 4]
+    assert observed_host("ipv4:10.1.2.3:5123") == "10.1.2.3"
+    assert observed_host("ipv6:[::1]:5123") == "::1"
+    assert observed_host("unix:/tmp/sock") == ""
 
 
 def test_a_node_finds_its_reachability_at_start():

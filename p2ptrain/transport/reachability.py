@@ -12,6 +12,7 @@ cannot aim a node at a third party), one dial at a time and one per asker a seco
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import time
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
@@ -43,7 +44,7 @@ class DialBack:
         self._one_at_a_time = asyncio.Lock()
         self._last: dict[int, tuple[float, int, pb.DialBackReply]] = {}  # asker -> (when, incarnation, reply)
 
-    async def answer(self, request: pb.DialBackRequest) -> pb.DialBackReply | None:
+    async def answer(self, request: pb.DialBackRequest, observed: str = "") -> pb.DialBackReply | None:
         """The outcome of dialling the asker back; None (the caller says RESOURCE_EXHAUSTED) when
         it was dialled less than MIN_INTERVAL ago as another incarnation (the same one gets that
         outcome again)."""
@@ -62,7 +63,8 @@ class DialBack:
             if lane_ok is not True:
                 problems.append(lane_ok)
             reply = pb.DialBackReply(grpc_ok=grpc_ok is True, lane_checked=bool(port),
-                                     lane_ok=bool(port) and lane_ok is True, detail="; ".join(problems))
+                                     lane_ok=bool(port) and lane_ok is True, detail="; ".join(problems),
+                                     observed=observed)
             self._last[asker] = (time.monotonic(), request.incarnation, reply)
         return reply
 
@@ -101,16 +103,52 @@ class DialBack:
         return True
 
 
-def verdict(replies: list[pb.DialBackReply]) -> int:
+def verdict(replies: list[pb.DialBackReply], own_host: str = "") -> int:
     """The asker's reachability from its helpers' replies (those that answered): public only if
-    every one got through. A helper on the asker's own LAN behind the same NAT gets through where
-    the rest of the world does not; a node judged private when it is not still works (it reaches
-    out, and its peers call it down its streams), the other way round it would be cut off."""
+    every one got through and none saw its calls come from another host than `own_host` (a NAT
+    rewrote them). A helper on the asker's own LAN gets through where the rest of the world does
+    not; a node judged private when it is not still works (it reaches out, and its peers call it
+    down its streams), the other way round it would be cut off."""
     if not replies:
         return pb.REACHABILITY_UNKNOWN
-    if all(r.grpc_ok and (r.lane_ok or not r.lane_checked) for r in replies):
+    if all(r.grpc_ok and (r.lane_ok or not r.lane_checked) and not rewritten(r.observed, own_host) for r in replies):
         return pb.REACHABILITY_PUBLIC
     return pb.REACHABILITY_PRIVATE
+
+
+def rewritten(observed: str, own_host: str) -> bool:
+    """`observed` (where a helper saw our call come from) and `own_host` (the host we advertise)
+    are both IP addresses and differ: our connections leave through a NAT. (A host name, or
+    nothing observed, says nothing.)"""
+    try:
+        return ipaddress.ip_address(observed) != ipaddress.ip_address(own_host)
+    except ValueError:
+        return False
+
+
+def observed_host(peer: str | None) -> str:
+    """The host of a grpc.aio context's peer() ("ipv4:10.0.0.3:51234", "ipv6:[::1]:51234"); "" for
+    anything else (a Unix socket)."""
+    if not peer or not peer.startswith(("ipv4:", "ipv6:")):
+        return ""
+    host = peer.split(":", 1)[1].rsplit(":", 1)[0]
+    return host.strip("[]")
+
+
+def far_first(helpers: list[int], addresses: list[str], rank: int, world_size: int) -> list[int]:
+    """`helpers` ordered for asking: those outside this node's own /24 (IPv4) or /64 (IPv6) first,
+    which a NAT's LAN neighbours are not, then spread by rank."""
+    def network(address: str):
+        host = (split_address(address) or ("", 0))[0]
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            return None
+        return ipaddress.ip_network(f"{ip}/{24 if ip.version == 4 else 64}", strict=False)
+
+    own = network(addresses[rank])
+    return sorted(helpers, key=lambda peer: (own is not None and network(addresses[peer]) == own,
+                                             (peer - rank) % world_size))
 
 
 async def ask(grpc: GrpcPath, helpers: list[int], rank: int, incarnation: int, timeout: float,
@@ -118,6 +156,7 @@ async def ask(grpc: GrpcPath, helpers: list[int], rank: int, incarnation: int, t
     """Ask `helpers` (at most HELPERS of them, together) to dial node `rank` (of `incarnation`)
     back; the verdict and what each said."""
     request = pb.DialBackRequest(node_id=rank, incarnation=incarnation)
+    own_host = (split_address(grpc.addresses[rank]) or ("", 0))[0]
 
     async def one(peer: int):
         client = grpc.client(peer)
@@ -131,10 +170,13 @@ async def ask(grpc: GrpcPath, helpers: list[int], rank: int, incarnation: int, t
                 raise outcome
             notes.append(f"node {peer} did not answer: {outcome}")
             continue
-        replies.append(outcome[1])
-        if outcome[1].detail:
-            notes.append(outcome[1].detail)
-    return verdict(replies), notes
+        reply = outcome[1]
+        replies.append(reply)
+        if reply.detail:
+            notes.append(reply.detail)
+        if rewritten(reply.observed, own_host):
+            notes.append(f"node {peer} sees this node's calls come from {reply.observed[:60]}, not {own_host} (NAT)")
+    return verdict(replies, own_host), notes
 
 
-__all__ = ["DialBack", "HELPERS", "NAMES", "SHOWN", "ask", "verdict"]
+__all__ = ["DialBack", "HELPERS", "NAMES", "SHOWN", "ask", "far_first", "observed_host", "rewritten", "verdict"]

@@ -86,9 +86,13 @@ class RouteTable:
         then peers reached directly; never the peer itself, us, or a relay whose link is down."""
         order = [self._via[peer]] if peer in self._via else []
         order += list(self.relays or ())
-        order += sorted(self._reached)
-        return [r for r in dict.fromkeys(order)
-                if r not in (peer, self.rank) and self.direct_ok(r) and not self.blocked(r)]
+        # peers reached directly, each destination starting at another one (relayed load spreads
+        # over the relays instead of all landing on the lowest rank)
+        order += sorted(self._reached, key=lambda relay: (relay - peer - self.rank) % self.world_size)
+        configured = set(self.relays or ())
+        return [r for r in dict.fromkeys(order)  # (a private peer relays only where configured to)
+                if r not in (peer, self.rank) and self.direct_ok(r) and not self.blocked(r)
+                and (r not in self.private or r in configured)]
 
 
 __all__ = ["RouteTable", "DEFAULT_RETRY_AFTER", "RELAY_UNREACHABLE"]

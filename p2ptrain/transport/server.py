@@ -21,6 +21,7 @@ from p2ptrain.transport.membership.identity import PROTOCOL_VERSION
 from p2ptrain.transport.paths.grpc_path import DIAL_BACK_METHOD, HELLO_METHOD, PUSH_METHOD, SERVICE_NAME, SETTLE_METHOD
 from p2ptrain.transport.paths.reverse import serve_reverse
 from p2ptrain.transport.peer_identity import IDENTITY, IdentityCheck, drain
+from p2ptrain.transport.reachability import observed_host
 from p2ptrain.transport.reception import Answers
 from p2ptrain.transport.security import Security
 from p2ptrain.transport.streams import REFUSAL_STATUS, MessageStream, wait_for_cancel
@@ -106,7 +107,7 @@ class PeerService:
                                                                   "a DialBack"))
         if self.dial_back is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this node does not dial back")
-        reply = await self.dial_back.answer(request)
+        reply = await self.dial_back.answer(request, observed_host(context.peer()))
         if reply is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"node {request.node_id} was just dialled back")
         return reply

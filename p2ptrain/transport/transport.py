@@ -173,8 +173,8 @@ class Transport:
         if self._reachability_found:  # (wait_for_peers asked already)
             return reachability.SHOWN[greetings.reachability]
         found = reachability.NAMES[self.options.reachability]
-        helpers = sorted((p for p in greetings.reached if p not in self.routes.private),  # (private: no dial-back)
-                         key=lambda peer: (peer - self.rank) % self.world_size)  # (spread out)
+        helpers = reachability.far_first([p for p in greetings.reached if p not in self.routes.private],
+                                         self.grpc.addresses, self.rank, self.world_size)  # (private: no dial-back)
         notes: list[str] = []
         if found == reachability.NAMES["auto"] and helpers:
             found, notes = self.loop.submit(reachability.ask(self.grpc, helpers, self.rank, greetings.incarnation,

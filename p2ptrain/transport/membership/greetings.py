@@ -573,6 +573,7 @@ class Greetings:
         waiting = {peer for peer in self.others() if not self.routes.skip_hello(peer)}  # routed: not greeted
         check_after = min(2, len(waiting))  # peers reached before this node asks whether it is private
         last_problem: dict[int, str] = {}
+        cannot_connect: set[int] = set()  # peers whose last Hello failed
         while waiting:
             if require_ready:
                 waiting -= self.ready_peers  # a peer that said so in its own Hello may be gone by now
@@ -582,7 +583,7 @@ class Greetings:
             if self.reachability == pb.REACHABILITY_PRIVATE:
                 # a peer it cannot greet (private too, behind another NAT) counts as met once a
                 # peer it reached has met it: their messages go through that peer
-                waiting -= self.vouched & self.routes.private
+                waiting -= self.vouched & self.routes.private & cannot_connect
             if not waiting:
                 break
             remaining = deadline - time.monotonic()
@@ -596,7 +597,9 @@ class Greetings:
                     reply = future.result(attempt + 5)
                 except FAILED as exc:
                     last_problem[peer] = f"unreachable: {describe(exc)}"
+                    cannot_connect.add(peer)
                     continue
+                cannot_connect.discard(peer)
                 if peer not in waiting:
                     continue  # (asked again for whom it met)
                 reason = reply.reason[:200] or self.identity.compatibility(
