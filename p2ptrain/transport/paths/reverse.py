@@ -24,7 +24,8 @@ from p2ptrain.transport.paths.grpc_path import REVERSE_METHOD, kind_of
 
 log = logging.getLogger(__name__)
 
-REOPEN_SECONDS = 1.0  # a broken stream is opened again after this (the private side)
+REOPEN_SECONDS = 1.0  # a broken stream is opened again after this (the private side), doubling while
+REOPEN_MAX_SECONDS = 30.0  # ... it keeps failing (the peer is gone), up to this
 _GONE = "the reverse stream of node {peer} ended"
 
 
@@ -237,6 +238,7 @@ class ReverseLink:
         self.service = service
         self.incarnation = incarnation  # () -> this node's incarnation now
         self.opened = 0  # streams opened so far (tests, logs)
+        self.calls = 0  # frames that came down them
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -252,15 +254,19 @@ class ReverseLink:
     async def _keep_open(self) -> None:
         stub = self.client.channel.stream_stream(REVERSE_METHOD, request_serializer=pb.ReverseUp.SerializeToString,
                                                  response_deserializer=pb.ReverseDown.FromString)
+        failures = 0
         while True:
+            calls = self.calls
             try:
                 await self._serve(stub)
                 why = "it ended"
             except grpc.aio.AioRpcError as exc:
                 why = f"{exc.code().name}: {exc.details()}"
-            log.info("node %d: the reverse stream to node %d broke off (%s); opening it again", self.rank, self.peer,
-                     str(why)[:200])
-            await asyncio.sleep(REOPEN_SECONDS)
+            failures = 0 if self.calls > calls else failures + 1  # (it carried calls: it worked)
+            if failures & (failures - 1) == 0:  # (the first failures, then every power of two)
+                log.info("node %d: the reverse stream to node %d broke off (%s); opening it again", self.rank,
+                         self.peer, str(why)[:200])
+            await asyncio.sleep(min(REOPEN_SECONDS * 2 ** max(0, failures - 1), REOPEN_MAX_SECONDS))
 
     async def _serve(self, stub) -> None:
         up: asyncio.Queue[pb.ReverseUp | None] = asyncio.Queue()
@@ -282,6 +288,7 @@ class ReverseLink:
 
         try:
             async for down in call:
+                self.calls += 1
                 kind = down.WhichOneof("call")
                 if kind in ("hello", "settle"):
                     spawn(self._answer(down.call_id, kind, getattr(down, kind), up))
@@ -336,4 +343,4 @@ class ReverseLink:
             pass  # (the public side gave the call up: nothing waits for an answer)
 
 
-__all__ = ["REOPEN_SECONDS", "ReverseClient", "ReverseLink", "ReversePush", "serve_reverse"]
+__all__ = ["REOPEN_MAX_SECONDS", "REOPEN_SECONDS", "ReverseClient", "ReverseLink", "ReversePush", "serve_reverse"]
