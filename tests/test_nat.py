@@ -71,12 +71,14 @@ def test_a_node_behind_nat_finds_itself_private_and_public_nodes_public():
                 assert line, proc.stderr.read()[-3000:] if proc.poll() is not None else "no verdict"
                 found.update({json.loads(line)["rank"]: json.loads(line)["reachability"]})
         finally:
+            for proc in procs:  # all at once: a public node waits for the private one to stop
+                proc.stdin.close()
             for proc in procs:
                 try:
-                    proc.communicate("", timeout=30)
+                    proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-                    proc.communicate()
+                    proc.wait()
         assert found == {0: "public", 1: "public", 2: "private"}
         run_id = cluster.run_id
     assert not netns.owned_runs().get(run_id), "the router's namespace and links were not removed"

@@ -40,7 +40,7 @@ def _pair(options_for=lambda rank: TransportOptions(probe_timeout=1.0), advertis
 def transports(request):
     made = []
     yield made
-    for transport in made:
+    for transport in reversed(made):  # (a private node first: a public one waits for it to stop)
         transport.stop()
 
 

@@ -31,7 +31,7 @@ def public_and_private():
         wait_until(lambda: 1 in a.grpc.reverse_clients, 10, "node 1's reverse stream at node 0")
         yield a, b
     finally:
-        for transport in made:
+        for transport in reversed(made):  # (the private node first: the public one waits for it to stop)
             transport.stop()
 
 

@@ -50,6 +50,8 @@ WATCH_INTERVAL = 0.05  # seconds between re-checks of a gather that may be aband
 
 log = logging.getLogger(__name__)
 
+REVERSE_LINGER = 8.0  # seconds a node waits at its stop for the private peers that reach others through it
+
 class Transport:
     """Tensor push/receive for node `rank` of `world_size`; peers[i] is node i's address. peers=None:
     addresses learned after start (`set_peer_addresses`, from a rendezvous); `listen` is then required."""
@@ -232,6 +234,11 @@ class Transport:
         async def shutdown() -> None:
             for link in self.reverse_links.values():
                 await link.stop()
+            # Private peers reach others through this node (their streams, relays): it stays until
+            # they have stopped too (their streams close), at most REVERSE_LINGER seconds.
+            lingered = time.monotonic() + REVERSE_LINGER
+            while any(not c.closed for c in self.grpc.reverse_clients.values()) and time.monotonic() < lingered:
+                await asyncio.sleep(0.05)
             for client in list(self.grpc.reverse_clients.values()):  # (their Reverse calls end now, not cut)
                 client.close()
             if self.grpc.reverse_clients:
