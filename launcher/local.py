@@ -788,6 +788,7 @@ class NodeState:
     bytes_sent: int | None = None
     bytes_received: int | None = None
     ps_weight: float | None = None
+    reach: str | None = None  # reachability and peers not reached directly: "private 2v" (Node.reach)
     event: str | None = None
     message: str | None = None
     returncode: int | None = None
@@ -804,7 +805,7 @@ class NodeState:
             self.event = record["event"]
             self.message = record.get("message", self.message)
             return
-        for key in ("step", "loss", "bytes_sent", "bytes_received", "ps_weight"):
+        for key in ("step", "loss", "bytes_sent", "bytes_received", "ps_weight", "reach"):
             if key in record:
                 setattr(self, key, record[key])
         if isinstance(record.get("step"), int) and isinstance(record.get("time"), (int, float)):
@@ -884,10 +885,11 @@ class ProgressView:
     """Shows node states: a table redrawn in place on a terminal (with steps/s and the run's ETA);
     otherwise (CI, files) one aggregated line for the whole cluster at most every
     LOG_EVERY_SECONDS and a final table, so logs stay short. The push-sum weight column appears
-    for push-sum algorithms only."""
+    for push-sum algorithms only; the reach column where a node is not public or reaches a peer
+    otherwise than directly (r: down a reverse stream, v: via a relay)."""
 
     COLUMNS = (("rank", 4), ("step", 13), ("loss", 10), ("steps/s", 8), ("MB sent", 9), ("MB recv", 9),
-               ("ps-weight", 9), ("status", 10))
+               ("ps-weight", 9), ("reach", 12), ("status", 10))
 
     def __init__(self, stream: TextIO, live: bool, total_steps: int | None, *, push_sum: bool = False):
         self.stream = stream
@@ -911,8 +913,9 @@ class ProgressView:
             self._write(self._table(states, elapsed))
 
     def _columns(self, states: list[NodeState]) -> tuple:
-        with_weights = self.push_sum or any(s.ps_weight is not None for s in states)
-        return tuple(c for c in self.COLUMNS if with_weights or c[0] != "ps-weight")
+        shown = {"ps-weight": self.push_sum or any(s.ps_weight is not None for s in states),
+                 "reach": any(s.reach not in (None, "public") for s in states)}
+        return tuple(c for c in self.COLUMNS if shown.get(c[0], True))
 
     def _cells(self, state: NodeState) -> dict[str, str]:
         total = f"/{self.total_steps}" if self.total_steps is not None else ""
@@ -924,6 +927,7 @@ class ProgressView:
             "MB sent": _fmt(state.bytes_sent, "{:.1f}", 1e-6),
             "MB recv": _fmt(state.bytes_received, "{:.1f}", 1e-6),
             "ps-weight": _fmt(state.ps_weight, "{:.3f}"),
+            "reach": state.reach if isinstance(state.reach, str) else "-",
             "status": state.status,
         }
 

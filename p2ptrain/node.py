@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -206,7 +207,8 @@ class Node:
                 algorithm = self.optimizer.algorithm
                 final = {k: v for k, v in algorithm.stats().items() if k == "ps_weight"}
                 shared = {"push_sum": algorithm.holds_mass, "shared_state": state_digest(algorithm.shared_state(model))}
-            final.update(bytes_sent=self.metrics.bytes_sent_total, bytes_received=self.metrics.bytes_received_total)
+            final.update(bytes_sent=self.metrics.bytes_sent_total, bytes_received=self.metrics.bytes_received_total,
+                         reach=self.reach())
             return self.recorder.finish({**self.summary(), **shared, **summary}, model, **final)
         finally:
             self.stop()
@@ -297,8 +299,17 @@ class Node:
         if step % self.config.log_every == 0:
             self.metrics.set_model_projection(self.model_projection(model))
         extra = {"ps_weight": stats["ps_weight"]} if "ps_weight" in stats else {}
+        if step % self.config.log_every == 0:
+            extra["reach"] = self.reach()
         self.recorder.step_done(step, seconds, model, cpu_seconds=cpu_seconds, bytes_sent=self.metrics.bytes_sent_total,
                                 bytes_received=self.metrics.bytes_received_total, **extra)
+
+    def reach(self) -> str:
+        """The live table's `reach` cell: this node's reachability, then how many peers it last
+        reached otherwise than directly: "private 2v" (two relayed), "public 1r" (one down a
+        reverse stream)."""
+        ways = Counter(how.split()[0] for how in self.transport.router.paths_taken().values())
+        return " ".join([self.reachability, *(f"{ways[way]}{way[0]}" for way in ("reverse", "via") if ways[way])])
 
     def model_projection(self, model: torch.Tensor) -> list[float]:
         """<model, v_k> for fixed Gaussian directions v_k (seeded, identical on every node): for two

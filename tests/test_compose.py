@@ -442,7 +442,8 @@ def test_dashboard_queries_only_exported_metrics(exported_names):
                  "p2ptrain_dropped_messages_total", "p2ptrain_rejected_messages_total",
                  "p2ptrain_link_timeouts_total", "p2ptrain_live_peers", "p2ptrain_peer_up",
                  "p2ptrain_forwarded_bytes_total", "p2ptrain_commit_staleness_bucket",
-                 "p2ptrain_worker_staleness", "p2ptrain_ps_weight", "p2ptrain_model_projection"):
+                 "p2ptrain_worker_staleness", "p2ptrain_ps_weight", "p2ptrain_model_projection",
+                 "p2ptrain_reachability", "p2ptrain_peer_via"):
         assert name in used, f"no dashboard panel shows {name}"
     assert "avg(stddev by (direction) (p2ptrain_model_projection))" in dashboard_exprs()
     # counters are only ever read through rate()/increase()

@@ -520,3 +520,21 @@ def test_a_real_node_writes_its_thread_stacks_on_sigusr1_and_keeps_going(tmp_pat
         node.kill()
         _, err = node.communicate(timeout=30)
     assert "(most recent call first)" in err and "p2ptrain" in err
+
+
+def test_the_live_table_shows_reach_only_where_a_node_is_private_or_reached_otherwise():
+    """Progress lines carry `reach` (Node.reach); the table gets a reach column once a node is not
+    plain public, and keeps it out of an all-public, all-direct run."""
+    states = [local.NodeState(rank) for rank in range(3)]
+    for state, reach in zip(states, ("public", "public", "public")):
+        state.apply({"step": 10, "time": 1.0, "loss": 0.5, "reach": reach})
+    out = io.StringIO()
+    local.ProgressView(out, live=False, total_steps=20).finish(states, 1.0)
+    assert "reach" not in out.getvalue() and "status" in out.getvalue()
+    states[0].apply({"step": 20, "time": 2.0, "reach": "public 1r"})
+    states[2].apply({"step": 20, "time": 2.0, "reach": "private 1v"})
+    out = io.StringIO()
+    local.ProgressView(out, live=False, total_steps=20).finish(states, 2.0)
+    header, *rows = out.getvalue().splitlines()[1:]
+    assert header.split()[-2:] == ["reach", "status"]
+    assert "public 1r" in rows[0] and rows[1].split()[-2] == "public" and "private 1v" in rows[2]

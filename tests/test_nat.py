@@ -103,3 +103,7 @@ def test_sgp_trains_with_a_node_behind_nat_and_no_route_flags(tmp_path):
     assert nodes[2]["paths"] == {"0": "direct", "1": "direct"}
     assert sum(n["ps_weight"] for n in nodes.values()) == pytest.approx(3.0, abs=1e-9)
     assert report["cluster"]["min_test_accuracy"] > 0.3, report["cluster"]
+    table = proc.stderr[proc.stderr.rindex("p2ptrain cluster:"):].splitlines()  # the final table: a reach column
+    assert table[1].split()[-2:] == ["reach", "status"], table
+    reach = [line.split(None, 7)[7].rsplit(None, 1)[0] for line in table[2:5]]  # (after rank ... ps-weight)
+    assert reach == ["public 1r", "public 1r", "private"], table

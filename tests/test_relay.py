@@ -5,6 +5,7 @@ by message id); relays count what they forwarded. Ends with SGP training across 
 direct links are cut."""
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import threading
@@ -24,7 +25,7 @@ from p2ptrain.settings.parsers import parse_relay_routes, parse_relays
 from p2ptrain.transport import Transport, TransportOptions
 from p2ptrain.transport.faults import LinkTable, LinkUnreachable
 from p2ptrain.transport.framing import encode_header, iter_data_chunks, tensor_bytes
-from p2ptrain.transport.routes import RELAY_UNREACHABLE, RouteTable
+from p2ptrain.transport.routes import RELAY_UNREACHABLE, RTT_SAMPLES, RouteTable
 from p2ptrain.transport.server import PUSH_METHOD
 from tests.test_transport import PLANES, nodes, on_loop, pending, rejections, sample, wait_until
 
@@ -131,6 +132,31 @@ def test_route_table_marks_expire_and_candidates():
     table.remember_via(4, 1)
     table.mark_reached(1)
     assert table.candidates(4) == [1, 2] and table.candidates(1) == [2]
+
+
+def test_relays_go_nearest_first_by_hello_rtt_and_destinations_spread_over_the_equally_near():
+    """Node 0 of 64 reached 1-6 directly: 4 and 5 answer Hellos in ~20 ms, 1-3 in ~1 ms (the least
+    of the last RTT_SAMPLES counts: one slow Hello does not move a relay), 6 not yet. The near ones
+    come first, in an order of their own per destination, so 57 destinations spread over them
+    (each is first for at least a fifth); the far ones follow by RTT; unmeasured last."""
+    table = RouteTable(0, 64)
+    for relay in (1, 2, 3, 4, 5, 6):
+        table.mark_reached(relay)
+    for relay, rtt in ((1, 0.0010), (2, 0.0012), (3, 0.0009), (4, 0.021), (5, 0.020)):
+        table.note_rtt(relay, rtt)
+    table.note_rtt(1, 0.5)  # a busy moment
+    table.note_rtt(2, float("nan"))  # (ignored)
+    assert table.rtt(1) == 0.0010 and table.rtt(6) is None
+    firsts = collections.Counter()
+    for destination in range(7, 64):
+        order = table.candidates(destination)
+        assert sorted(order[:3]) == [1, 2, 3] and order[3:] == [5, 4, 6], order
+        assert table.candidates(destination) == order  # (the same every time)
+        firsts[order[0]] += 1
+    assert min(firsts[relay] for relay in (1, 2, 3)) >= 57 // 5, firsts
+    for rtt in (0.0010,) * RTT_SAMPLES:  # the slow Hello ages out of node 4's samples too
+        table.note_rtt(4, rtt)
+    assert 4 in table.candidates(7)[:4]
 
 
 # -- (a) a multi-chunk tensor through a declared relay ----------------------------------------------

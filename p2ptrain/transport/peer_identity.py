@@ -155,26 +155,53 @@ class IdentityCheck:
         return detail
 
 
-def server_problem(security: Security, address: str, expected: int | str = PS_NAME,
-                   timeout: float = 10.0) -> str | None:
-    """Why the server at `address` ("host:port") is not node `expected` of this process's run;
-    None if it is, or when identity is not in force here. gRPC shows a client no certificate, so
-    this opens one TLS connection of its own (CA and host name checked as the lane does) and reads
-    the server's. Raises OSError when the server cannot be reached."""
-    own = certified_identity(security)
-    context = security.lane_client_context()
-    if own is None or context is None:
+def server_certificate(security: Security, address: str, timeout: float = 10.0) -> bytes | None:
+    """The certificate (DER) the TLS server at `address` ("host:port") shows; None when identity is
+    not in force here, or for an address that is no host:port. gRPC shows a client no certificate,
+    so this opens one TLS connection of its own (CA and host name checked as the lane does). Raises
+    OSError when the server cannot be reached, SecurityError when the TLS handshake fails."""
+    if certified_identity(security) is None:
         return None
+    context = security.lane_client_context()
     split = split_address(address)
-    if split is None:
+    if context is None or split is None:
         return None  # (unix sockets and the like: nothing to look at)
     host, port = split
     try:
         with socket.create_connection((host, port), timeout=timeout) as raw, \
                 context.wrap_socket(raw, server_hostname=security.lane_server_name(host)) as tls:
-            certificate = tls.getpeercert(binary_form=True)
+            return tls.getpeercert(binary_form=True)
     except ssl.SSLError as exc:
-        return f"the TLS handshake with {_shown(address)} failed: {exc.reason or exc}"
+        raise SecurityError(f"the TLS handshake with {_shown(address)} failed: {exc.reason or exc}") from None
+
+
+def server_problem(security: Security, address: str, expected: int | str = PS_NAME,
+                   timeout: float = 10.0) -> str | None:
+    """Why the server at `address` ("host:port") is not node `expected` of this process's run;
+    None if it is, or when identity is not in force here (server_certificate). Raises OSError
+    when the server cannot be reached."""
+    try:
+        certificate = server_certificate(security, address, timeout)
+    except SecurityError as exc:
+        return str(exc)
+    return None if certificate is None else _not_named(security, address, certificate, expected)
+
+
+def certified_server(security: Security, address: str, expected: int | str, timeout: float = 10.0) -> bytes | None:
+    """The certificate of the server at `address` when it names node `expected` of this run (a
+    private node's check of the peer whose calls come down its reverse stream); None when identity
+    is not in force. Raises SecurityError with server_problem's reason, OSError when unreachable."""
+    certificate = server_certificate(security, address, timeout)
+    problem = None if certificate is None else _not_named(security, address, certificate, expected)
+    if problem is not None:
+        raise SecurityError(problem)
+    return certificate
+
+
+def _not_named(security: Security, address: str, certificate: bytes, expected: int | str) -> str | None:
+    own = certified_identity(security)
+    if own is None:
+        return None
     try:
         identity = certificate_identity(certificate, own.run_id) if certificate else None
     except (PkiError, ValueError):
@@ -211,5 +238,5 @@ def _who(peer: str | None) -> str:
     return f"node {_shown(peer)}" if peer is not None else "no node of this run"
 
 
-__all__ = ["IDENTITY", "LOG_INTERVAL", "IdentityCheck", "certified_identity", "drain", "identity_check",
-           "own_identity", "same_run", "server_problem"]
+__all__ = ["IDENTITY", "LOG_INTERVAL", "IdentityCheck", "certified_identity", "certified_server", "drain",
+           "identity_check", "own_identity", "same_run", "server_certificate", "server_problem"]

@@ -6,7 +6,9 @@ Plain data: nothing here opens a connection or waits.
 """
 from __future__ import annotations
 
+import math
 import time
+from collections import deque
 from collections.abc import Mapping
 from typing import Callable
 
@@ -14,6 +16,23 @@ DEFAULT_RETRY_AFTER = 30.0
 # Ack.reason of a relay that could not reach its next hop: nothing was delivered, so the sender
 # may try another relay (same message id) or, having none, treat it as a definite refusal.
 RELAY_UNREACHABLE = "relay_unreachable"
+# Relays for a peer found unreachable go nearest first, by the round trip of this node's Hellos to
+# them (the least of the last RTT_SAMPLES: a connect or a busy moment only adds). Those within
+# NEAR_FACTOR x the nearest's RTT + NEAR_SLACK count as equally near, and the destinations spread
+# over them (many private nodes do not all land on one relay).
+RTT_SAMPLES = 8
+NEAR_FACTOR = 1.5
+NEAR_SLACK = 0.002
+
+
+def spread(sender: int, destination: int, relay: int) -> int:
+    """A relay's place for one (sender, destination) pair: a fixed pseudo-random 32-bit number, the
+    same on every run (a multiply-xorshift mix of the three ranks)."""
+    x = (sender * 0x9E3779B1 + destination * 0x85EBCA77 + relay * 0xC2B2AE3D + 0x27D4EB2F) & 0xFFFFFFFF
+    for multiplier in (0x7FEB352D, 0x846CA68B):
+        x ^= x >> 16
+        x = x * multiplier & 0xFFFFFFFF
+    return x ^ x >> 16
 
 
 # -- routing ----------------------------------------------------------------------------------------
@@ -42,6 +61,17 @@ class RouteTable:
         self._reached: set[int] = set()
         self._via: dict[int, int] = {}  # peer -> relay that last delivered to it
         self.private: set[int] = set()  # peers that said they cannot be dialled (reachability.py)
+        self._rtts: dict[int, deque[float]] = {}
+
+    def note_rtt(self, peer: int, seconds: float) -> None:
+        """A Hello to `peer` came back after `seconds` (membership/greetings.py)."""
+        if math.isfinite(seconds) and seconds >= 0:
+            self._rtts.setdefault(peer, deque(maxlen=RTT_SAMPLES)).append(seconds)
+
+    def rtt(self, peer: int) -> float | None:
+        """The round trip to `peer` (seconds), or None before a Hello came back from it."""
+        samples = self._rtts.get(peer)
+        return min(samples) if samples else None
 
     def detects(self, peer: int) -> bool:
         """A failed connect to `peer` is found out at once and relayed around: relays are configured,
@@ -81,18 +111,30 @@ class RouteTable:
     def remember_via(self, peer: int, relay: int) -> None:
         self._via[peer] = relay
 
+    def _distance(self) -> Callable[[int], tuple[int, float]]:
+        """Sort key of relays: (0, 0) near (see NEAR_FACTOR), (1, rtt) farther, (2, 0) not measured."""
+        rtts = {relay: self.rtt(relay) for relay in self._reached}
+        known = [rtt for rtt in rtts.values() if rtt is not None]
+        near = min(known) * NEAR_FACTOR + NEAR_SLACK if known else math.inf
+
+        def distance(relay: int) -> tuple[int, float]:
+            rtt = rtts.get(relay)
+            return (2, 0.0) if rtt is None else (0, 0.0) if rtt <= near else (1, rtt)
+        return distance
+
     def candidates(self, peer: int) -> list[int]:
         """Relays to try for `peer`, best first: the one that worked last, the configured ones,
         then peers reached directly; never the peer itself, us, or a relay whose link is down."""
         order = [self._via[peer]] if peer in self._via else []
         order += list(self.relays or ())
-        # peers reached directly, each destination starting at another one (relayed load spreads
-        # over the relays instead of all landing on the lowest rank)
-        order += sorted(self._reached, key=lambda relay: (relay - peer - self.rank) % self.world_size)
+        # peers reached directly, the nearest first; among equally near ones in an order of their own
+        # per (sender, destination) pair, so relayed load spreads over them (rendezvous hashing: a
+        # relay that goes away moves only the pairs it carried)
+        order += sorted(sorted(self._reached, key=lambda relay: spread(self.rank, peer, relay)), key=self._distance())
         configured = set(self.relays or ())
         return [r for r in dict.fromkeys(order)  # (a private peer relays only where configured to)
                 if r not in (peer, self.rank) and self.direct_ok(r) and not self.blocked(r)
                 and (r not in self.private or r in configured)]
 
 
-__all__ = ["RouteTable", "DEFAULT_RETRY_AFTER", "RELAY_UNREACHABLE"]
+__all__ = ["RouteTable", "DEFAULT_RETRY_AFTER", "NEAR_FACTOR", "NEAR_SLACK", "RELAY_UNREACHABLE", "RTT_SAMPLES"]

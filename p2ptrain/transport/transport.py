@@ -38,7 +38,7 @@ from p2ptrain.transport.paths.grpc_path import SERVICE_NAME, GrpcPath
 from p2ptrain.transport.paths.lane_path import LanePath, LanePorts
 from p2ptrain.transport.paths.reverse import ReverseLink
 from p2ptrain.transport.paths.router import Router
-from p2ptrain.transport.peer_identity import identity_check
+from p2ptrain.transport.peer_identity import certified_server, identity_check
 from p2ptrain.transport.reception import Answers
 from p2ptrain.transport.routes import RouteTable
 from p2ptrain.transport.sending import Sender
@@ -212,8 +212,18 @@ class Transport:
         if peer not in self.reverse_links and self.grpc.addresses[peer]:
             greetings = self.membership.greetings
             link = self.reverse_links[peer] = ReverseLink(self.rank, peer, self.grpc.direct_client(peer),
-                                                          self.service, lambda: greetings.incarnation)
+                                                          self.service, lambda: greetings.incarnation,
+                                                          certify=lambda: self._certified(peer))
             link.start()
+
+    async def _certified(self, peer: int) -> bytes | None:
+        """The certificate of the server a reverse stream to `peer` would open to, checked to name
+        `peer` (None without node identity): the calls that come down it are judged as `peer`'s."""
+        if self.identity is None:
+            return None
+        return await asyncio.get_running_loop().run_in_executor(
+            None, certified_server, self.options.security, self.grpc.addresses[peer], peer,
+            max(reachability.DIAL_SECONDS, self.options.probe_timeout))
 
     def set_peer_addresses(self, addresses: list[str]) -> None:
         """Every node's address, in rank order, learned once this server is bound (a rendezvous

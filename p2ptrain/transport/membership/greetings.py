@@ -286,9 +286,13 @@ class Greetings:
 
     async def greet(self, peer: int, request: pb.HelloRequest, timeout: float,
                     wait_for_ready: bool = True) -> pb.HelloReply:
-        """Hello `peer` and note what its reply says about it and us."""
+        """Hello `peer` and note what its reply says about it and us, and how long it took (relays
+        go nearest first) when it did not wait for the peer to come up."""
+        sent = time.monotonic()
         reply = await self.grpc.client(peer).hello(request, timeout, wait_for_ready=wait_for_ready)
         if reply.compatible and reply.node_id == peer:
+            if not wait_for_ready:
+                self.routes.note_rtt(peer, time.monotonic() - sent)
             self.announced.add(peer)
             self.reached.add(peer)  # it is up: a refused connection from now on means it went away
             if self.lane_ports is not None:

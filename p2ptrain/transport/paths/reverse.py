@@ -4,7 +4,8 @@ A private node dials out, so it opens one `Reverse` stream to each peer it reach
 and the peer makes its calls to it down that stream (ReverseClient, which GrpcPath hands out for
 that peer): Hellos, Settles and PushTensor streams, each frame tagged with a call id and answered
 up the stream by the private node's own PeerService, so the same checks, acks, message ids and
-settling apply. A broken stream fails the calls in flight as a broken connection does (a push may
+settling apply (under node identity, the stream's server must show the peer's certificate, and the
+calls are judged as that peer's). A broken stream fails the calls in flight as a broken connection does (a push may
 have landed: its retry is answered DUPLICATE) and is opened again.
 """
 from __future__ import annotations
@@ -21,11 +22,13 @@ from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.errors import FailureKind, SendFailure
 from p2ptrain.transport.framing import deserialize_chunk, encode_header, iter_data_chunks
 from p2ptrain.transport.paths.grpc_path import REVERSE_METHOD, kind_of
+from p2ptrain.transport.security import SecurityError
 
 log = logging.getLogger(__name__)
 
 REOPEN_SECONDS = 1.0  # a broken stream is opened again after this (the private side), doubling while
 REOPEN_MAX_SECONDS = 30.0  # ... it keeps failing (the peer is gone), up to this
+MAX_CALLS = 1024  # calls in flight down one stream that a private node answers at once; more are refused
 _GONE = "the reverse stream of node {peer} ended"
 
 
@@ -210,8 +213,12 @@ class _Cancelled(Exception):
 
 class _CallContext:
     """What PeerService's handlers use of a grpc.aio context, for a call that came down a reverse
-    stream: abort raises (answered up as ReverseError); no deadline travels with the call. It
-    carries no client certificate, so with node-identity certificates such calls are refused."""
+    stream: abort raises (answered up as ReverseError); no deadline travels with the call. Its
+    `certificate` is the one the stream's server showed (checked to name the peer before the stream
+    opened: ReverseLink), so under node identity the calls are judged as that peer's."""
+
+    def __init__(self, certificate: bytes | None):
+        self.certificate = certificate
 
     async def abort(self, code: grpc.StatusCode, detail: str = ""):
         raise _Aborted(code, detail)
@@ -220,7 +227,7 @@ class _CallContext:
         return None
 
     def auth_context(self) -> dict:
-        return {}
+        return {"x509_pem_cert": [self.certificate]} if self.certificate else {}
 
     def peer(self) -> str:
         return "reverse"
@@ -230,13 +237,15 @@ class ReverseLink:
     """The private side: the Reverse stream this node (`rank`) keeps open to public peer `peer`
     over `client` (a PeerClient: this node can dial out), answering the calls that come down it
     with `service` (this node's PeerService). A broken stream is opened again REOPEN_SECONDS later,
-    until stop()."""
+    until stop(). `certify`: () -> awaitable of the peer's certificate, checked to name it (None
+    when node identity is not in force; raises SecurityError or OSError), fetched before each open."""
 
-    def __init__(self, rank: int, peer: int, client, service, incarnation):
+    def __init__(self, rank: int, peer: int, client, service, incarnation, certify=None):
         self.rank, self.peer = rank, peer
         self.client = client
         self.service = service
         self.incarnation = incarnation  # () -> this node's incarnation now
+        self.certify = certify
         self.opened = 0  # streams opened so far (tests, logs)
         self.calls = 0  # frames that came down them
         self._task: asyncio.Task | None = None
@@ -258,17 +267,20 @@ class ReverseLink:
         while True:
             calls = self.calls
             try:
-                await self._serve(stub)
+                certificate = await self.certify() if self.certify is not None else None
+                await self._serve(stub, _CallContext(certificate))
                 why = "it ended"
             except grpc.aio.AioRpcError as exc:
                 why = f"{exc.code().name}: {exc.details()}"
+            except (SecurityError, OSError) as exc:  # (not opened: the server is not node `peer`, or is not there)
+                why = str(exc)
             failures = 0 if self.calls > calls else failures + 1  # (it carried calls: it worked)
             if failures & (failures - 1) == 0:  # (the first failures, then every power of two)
                 log.info("node %d: the reverse stream to node %d broke off (%s); opening it again", self.rank,
                          self.peer, str(why)[:200])
             await asyncio.sleep(min(REOPEN_SECONDS * 2 ** max(0, failures - 1), REOPEN_MAX_SECONDS))
 
-    async def _serve(self, stub) -> None:
+    async def _serve(self, stub, context: _CallContext) -> None:
         up: asyncio.Queue[pb.ReverseUp | None] = asyncio.Queue()
         up.put_nowait(pb.ReverseUp(open=pb.ReverseOpen(node_id=self.rank, incarnation=self.incarnation())))
 
@@ -278,52 +290,68 @@ class ReverseLink:
 
         call = stub(frames(), metadata=self.client.metadata(REVERSE_METHOD))
         self.opened += 1
-        pushes: dict[int, asyncio.Queue] = {}
+        pushes: dict[int, asyncio.Queue | None] = {}  # per call: its chunks (None: answered, the rest dropped)
         tasks: set[asyncio.Task] = set()
 
-        def spawn(coroutine) -> None:
+        def spawn(coroutine) -> asyncio.Task:
             task = asyncio.ensure_future(coroutine)
             tasks.add(task)
             task.add_done_callback(tasks.discard)
+            return task
+
+        def refuse(call_id: int) -> None:  # (a peer that never ends its calls gets no more of them)
+            up.put_nowait(pb.ReverseUp(call_id=call_id, error=pb.ReverseError(
+                code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                detail=f"{MAX_CALLS} calls in flight down this reverse stream")))
+
+        def answered(call_id: int, queue: asyncio.Queue) -> None:
+            if pushes.get(call_id) is queue:  # (answered before its end came: the rest is dropped)
+                pushes[call_id] = None
 
         try:
             async for down in call:
                 self.calls += 1
                 kind = down.WhichOneof("call")
-                if kind in ("hello", "settle"):
-                    spawn(self._answer(down.call_id, kind, getattr(down, kind), up))
+                fresh = kind != "push_end" and down.call_id not in pushes
+                if fresh and max(len(tasks), len(pushes)) >= MAX_CALLS:
+                    refuse(down.call_id)
+                elif kind in ("hello", "settle"):
+                    spawn(self._answer(down.call_id, kind, getattr(down, kind), up, context))
                 elif kind == "push_chunk":
-                    queue = pushes.get(down.call_id)
-                    if queue is None:
+                    if fresh:
                         queue = pushes[down.call_id] = asyncio.Queue()
-                        spawn(self._push(down.call_id, queue, up))
-                    queue.put_nowait(down.push_chunk)
+                        spawn(self._push(down.call_id, queue, up, context)).add_done_callback(
+                            lambda _, call_id=down.call_id, queue=queue: answered(call_id, queue))
+                    queue = pushes[down.call_id]
+                    if queue is not None:
+                        queue.put_nowait(down.push_chunk)
                 elif kind == "push_end":
                     queue = pushes.pop(down.call_id, None)
                     if queue is not None:
                         queue.put_nowait(None if down.push_end else _Cancelled)
         finally:
             for queue in pushes.values():
-                queue.put_nowait(_Cancelled)
+                if queue is not None:
+                    queue.put_nowait(_Cancelled)
             for task in tasks:
                 task.cancel()
             up.put_nowait(None)  # (ends the frames generator, if gRPC still reads it)
             call.cancel()
 
-    async def _answer(self, call_id: int, kind: str, request, up: asyncio.Queue) -> None:
+    async def _answer(self, call_id: int, kind: str, request, up: asyncio.Queue, context: _CallContext) -> None:
         claimed = request.node_id if kind == "hello" else request.sender
         try:
             if claimed != self.peer:  # (the stream is node `peer`'s: nobody else's calls come down it)
                 raise _Aborted(grpc.StatusCode.PERMISSION_DENIED, f"a {kind} as node {claimed} down node "
                                                                   f"{self.peer}'s reverse stream")
             handler = self.service.hello if kind == "hello" else self.service.settle
-            answer = await handler(request, _CallContext())
+            answer = await handler(request, context)
             up.put_nowait(pb.ReverseUp(call_id=call_id, **{kind: answer}))
         except _Aborted as exc:
             up.put_nowait(pb.ReverseUp(call_id=call_id, error=pb.ReverseError(code=exc.code.value[0],
                                                                               detail=exc.detail)))
 
-    async def _push(self, call_id: int, queue: asyncio.Queue, up: asyncio.Queue) -> None:
+    async def _push(self, call_id: int, queue: asyncio.Queue, up: asyncio.Queue, context: _CallContext) -> None:
         async def chunks():
             while True:
                 item = await queue.get()
@@ -334,7 +362,7 @@ class ReverseLink:
                 yield deserialize_chunk(item)
 
         try:
-            ack = await self.service.push_tensor(chunks(), _CallContext())
+            ack = await self.service.push_tensor(chunks(), context)
             up.put_nowait(pb.ReverseUp(call_id=call_id, ack=ack))
         except _Aborted as exc:
             up.put_nowait(pb.ReverseUp(call_id=call_id, error=pb.ReverseError(code=exc.code.value[0],
@@ -343,4 +371,5 @@ class ReverseLink:
             pass  # (the public side gave the call up: nothing waits for an answer)
 
 
-__all__ = ["REOPEN_MAX_SECONDS", "REOPEN_SECONDS", "ReverseClient", "ReverseLink", "ReversePush", "serve_reverse"]
+__all__ = ["MAX_CALLS", "REOPEN_MAX_SECONDS", "REOPEN_SECONDS", "ReverseClient", "ReverseLink", "ReversePush",
+           "serve_reverse"]
