@@ -107,3 +107,30 @@ def test_sgp_trains_with_a_node_behind_nat_and_no_route_flags(tmp_path):
     assert table[1].split()[-2:] == ["reach", "status"], table
     reach = [line.split(None, 7)[7].rsplit(None, 1)[0] for line in table[2:5]]  # (after rank ... ps-weight)
     assert reach == ["public 1r", "public 1r", "private"], table
+
+
+@needs_nat
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stalled_private_node_and_each_stalled_relay_in_turn_lose_nothing(tmp_path):
+    """`--nat 3/4`: nodes 3 and 4 sit behind two routers, so what they send each other goes through
+    a public node. Node 4 is frozen (SIGSTOP) for 3 s, then each public node in turn, so whichever
+    relays for them stalls once: a hop through it times out, the relay goes last and the retry (same
+    message id) takes another. Every verdict passes: Σ w exact, and no step of a node that was not
+    itself frozen waits longer than the stall bound."""
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "p2ptrain", "launch", "--netns", "--nat", "3/4", "--nodes", "5", "--out", str(out),
+            "--no-live", "--algorithm", "sgp", "--overlap", "1", "--steps", "130", "--model", "mlp",
+            "--dataset", "synthetic", "--no-metrics", "--link-deadline", "3",
+            "--stall", "4@20:3", "--stall", "0@45:3", "--stall", "1@70:3", "--stall", "2@95:3"]
+    proc = subprocess.run(argv, cwd=ROOT, env=node_env(), capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, f"launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    report = json.loads((out / "report.json").read_text())
+    assert [f["rank"] for f in report["faults"] if not f["skipped"]] == [4, 0, 1, 2], report["faults"]
+    failed = [v for v in report["verdicts"] if not v["ok"]]
+    assert not failed, failed
+    nodes = {n["rank"]: n for n in report["nodes"]}
+    assert sum(n["ps_weight"] for n in nodes.values()) == pytest.approx(5.0, abs=1e-9)
+    for sender, receiver in ((3, 4), (4, 3)):
+        how = nodes[sender]["paths"][str(receiver)]
+        assert how.startswith("via ") and int(how.split()[1]) in (0, 1, 2), how

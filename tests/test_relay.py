@@ -159,6 +159,23 @@ def test_relays_go_nearest_first_by_hello_rtt_and_destinations_spread_over_the_e
     assert 4 in table.candidates(7)[:4]
 
 
+def test_a_relay_whose_hop_timed_out_goes_last_until_retry_after():
+    """A stalled relay (or a stalled destination: then every relay times out, so none is dropped)."""
+    now = [0.0]
+    table = RouteTable(0, 6, retry_after=30, clock=lambda: now[0])
+    for relay in (1, 2, 3):
+        table.mark_reached(relay)
+    first, *rest = table.candidates(5)
+    table.remember_via(5, first)
+    table.demote(first)
+    assert table.candidates(5) == [*rest, first]  # the sticky relay is forgotten too
+    for relay in rest:
+        table.demote(relay)
+    assert sorted(table.candidates(5)) == [1, 2, 3]  # all demoted: all still tried
+    now[0] = 30.0
+    assert table.candidates(5) == [first, *rest]
+
+
 # -- (a) a multi-chunk tensor through a declared relay ----------------------------------------------
 @pytest.mark.parametrize("plane", PLANES)  # relayed hops go by gRPC on either plane
 def test_relayed_tensor_arrives_bit_exact_and_is_counted_once(plane):

@@ -62,6 +62,7 @@ class RouteTable:
         self._via: dict[int, int] = {}  # peer -> relay that last delivered to it
         self.private: set[int] = set()  # peers that said they cannot be dialled (reachability.py)
         self._rtts: dict[int, deque[float]] = {}
+        self._demoted: dict[int, float] = {}  # relay -> until when it goes last (a hop through it timed out)
 
     def note_rtt(self, peer: int, seconds: float) -> None:
         """A Hello to `peer` came back after `seconds` (membership/greetings.py)."""
@@ -111,6 +112,20 @@ class RouteTable:
     def remember_via(self, peer: int, relay: int) -> None:
         self._via[peer] = relay
 
+    def demote(self, relay: int) -> None:
+        """A hop through `relay` timed out: it may be stalled (or the destination is). It goes last
+        among the candidates for `retry_after` seconds, so the next try takes another relay; it is
+        not dropped, since all of them time out while the destination itself is stalled."""
+        self._demoted[relay] = self.clock() + self.retry_after
+        self._via = {peer: via for peer, via in self._via.items() if via != relay}
+
+    def _is_demoted(self, relay: int) -> bool:
+        until = self._demoted.get(relay)
+        if until is not None and self.clock() >= until:
+            del self._demoted[relay]
+            return False
+        return until is not None
+
     def _distance(self) -> Callable[[int], tuple[int, float]]:
         """Sort key of relays: (0, 0) near (see NEAR_FACTOR), (1, rtt) farther, (2, 0) not measured."""
         rtts = {relay: self.rtt(relay) for relay in self._reached}
@@ -132,9 +147,10 @@ class RouteTable:
         # relay that goes away moves only the pairs it carried)
         order += sorted(sorted(self._reached, key=lambda relay: spread(self.rank, peer, relay)), key=self._distance())
         configured = set(self.relays or ())
-        return [r for r in dict.fromkeys(order)  # (a private peer relays only where configured to)
-                if r not in (peer, self.rank) and self.direct_ok(r) and not self.blocked(r)
-                and (r not in self.private or r in configured)]
+        usable = [r for r in dict.fromkeys(order)  # (a private peer relays only where configured to)
+                  if r not in (peer, self.rank) and self.direct_ok(r) and not self.blocked(r)
+                  and (r not in self.private or r in configured)]
+        return sorted(usable, key=self._is_demoted)  # (stable: the demoted go last, in the same order)
 
 
 __all__ = ["RouteTable", "DEFAULT_RETRY_AFTER", "NEAR_FACTOR", "NEAR_SLACK", "RELAY_UNREACHABLE", "RTT_SAMPLES"]

@@ -102,6 +102,8 @@ class Router:
                 failure = exc
                 continue
             except SendFailure as exc:
+                if exc.kind is FailureKind.TIMEOUT:
+                    routes.demote(via)  # stalled? the retry (same message id) takes the next relay
                 if last or not exc.kind.no_connection:
                     raise
                 routes.mark_unreachable(via)
