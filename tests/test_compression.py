@@ -322,14 +322,15 @@ def test_large_scale_no_overflow():
 def test_default_channel_layouts_match_the_codecs():
     """A channel declared without codecs accepts the fixed-rate codecs of seed 004 by their numbers
     alone (inbox.FIXED_RATE_CODECS: the transport never imports this module): pin those numbers
-    here. fp16 and the DiLoCo codecs (bf16, int4, top-k) are accepted only where a channel declares them
+    here. fp16 and the DiLoCo codecs (bf16, int4, fp4, the top-k ones) are accepted only where a channel declares them
     (codecs=, with their exact layout), so a default channel refuses them."""
     from p2ptrain.transport.inbox import FIXED_RATE_CODECS
 
     wire_ids = {codec.wire_id for codec in CODECS.values()}
     assert set(FIXED_RATE_CODECS) | {pb.CODEC_NONE} <= wire_ids
     assert wire_ids - set(FIXED_RATE_CODECS) - {pb.CODEC_NONE} == {pb.CODEC_FP16, pb.CODEC_BF16, pb.CODEC_INT4_QUANTIZE,
-                                                                    pb.CODEC_TOPK}
+                                                                    pb.CODEC_TOPK, pb.CODEC_SPARSELOCO,
+                                                                    pb.CODEC_DCT_TOPK, pb.CODEC_FP4}
     x = torch.randn(1000)
     for wire_id, (per_element, params) in FIXED_RATE_CODECS.items():
         codec, encoded = get_codec(wire_id), get_codec(wire_id).encode(x)
