@@ -480,7 +480,9 @@ class _ChunkedTopK(Codec):
     index. Values: b <= 8: code c = the nearest of the 2^b levels (2c - L) / L of v / s (L = 2^b - 1,
     s = the chunk's max |kept|), so |v - decoded| <= s / L, half the spacing of the levels; b = 32:
     the float32 values, exact. The decoder reads f and b from the codec params (any codec object
-    decodes any payload), and refuses sizes, scales, values and indices the encoder never sends."""
+    decodes any payload), and refuses sizes, scales, values and indices the encoder never sends.
+    Error feedback: a dropped entry goes whole into the residual; x - decoded of a kept one is
+    exact (Sterbenz) where |x| >= s / (2 L), e.g. on dense chunks at b >= 2, else one rounding."""
 
     param_count = 2  # [f, b]
     CHUNK: int
@@ -617,7 +619,7 @@ class SparseLoCo(_ChunkedTopK):
     Payload (K = Σ k_i, m chunks; codec params [f, b]): b <= 8: m float32 scales s_i = max |kept|
     of chunk i, K int16 indices within their chunk, then the K b-bit codes packed least significant
     bit first into ceil(K b / 8) bytes; b = 32: K float32 values, then the K int16 indices. 2 bits at
-    f = 0.01: 2.3 bytes per 100 entries, 1/170 of float32. Kept entries decode to (2c - L) / L s_i,
+    f = 0.01: 97 bytes per 4096 entries, 1/169 of float32. Kept entries decode to (2c - L) / L s_i,
     within s_i / (2^b - 1) of the truth (levels ±1.5 and ±0.5 times 2 s_i / 3 at 2 bits); dropped
     ones to exactly 0. A kept entry that is 0 decodes to ±s_i / L (no zero level): its error goes
     back with the residual. Meant for error feedback: it drops all but ~f of the tensor."""
