@@ -322,14 +322,15 @@ def test_large_scale_no_overflow():
 def test_default_channel_layouts_match_the_codecs():
     """A channel declared without codecs accepts the fixed-rate codecs of seed 004 by their numbers
     alone (inbox.FIXED_RATE_CODECS: the transport never imports this module): pin those numbers
-    here. fp16 and the DiLoCo codecs (bf16, int4, top-k) are accepted only where a channel declares them
+    here. fp16 and the DiLoCo codecs (bf16, int4, fp4, the top-k ones) are accepted only where a channel declares them
     (codecs=, with their exact layout), so a default channel refuses them."""
     from p2ptrain.transport.inbox import FIXED_RATE_CODECS
 
     wire_ids = {codec.wire_id for codec in CODECS.values()}
     assert set(FIXED_RATE_CODECS) | {pb.CODEC_NONE} <= wire_ids
     assert wire_ids - set(FIXED_RATE_CODECS) - {pb.CODEC_NONE} == {pb.CODEC_FP16, pb.CODEC_BF16, pb.CODEC_INT4_QUANTIZE,
-                                                                    pb.CODEC_TOPK}
+                                                                    pb.CODEC_TOPK, pb.CODEC_SPARSELOCO,
+                                                                    pb.CODEC_DCT_TOPK, pb.CODEC_FP4}
     x = torch.randn(1000)
     for wire_id, (per_element, params) in FIXED_RATE_CODECS.items():
         codec, encoded = get_codec(wire_id), get_codec(wire_id).encode(x)
@@ -476,7 +477,8 @@ def test_error_feedback_residual_plus_transmitted_is_the_input_exactly_for_topk(
     assert int((residual == 0).sum()) == codec.kept(1000)
 
 
-@pytest.mark.parametrize("name", ["none", "trunc16", "fp16", "bf16", "int8", "int4", "topk"])
+@pytest.mark.parametrize("name", ["none", "trunc16", "fp16", "bf16", "int8", "int4", "topk", "sparseloco", "dct-topk",
+                                  "fp4"])
 def test_error_feedback_loses_nothing_over_rounds(name):
     """The DiLoCo loop: each round sends encode(g_t + e_t) and keeps e_{t+1} = the rest on the node.
     Σ transmitted + the last residual = Σ g_t: what a round drops is sent later, never lost."""
@@ -489,5 +491,5 @@ def test_error_feedback_loses_nothing_over_rounds(name):
         _, decoded = encode_with_feedback(codec, grad + residual, residual)
         sent += decoded
     torch.testing.assert_close(sent + residual, total, atol=1e-4, rtol=0)
-    if name == "topk":  # the residual stays bounded: everything dropped is sent eventually
+    if name in ("topk", "sparseloco", "dct-topk"):  # the residual stays bounded: what is dropped is sent eventually
         assert residual.abs().max() < 30 * grad.abs().max()

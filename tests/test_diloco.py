@@ -155,7 +155,7 @@ def test_ring_reformed_over_live_members_sums_exactly_those():
             assert torch.equal(results[rank][index], results[members[0]][index])
 
 
-@pytest.mark.parametrize("codec", ["bf16", "int8", "int4", "topk"])
+@pytest.mark.parametrize("codec", ["bf16", "int8", "int4", "topk", "sparseloco", "dct-topk", "fp4"])
 def test_ring_error_feedback_keeps_what_every_hop_lost(codec):
     """Σ_nodes residual + the sum that came out = the sum that went in: the ring's compressions
     (every reduce-scatter hop, every owner) lose nothing that is not kept on some node."""
@@ -370,7 +370,7 @@ def test_blocking_syncs_mix_only_with_mixing_at_sync(H, F, alpha, mixing_at_sync
     assert (spread > 0.01) == mixing_at_sync  # just synced: mixed fragments differ, replaced ones agree
 
 
-@pytest.mark.parametrize("codec", ["int4", "topk"])
+@pytest.mark.parametrize("codec", ["int4", "topk", "sparseloco", "dct-topk", "fp4"])
 def test_compressed_diloco_loses_nothing_it_does_not_keep(codec):
     """With outer lr 1 and no momentum the anchor moves by exactly the mean that came out of the
     ring, so over all syncs: n Σ_t (θ_{t-1} - θ_t) + Σ_i residual_i = Σ_t Σ_i Δ_i,t. What the

@@ -107,10 +107,11 @@ class DiLoCo(Algorithm):
                    mixing=options.mixing, mixing_at_sync=options.mixing_at_sync)
 
     def __init__(self, comm: Comm, *, inner_steps: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 compression: str = "none", topk_fraction: float = 0.01, fragments: int = 1, outer_delay: int = 0,
+                 compression: str = "none", topk_fraction: float = 0.01, value_bits: int = 2, fragments: int = 1,
+                 outer_delay: int = 0,
                  mixing: float = 0.5, mixing_at_sync: bool = False):
         DiLoCoOptions(inner_steps=inner_steps, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                      compression=compression, topk_fraction=topk_fraction, fragments=fragments,
+                      compression=compression, topk_fraction=topk_fraction, value_bits=value_bits, fragments=fragments,
                       outer_delay=outer_delay, mixing=mixing, mixing_at_sync=mixing_at_sync).validate(None)
         self.comm = comm
         self.rank = comm.rank
@@ -118,7 +119,7 @@ class DiLoCo(Algorithm):
         self.mixing_at_sync = mixing_at_sync
         self.period = inner_steps // fragments  # a fragment is synced every `period` steps, in turn
         self.outer = OuterNesterov(outer_lr, outer_momentum)
-        self.codec_name, self.topk_fraction = compression, topk_fraction
+        self.codec_name, self.topk_fraction, self.value_bits = compression, topk_fraction, value_bits
         self.anchor: torch.Tensor | None = None     # θ, the outer parameters
         self.momentum: torch.Tensor | None = None   # the outer optimizer's buffer
         self.residual: torch.Tensor | None = None   # error feedback: what this node's compressions lost
@@ -135,7 +136,7 @@ class DiLoCo(Algorithm):
 
     # Hooks ------------------------------------------------------------------------------------------
     def setup(self, params: torch.Tensor) -> torch.Tensor:
-        codec = compression.make_codec(self.codec_name, topk_fraction=self.topk_fraction)
+        codec = compression.make_codec(self.codec_name, topk_fraction=self.topk_fraction, value_bits=self.value_bits)
         self.anchor = params.detach().clone()
         self.momentum = params.new_zeros(params.shape)
         self.residual = params.new_zeros(params.shape) if codec.wire_id != compression.UNCOMPRESSED else None

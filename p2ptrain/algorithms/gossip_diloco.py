@@ -42,8 +42,8 @@ class GossipDiLoCoOptions(OuterOptions):
         if self.peers_per_step < 1:
             raise ValueError("peers_per_step must be >= 1")
         # A codec compresses a share whole, scaled by the anchors' magnitudes: 16-bit or int8 (with error
-        # feedback) serve; int4 and top-k would drown the pseudo-gradients.
-        if self.compression in NEEDS_ERROR_FEEDBACK + ("int4",):
+        # feedback) serve; int4, fp4 and the top-k codecs would drown the pseudo-gradients.
+        if self.compression in NEEDS_ERROR_FEEDBACK + ("int4", "fp4"):
             raise ValueError(f"gossip-diloco pushes anchors with its pseudo-gradients, and compression "
                              f"{self.compression} scaled by the anchors would drown them: use none, trunc16, fp16, "
                              f"bf16 or int8")
@@ -73,15 +73,16 @@ class GossipDiLoCo(Algorithm):
         return cls(comm, graph, **options.outer_settings())
 
     def __init__(self, comm: Comm, topology: Topology, *, inner_steps: int, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, compression: str = "none", topk_fraction: float = 0.01):
+                 outer_momentum: float = 0.9, compression: str = "none", topk_fraction: float = 0.01,
+                 value_bits: int = 2):
         GossipDiLoCoOptions(inner_steps=inner_steps, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                            compression=compression, topk_fraction=topk_fraction).validate(None)
+                            compression=compression, topk_fraction=topk_fraction, value_bits=value_bits).validate(None)
         self.comm = comm
         self.rank = comm.rank
         self.topology = topology
         self.H = inner_steps
         self.outer = OuterNesterov(outer_lr, outer_momentum)
-        self.codec_name, self.topk_fraction = compression, topk_fraction
+        self.codec_name, self.topk_fraction, self.value_bits = compression, topk_fraction, value_bits
         self.mass: PushSum | None = None
         self.anchor: torch.Tensor | None = None
         self.momentum: torch.Tensor | None = None
@@ -101,7 +102,7 @@ class GossipDiLoCo(Algorithm):
 
     # Hooks ------------------------------------------------------------------------------------------
     def setup(self, params: torch.Tensor) -> torch.Tensor:
-        codec = compression.make_codec(self.codec_name, topk_fraction=self.topk_fraction)
+        codec = compression.make_codec(self.codec_name, topk_fraction=self.topk_fraction, value_bits=self.value_bits)
         self.mass = PushSum(self.comm, kind=KIND, codec=codec, log=log)
         self.mass.ledger, self.mass.sink = self.ledger, self._sink
         joined = self.comm.joined  # a rejoined node: the donor's anchor (loaded as params) and half its w

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from p2ptrain.algorithms.base import Comm, Kind
 from p2ptrain.algorithms.registry import AlgorithmOptions, option
-from p2ptrain.compression import CODEC_HELP, CODEC_NAMES
+from p2ptrain.compression import CODEC_HELP, CODEC_NAMES, VALUE_BITS
 
 if TYPE_CHECKING:
     import torch
@@ -35,7 +35,10 @@ class OuterOptions(AlgorithmOptions):
     outer_momentum: float = option(0.9, "momentum of the outer Nesterov SGD")
     compression: str = option("none", CODEC_HELP, choices=CODEC_NAMES)
     topk_fraction: float = option(0.01, "compression topk: the fraction of entries kept (what it drops stays "
-                                        "on the node as error feedback)", metavar="FRACTION")
+                                        "on the node as error feedback); sparseloco / dct-topk: of each chunk",
+                                   metavar="FRACTION")
+    value_bits: int = option(2, "compression sparseloco / dct-topk: bits per kept value, 1..8 (one scale per chunk; "
+                                "1 = sign times the scale), or 32 = float32 values", metavar="BITS")
 
     def bounded_delay(self) -> int:
         """Between outer steps nodes hear nothing from each other: a fast one may be H steps ahead."""
@@ -51,6 +54,8 @@ class OuterOptions(AlgorithmOptions):
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if not 0 < self.topk_fraction <= 1:
             raise ValueError(f"topk_fraction must be in (0, 1], got {self.topk_fraction}")
+        if self.value_bits not in VALUE_BITS:
+            raise ValueError(f"value_bits must be 1..8 or 32 (float32 values), got {self.value_bits}")
         if settings is not None and self.bounded_delay() >= settings.step_window:
             # a sync's messages reach a node up to that many steps behind: its step window must take them
             raise ValueError(f"the steps between two syncs ({self.bounded_delay()}) must be smaller than "

@@ -436,8 +436,309 @@ class TopK(Codec):
         return f"TopK(fraction={self.fraction:g}, wire_id={self.wire_id})"
 
 
+DEFAULT_VALUE_BITS = 2
+FLOAT_VALUES = 32  # value_bits that sends the kept values as float32, unquantized
+VALUE_BITS = (*range(1, 9), FLOAT_VALUES)
+
+
+def _levels(bits: int, device) -> torch.Tensor:
+    """The 2^b values (2c - L) / L, L = 2^b - 1, of the b-bit codes c: 2^b levels evenly spaced over
+    [-1, 1], no zero among them (mid-rise). Divided tensor by tensor, so correctly rounded on every
+    device (see _quotient)."""
+    top = (1 << bits) - 1
+    codes = torch.arange(top + 1, dtype=torch.float32, device=device)
+    return codes.mul(2).sub_(top).div_(torch.full_like(codes, top))
+
+
+def _pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """b-bit codes (any int dtype) as a bit stream, least significant bit first: ceil(n b / 8) bytes."""
+    if bits == 8:
+        return codes.to(torch.uint8)
+    shifts = torch.arange(bits, dtype=torch.int32, device=codes.device)
+    stream = ((codes.to(torch.int32).unsqueeze(1) >> shifts) & 1).reshape(-1)
+    stream = torch.cat([stream, stream.new_zeros(-stream.numel() % 8)])
+    weights = torch.arange(8, dtype=torch.int32, device=codes.device)
+    return (stream.reshape(-1, 8) << weights).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+
+
+def _unpack_bits(packed: torch.Tensor, count: int, bits: int) -> torch.Tensor:
+    """The `count` b-bit codes of a _pack_bits stream, as int64."""
+    if bits == 8:
+        return packed.to(torch.long)
+    shifts = torch.arange(8, dtype=torch.int32, device=packed.device)
+    stream = ((packed.to(torch.int32).unsqueeze(1) >> shifts) & 1).reshape(-1)[:count * bits]
+    weights = torch.arange(bits, dtype=torch.int32, device=packed.device)
+    return (stream.reshape(count, bits) << weights).sum(dim=1).to(torch.long)
+
+
+class _ChunkedTopK(Codec):
+    """Per-chunk top-k of a (transformed) flat tensor, the values quantized to b bits with one scale
+    per chunk: what SparseLoCo and DCT top-k share (their docstrings give the layout).
+
+    The flat tensor is cut into chunks of CHUNK elements, the last one shorter where CHUNK does not
+    divide n; chunk i of len_i elements keeps k_i = ceil(f len_i) entries (at least 1), ascending by
+    index. Values: b <= 8: code c = the nearest of the 2^b levels (2c - L) / L of v / s (L = 2^b - 1,
+    s = the chunk's max |kept|), so |v - decoded| <= s / L, half the spacing of the levels; b = 32:
+    the float32 values, exact. The decoder reads f and b from the codec params (any codec object
+    decodes any payload), and refuses sizes, scales, values and indices the encoder never sends.
+    Error feedback: a dropped entry goes whole into the residual; x - decoded of a kept one is
+    exact (Sterbenz) where |x| >= s / (2 L), e.g. on dense chunks at b >= 2, else one rounding."""
+
+    param_count = 2  # [f, b]
+    CHUNK: int
+    INDEX_DTYPE: torch.dtype
+
+    def __init__(self, fraction: float = DEFAULT_TOPK_FRACTION, value_bits: int = DEFAULT_VALUE_BITS):
+        self.fraction = self._fraction(fraction)
+        self.value_bits = self._bits(value_bits)
+
+    # the transform of a (rows, length) block of chunks and the inverse of its kept coefficients
+    def _forward(self, chunks: torch.Tensor) -> torch.Tensor:
+        return chunks
+
+    @abstractmethod
+    def _inverse(self, index: torch.Tensor, values: torch.Tensor, length: int) -> torch.Tensor:
+        """(rows, length) chunks from the (rows, k) ascending indices and values kept of each."""
+
+    # checks ----------------------------------------------------------------------------------------
+    def _fraction(self, fraction) -> float:
+        if not (isinstance(fraction, (int, float)) and not isinstance(fraction, bool) and 0 < fraction <= 1):
+            raise CompressionError(f"{self.name}: the kept fraction must be in (0, 1], got {fraction!r}")
+        return float(fraction)
+
+    def _bits(self, bits) -> int:
+        if isinstance(bits, float) and bits.is_integer():
+            bits = int(bits)
+        if isinstance(bits, bool) or bits not in VALUE_BITS:
+            raise CompressionError(f"{self.name}: value bits must be 1..8 or {FLOAT_VALUES} (float32 values), "
+                                   f"got {bits!r}")
+        return int(bits)
+
+    # sizes -----------------------------------------------------------------------------------------
+    def kept(self, length: int, fraction: float | None = None) -> int:
+        """k of a chunk of `length` elements: ceil(f length), at least 1 (0 for an empty chunk)."""
+        fraction = self.fraction if fraction is None else fraction
+        return 0 if length <= 0 else min(length, max(1, math.ceil(fraction * length)))
+
+    def groups(self, numel: int, fraction: float | None = None) -> list[tuple[int, int, int]]:
+        """(chunks, length, k) of the full chunks and of the shorter last one, in chunk order."""
+        numel = int(numel)
+        full, tail = divmod(numel, self.CHUNK)
+        out = [(full, self.CHUNK, self.kept(self.CHUNK, fraction))] if full else []
+        return out + [(1, tail, self.kept(tail, fraction))] if tail else out
+
+    def _sizes(self, numel: int, fraction: float, bits: int) -> tuple[int, int, int, int]:
+        """(chunks, K, bytes of the scales or float values, bytes of the codes) of a payload."""
+        groups = self.groups(numel, fraction)
+        chunks, total = sum(g[0] for g in groups), sum(g[0] * g[2] for g in groups)
+        if bits == FLOAT_VALUES:
+            return chunks, total, 4 * total, 0
+        return chunks, total, 4 * chunks, (total * bits + 7) // 8
+
+    def payload_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        _, total, floats, codes = self._sizes(numel, self.fraction, self.value_bits)
+        return floats + total * self.INDEX_DTYPE.itemsize + codes
+
+    # encode / decode -------------------------------------------------------------------------------
+    def encode(self, tensor: torch.Tensor) -> Encoded:
+        tensor, _ = self._check_input(tensor)
+        flat, bits = tensor.reshape(-1), self.value_bits
+        start, indices, values, scales, codes = 0, [], [], [], []
+        for rows, length, k in self.groups(flat.numel()):
+            block = self._forward(flat[start:start + rows * length].reshape(rows, length))
+            start += rows * length
+            index = block.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+            kept = block.gather(1, index)
+            indices.append(index.reshape(-1))
+            if bits == FLOAT_VALUES:
+                values.append(kept.reshape(-1))
+                continue
+            scale = kept.abs().amax(dim=1, keepdim=True)
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero chunk: codes of 0 / 1
+            top = (1 << bits) - 1
+            # nearest level: c = floor(((v / s + 1) L + 1) / 2), in [0, L]
+            code = kept.div(safe).add_(1).mul_(top).add_(1).mul_(0.5).floor_().clamp_(0, top)
+            scales.append(scale.reshape(-1))
+            codes.append(code.reshape(-1).to(torch.uint8))
+        empty = flat.new_zeros(0)
+        index = torch.cat(indices).to(self.INDEX_DTYPE) if indices else empty.to(self.INDEX_DTYPE)
+        if bits == FLOAT_VALUES:
+            head = torch.cat(values) if values else empty
+            tail = empty.to(torch.uint8)
+        else:
+            head = torch.cat(scales) if scales else empty
+            tail = _pack_bits(torch.cat(codes), bits) if codes else empty.to(torch.uint8)
+        payload = torch.cat([head.view(torch.uint8), index.view(torch.uint8), tail])
+        return Encoded(self.wire_id, payload, (self.fraction, float(bits)), torch.float32, tuple(tensor.shape))
+
+    def decode(self, payload, params, shape, dtype=torch.float32):
+        fraction, bits = self._check_params(params, self.param_count)
+        fraction, bits = self._fraction(fraction), self._bits(bits)
+        self._check_dtype(dtype)
+        numel = _numel(shape)
+        _, total, floats, code_bytes = self._sizes(numel, fraction, bits)
+        index_bytes = total * self.INDEX_DTYPE.itemsize
+        raw = _reinterpret(payload, torch.uint8, floats + index_bytes + code_bytes, self.name)
+        head = _reinterpret(raw[:floats], torch.float32, floats, self.name)  # scales, or float32 values
+        index = _reinterpret(raw[floats:floats + index_bytes], self.INDEX_DTYPE, index_bytes, self.name).to(torch.long)
+        if bits == FLOAT_VALUES:
+            if not bool(torch.isfinite(head).all()):
+                raise CompressionError(f"{self.name}: non-finite values")
+        else:
+            if not bool(torch.isfinite(head).all()) or bool((head < 0).any()):
+                raise CompressionError(f"{self.name}: chunk scales must be finite and >= 0")
+            code = _unpack_bits(raw[floats + index_bytes:], total, bits)
+            levels = _levels(bits, raw.device)
+        out, at, chunk = [], 0, 0  # at: first kept entry of the group, chunk: its first chunk
+        for rows, length, k in self.groups(numel, fraction):
+            block = index[at:at + rows * k].reshape(rows, k)
+            if bool((block < 0).any()) or bool((block >= length).any()) or bool((block[:, 1:] <= block[:, :-1]).any()):
+                raise CompressionError(f"{self.name}: indices must be strictly ascending within [0, {length}) "
+                                       f"in each chunk")
+            if bits == FLOAT_VALUES:
+                values = head[at:at + rows * k].reshape(rows, k)
+            else:
+                values = levels[code[at:at + rows * k].reshape(rows, k)].mul_(head[chunk:chunk + rows].unsqueeze(1))
+            out.append(self._inverse(block, values, length).reshape(-1))
+            at, chunk = at + rows * k, chunk + rows
+        result = torch.cat(out) if out else torch.zeros(0, dtype=torch.float32, device=raw.device)
+        result = result.reshape(tuple(int(d) for d in shape))
+        return result if dtype == torch.float32 else result.to(dtype)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(fraction={self.fraction:g}, value_bits={self.value_bits}, "
+                f"wire_id={self.wire_id})")
+
+
+class SparseLoCo(_ChunkedTopK):
+    """SparseLoCo (Sarfi et al. 2025, arXiv 2508.15706): the pseudo-gradient Δ is cut into chunks of
+    4096 entries, each chunk keeps its top-k by |Δ| and sends them as 2-bit values (--value-bits)
+    with one scale per chunk; what it drops stays on the node (error feedback: e ← Δ + e - decoded).
+    Chunks make the indices 12-bit (sent as int16) and the top-k selection local and parallel.
+
+    Payload (K = Σ k_i, m chunks; codec params [f, b]): b <= 8: m float32 scales s_i = max |kept|
+    of chunk i, K int16 indices within their chunk, then the K b-bit codes packed least significant
+    bit first into ceil(K b / 8) bytes; b = 32: K float32 values, then the K int16 indices. 2 bits at
+    f = 0.01: 97 bytes per 4096 entries, 1/169 of float32. Kept entries decode to (2c - L) / L s_i,
+    within s_i / (2^b - 1) of the truth (levels ±1.5 and ±0.5 times 2 s_i / 3 at 2 bits); dropped
+    ones to exactly 0. A kept entry that is 0 decodes to ±s_i / L (no zero level): its error goes
+    back with the residual. Meant for error feedback: it drops all but ~f of the tensor."""
+
+    wire_id = pb.CODEC_SPARSELOCO
+    name = "sparseloco"
+    CHUNK = 4096
+    INDEX_DTYPE = torch.int16
+
+    def _inverse(self, index, values, length):
+        out = torch.zeros(index.shape[0], length, dtype=torch.float32, device=values.device)
+        return out.scatter_(1, index, values)
+
+
+_DCT_CACHE: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def dct_basis(length: int, device=None) -> torch.Tensor:
+    """The orthonormal DCT-II matrix D (length x length, float32): X = D x, x = Dᵀ X. Row k is
+    s_k cos(π (n + 1/2) k / N), s_0 = sqrt(1/N), s_k = sqrt(2/N). Computed in float64 on the CPU and
+    rounded once, so it has the same bits on every device (decoders agree bit for bit); cached."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    key = (int(length), str(device))
+    basis = _DCT_CACHE.get(key)
+    if basis is None:
+        n = torch.arange(length, dtype=torch.float64)
+        basis = torch.cos(math.pi * (n + 0.5).unsqueeze(0) * n.unsqueeze(1) / length) * math.sqrt(2.0 / length)
+        basis[0] *= math.sqrt(0.5)
+        if len(_DCT_CACHE) >= 64:  # tail lengths differ per tensor size; a run has a handful
+            _DCT_CACHE.clear()
+        basis = _DCT_CACHE[key] = basis.to(torch.float32).to(device)
+    return basis
+
+
+class DctTopK(_ChunkedTopK):
+    """DeMo's transmission (Peng et al. 2024, arXiv 2411.19870): chunks of 256 entries go through
+    the orthonormal DCT-II and keep their k = ceil(f 256) largest coefficients, since the fast
+    moving, highly correlated components concentrate in a few DCT frequencies; the rest stays on
+    the node (error feedback). DeMo chunks 2-D tensors; a flat vector gets 1-D chunks (the last one
+    shorter, with its own basis). The payload is SparseLoCo's with uint8 indices (0..255) and DCT
+    coefficients for values; --value-bits 1 is DeMo's sign variant (±s_i per kept coefficient),
+    32 sends the coefficients as float32. Encoding is a matmul with the cached basis D; decoding
+    adds, for each of the k kept coefficients in turn, v · D[index] (k elementwise passes, no
+    matmul, whose summation order differs by device): the same bytes decode to the same bits on
+    a CPU and on a GPU, so DiLoCo nodes stay in step. Coefficient errors are SparseLoCo's bound;
+    the decoded chunk's L2 error is that of the coefficients (D is orthonormal)."""
+
+    wire_id = pb.CODEC_DCT_TOPK
+    name = "dct-topk"
+    CHUNK = 256
+    INDEX_DTYPE = torch.uint8
+
+    def _forward(self, chunks):
+        return chunks @ dct_basis(chunks.shape[1], chunks.device).T
+
+    def _inverse(self, index, values, length):
+        basis = dct_basis(length, values.device)
+        out = torch.zeros(index.shape[0], length, dtype=torch.float32, device=values.device)
+        for j in range(index.shape[1]):
+            out.add_(basis[index[:, j]].mul_(values[:, j:j + 1]))
+        return out
+
+
+# FP4 E3M0 magnitudes: code e = 0 is zero, e = 1..7 is 2^(e-7) times the scale (2^-6 .. 1)
+FP4_MIN_EXPONENT = -6
+
+
+class Fp4(Codec):
+    """4-bit floating point E3M0 (Streaming DiLoCo sends its outer gradients in 4 bits, as 1 sign,
+    3 exponent and no mantissa bits): x ≈ ±s 2^(e-7), s = max|x| per tensor (the one codec param).
+
+    A nibble is sign << 3 | e: e = 0 is zero (sign 0 from the encoder; sign 1 also decodes to 0),
+    e = 1..7 the magnitudes 2^-6 s .. s, two nibbles per byte, even index low (as int4). |x| / s
+    rounds to the nearest of 0, 2^-6, ..., 1 (linear distance, ties up), so |x - decoded| <=
+    max(|x| / 3, 2^-7 s): within a binade [2^j, 2^(j+1)) the worst case is the midpoint 1.5 2^j.
+    Exponent bits beat int4's uniform levels on the heavy-tailed entries of pseudo-gradients:
+    relative error 1/3 down to 2^-6 max|x|, where int4 already rounds to 0. An all-zero tensor gets
+    s = 0."""
+
+    wire_id = pb.CODEC_FP4
+    name = "fp4"
+    param_count = 1
+
+    def encode(self, tensor: torch.Tensor) -> Encoded:
+        tensor, amax = self._check_input(tensor)
+        flat = tensor.reshape(-1)
+        safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+        ratio = flat.abs().div_(safe)  # in [0, 1]
+        mantissa, exponent = torch.frexp(ratio)  # ratio = m 2^E, m in [0.5, 1)
+        # nearest power of two: 2^E when m >= 0.75, else 2^(E-1); e = that exponent + 7
+        code = (exponent + 6 + (mantissa >= 0.75).to(exponent.dtype)).clamp_(1, 7)
+        code = torch.where(ratio >= 2.0 ** (FP4_MIN_EXPONENT - 1), code, torch.zeros_like(code))
+        sign = ((flat < 0) & (code > 0)).to(torch.uint8) << 3
+        q = code.to(torch.uint8) | sign
+        if q.numel() % 2:
+            q = torch.cat([q, q.new_zeros(1)])
+        packed = q[0::2] | (q[1::2] << 4)
+        return Encoded(self.wire_id, packed.contiguous(), (float(amax),), torch.float32, tuple(tensor.shape))
+
+    def decode(self, payload, params, shape, dtype=torch.float32):
+        (scale,) = self._check_params(params, self.param_count)
+        if not math.isfinite(scale) or scale < 0:
+            raise CompressionError(f"fp4: scale must be finite and >= 0, got {scale}")
+        self._check_dtype(dtype)
+        numel = _numel(shape)
+        packed = _reinterpret(payload, torch.uint8, self.payload_bytes(numel), self.name)
+        q = torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1)[:numel].to(torch.long)
+        magnitudes = torch.tensor([0.0] + [2.0 ** e for e in range(FP4_MIN_EXPONENT, 1)], device=packed.device)
+        value = magnitudes[q & 7].mul_(scale)
+        out = torch.where(q >= 8, -value, value).reshape(tuple(int(d) for d in shape))
+        return out if dtype == torch.float32 else out.to(dtype)
+
+    def payload_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        return (int(numel) + 1) // 2
+
+
 CODECS: dict[str, Codec] = {"none": NoCompression(), "trunc16": Trunc16(), "fp16": Fp16(), "bf16": Bf16Round(),
-                            "int8": Int8Quantize(), "int4": Int4Quantize(), "topk": TopK()}
+                            "int8": Int8Quantize(), "int4": Int4Quantize(), "topk": TopK(),
+                            "sparseloco": SparseLoCo(), "dct-topk": DctTopK(), "fp4": Fp4()}
 _BY_WIRE_ID: dict[int, Codec] = {c.wire_id: c for c in CODECS.values()}
 
 
@@ -457,12 +758,18 @@ def get_codec(name_or_wire_id: str | int) -> Codec:
     raise CompressionError(f"codec must be a name or a wire id, got {type(name_or_wire_id).__name__}")
 
 
-def make_codec(name: str, *, topk_fraction: float | None = None) -> Codec:
+def make_codec(name: str, *, topk_fraction: float | None = None, value_bits: int | None = None) -> Codec:
     """The codec `name`; for "topk", one keeping `topk_fraction` of the entries (default
-    DEFAULT_TOPK_FRACTION). Top-k's payload size depends on its kept fraction, so one codec object
-    per fraction, while decoding reads k off the payload and needs none."""
-    if name.strip().lower() == "topk" and topk_fraction is not None:
+    DEFAULT_TOPK_FRACTION); for "sparseloco" and "dct-topk", that fraction of each chunk, its
+    values in `value_bits` bits (default DEFAULT_VALUE_BITS). Their payload sizes depend on those,
+    so one codec object per setting, while decoding reads them off the payload and codec params."""
+    key = name.strip().lower()
+    if key == "topk" and topk_fraction is not None:
         return TopK(topk_fraction)
+    if key in ("sparseloco", "dct-topk") and (topk_fraction is not None or value_bits is not None):
+        kind = SparseLoCo if key == "sparseloco" else DctTopK
+        return kind(DEFAULT_TOPK_FRACTION if topk_fraction is None else topk_fraction,
+                    DEFAULT_VALUE_BITS if value_bits is None else value_bits)
     return get_codec(name)
 
 
