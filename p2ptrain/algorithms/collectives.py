@@ -119,10 +119,9 @@ class RingAllReduce:
                  elastic: bool = False, chunk_bytes: int = 0, delay: int = 0):
         self.comm = comm
         # steps a node's other messages of this kind may run ahead of this ring's calls (Streaming
-        # DiLoCo: the next fragment's versions while a sync still runs τ steps); its current step
-        # runs ahead by up to the bounded delay besides (overlapped rounds), hence the slack
+        # DiLoCo: the next fragment's versions while a sync still runs τ steps)
         self.delay = delay
-        self.ahead_slack = max(AHEAD_SLACK, delay + 2)
+        self.hops = RingHops(comm, kind, elastic=elastic, delay=delay)
         self.rank, self.n = comm.rank, comm.world_size
         self.numel = numel
         self.codec = compression.get_codec(codec or "none") if not isinstance(codec, compression.Codec) else codec
@@ -228,7 +227,7 @@ class RingAllReduce:
             self._ring(tensor.view(-1), out.view(-1), step, average, ring, residual, acks, deadline, catching_up)
             return out
         except CollectiveIncomplete:
-            self._fence(acks, ring)
+            self.hops.fence(acks, ring.next)
             if original is not None:
                 tensor.copy_(original)
             if residual is not None:
@@ -267,9 +266,7 @@ class RingAllReduce:
             channels = [self._channel(self.n, phase, r, segment, c) for r in range(self.n - 1)
                         for phase, segment in (("rs", self._full.rs_recv(r)), ("ag", self._full.ag_recv(r)))
                         for c in range(len(self._full.chunks[segment]))]
-        for channel in channels:
-            for stale in self.comm.take(self.kind, step, channel=channel):
-                stale.release()
+        self.hops.discard_through(step, channels)
         self._failed_at = None
 
     def _encode(self, segment: torch.Tensor, residual: torch.Tensor | None):
@@ -320,14 +317,12 @@ class RingAllReduce:
         failures: list[str] = []  # why sends of this call failed (their futures' callbacks note it)
 
         def sent(future: concurrent.futures.Future) -> None:
-            future.add_done_callback(lambda done: _note_failure(done, failures))
-            acks.append(future)
+            self.hops.watch(future, acks, failures)
 
         def hopeless() -> str | None:
-            return self._hopeless(ring, step, failures)
+            return self.hops.hopeless(ring.members, ring.prev, step, failures)
 
-        coming = _Approach(ring.prev, [p for p in ring.members if p != self.rank], step, self.comm.membership,
-                           patience=ring.m * link_deadline)
+        coming = self.hops.approach(ring.members, ring.prev, step)
 
         def push(values: torch.Tensor, phase: str, r: int, segment: int, c: int, a: int, b: int) -> None:
             """Encode values[a:b] (with error feedback) and send it as chunk c of (phase, round r):
@@ -361,7 +356,7 @@ class RingAllReduce:
                     sent(self._send(ring, payload, received.codec, received.codec_params, step, "ag",
                                     r + 1, segment, c))
                 received.release()
-        self._check(acks, ring)
+        self.hops.check(acks, ring.next)
 
     def _finish_owned(self, flat: torch.Tensor, a: int, b: int, ring: _Ring, average: bool,
                       lost: torch.Tensor | None, acks: list, step: int, c: int) -> None:
@@ -387,20 +382,10 @@ class RingAllReduce:
             buffer = self._forward[key] = buffer_like(like.view(-1))
         return buffer
 
-    def _fence(self, acks: list[concurrent.futures.Future], ring: _Ring) -> None:
-        """A failed call waits until each of its sends has settled before anything is restored or
-        rewritten: they read the tensor itself (no copies), and a peer that still completes its
-        call with them must get the values they were sent with. Each send ends by its transport
-        deadline at the latest (a stalled neighbour: the send timeout)."""
-        pending = [future for future in acks if not future.done()]
-        if not pending:
-            return
-        began = time.monotonic()
-        concurrent.futures.wait(pending)
-        waited = time.monotonic() - began
-        if waited > self.comm.link_deadline:
-            log.warning("node %d: a failed all-reduce waited %.1f s for %d message(s) to node %d to settle",
-                        self.rank, waited, len(pending), ring.next)
+    def _recv(self, ring: _Ring, step: int, phase: str, r: int, segment: int, c: int,
+              deadline: float | None = None, hopeless=None, coming=None):
+        return self.hops.receive(ring.prev, step, self._channel(ring.m, phase, r, segment, c),
+                                 f"all-reduce segment ({phase} round {r})", deadline, hopeless, coming)
 
     def _send(self, ring: _Ring, payload: torch.Tensor, codec_id: int, params: tuple[float, ...], step: int,
               phase: str, r: int, segment: int, c: int) -> concurrent.futures.Future:
@@ -410,72 +395,13 @@ class RingAllReduce:
                               channel=self._channel(ring.m, phase, r, segment, c), codec=codec_id, codec_params=params,
                               dtype=self.dtype, numel=numel, shape=(numel,), reliable=True)
 
-    def _recv(self, ring: _Ring, step: int, phase: str, r: int, segment: int, c: int,
-              deadline: float | None = None, hopeless=None, coming=None):
-        # a lagging member is awaited too: the ring cannot complete without it, and a node that
-        # skipped it at once would race ahead alone and leave it further behind
-        channel = self._channel(ring.m, phase, r, segment, c)
-        got = self.comm.gather(self.kind, step, [ring.prev], channel=channel, deadline=deadline, abandon=hopeless,
-                               laggards=True)
-        while ring.prev not in got and coming is not None and (hopeless is None or hopeless() is None) and coming():
-            got = self.comm.gather(self.kind, step, [ring.prev], channel=channel, abandon=hopeless, laggards=True)
-        if ring.prev not in got:
-            reason = hopeless() if hopeless is not None else None
-            raise CollectiveIncomplete(f"node {self.rank}: step-{step} all-reduce segment ({phase} round {r}) "
-                                       f"from node {ring.prev} " +
-                                       (f"not awaited: {reason}" if reason else "missed the link deadline"))
-        return got[ring.prev]
-
-    def _hopeless(self, ring: _Ring, step: int, failures: list[str]) -> str | None:
-        """Why this call's ring cannot complete, known before any deadline: a send of it failed, a
-        member is dead, or (elastic) a newer view drops a member without its say. None while it may
-        (always, without faults: the wait then ends only by arrival or deadline)."""
-        if failures:
-            return failures[0]
-        dead = self.comm.membership.dead().intersection(ring.members)
-        if dead:
-            return f"node(s) {sorted(dead)} of the ring are dead"
-        dropped = self.comm.membership.departing(step).intersection(ring.members) if self.elastic else ()
-        if dropped:
-            return f"a newer view drops node(s) {sorted(dropped)}"
-        split = self.comm.membership.split_members(step) if self.elastic else None
-        if split is not None and split != ring.members:
-            return f"nodes that took a view this node refused train over members {list(split)} at this step"
-        # the predecessor gave this step up: catch up rather than wait. Its ring messages say so
-        # exactly (calls run one after another, each until its sends are acknowledged: one of a
-        # later call means this one is over there); its Acks and Hellos, its current step, only
-        # past the slack
-        sent = self.comm.membership.sent_step(ring.prev, self.kind)
-        if sent is not None and sent > step + self.delay:
-            return f"node {ring.prev} already runs the all-reduce of step {sent}"
-        ahead = self.comm.membership.peer_step(ring.prev)
-        if ahead is not None and ahead > step + self.ahead_slack:
-            return f"node {ring.prev} is already at step {ahead}"
-        # ... and exactly once it reached a view's switch past this step's bounded delay: a member
-        # drains its rounds in flight before it starts a switch step (Algorithm.members_changed),
-        # so it runs none of an earlier step from there on. (Nodes on either side of a refused
-        # eviction reach the switch that ends it at different steps: those behind would otherwise
-        # wait out a deadline at each step short of the slack, tens of seconds in a chaos run.)
-        switch = self.comm.membership.first_switch(step + self.delay, ahead) \
-            if self.elastic and ahead is not None else None
-        if switch is not None:
-            return f"node {ring.prev} is already at step {ahead}, past the view switch at step {switch}"
-        return None
-
     def _decode(self, received, numel: int) -> torch.Tensor:
         if received.codec == compression.UNCOMPRESSED:
             return received.tensor.view(-1)
         codec = compression.get_codec(received.codec)
         return codec.decode(received.tensor, received.codec_params, (numel,), self.dtype)
 
-    def _check(self, acks: list[concurrent.futures.Future], ring: _Ring) -> None:
-        for future in acks:
-            failure = _delivery_failure(future)
-            if failure is not None:
-                raise CollectiveIncomplete(f"node {self.rank}: all-reduce message to node {ring.next} {failure}")
-
-
-class _Approach:
+class Approach:
     """Whether a ring that is out of step is coming together at this call's step: another member
     was heard two or more steps behind it, a member was heard at a later step up to this one within
     `patience` seconds (a call's first deadline: members behind skip steps their predecessor gave
@@ -517,7 +443,7 @@ class _Approach:
         return self.membership.peer_step(peer, heard_since=self.step - 1)
 
 
-def _delivery_failure(future: concurrent.futures.Future) -> str | None:
+def delivery_failure(future: concurrent.futures.Future) -> str | None:
     """How a finished send of Delivery failed ("failed: …" or "refused: …"), None if delivered."""
     exc = send_failure(future)
     if exc is not None:
@@ -526,10 +452,117 @@ def _delivery_failure(future: concurrent.futures.Future) -> str | None:
     return None if outcome.delivered else f"refused: {outcome.reason}: {outcome.detail}"
 
 
-def _note_failure(future: concurrent.futures.Future, failures: list[str]) -> None:
-    failure = _delivery_failure(future)
+def note_failure(future: concurrent.futures.Future, failures: list[str]) -> None:
+    failure = delivery_failure(future)
     if failure is not None:
         failures.append(f"a message to the next node {failure}")
+
+
+class RingHops:
+    """What every ring collective does at each hop, whatever it sends (RingAllReduce's segments,
+    RingAllGather's payloads): wait for the predecessor's message on a channel, awaiting a lagging
+    member but giving up at once when the call cannot complete (hopeless), note why its own sends
+    failed, and fence them when a call fails. `what` names the collective in its errors; `delay`:
+    steps a node's other messages of this kind may run ahead of its calls (see RingAllReduce)."""
+
+    def __init__(self, comm: Comm, kind: int, *, elastic: bool, delay: int = 0, what: str = "all-reduce"):
+        self.comm, self.kind, self.elastic, self.what = comm, kind, elastic, what
+        self.rank = comm.rank
+        # its current step runs ahead by up to the bounded delay besides (overlapped rounds), hence the slack
+        self.delay = delay
+        self.ahead_slack = max(AHEAD_SLACK, delay + 2)
+
+    def approach(self, members: tuple[int, ...], prev: int, step: int) -> Approach:
+        """This call's watch on a ring that is out of step (see Approach)."""
+        return Approach(prev, [p for p in members if p != self.rank], step, self.comm.membership,
+                        patience=len(members) * self.comm.link_deadline)
+
+    def watch(self, future: concurrent.futures.Future, acks: list[concurrent.futures.Future],
+              failures: list[str]) -> None:
+        """A send of this call: its future goes into `acks`, why it failed (if it does) into `failures`."""
+        future.add_done_callback(lambda done: note_failure(done, failures))
+        acks.append(future)
+
+    def receive(self, prev: int, step: int, channel: str, label: str, deadline: float | None = None,
+                hopeless=None, coming=None):
+        """The step-`step` message of `channel` from `prev` (`label` says what it is in the error);
+        raises CollectiveIncomplete when it misses the deadline or the call is hopeless."""
+        # a lagging member is awaited too: the ring cannot complete without it, and a node that
+        # skipped it at once would race ahead alone and leave it further behind
+        got = self.comm.gather(self.kind, step, [prev], channel=channel, deadline=deadline, abandon=hopeless,
+                               laggards=True)
+        while prev not in got and coming is not None and (hopeless is None or hopeless() is None) and coming():
+            got = self.comm.gather(self.kind, step, [prev], channel=channel, abandon=hopeless, laggards=True)
+        if prev not in got:
+            reason = hopeless() if hopeless is not None else None
+            raise CollectiveIncomplete(f"node {self.rank}: step-{step} {label} from node {prev} " +
+                                       (f"not awaited: {reason}" if reason else "missed the link deadline"))
+        return got[prev]
+
+    def hopeless(self, members: tuple[int, ...], prev: int, step: int, failures: list[str]) -> str | None:
+        """Why this call's ring cannot complete, known before any deadline: a send of it failed, a
+        member is dead, or (elastic) a newer view drops a member without its say. None while it may
+        (always, without faults: the wait then ends only by arrival or deadline)."""
+        if failures:
+            return failures[0]
+        dead = self.comm.membership.dead().intersection(members)
+        if dead:
+            return f"node(s) {sorted(dead)} of the ring are dead"
+        dropped = self.comm.membership.departing(step).intersection(members) if self.elastic else ()
+        if dropped:
+            return f"a newer view drops node(s) {sorted(dropped)}"
+        split = self.comm.membership.split_members(step) if self.elastic else None
+        if split is not None and split != members:
+            return f"nodes that took a view this node refused train over members {list(split)} at this step"
+        # the predecessor gave this step up: catch up rather than wait. Its ring messages say so
+        # exactly (calls run one after another, each until its sends are acknowledged: one of a
+        # later call means this one is over there); its Acks and Hellos, its current step, only
+        # past the slack
+        sent = self.comm.membership.sent_step(prev, self.kind)
+        if sent is not None and sent > step + self.delay:
+            return f"node {prev} already runs the {self.what} of step {sent}"
+        ahead = self.comm.membership.peer_step(prev)
+        if ahead is not None and ahead > step + self.ahead_slack:
+            return f"node {prev} is already at step {ahead}"
+        # ... and exactly once it reached a view's switch past this step's bounded delay: a member
+        # drains its rounds in flight before it starts a switch step (Algorithm.members_changed),
+        # so it runs none of an earlier step from there on. (Nodes on either side of a refused
+        # eviction reach the switch that ends it at different steps: those behind would otherwise
+        # wait out a deadline at each step short of the slack, tens of seconds in a chaos run.)
+        switch = self.comm.membership.first_switch(step + self.delay, ahead) \
+            if self.elastic and ahead is not None else None
+        if switch is not None:
+            return f"node {prev} is already at step {ahead}, past the view switch at step {switch}"
+        return None
+
+    def check(self, acks: list[concurrent.futures.Future], next_peer: int) -> None:
+        """Wait for every send of the call; raises CollectiveIncomplete if one was not delivered."""
+        for future in acks:
+            failure = delivery_failure(future)
+            if failure is not None:
+                raise CollectiveIncomplete(f"node {self.rank}: {self.what} message to node {next_peer} {failure}")
+
+    def fence(self, acks: list[concurrent.futures.Future], next_peer: int) -> None:
+        """A failed call waits until each of its sends has settled before anything is restored or
+        rewritten: they read the caller's tensors (no copies), and a peer that still completes its
+        call with them must get the values they were sent with. Each send ends by its transport
+        deadline at the latest (a stalled neighbour: the send timeout)."""
+        pending = [future for future in acks if not future.done()]
+        if not pending:
+            return
+        began = time.monotonic()
+        concurrent.futures.wait(pending)
+        waited = time.monotonic() - began
+        if waited > self.comm.link_deadline:
+            log.warning("node %d: a failed %s waited %.1f s for %d message(s) to node %d to settle",
+                        self.rank, self.what, waited, len(pending), next_peer)
+
+    def discard_through(self, step: int, channels) -> None:
+        """Throw away the messages of steps <= `step` on `channels`: segments or payloads of a
+        failed or re-formed ring that may still come."""
+        for channel in channels:
+            for stale in self.comm.take(self.kind, step, channel=channel):
+                stale.release()
 
 
 class MemberRing:
@@ -619,7 +652,7 @@ class MemberRing:
         """How long each segment of a switch average is awaited: long enough for a member up to the
         lag limit behind to come level (this node's measured pace) and for a hop's link deadline
         at each of the m members, at most `resync_deadline`. A member that dies meanwhile ends the
-        wait at once (RingAllReduce._hopeless)."""
+        wait at once (RingHops.hopeless)."""
         link_deadline = self.comm.link_deadline
         return min(self.resync_deadline, max(m * link_deadline, self.comm.membership.seconds_for_lag()))
 
