@@ -1,0 +1,98 @@
+"""The ring all-gather of sparse payloads (issue 26) over real gRPC on loopback (tests/cluster.py):
+every member ends with the same bits, the rank-ordered sum of each member's own decode(encode(x));
+each residual is the node's own loss; a node sends m-1 payloads; a member that never sends fails
+the call on the others."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from p2ptrain.algorithms.allgather import RingAllGather
+from p2ptrain.algorithms.collectives import CollectiveIncomplete
+from p2ptrain.compression import make_codec
+from p2ptrain.transport import TransportOptions
+from tests.cluster import run_cluster
+from tests.test_allreduce import vector
+
+FRACTION = 0.05
+
+
+def codec(name: str):
+    return make_codec(name, topk_fraction=FRACTION)
+
+
+def decoded(name: str, x: torch.Tensor) -> torch.Tensor:
+    """decode(encode(x)): what a node's own payload says."""
+    encoded = codec(name).encode(x)
+    return codec(name).decode(encoded.payload, encoded.params, encoded.shape)
+
+
+def rank_ordered_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    total = tensors[0].clone()
+    for tensor in tensors[1:]:
+        total.add_(tensor)
+    return total
+
+
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("name", ["topk", "sparseloco", "dct-topk", "none"])
+def test_every_member_ends_with_the_rank_ordered_sum_of_each_ones_own_payload(n, name):
+    """Bit-identical means on every node, equal to Σ_r decode(encode(x_r)) / m added in rank order;
+    each residual is exactly the node's own x - decode(encode(x)); each node sends m-1 payloads."""
+    numel = 5000  # sparseloco: a 4096-entry chunk and a shorter one
+
+    def body(rank, comm):
+        gather = RingAllGather(comm, numel, codec=codec(name), tag="g.")
+        comm.ready()
+        residual = torch.full((numel,), float("nan"))  # overwritten everywhere
+        before = comm.transport.metrics.bytes_sent_total
+        mean = gather(vector(rank, numel), step=0, average=True, residual=residual)
+        sent = comm.transport.metrics.bytes_sent_total - before
+        total = gather(vector(rank, numel, salt=1), step=1, average=False)
+        return mean, residual, sent, total, gather.payload_bytes
+
+    results = run_cluster(n, body, metrics=True)
+    own = [decoded(name, vector(r, numel)) for r in range(n)]
+    expected_mean = rank_ordered_sum(own).div_(n)
+    expected_total = rank_ordered_sum([decoded(name, vector(r, numel, salt=1)) for r in range(n)])
+    payload = codec(name).payload_bytes(numel)
+    assert name == "none" or payload < numel  # really sparse: fewer bytes than entries
+    for rank, (mean, residual, sent, total, payload_bytes) in enumerate(results):
+        assert torch.equal(mean, expected_mean) and torch.equal(total, expected_total)
+        assert torch.equal(residual, vector(rank, numel) - own[rank])  # its own loss, nobody else's
+        assert payload_bytes == payload and sent == (n - 1) * payload
+    assert name == "none" or (results[0][1] != 0).any()
+
+
+def test_a_member_that_never_sends_fails_the_call_on_the_others_within_the_deadline():
+    """Node 2 sends nothing at step 0: nodes 0 and 1 raise CollectiveIncomplete about a link deadline
+    later, with their input and residual as they were; the next call, with everybody, is exact."""
+    n, numel, deadline = 3, 2000, 1.0
+    gave_up = [threading.Event() for _ in range(n - 1)]
+
+    def body(rank, comm):
+        gather = RingAllGather(comm, numel, codec=codec("topk"))
+        comm.ready()
+        x, residual = vector(rank, numel), torch.full((numel,), 0.5)
+        waited = None
+        if rank < n - 1:
+            began = time.monotonic()
+            with pytest.raises(CollectiveIncomplete, match="all-gather payload of node 2"):
+                gather(x, step=0, average=True, residual=residual)
+            waited = time.monotonic() - began
+            assert torch.equal(x, vector(rank, numel)) and torch.equal(residual, torch.full((numel,), 0.5))
+            gave_up[rank].set()
+        else:
+            assert all(event.wait(60) for event in gave_up)
+        comm.set_step(1)
+        return waited, gather(x, step=1, average=True, residual=residual), residual
+
+    results = run_cluster(n, body, options=TransportOptions(send_timeout=30.0, link_deadline=deadline))
+    own = [decoded("topk", vector(r, numel)) for r in range(n)]
+    for rank, (waited, mean, residual) in enumerate(results):
+        assert rank == n - 1 or 0.5 * deadline < waited < 5 * deadline, waited
+        assert torch.equal(mean, rank_ordered_sum(own).div_(n))
+        assert torch.equal(residual, vector(rank, numel) - own[rank])
