@@ -1,7 +1,7 @@
 """The ring all-gather of sparse payloads (issue 26) over real gRPC on loopback (tests/cluster.py):
 every member ends with the same bits, the rank-ordered sum of each member's own decode(encode(x));
-each residual is the node's own loss; a node sends m-1 payloads; a member that never sends fails
-the call on the others."""
+each residual is the node's own loss; a node sends m-1 payloads; DiLoCo's sparse codecs go over it
+and keep every anchor bit-identical; a member that never sends fails the call on the others."""
 from __future__ import annotations
 
 import threading
@@ -11,11 +11,15 @@ import pytest
 import torch
 
 from p2ptrain.algorithms.allgather import RingAllGather
-from p2ptrain.algorithms.collectives import CollectiveIncomplete
+from p2ptrain.algorithms.collectives import CollectiveIncomplete, RingAllReduce
+from p2ptrain.algorithms.diloco import DiLoCo
+from p2ptrain.algorithms.outer import OuterNesterov
 from p2ptrain.compression import make_codec
+from p2ptrain.settings import NodeConfig
 from p2ptrain.transport import TransportOptions
 from tests.cluster import run_cluster
 from tests.test_allreduce import vector
+from tests.test_diloco import NUMEL, inner, start
 
 FRACTION = 0.05
 
@@ -65,6 +69,73 @@ def test_every_member_ends_with_the_rank_ordered_sum_of_each_ones_own_payload(n,
         assert torch.equal(residual, vector(rank, numel) - own[rank])  # its own loss, nobody else's
         assert payload_bytes == payload and sent == (n - 1) * payload
     assert name == "none" or (results[0][1] != 0).any()
+
+
+@pytest.mark.parametrize("name", ["topk", "sparseloco"])
+def test_diloco_over_the_all_gather_matches_its_math_and_every_anchor_has_the_same_bits(name):
+    """Per sync: e_i, Δ̂_i = encode/decode of (θ - θ_i + e_i) on node i alone, the outer step takes
+    Σ_i Δ̂_i / m in rank order. Every node's anchor and model are the same bits after every sync."""
+    n, H, steps = 3, 4, 16
+
+    def body(rank, comm):
+        algo = DiLoCo(comm, inner_steps=H, compression=name, topk_fraction=FRACTION)
+        x, anchors = algo.setup(start()), []
+        assert all(isinstance(exchange, RingAllGather) for exchange in algo.exchanges)
+        for step in range(steps):
+            x = algo.after_step(step, inner(rank, step, x))
+            if algo.due(step) is not None:
+                anchors.append((algo.anchor.clone(), x.clone(), algo.residual.clone()))
+        algo.finish()
+        return anchors, algo.stats()
+
+    results = run_cluster(n, body)
+    anchor, buffer, outer = start(), torch.zeros(NUMEL), OuterNesterov(0.7, 0.9)
+    xs, residuals, sync = [start() for _ in range(n)], [torch.zeros(NUMEL) for _ in range(n)], 0
+    for step in range(steps):
+        xs = [inner(r, step, x) for r, x in enumerate(xs)]
+        if (step + 1) % H:
+            continue
+        sent = [anchor - x + e for x, e in zip(xs, residuals)]
+        own = [decoded(name, delta) for delta in sent]
+        residuals = [delta - d for delta, d in zip(sent, own)]
+        outer.step(anchor, rank_ordered_sum(own).div_(n), buffer)
+        xs = [anchor.clone() for _ in range(n)]
+        for rank in range(n):
+            theirs, model, residual = results[rank][0][sync]
+            assert torch.equal(theirs, results[0][0][sync][0]) and torch.equal(model, theirs)
+            torch.testing.assert_close(theirs, anchor, atol=1e-6, rtol=0)
+            torch.testing.assert_close(residual, residuals[rank], atol=1e-6, rtol=0)
+        sync += 1
+    assert sync == steps // H and all(r[1]["outer_steps"] == sync and r[1]["failed_syncs"] == 0 for r in results)
+    assert (anchor - start()).abs().max() > 0.1  # it trained
+
+
+def test_sparse_exchange_option_picks_the_all_gather_for_sparse_codecs_only():
+    class Solo:  # setup() declares nothing that a one-node cluster would send
+        rank, world_size, joined = 0, 1, None
+
+        def expect(self, *args, **kwargs):
+            pass
+
+        def ready(self):
+            pass
+
+    def exchange(**kwargs):
+        algo = DiLoCo(Solo(), inner_steps=4, **kwargs)
+        algo.setup(torch.zeros(8))
+        return type(algo.exchanges[0])
+
+    assert exchange(compression="topk") is RingAllGather
+    assert exchange(compression="dct-topk") is RingAllGather
+    assert exchange(compression="sparseloco", sparse_exchange="ring") is RingAllReduce
+    assert exchange(compression="int8") is RingAllReduce  # dense codecs keep the ring
+    assert exchange() is RingAllReduce
+    options = NodeConfig.from_sources(env={}, flags=dict(algorithm="diloco", inner_steps=4, compression="topk",
+                                                         sparse_exchange="ring")).validate().algorithm_options
+    assert options.sparse_exchange == "ring"
+    with pytest.raises(Exception, match="sparse_exchange"):
+        NodeConfig.from_sources(env={}, flags=dict(algorithm="diloco", inner_steps=4,
+                                                   sparse_exchange="gossip")).validate()
 
 
 def test_a_member_that_never_sends_fails_the_call_on_the_others_within_the_deadline():

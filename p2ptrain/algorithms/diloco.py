@@ -1,5 +1,5 @@
 """DiLoCo (Douillard et al., 2023) and Streaming DiLoCo (Douillard et al., 2025, "Streaming DiLoCo
-with overlapping communication") over the ring all-reduce.
+with overlapping communication") over the ring all-reduce (sparse codecs: the ring all-gather).
 
 DiLoCo, per node i, every H steps (see outer.py for the notation):
     Δ_i = θ - θ_i;   Δ = (1/m) Σ_{i ∈ M} Δ_i  (ring all-reduce over the m members M);
@@ -19,16 +19,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from p2ptrain import compression
+from p2ptrain.algorithms.allgather import RingAllGather
 from p2ptrain.algorithms.base import Algorithm, Comm, Kind
 from p2ptrain.algorithms.collectives import CollectiveIncomplete, RingAllReduce, segment_bounds
 from p2ptrain.algorithms.outer import UNKNOWN, OuterNesterov, OuterOptions, OuterStateChannel
 from p2ptrain.algorithms.registry import AlgorithmSpec, BuildContext, option, register
+from p2ptrain.compression import NEEDS_ERROR_FEEDBACK
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
 KIND = Kind.ALLREDUCE
+SPARSE_EXCHANGES = ("allgather", "ring")  # --sparse-exchange: how codecs of NEEDS_ERROR_FEEDBACK travel
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,12 @@ class DiLoCoOptions(OuterOptions):
     mixing_at_sync: bool = option(False, "blocking syncs (outer_delay 0) merge with --mixing α too, as every "
                                          "fragment update of the paper's Algorithm 1 does (without it they take "
                                          "the outer parameters)")
+    sparse_exchange: str = option("allgather", "how the sparse codecs (topk, sparseloco, dct-topk) exchange "
+                                               "pseudo-gradients: allgather = each node's own payload travels the "
+                                               "ring untouched and every node adds all m in rank order (its error "
+                                               "feedback keeps only its own loss); ring = the ring all-reduce, "
+                                               "which decodes, sums and re-encodes at every hop; the other codecs "
+                                               "always take the ring", choices=SPARSE_EXCHANGES)
 
     def bounded_delay(self) -> int:
         """A node waits at every fragment's sync (or τ steps after it) for the others."""
@@ -96,7 +105,11 @@ class DiLoCo(Algorithm):
 
     Compressed pseudo-gradients: every ring hop decompresses, sums and recompresses
     (collectives.py); what this node's compressions lose stays on it (error feedback) and is added
-    to its next pseudo-gradient of that fragment, so nothing a codec drops is lost, only delayed."""
+    to its next pseudo-gradient of that fragment, so nothing a codec drops is lost, only delayed.
+    Sparse codecs (NEEDS_ERROR_FEEDBACK) go by all-gather instead (allgather.py, unless
+    sparse_exchange="ring"): the top k of a partial sum is not a sum of top-k's, so each node
+    encodes its own Δ_p once, keeps only its own loss, and every node adds the m decoded payloads
+    in rank order, which gives every member the same bits too."""
 
     name = "diloco"
     elastic = True  # each sync's ring forms over the live members of its step; newcomers take an offer
@@ -104,15 +117,17 @@ class DiLoCo(Algorithm):
     @classmethod
     def from_options(cls, comm: Comm, options: DiLoCoOptions, context: BuildContext) -> "DiLoCo":
         return cls(comm, **options.outer_settings(), fragments=options.fragments, outer_delay=options.outer_delay,
-                   mixing=options.mixing, mixing_at_sync=options.mixing_at_sync)
+                   mixing=options.mixing, mixing_at_sync=options.mixing_at_sync,
+                   sparse_exchange=options.sparse_exchange)
 
     def __init__(self, comm: Comm, *, inner_steps: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  compression: str = "none", topk_fraction: float = 0.01, value_bits: int = 2, fragments: int = 1,
                  outer_delay: int = 0,
-                 mixing: float = 0.5, mixing_at_sync: bool = False):
+                 mixing: float = 0.5, mixing_at_sync: bool = False, sparse_exchange: str = "allgather"):
         DiLoCoOptions(inner_steps=inner_steps, outer_lr=outer_lr, outer_momentum=outer_momentum,
                       compression=compression, topk_fraction=topk_fraction, value_bits=value_bits, fragments=fragments,
-                      outer_delay=outer_delay, mixing=mixing, mixing_at_sync=mixing_at_sync).validate(None)
+                      outer_delay=outer_delay, mixing=mixing, mixing_at_sync=mixing_at_sync,
+                      sparse_exchange=sparse_exchange).validate(None)
         self.comm = comm
         self.rank = comm.rank
         self.H, self.F, self.tau, self.alpha = inner_steps, fragments, outer_delay, mixing
@@ -120,12 +135,14 @@ class DiLoCo(Algorithm):
         self.period = inner_steps // fragments  # a fragment is synced every `period` steps, in turn
         self.outer = OuterNesterov(outer_lr, outer_momentum)
         self.codec_name, self.topk_fraction, self.value_bits = compression, topk_fraction, value_bits
+        # each node's own payload, all-gathered, where a codec's output cannot be summed hop by hop
+        self.allgather = sparse_exchange == "allgather" and compression in NEEDS_ERROR_FEEDBACK
         self.anchor: torch.Tensor | None = None     # θ, the outer parameters
         self.momentum: torch.Tensor | None = None   # the outer optimizer's buffer
         self.residual: torch.Tensor | None = None   # error feedback: what this node's compressions lost
         self.versions: list[int] = []               # outer steps applied, per fragment
         self.bounds: list[tuple[int, int]] = []
-        self.rings: list[RingAllReduce] = []
+        self.exchanges: list[RingAllReduce | RingAllGather] = []  # one per fragment
         self.states: list[OuterStateChannel] = []
         self.outer_steps = 0                        # outer updates applied here (all fragments)
         self.failed_syncs = 0
@@ -144,8 +161,12 @@ class DiLoCo(Algorithm):
         known = UNKNOWN if self.comm.joined is not None else 0  # a rejoined node loaded a donor's anchor
         self.versions = [known] * self.F
         for p, (start, end) in enumerate(self.bounds):
-            self.rings.append(RingAllReduce(self.comm, end - start, params.dtype, codec=codec, tag=f"diloco{p}.",
-                                            kind=KIND, elastic=True, delay=self.tau))
+            if self.allgather:
+                self.exchanges.append(RingAllGather(self.comm, end - start, params.dtype, codec=codec,
+                                                    tag=f"diloco{p}.", kind=KIND, delay=self.tau))
+            else:
+                self.exchanges.append(RingAllReduce(self.comm, end - start, params.dtype, codec=codec,
+                                                    tag=f"diloco{p}.", kind=KIND, elastic=True, delay=self.tau))
             self.states.append(OuterStateChannel(self.comm, end - start, params.dtype, tag=f"diloco{p}.", kind=KIND))
         self.comm.ready()
         self._params = params
@@ -329,8 +350,10 @@ class DiLoCo(Algorithm):
         else:
             residual = self.residual[start:end] if self.residual is not None else None
             try:
-                # (restore=False: Δ_p is ours alone and not used again if the sync fails)
-                total = self.rings[p](delta, step, average=False, members=current, residual=residual, restore=False)
+                # (the ring's restore=False: Δ_p is ours alone and not used again if the sync fails;
+                # the all-gather only reads it)
+                keep = {} if self.allgather else {"restore": False}
+                total = self.exchanges[p](delta, step, average=False, members=current, residual=residual, **keep)
                 outcome = _Outcome(anchor.clone(), momentum.clone(), version + 1)
                 self.outer.step(outcome.anchor, total.div_(len(current)), outcome.momentum)
             except CollectiveIncomplete as exc:

@@ -20,7 +20,8 @@ CODEC_HELP = ("codec of every ring hop (each decompresses, sums, recompresses): 
               "fp4 = 4-bit floats E3M0 (sign, 3 exponent bits, scale max|x|), topk = the --topk-fraction largest "
               "entries, sparseloco = the --topk-fraction largest of each 4096-entry chunk in --value-bits bits, "
               "dct-topk = the same of the DCT coefficients of each 256-entry chunk (topk, sparseloco and "
-              "dct-topk: diloco only, which keeps what a codec drops on the node as error feedback)")
+              "dct-topk: diloco only, which keeps what a codec drops on the node as error feedback and exchanges "
+              "them by all-gather, see --sparse-exchange)")
 # codecs that drop most of a tensor: only for algorithms that keep what they drop (error feedback)
 NEEDS_ERROR_FEEDBACK = ("topk", "sparseloco", "dct-topk")
 # --value-bits of sparseloco / dct-topk (32: float32 values); codecs.VALUE_BITS (a test keeps them in step)
