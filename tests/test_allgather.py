@@ -167,3 +167,34 @@ def test_a_member_that_never_sends_fails_the_call_on_the_others_within_the_deadl
         assert rank == n - 1 or 0.5 * deadline < waited < 5 * deadline, waited
         assert torch.equal(mean, rank_ordered_sum(own).div_(n))
         assert torch.equal(residual, vector(rank, numel) - own[rank])
+
+
+def test_a_payload_forged_on_the_way_fails_the_call_where_it_arrives_and_restores_the_residual():
+    """Node 1 forwards node 0's top-k payload with an index out of range: node 2 refuses to decode
+    it (CollectiveIncomplete, its residual as it was) instead of failing the training."""
+    n, numel = 3, 1000
+
+    def body(rank, comm):
+        gather = RingAllGather(comm, numel, codec=codec("topk"), tag="f.")
+        comm.ready()
+        send = comm.send
+
+        def forge(peer, tensor, **header):
+            if header.get("channel") == "f.ag3.0":
+                tensor = tensor.clone()
+                tensor[:4] = 255  # the first int32 index: -1
+            return send(peer, tensor, **header)
+
+        if rank == 1:
+            comm.send = forge
+        residual = torch.full((numel,), 0.25)
+        try:
+            gather(vector(rank, numel), step=0, residual=residual)
+        except CollectiveIncomplete as exc:
+            return str(exc), residual
+        return None, residual
+
+    results = run_cluster(n, body)
+    assert [error is None for error, _ in results] == [True, True, False]
+    assert "payload of node 0 cannot be decoded" in results[2][0]
+    assert torch.equal(results[2][1], torch.full((numel,), 0.25))

@@ -100,8 +100,9 @@ class RingAllGather:
         `deadline`: how long each payload is waited for (default: the link deadline). When the call
         returns, completed or not, the transport no longer reads `tensor`.
 
-        Raises CollectiveIncomplete, with `residual` restored, when a payload misses the deadline
-        or a member is dead (the caller keeps its value for this step; the next call tries again)."""
+        Raises CollectiveIncomplete, with `residual` restored, when a payload misses the deadline,
+        a member is dead, or a payload does not decode (the caller keeps its value for this step;
+        the next call tries again)."""
         import torch
 
         if tensor.numel() != self.numel or tensor.dtype != self.dtype:
@@ -184,7 +185,11 @@ class RingAllGather:
         self.hops.check(acks, circle.next)  # every send delivered before `out` is written (it may view the input)
         for i, rank in enumerate(circle.members):
             payload, codec_id, params = payloads[rank]
-            decoded = own if rank == self.rank and own is not None else self._decode(payload, codec_id, params)
+            try:
+                decoded = own if rank == self.rank and own is not None else self._decode(payload, codec_id, params)
+            except compression.CompressionError as exc:  # forged on the way: every node after it refuses alike
+                raise CollectiveIncomplete(f"node {self.rank}: step-{step} all-gather payload of node {rank} "
+                                           f"cannot be decoded: {exc}") from exc
             if i == 0:
                 out.copy_(decoded)
             else:
