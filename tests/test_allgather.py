@@ -19,7 +19,7 @@ from p2ptrain.settings import NodeConfig
 from p2ptrain.transport import TransportOptions
 from tests.cluster import run_cluster
 from tests.test_allreduce import vector
-from tests.test_diloco import NUMEL, inner, start
+from tests.test_diloco import NUMEL, inner, start, train
 
 FRACTION = 0.05
 
@@ -110,16 +110,60 @@ def test_diloco_over_the_all_gather_matches_its_math_and_every_anchor_has_the_sa
     assert (anchor - start()).abs().max() > 0.1  # it trained
 
 
+def test_streaming_diloco_overlapping_the_all_gather_ends_with_the_same_model_everywhere():
+    """F = 2 fragments, τ = 1: each fragment's all-gather runs on the communication worker during
+    the next inner step; finish() leaves every node with the same model and anchor bits."""
+    n, H, steps = 3, 4, 14
+
+    def body(rank, comm):
+        algo = DiLoCo(comm, inner_steps=H, fragments=2, outer_delay=1, compression="sparseloco",
+                      topk_fraction=FRACTION)
+        history, final = train(algo, rank, steps)
+        return final, algo.anchor.clone(), algo.stats()
+
+    results = run_cluster(n, body)
+    syncs = DiLoCo(Solo(), inner_steps=H, fragments=2, outer_delay=1).fragment_syncs(steps)
+    for final, anchor, stats in results:
+        assert torch.equal(final, results[0][0]) and torch.equal(anchor, results[0][1])
+        assert stats["outer_steps"] == syncs and stats["failed_syncs"] == 0
+    assert (results[0][0] - start()).abs().max() > 0.1
+
+
+def test_diloco_node_that_misses_a_sync_of_the_all_gather_catches_up_with_the_same_bits():
+    """As over the ring (test_diloco): node 2 comes to the sync after step 9 too late, the others
+    all-gather without it, it takes node 0's outer state at the next sync, and all end alike."""
+    n, H, steps = 3, 5, 20
+
+    def body(rank, comm):
+        def pace(step):
+            time.sleep(0.03)
+            if rank == 2 and step == 8:
+                time.sleep(1.5)
+
+        algo = DiLoCo(comm, inner_steps=H, compression="topk", topk_fraction=FRACTION)
+        history, final = train(algo, rank, steps, before_step=pace)
+        return final, algo.anchor.clone(), algo.stats()
+
+    results = run_cluster(n, body, options=TransportOptions(send_timeout=30.0, link_deadline=1.0,
+                                                            probe_timeout=1.0))
+    assert results[2][2]["caught_up"] == 1 and results[2][2]["failed_syncs"] == 1
+    assert all(r[2]["failed_syncs"] == 0 for r in results[:2])
+    assert all(torch.equal(r[0], results[0][0]) and torch.equal(r[1], results[0][1]) for r in results)
+
+
+class Solo:
+    """A one-node Comm: setup() declares nothing a peer would send."""
+
+    rank, world_size, joined = 0, 1, None
+
+    def expect(self, *args, **kwargs):
+        pass
+
+    def ready(self):
+        pass
+
+
 def test_sparse_exchange_option_picks_the_all_gather_for_sparse_codecs_only():
-    class Solo:  # setup() declares nothing that a one-node cluster would send
-        rank, world_size, joined = 0, 1, None
-
-        def expect(self, *args, **kwargs):
-            pass
-
-        def ready(self):
-            pass
-
     def exchange(**kwargs):
         algo = DiLoCo(Solo(), inner_steps=4, **kwargs)
         algo.setup(torch.zeros(8))
