@@ -63,6 +63,7 @@ class Communicator:
             membership.reconcile()
         elif self.world_size > 1:
             membership.wait_for_peers(timeout=self.peer_timeout, require_ready=True)
+            membership.place_by_reachability()  # (private peers behind NATs: no ring neighbours)
 
     def set_step(self, step: int) -> None:
         self.membership.set_step(step)

@@ -345,6 +345,7 @@ class Node:
             **(optimizer.summary() if optimizer is not None else {}),
             "joined": self.config.join,
             "members": list(self.transport.membership.latest.members),
+            "placement": list(self.transport.membership.latest.placed),  # ring / graph order (placement.py)
             "dead_peers": sorted(self.transport.membership.dead()),
             "dropped_shares": int(stats.get("dropped_shares", 0)),
             "ps_in_flight": stats.get("ps_in_flight", 0.0),  # push-sum shares never acknowledged (at the end)

@@ -134,3 +134,30 @@ def test_a_stalled_private_node_and_each_stalled_relay_in_turn_lose_nothing(tmp_
     for sender, receiver in ((3, 4), (4, 3)):
         how = nodes[sender]["paths"][str(receiver)]
         assert how.startswith("via ") and int(how.split()[1]) in (0, 1, 2), how
+
+
+@needs_nat
+@pytest.mark.timeout(240)
+def test_the_issue_s_topology_lays_private_nodes_behind_different_nats_apart(tmp_path):
+    """`launch --netns --nat 3,4/5 --nodes 6`: nodes 3 and 4 behind one router, 5 behind another
+    (the issue's topology). Node 0, the lowest public node, learns every verdict and where each
+    private node's Hellos come from (its router), and proposes a view that lays the ring out with
+    3 and 4 side by side and 5 between public nodes: after the switch no ring hop needs a relay, so
+    the relays carry only what went before it. AllReduce ends bit-identical everywhere."""
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "p2ptrain", "launch", "--netns", "--nat", "3,4/5", "--nodes", "6", "--out", str(out),
+            "--no-live", "--algorithm", "allreduce", "--steps", "60", "--model", "mlp", "--dataset", "synthetic",
+            "--no-metrics"]
+    proc = subprocess.run(argv, cwd=ROOT, env=node_env(), capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, f"launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    report = json.loads((out / "report.json").read_text())
+    nodes = {n["rank"]: n for n in report["nodes"]}
+    assert [nodes[r]["reachability"] for r in range(6)] == ["public"] * 3 + ["private"] * 3
+    placement = nodes[0]["placement"]
+    assert all(n["placement"] == placement for n in nodes.values()) and sorted(placement) == list(range(6))
+    ring = list(zip(placement, placement[1:] + placement[:1]))
+    assert all(not ({a, b} <= {3, 4, 5} and 5 in (a, b)) for a, b in ring), placement  # 5 next to public nodes only
+    relayed = sum(n["forwarded_bytes"] for n in nodes.values())
+    sent = sum(n["bytes_sent"] for n in nodes.values())
+    assert relayed < 0.25 * sent, (relayed, sent)  # (before the switch at step ~8 only)
+    assert len({n["shared_state"]["sha256"] for n in nodes.values()}) == 1

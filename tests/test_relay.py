@@ -129,16 +129,16 @@ def test_route_table_marks_expire_and_candidates():
     assert not table.direct_ok(1)
     now[0] = 30.0
     assert table.direct_ok(1)  # a healed link is tried again
-    table.remember_via(4, 1)
     table.mark_reached(1)
-    assert table.candidates(4) == [1, 2] and table.candidates(1) == [2]
+    assert table.candidates(4) == [2, 1] and table.candidates(1) == [2]
 
 
 def test_relays_go_nearest_first_by_hello_rtt_and_destinations_spread_over_the_equally_near():
     """Node 0 of 64 reached 1-6 directly: 4 and 5 answer Hellos in ~20 ms, 1-3 in ~1 ms (the least
     of the last RTT_SAMPLES counts: one slow Hello does not move a relay), 6 not yet. The near ones
-    come first, in an order of their own per destination, so 57 destinations spread over them
-    (each is first for at least a fifth); the far ones follow by RTT; unmeasured last."""
+    come first, in an order of their own per destination (and per message), so 57 destinations
+    spread over them (each is first for at least a fifth), and so do one pair's messages; the far
+    ones follow by RTT; unmeasured last."""
     table = RouteTable(0, 64)
     for relay in (1, 2, 3, 4, 5, 6):
         table.mark_reached(relay)
@@ -154,6 +154,8 @@ def test_relays_go_nearest_first_by_hello_rtt_and_destinations_spread_over_the_e
         assert table.candidates(destination) == order  # (the same every time)
         firsts[order[0]] += 1
     assert min(firsts[relay] for relay in (1, 2, 3)) >= 57 // 5, firsts
+    by_message = collections.Counter(table.candidates(7, message_id)[0] for message_id in range(300))
+    assert set(by_message) == {1, 2, 3} and min(by_message.values()) >= 60, by_message  # one pair spreads too
     for rtt in (0.0010,) * RTT_SAMPLES:  # the slow Hello ages out of node 4's samples too
         table.note_rtt(4, rtt)
     assert 4 in table.candidates(7)[:4]
@@ -166,9 +168,8 @@ def test_a_relay_whose_hop_timed_out_goes_last_until_retry_after():
     for relay in (1, 2, 3):
         table.mark_reached(relay)
     first, *rest = table.candidates(5)
-    table.remember_via(5, first)
     table.demote(first)
-    assert table.candidates(5) == [*rest, first]  # the sticky relay is forgotten too
+    assert table.candidates(5) == [*rest, first]
     for relay in rest:
         table.demote(relay)
     assert sorted(table.candidates(5)) == [1, 2, 3]  # all demoted: all still tried

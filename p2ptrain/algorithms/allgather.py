@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from p2ptrain import compression
 from p2ptrain.algorithms.base import Comm, Kind, buffer_like
-from p2ptrain.algorithms.collectives import CollectiveIncomplete, RingHops
+from p2ptrain.algorithms.collectives import CollectiveIncomplete, RingHops, ring_order
 
 if TYPE_CHECKING:
     import torch
@@ -114,7 +114,7 @@ class RingAllGather:
             out = torch.empty_like(tensor)
         elif out.numel() != self.numel or out.dtype != self.dtype or out is tensor:
             raise ValueError(f"all-gather output must be another {self.numel} x {self.dtype} tensor")
-        circle = self._circle(members)
+        circle = self._circle(members, step)
         if circle.m == 1:  # alone: nothing is exchanged, so nothing is encoded or lost
             if residual is not None:
                 residual.zero_()
@@ -140,8 +140,8 @@ class RingAllGather:
             self._failed_at = step
             raise
 
-    def _circle(self, members) -> _Circle:
-        members = tuple(range(self.n)) if members is None else tuple(sorted(set(int(m) for m in members)))
+    def _circle(self, members, step: int) -> _Circle:
+        members = tuple(range(self.n)) if members is None else ring_order(members, self.comm.membership.placed(step))
         if self.rank not in members or not all(0 <= m < self.n for m in members):
             raise ValueError(f"members {list(members)} must be ranks of this cluster, node {self.rank} among them")
         return _Circle(members, self.rank)

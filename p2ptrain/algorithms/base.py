@@ -62,6 +62,10 @@ class Members(Protocol):
     def members(self, step: int) -> tuple[int, ...]:
         """The ranks training together at `step` (all of them, unless nodes joined or left)."""
 
+    def placed(self, step: int) -> tuple[int, ...]:
+        """The members at `step` in the order rings and graphs lay them out (rank order, unless the
+        runtime placed private peers apart: transport/membership/placement.py)."""
+
     def switches_at(self, step: int) -> bool:
         """The members at `step` differ from those at step - 1."""
 

@@ -49,12 +49,20 @@ def chunk_bounds(start: int, end: int, chunk_numel: int) -> list[tuple[int, int]
     return [(start + a, start + b) for a, b in segment_bounds(end - start, parts)]
 
 
+def ring_order(members, placed: tuple[int, ...]) -> tuple[int, ...]:
+    """`members` in the order of the step's placement `placed` (Members.placed: private peers
+    behind different NATs are no neighbours), any not in it after them by rank."""
+    members = set(int(m) for m in members)
+    first = [m for m in placed if m in members]
+    return tuple(first + sorted(members.difference(first)))
+
+
 class CollectiveIncomplete(TimeoutError):
     """A collective could not complete (a peer missed the link deadline, refused, or is dead)."""
 
 
 class _Ring:
-    """Who is where on one ring: `members` in rank order, this node at `position`; segment k is
+    """Who is where on one ring: `members` in ring order (ring_order), this node at `position`; segment k is
     flat[bounds[k]], sent as the chunks chunks[k] (absolute [start, end) ranges)."""
 
     def __init__(self, members: tuple[int, ...], rank: int, numel: int, chunk_numel: int = 0):
@@ -106,11 +114,12 @@ class RingAllReduce:
     way, so without a lossy codec the result is bit-identical to the unpipelined ring's.
 
     Re-forming the ring (`elastic=True`): a call may name its `members` (the caller passes itself
-    and `comm.membership.live(...)` peers): the ring is those ranks in rank order, cut into
-    len(members) segments. Channels are then named by ring size and segment, declared for every size
-    up front, so a segment always arrives with its exact size whoever forwards it. Members must agree
-    on the member list: a node with another view waits on channels nobody sends on and the call
-    fails on every node (it never completes on a wrong ring: each segment of an m-ring is one
+    and `comm.membership.live(...)` peers): the ring is those ranks in the step's placement order
+    (ring_order: rank order unless private peers were placed apart), cut into len(members)
+    segments. Channels are then named by ring size and segment, declared for every size up front,
+    so a segment always arrives with its exact size whoever forwards it. Members must agree on the
+    member list: a node with another view waits on channels nobody sends on and the call fails on
+    every node (it never completes on a wrong ring: each segment of an m-ring is one
     channel). A failed call throws away, at the next call, the segments of earlier steps that arrive
     late."""
 
@@ -200,7 +209,7 @@ class RingAllReduce:
             raise ValueError("a residual is kept for sums (average=False) of the declared size only")
         in_place = out is None or out is tensor
         out = tensor if out is None else out
-        ring = self._ring_of(members)
+        ring = self._ring_of(members, step)
         if ring.m == 1:
             if residual is not None:
                 residual.zero_()
@@ -245,10 +254,10 @@ class RingAllReduce:
             log.warning("%s; keeping the local value for this step", exc)
             return tensor
 
-    def _ring_of(self, members) -> _Ring:
+    def _ring_of(self, members, step: int) -> _Ring:
         if members is None:
             return self._full
-        members = tuple(sorted(set(int(m) for m in members)))
+        members = ring_order(members, self.comm.membership.placed(step))
         if members == self._full.members:
             return self._full
         if not self.elastic:

@@ -41,7 +41,7 @@ class DPSGD(Algorithm):
     @classmethod
     def from_options(cls, comm: Comm, options: DPSGDOptions, context: BuildContext) -> "DPSGD":
         build_undirected(context.topology, comm.world_size)  # (a bad name fails here, before any view)
-        return cls(comm, member_graph(context.topology, comm.membership.members))
+        return cls(comm, member_graph(context.topology, comm.membership.placed))
 
     def __init__(self, comm: Comm, graph: UndirectedGraph | MemberGraph):
         if isinstance(graph, UndirectedGraph):

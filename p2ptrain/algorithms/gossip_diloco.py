@@ -65,7 +65,7 @@ class GossipDiLoCo(Algorithm):
 
     @classmethod
     def from_options(cls, comm: Comm, options: GossipDiLoCoOptions, context: BuildContext) -> "GossipDiLoCo":
-        H, members = options.inner_steps, comm.membership.members
+        H, members = options.inner_steps, comm.membership.placed
         # the graph's schedule counts outer steps; who is a member is known by the training step
         # (outer step s runs after training step (s + 1) H - 1)
         graph = member_topology(context.topology, comm.world_size, lambda s: members((s + 1) * H - 1),

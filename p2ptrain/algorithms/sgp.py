@@ -74,7 +74,7 @@ class SGP(Algorithm):
 
     @classmethod
     def from_options(cls, comm: Comm, options: SGPOptions, context: BuildContext) -> "SGP":
-        graph = member_topology(context.topology, comm.world_size, comm.membership.members,
+        graph = member_topology(context.topology, comm.world_size, comm.membership.placed,
                                 peers_per_step=options.peers_per_step, seed=context.seed)
         return cls(comm, graph, overlap=options.overlap, codec=options.share_compression)
 

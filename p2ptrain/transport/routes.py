@@ -18,17 +18,20 @@ DEFAULT_RETRY_AFTER = 30.0
 RELAY_UNREACHABLE = "relay_unreachable"
 # Relays for a peer found unreachable go nearest first, by the round trip of this node's Hellos to
 # them (the least of the last RTT_SAMPLES: a connect or a busy moment only adds). Those within
-# NEAR_FACTOR x the nearest's RTT + NEAR_SLACK count as equally near, and the destinations spread
-# over them (many private nodes do not all land on one relay).
+# NEAR_FACTOR x the nearest's RTT + NEAR_SLACK count as equally near (a Hello through Python gRPC
+# varies by milliseconds on a busy machine; a WAN detour costs tens), and the destinations spread
+# over them: measured on 6 nodes behind two routers, the noise of one Hello each put every relayed
+# pair on one relay at 1.5x + 2 ms, and SGP's step went from 1.6x to 1.8x the all-public one.
 RTT_SAMPLES = 8
-NEAR_FACTOR = 1.5
-NEAR_SLACK = 0.002
+NEAR_FACTOR = 2.0
+NEAR_SLACK = 0.010
 
 
-def spread(sender: int, destination: int, relay: int) -> int:
-    """A relay's place for one (sender, destination) pair: a fixed pseudo-random 32-bit number, the
-    same on every run (a multiply-xorshift mix of the three ranks)."""
-    x = (sender * 0x9E3779B1 + destination * 0x85EBCA77 + relay * 0xC2B2AE3D + 0x27D4EB2F) & 0xFFFFFFFF
+def spread(sender: int, destination: int, relay: int, salt: int = 0) -> int:
+    """A relay's place for one (sender, destination) pair, or one message of it (`salt`: its id):
+    a fixed pseudo-random 32-bit number, the same on every run (a multiply-xorshift mix)."""
+    x = (sender * 0x9E3779B1 + destination * 0x85EBCA77 + relay * 0xC2B2AE3D + salt * 0x165667B1
+         + 0x27D4EB2F) & 0xFFFFFFFF
     for multiplier in (0x7FEB352D, 0x846CA68B):
         x ^= x >> 16
         x = x * multiplier & 0xFFFFFFFF
@@ -59,7 +62,6 @@ class RouteTable:
         self.clock = clock
         self._down_until: dict[int, float] = {}
         self._reached: set[int] = set()
-        self._via: dict[int, int] = {}  # peer -> relay that last delivered to it
         self.private: set[int] = set()  # peers that said they cannot be dialled (reachability.py)
         self._rtts: dict[int, deque[float]] = {}
         self._demoted: dict[int, float] = {}  # relay -> until when it goes last (a hop through it timed out)
@@ -109,15 +111,11 @@ class RouteTable:
         self._down_until.pop(peer, None)
         self._reached.add(peer)
 
-    def remember_via(self, peer: int, relay: int) -> None:
-        self._via[peer] = relay
-
     def demote(self, relay: int) -> None:
         """A hop through `relay` timed out: it may be stalled (or the destination is). It goes last
         among the candidates for `retry_after` seconds, so the next try takes another relay; it is
         not dropped, since all of them time out while the destination itself is stalled."""
         self._demoted[relay] = self.clock() + self.retry_after
-        self._via = {peer: via for peer, via in self._via.items() if via != relay}
 
     def _is_demoted(self, relay: int) -> bool:
         until = self._demoted.get(relay)
@@ -137,15 +135,18 @@ class RouteTable:
             return (2, 0.0) if rtt is None else (0, 0.0) if rtt <= near else (1, rtt)
         return distance
 
-    def candidates(self, peer: int) -> list[int]:
-        """Relays to try for `peer`, best first: the one that worked last, the configured ones,
-        then peers reached directly; never the peer itself, us, or a relay whose link is down."""
-        order = [self._via[peer]] if peer in self._via else []
-        order += list(self.relays or ())
+    def candidates(self, peer: int, message_id: int | None = None) -> list[int]:
+        """Relays to try for `peer`, best first: the configured ones, then peers reached directly,
+        nearest first; never the peer itself, us, or a relay whose link is down or that just timed
+        out (demote). Per message (`message_id` given) the equally near ones take turns, so even
+        one pair's traffic (a ring hop) spreads over them."""
+        order = list(self.relays or ())
         # peers reached directly, the nearest first; among equally near ones in an order of their own
-        # per (sender, destination) pair, so relayed load spreads over them (rendezvous hashing: a
-        # relay that goes away moves only the pairs it carried)
-        order += sorted(sorted(self._reached, key=lambda relay: spread(self.rank, peer, relay)), key=self._distance())
+        # per (sender, destination) pair or message, so relayed load spreads over them (rendezvous
+        # hashing: a relay that goes away moves only the pairs it carried)
+        salt = 0 if message_id is None else message_id
+        order += sorted(sorted(self._reached, key=lambda relay: spread(self.rank, peer, relay, salt)),
+                        key=self._distance())
         configured = set(self.relays or ())
         usable = [r for r in dict.fromkeys(order)  # (a private peer relays only where configured to)
                   if r not in (peer, self.rank) and self.direct_ok(r) and not self.blocked(r)

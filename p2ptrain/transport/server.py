@@ -86,7 +86,7 @@ class PeerService:
         if self.identity is not None:
             await self._deny(context, self.identity.claim_problem(self.identity.grpc_peer(context), request.node_id,
                                                                   "a Hello"))
-        return self.greetings.answer(request)
+        return self.greetings.answer(request, observed_host(context.peer()))
 
     async def settle(self, request: pb.SettleRequest, context) -> pb.SettleReply:
         """Which of these messages from `request.sender` did we deliver? The others are voided."""

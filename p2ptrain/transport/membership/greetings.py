@@ -128,6 +128,7 @@ class Greetings:
         self.refused_evictions: tuple[View, ...] = ()  # views refused for evicting a live peer (newest last)
         self.reachability = pb.REACHABILITY_UNKNOWN  # can peers dial us? (reachability.py; said in Hellos)
         self.peer_reachability: dict[int, int] = {}  # ... each peer's, as its latest Hello or reply said
+        self.seen_from: dict[int, str] = {}  # the host each peer's own Hellos last came from (behind NAT: the NAT's)
         self.vouched: set[int] = set()  # peers that a peer we reached has met (HelloReply.met)
         self.check_reachability = None  # () -> str: Transport's check, run in wait_for_peers once peers answer
         self.reach_out = None  # (peer) -> None: a private node's reverse stream to a peer it reached (Transport)
@@ -340,14 +341,17 @@ class Greetings:
             except SendFailure:
                 continue
 
-    def answer(self, request: pb.HelloRequest) -> pb.HelloReply:
+    def answer(self, request: pb.HelloRequest, observed: str = "") -> pb.HelloReply:
         """Our reply to a peer's Hello (the gRPC service asks on the loop thread): who we are, our
-        step, view and lane, whether we are ready, and whether we consider the caller dead."""
+        step, view and lane, whether we are ready, and whether we consider the caller dead.
+        `observed`: the host the call came from (placement.py groups private peers by it)."""
         me = self.identity
         reason = me.compatibility(request.world_size, request.protocol_version, request.config_fingerprint)
         ready = self.ready
         peer = request.node_id
         known = not reason and 0 <= peer < me.world_size and peer != me.node_id
+        if known and observed:
+            self.seen_from[peer] = observed[:MAX_ADDRESS]
         if known and ready and request.ready:
             # Both sides learn from this one exchange that the other is ready: the caller need not
             # be asked again (it may finish its run and leave before we would ask).
@@ -511,14 +515,14 @@ class Greetings:
             self.liveness.confirmed(peer, since_step=since)
         return reply
 
-    def propose_view(self, members, margin: int, notice: float = 0.0) -> int:
+    def propose_view(self, members, margin: int, notice: float = 0.0, placement: tuple[int, ...] | None = None) -> int:
         """Propose that `members` train together from `margin` steps past the furthest step this
         node knows of any old or new member (and `notice` seconds at this node's pace), or from the
         switch of a view still pending if that comes sooner and at least half the margin ahead, and
         Hello the view to each of them (failures ignored: a node that misses it hears of it in its
         next Hello). A reply from a node already at the switch step means it may have gone past it
         with the old members: propose again further on. Returns the switch step of the latest view
-        (another proposer's, if its view won)."""
+        (another proposer's, if its view won). `placement`: the members' ring order (None: keep)."""
         members = sorted(set(members))
         margin = max(margin, self.pace.steps_in(notice))  # fast steps: `notice` seconds ahead too
         for attempt in range(3):
@@ -532,7 +536,8 @@ class Greetings:
                 # Nodes that never took it (a concurrent proposal's loser, or a node that refused
                 # it: it dropped a node alive there) then hold the same members for every step.
                 switch = pending
-            view = self.loop.call(self.views.propose, members, switch, {m: self.addresses[m] for m in members})
+            view = self.loop.call(self.views.propose, members, switch, {m: self.addresses[m] for m in members},
+                                  placement)
             margin *= 2  # (if a node was past it, the next try goes further)
             request = self.hello_request()  # (it carries the view)
             futures = {peer: self._hello_once(peer, request, 2.0) for peer in targets}

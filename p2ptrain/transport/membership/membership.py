@@ -18,6 +18,7 @@ from typing import Iterable
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.membership.greetings import ClusterSurvey, Greetings, StateAnswers
 from p2ptrain.transport.membership.liveness import Liveness
+from p2ptrain.transport.membership.placement import neighbours_apart, place
 from p2ptrain.transport.membership.views import View, Views
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,10 @@ class Membership:
     def members(self, step: int) -> tuple[int, ...]:
         """The ranks that train together at `step` (the topology or the ring is built over them)."""
         return self.views.members_at(step)
+
+    def placed(self, step: int) -> tuple[int, ...]:
+        """The members at `step` in the order rings and graphs lay them out (placement.py)."""
+        return self.views.placed_at(step)
 
     def switches_at(self, step: int) -> bool:
         """The members change at `step` (a ring re-forms, and first re-synchronizes the model)."""
@@ -214,6 +219,30 @@ class Membership:
         if self.views.latest.switch_step <= self.liveness.step:
             log.warning("node %d: the ring keeps failing; proposing to re-form it", self.rank)
             self.propose(self.views.latest.members)
+
+    def place_by_reachability(self) -> bool:
+        """Lay the members out so that private peers behind different NATs are no ring neighbours
+        (placement.py): proposed once every member's reachability is known, by the lowest-ranked
+        public member alone, and only when it has fewer such neighbours than the order in force.
+        Private peers are grouped by the host their Hellos came from (their NAT's). True if proposed."""
+        greetings = self.greetings
+        latest = self.views.latest
+        said = {m: greetings.peer_reachability.get(m, pb.REACHABILITY_UNKNOWN) for m in latest.members}
+        said[self.rank] = greetings.reachability
+        if pb.REACHABILITY_UNKNOWN in said.values():
+            return False
+        public = [m for m, value in said.items() if value == pb.REACHABILITY_PUBLIC]
+        if not public or min(public) != self.rank:
+            return False
+        nat_of = {m: greetings.seen_from.get(m) or f"node {m}" for m, value in said.items()
+                  if value == pb.REACHABILITY_PRIVATE}
+        order = place(latest.members, nat_of)
+        if neighbours_apart(order, nat_of) >= neighbours_apart(latest.placed, nat_of):
+            return False
+        log.info("node %d: laying the members out as %s (private behind NATs: %s)", self.rank, list(order),
+                 {m: nat_of[m] for m in sorted(nat_of)})
+        greetings.propose_view(latest.members, self.view_margin, self.view_notice, placement=order)
+        return True
 
     def propose(self, members) -> int:
         """Propose that `members` train together from `view_margin` steps past the furthest step

@@ -44,6 +44,12 @@ class View:
     switch_step: int
     members: tuple[int, ...]
     addresses: tuple[str, ...] = ()  # members[i]'s address, "" where the receiver already knows it
+    placement: tuple[int, ...] = ()  # the members in ring / graph order; () = rank order (placement.py)
+
+    @property
+    def placed(self) -> tuple[int, ...]:
+        """The members in the order rings and graphs lay them out."""
+        return self.placement or self.members
 
     @property
     def order(self) -> tuple[int, int]:
@@ -51,7 +57,7 @@ class View:
 
     def to_proto(self) -> pb.View:
         return pb.View(epoch=self.epoch, proposer=self.proposer, switch_step=self.switch_step,
-                       members=list(self.members), addresses=list(self.addresses))
+                       members=list(self.members), addresses=list(self.addresses), placement=list(self.placement))
 
     @classmethod
     def from_proto(cls, message: pb.View, capacity: int) -> "View":
@@ -71,7 +77,11 @@ class View:
                 (message.epoch > 0 and message.switch_step == 0):  # (only the initial view switches at 0)
             raise ValueError(f"view epoch {message.epoch} / switch step {message.switch_step} out of range "
                              f"(1 .. 2^53)")
-        return cls(message.epoch, message.proposer, message.switch_step, members, tuple(message.addresses))
+        placement = tuple(message.placement)
+        if placement and sorted(placement) != list(members):
+            raise ValueError(f"view placement {brief(placement)} is not an order of its members {brief(members)}")
+        return cls(message.epoch, message.proposer, message.switch_step, members, tuple(message.addresses),
+                   placement)
 
 
 class Views:
@@ -95,6 +105,10 @@ class Views:
     def members_at(self, step: int) -> tuple[int, ...]:
         """The members at `step`: those of the latest view that took effect by then."""
         return self.view_at(step).members
+
+    def placed_at(self, step: int) -> tuple[int, ...]:
+        """The members at `step` in the order rings and graphs lay them out."""
+        return self.view_at(step).placed
 
     def view_at(self, step: int) -> View:
         """The view in force at `step`."""
@@ -154,12 +168,22 @@ class Views:
                 return after
         return None
 
-    def propose(self, members, switch_step: int, addresses: dict[int, str] | None = None) -> View:
-        """A new view of this node's (adopted here first): `members` from `switch_step` on."""
+    def propose(self, members, switch_step: int, addresses: dict[int, str] | None = None,
+                placement: tuple[int, ...] | None = None) -> View:
+        """A new view of this node's (adopted here first): `members` from `switch_step` on, laid out
+        by `placement` (None: the latest view's order, newcomers after it)."""
         members = tuple(sorted(set(members)))
         addresses = addresses or {}
+        if placement is None:
+            kept = [m for m in self.latest.placement if m in members]
+            placement = tuple(kept + [m for m in members if m not in kept]) if kept else ()
+        placement = tuple(placement)
+        if placement == members:
+            placement = ()  # (rank order: said by no placement)
+        elif placement and sorted(placement) != list(members):
+            raise ValueError(f"placement {list(placement)} is not an order of the members {list(members)}")
         view = View(self.latest.epoch + 1, self.rank, switch_step, members,
-                    tuple(addresses.get(m, "") for m in members) if addresses else ())
+                    tuple(addresses.get(m, "") for m in members) if addresses else (), placement)
         self.adopt(view)
         return view
 
@@ -176,8 +200,9 @@ class Views:
         kept = tuple(v for v in self._history if v.epoch < view.epoch)
         self._history = kept + (view,)
         self.members_ever = self.members_ever | set(view.members)
-        log.info("node %d: view %d (from node %d): members %s from step %d", self.rank, view.epoch, view.proposer,
-                 list(view.members), view.switch_step)
+        laid_out = f", laid out as {list(view.placement)}" if view.placement else ""
+        log.info("node %d: view %d (from node %d): members %s from step %d%s", self.rank, view.epoch, view.proposer,
+                 list(view.members), view.switch_step, laid_out)
         return True
 
 

@@ -87,7 +87,7 @@ class Router:
             routes.mark_unreachable(peer)
             log.info("node %d: peer %d unreachable directly (%s); relaying for %.0fs", self.rank, peer,
                      describe(failure), routes.retry_after)
-        candidates = routes.candidates(peer)
+        candidates = routes.candidates(peer, header.message_id)
         if failure is None and not candidates:  # down earlier, no relay now: maybe the link healed
             ack = await self._hop((), peer, header, payload, reliable, timeout, wait_for_ready)
             routes.mark_reached(peer)
@@ -111,7 +111,6 @@ class Router:
                 continue
             if ack.status == pb.Ack.STATUS_REJECTED and ack.reason == RELAY_UNREACHABLE and not last:
                 continue  # this relay cannot reach the peer either: nothing delivered, try the next
-            routes.remember_via(peer, via)
             return self._took(peer, via, ack)
         raise failure if failure is not None else SendFailure(FailureKind.UNREACHABLE,
                                                               f"node {self.rank}: no relay to reach {peer}")
