@@ -423,3 +423,51 @@ def test_payload_larger_than_a_scan_is_checked_whole(where):
         else:
             assert (ack.status, ack.reason) == (pb.Ack.STATUS_REJECTED, "non_finite"), ack
             assert pending(t[1]) == 0 and buffered_bytes(t[1]) == 0
+
+
+def test_payload_is_read_into_the_buffer_the_message_views_and_scanned_as_it_arrives(monkeypatch):
+    """One copy and one pass: the lane reads payload bytes straight into the pooled buffer the
+    delivered tensor views (never through Reception.write, gRPC's copy-in), and checks what has
+    arrived for NaN / Inf while the rest is on its way, so deliver() looks only at a tail."""
+    from p2ptrain.transport.inbox import Inbox, Reception
+    from p2ptrain.transport.lane_server import SCAN_BYTES
+
+    def copied(reception, data):
+        raise AssertionError("the lane copied a payload chunk in")
+
+    scans, scanned_at_delivery = [], []
+    scan, deliver = Inbox.scan, Inbox.deliver
+
+    def scanning(inbox, reception):
+        scan(inbox, reception)
+        scans.append(reception.scanned)
+
+    def delivering(inbox, reception):
+        scanned_at_delivery.append(reception.scanned)
+        return deliver(inbox, reception)
+
+    monkeypatch.setattr(Reception, "write", copied)
+    monkeypatch.setattr(Inbox, "scan", scanning)
+    monkeypatch.setattr(Inbox, "deliver", delivering)
+    numel = 3 * SCAN_BYTES // 4 + 5  # three scans and a tail
+    values = torch.arange(numel, dtype=torch.float32) - numel // 2
+    payload = values.numpy().tobytes()
+    with nodes(3, [1]) as t, RawLane(t[1].lane_port) as lane:
+        t[1].expect(KIND, torch.float32, numel, preallocate=1)
+
+        def next_buffer() -> int:  # the pool hands out the buffer released last
+            pool = t[1].inbox.pool
+            buffer = pool.acquire(4 * numel)
+            pool.release(buffer)
+            return buffer.data_ptr()
+
+        pooled = on_loop(t[1], next_buffer)
+        lane.send(encode(header(numel=numel, shape=[numel], payload_bytes=4 * numel)), payload[:2 * SCAN_BYTES])
+        wait_until(lambda: scans, what="a scan of the first part while the rest is not sent yet")
+        lane.send(payload[2 * SCAN_BYTES:])
+        ack = lane.ack()
+        assert ack.status == pb.Ack.STATUS_ACCEPTED, ack
+        (message,) = t[1].take(KIND, 0)
+        assert message.tensor.data_ptr() == pooled and torch.equal(message.tensor, values)
+        assert message.peak == numel // 2
+    assert scans[0] >= SCAN_BYTES and scanned_at_delivery == [max(scans)]

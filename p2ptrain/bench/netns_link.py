@@ -19,8 +19,8 @@ PROBE_PORT = 50061  # both ends listen on it, each at its own namespace's addres
 
 def measure_throughput(cluster: NetnsCluster, src: int, dst: int, size_bytes: int = 4_000_000,
                        reps: int = 4, timeout: float = 120.0) -> dict:
-    """Push a float32 tensor of `size_bytes` from rank `src` to rank `dst` `reps` times, one untimed
-    warm-up push first (drains the tbf bucket, opens the TCP window). A push counts when the
+    """Push a float32 tensor of `size_bytes` from rank `src` to rank `dst` `reps` times, two untimed
+    warm-up pushes first (drain the tbf bucket, open the TCP window). A push counts when the
     receiver has acknowledged the whole tensor, so the figure is payload goodput: with a cap it sits
     a few % under it (headers)."""
     if src == dst or not (0 <= src < cluster.size and 0 <= dst < cluster.size):

@@ -2,9 +2,9 @@
 
 One transfer = one tensor message (a PushTensor stream, or a message on the TCP lane, per the
 data plane) of a float32 tensor, acknowledged once the receiver has the whole tensor in its
-(preallocated, reused) receive buffer. One untimed warm-up transfer comes first
-(it also opens the TCP window and drains a shaped link's token bucket), then ``reps`` timed ones; the
-clock is the sender's and stops at the last acknowledgement, so the figure is payload goodput.
+(preallocated, reused) receive buffer. WARMUP untimed transfers (TCP window, a shaped link's token
+bucket, both receive buffers paged in), the receiver's go, then ``reps`` timed ones; the clock is the
+sender's and stops at the last Ack (payload goodput). CPU counts from the go on each end, as gloo's does.
 
 :func:`bench_p2ptrain` is the loopback case that ``p2ptrain bench transport`` compares with gloo
 and a raw TCP socket; :func:`bench_p2ptrain_between` runs the two ends as commands (``python -m
@@ -28,6 +28,11 @@ from p2ptrain.bench.baselines import TransferResult, check_transfer_args, cpu_se
 SENDER, RECEIVER = 0, 1
 RESULT_NAMES = {"grpc": "grpc", "tcp": "lane"}  # TransferResult.name per data plane ("p2ptrain" for auto)
 STARTUP_GRACE_S = 30.0  # per run, on top of `timeout`: two fresh interpreters importing torch and grpc
+# Untimed transfers: the receiver holds the first until the second is in, so both buffers of its pool (one
+# the consumer holds, one the next message lands in) are paged in before the clock starts, as a raw
+# socket's one buffer is by its warm-up; a fresh 64 MB buffer costs its first message 16k page faults.
+WARMUP = 2
+GO_CHANNEL = "go"  # the receiver's one-element message to the sender: its CPU clock runs, start timing
 
 
 def push_endpoint(rank: int, peers: Sequence[str], size_bytes: int, reps: int, timeout: float,
@@ -35,8 +40,8 @@ def push_endpoint(rank: int, peers: Sequence[str], size_bytes: int, reps: int, t
     """Run one end of the measurement here, listening on ``peers[rank]``; ``peers`` = [sender, receiver].
 
     Returns ``{"seconds": ..., "cpu": ...}`` on the sender (wall time of the ``reps`` timed pushes and
-    the CPU seconds spent meanwhile) and ``{"cpu": ...}`` on the receiver (its CPU seconds, scaled to
-    ``reps`` transfers). Raises if a push is refused or the peer does not show up within ``timeout``.
+    the CPU seconds spent meanwhile) and ``{"cpu": ...}`` on the receiver (its CPU seconds from the go
+    to the last of them). Raises if a push is refused or the peer does not show up within ``timeout``.
     """
     if rank not in (SENDER, RECEIVER) or len(peers) != 2:
         raise ValueError(f"need rank 0 (sender) or 1 (receiver) and two peer addresses, got {rank}, {peers}")
@@ -48,27 +53,36 @@ def push_endpoint(rank: int, peers: Sequence[str], size_bytes: int, reps: int, t
 
     torch.set_num_threads(1)
     numel = size_bytes // 4
-    options = TransportOptions(step_window=reps + 2, send_timeout=timeout, data_plane=data_plane,
+    options = TransportOptions(step_window=WARMUP + reps + 1, send_timeout=timeout, data_plane=data_plane,
                                **({"chunk_bytes": chunk_bytes} if chunk_bytes else {}))
+    kind = pb.MESSAGE_KIND_BENCH
+
+    def accepted(ack: pb.Ack, what: str) -> None:
+        if ack.status != pb.Ack.STATUS_ACCEPTED:
+            raise RuntimeError(f"{what} refused: {ack.reason} {ack.detail}")
+
     with Transport(rank, 2, list(peers), listen=peers[rank], options=options) as transport:
-        transport.expect(pb.MESSAGE_KIND_BENCH, torch.float32, numel, preallocate=2)
-        start_cpu = cpu_seconds()  # the sender may start as soon as we are marked ready
+        transport.expect(kind, torch.float32, numel, preallocate=2)
+        transport.expect(kind, torch.float32, 1, channel=GO_CHANNEL, preallocate=0)
         transport.mark_ready()
         transport.membership.wait_for_peers(timeout, require_ready=True)
         if rank == RECEIVER:  # consume each tensor so its buffer goes back to the pool
-            # Receiving happens on the loop thread, ahead of this one: count the CPU of all
-            # reps + 1 transfers and scale to `reps`.
-            for step in range(reps + 1):
-                transport.recv(pb.MESSAGE_KIND_BENCH, step, [SENDER], timeout=timeout)[0].release()
-            return {"cpu": (cpu_seconds() - start_cpu) * reps / (reps + 1)}
+            held = [transport.recv(kind, step, [SENDER], timeout=timeout)[SENDER] for step in range(WARMUP)]
+            for message in held:
+                message.release()
+            start_cpu = cpu_seconds()
+            go = transport.sender.send(SENDER, torch.zeros(1), kind=kind, step=0, channel=GO_CHANNEL)
+            accepted(go.result(timeout), "go")
+            for step in range(WARMUP, WARMUP + reps):
+                transport.recv(kind, step, [SENDER], timeout=timeout)[SENDER].release()
+            return {"cpu": cpu_seconds() - start_cpu}
         payload = torch.rand(numel, generator=torch.Generator().manual_seed(0))
         start = cpu0 = 0.0
-        for step in range(reps + 1):  # step 0 is the untimed warm-up
-            if step == 1:
+        for step in range(WARMUP + reps):
+            if step == WARMUP:
+                transport.recv(kind, 0, [RECEIVER], timeout=timeout, channel=GO_CHANNEL)[RECEIVER].release()
                 cpu0, start = cpu_seconds(), time.perf_counter()
-            ack = transport.sender.send(RECEIVER, payload, kind=pb.MESSAGE_KIND_BENCH, step=step).result(timeout)
-            if ack.status != pb.Ack.STATUS_ACCEPTED:
-                raise RuntimeError(f"push {step} refused: {ack.reason} {ack.detail}")
+            accepted(transport.sender.send(RECEIVER, payload, kind=kind, step=step).result(timeout), f"push {step}")
         return {"seconds": time.perf_counter() - start, "cpu": cpu_seconds() - cpu0}
 
 

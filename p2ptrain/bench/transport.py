@@ -1,12 +1,13 @@
 """`p2ptrain bench transport`: p2ptrain's two data planes, gRPC streaming (`grpc`) and the TCP lane
 (`lane`), vs gloo send/recv vs a raw TCP socket.
 
-All four move the same float32 payload between two fresh processes on loopback, with one untimed
-warm-up transfer, in one invocation, so the ratios compare like with like on a noisy machine.
-For p2ptrain, one transfer = one tensor message (a PushTensor stream, or a lane message) acknowledged
-after the receiver has the whole tensor in its (preallocated, reused) receive buffer
-(p2ptrain.bench.push, which `python -m p2ptrain.bench.netns_link` runs between two network namespaces).
-CPU is counted on both ends (user + system, all threads) and reported per GB moved.
+All four move the same float32 payload between two fresh processes on loopback, after untimed
+warm-up transfers (one; two for p2ptrain, whose receiver alternates two pooled buffers), in one
+invocation, so the ratios compare like with like on a noisy machine. For p2ptrain, one transfer =
+one tensor message (a PushTensor stream, or a lane message) acknowledged after the receiver has the
+whole tensor in its (preallocated, reused) receive buffer (p2ptrain.bench.push, which `python -m
+p2ptrain.bench.netns_link` runs between two network namespaces). CPU is counted on both ends (user +
+system, all threads) over the timed transfers only, and reported per GB moved.
 """
 from __future__ import annotations
 
