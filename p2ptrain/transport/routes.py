@@ -107,6 +107,10 @@ class RouteTable:
         self._down_until[peer] = self.clock() + self.retry_after
         self._reached.discard(peer)
 
+    def reached(self, peer: int) -> bool:
+        """A direct send (or connect) to `peer` worked, and its link was not found down since."""
+        return peer in self._reached
+
     def mark_reached(self, peer: int) -> None:
         self._down_until.pop(peer, None)
         self._reached.add(peer)

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 IN_FLIGHT_PER_PEER = 8
 DIRECT = -1  # Router.via of a peer reached directly (else the rank of the relay)
 REVERSE = -2  # ... of a private peer reached down the reverse stream it opened (reverse.py)
+PROBE_SECONDS = 5.0  # a background connect to a private peer behind another NAT gives up after this
 
 
 class Router:
@@ -47,6 +48,8 @@ class Router:
         self.metrics = metrics
         self.via: dict[int, int] = {}  # per peer: how its last delivered message went (DIRECT, or a relay's rank)
         self._slots: dict[int, asyncio.Semaphore] = {}  # per peer: direct pushes in flight
+        self._probing: set[int] = set()  # private peers whose direct link is being tried (_probe_direct)
+        self._probes: set[asyncio.Task] = set()
 
     def paths_taken(self) -> dict[int, str]:
         """How each peer was last reached: "direct" or "via K" (the run's report)."""
@@ -71,7 +74,12 @@ class Router:
             return self._took(peer, declared[0],
                               await self._hop(declared, peer, header, payload, reliable, timeout, wait_for_ready))
         failure: SendFailure | None = None
-        if routes.direct_ok(peer):
+        if self._behind_another_nat(peer):
+            # never reached directly (nor down the stream it opened): relay this message, and find
+            # out off its path whether a direct link works (a LAN neighbour), instead of waiting out
+            # a connect that another NAT swallows (seconds, again each retry_after)
+            self._probe_direct(peer)
+        elif routes.direct_ok(peer):
             # Detecting unreachable peers: fail fast on a refused connect when a relay is there to try.
             fast = routes.detects(peer) and bool(routes.candidates(peer))
             try:
@@ -114,6 +122,31 @@ class Router:
             return self._took(peer, via, ack)
         raise failure if failure is not None else SendFailure(FailureKind.UNREACHABLE,
                                                               f"node {self.rank}: no relay to reach {peer}")
+
+    def _behind_another_nat(self, peer: int) -> bool:
+        routes = self.routes
+        return (peer in routes.private and not routes.reached(peer) and peer not in self.relay.reverse_clients
+                and bool(routes.candidates(peer)))
+
+    def _probe_direct(self, peer: int) -> None:
+        """Connect to `peer` directly in the background (at most once per retry_after): reached,
+        it is sent to directly from then on; else its direct link is marked down again."""
+        routes = self.routes
+        if peer in self._probing or not routes.direct_ok(peer):
+            return
+        self._probing.add(peer)
+
+        async def probe() -> None:
+            try:
+                await asyncio.wait_for(self.relay.direct_client(peer).channel.channel_ready(), PROBE_SECONDS)
+                routes.mark_reached(peer)
+                log.info("node %d: private peer %d is reachable directly (a LAN neighbour)", self.rank, peer)
+            except (asyncio.TimeoutError, OSError, RuntimeError):
+                routes.mark_unreachable(peer)
+            finally:
+                self._probing.discard(peer)
+        self._probes.add(task := asyncio.ensure_future(probe()))
+        task.add_done_callback(self._probes.discard)
 
     async def _hop(self, route: tuple[int, ...], peer: int, header: pb.TensorHeader, payload: memoryview,
                    reliable: bool, timeout: float, wait_for_ready: bool) -> pb.Ack:
