@@ -244,6 +244,7 @@ class Transport:
         async def shutdown() -> None:
             for link in self.reverse_links.values():
                 await link.stop()
+            await self.router.close()
             # Private peers reach others through this node (their streams, relays): it stays until
             # they have stopped too (their streams close), at most REVERSE_LINGER seconds.
             lingered = time.monotonic() + REVERSE_LINGER

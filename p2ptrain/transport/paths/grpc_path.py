@@ -288,6 +288,14 @@ class GrpcPath:
         return PeerClient(self.addresses[peer], self.options + [("grpc.use_local_subchannel_pool", 1)],
                           self.chunk_bytes, self.security, sender=self.rank, receiver=peer)
 
+    async def connects(self, peer: int, timeout: float) -> bool:
+        """Whether a direct connection to `peer` opens within `timeout` (the channel, not a call)."""
+        try:
+            await asyncio.wait_for(self.direct_client(peer).channel.channel_ready(), timeout)
+            return True
+        except (asyncio.TimeoutError, grpc.RpcError, grpc.aio.UsageError, OSError):
+            return False
+
     async def push(self, peer: int, header: pb.TensorHeader, payload: memoryview, timeout: float,
                    wait_for_ready: bool = True) -> pb.Ack:
         return await self.client(peer).push(header, payload, timeout, wait_for_ready=wait_for_ready)

@@ -123,6 +123,12 @@ class Router:
         raise failure if failure is not None else SendFailure(FailureKind.UNREACHABLE,
                                                               f"node {self.rank}: no relay to reach {peer}")
 
+    async def close(self) -> None:
+        """Stop the background connects (before the channels close)."""
+        for task in list(self._probes):
+            task.cancel()
+        await asyncio.gather(*self._probes, return_exceptions=True)
+
     def _behind_another_nat(self, peer: int) -> bool:
         routes = self.routes
         return (peer in routes.private and not routes.reached(peer) and peer not in self.relay.reverse_clients
@@ -138,11 +144,11 @@ class Router:
 
         async def probe() -> None:
             try:
-                await asyncio.wait_for(self.relay.direct_client(peer).channel.channel_ready(), PROBE_SECONDS)
-                routes.mark_reached(peer)
-                log.info("node %d: private peer %d is reachable directly (a LAN neighbour)", self.rank, peer)
-            except (asyncio.TimeoutError, OSError, RuntimeError):
-                routes.mark_unreachable(peer)
+                if await self.relay.connects(peer, PROBE_SECONDS):
+                    routes.mark_reached(peer)
+                    log.info("node %d: private peer %d is reachable directly (a LAN neighbour)", self.rank, peer)
+                else:
+                    routes.mark_unreachable(peer)
             finally:
                 self._probing.discard(peer)
         self._probes.add(task := asyncio.ensure_future(probe()))
