@@ -54,16 +54,18 @@ class Communicator:
     def ready(self) -> None:
         """Call after every expect(): this node accepts every message now. A (re)joining node tells
         the live peers it is back and at which step, and stands for membership; a starting one waits
-        until all peers are ready too."""
-        self.transport.mark_ready()
+        until all peers are ready too (the lowest public node first lays the members out, while the
+        others wait for it: placement.py)."""
         membership = self.membership
+        if not membership.joining and self.world_size > 1:
+            membership.lay_out(timeout=self.peer_timeout)
+        self.transport.mark_ready()
         if membership.joining:
             membership.announce_ready()
             membership.wants_in = True  # now that it accepts every message it asks to be a member, if new
             membership.reconcile()
         elif self.world_size > 1:
             membership.wait_for_peers(timeout=self.peer_timeout, require_ready=True)
-            membership.place_by_reachability()  # (private peers behind NATs: no ring neighbours)
 
     def set_step(self, step: int) -> None:
         self.membership.set_step(step)

@@ -60,7 +60,8 @@ class Answers:
         self.count_refusal(rejection.reason)
         duplicate = rejection.reason == "duplicate"
         if not duplicate:
-            log.warning("node %d rejected a message: %s", self.rank, rejection)
+            log.warning("node %d rejected a message%s: %s", self.rank, f" from node {sender}" if sender >= 0 else "",
+                        rejection)
         return self.ack(sender, status=pb.Ack.STATUS_DUPLICATE if duplicate else pb.Ack.STATUS_REJECTED,
                         reason=rejection.reason, detail=rejection.detail, bytes_received=received)
 

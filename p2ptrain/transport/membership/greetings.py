@@ -114,7 +114,7 @@ class Greetings:
         self.incarnation = new_incarnation()  # new at every start and every completed rejoin
         self.resume_step = 0                  # the step a rejoined node resumes at (sent in its Hellos)
         self.ready = False                    # this node accepts tensors (mark_ready)
-        self.ready_peers: set[int] = set()    # peers that told us (in their Hello) they are ready
+        self.ready_peers: set[int] = set()    # peers that told us (in their Hello or reply) they are ready
         self.reached: set[int] = set()        # peers we delivered to: later connect failures fail fast
         self._probing: set[int] = set()
         self._state_requests: list[int] = []  # peers that asked for our model state (Hello want_state)
@@ -130,6 +130,7 @@ class Greetings:
         self.peer_reachability: dict[int, int] = {}  # ... each peer's, as its latest Hello or reply said
         self.seen_from: dict[int, str] = {}  # the host each peer's own Hellos last came from (behind NAT: the NAT's)
         self.vouched: set[int] = set()  # peers that a peer we reached has met (HelloReply.met)
+        self.vouched_ready: set[int] = set()  # ... and knows to be ready (HelloReply.ready_peers)
         self.check_reachability = None  # () -> str: Transport's check, run in wait_for_peers once peers answer
         self.reach_out = None  # (peer) -> None: a private node's reverse stream to a peer it reached (Transport)
 
@@ -301,7 +302,11 @@ class Greetings:
             self._note_reachability(peer, reply.reachability)
             if self.reachability == pb.REACHABILITY_PRIVATE and self.reach_out is not None:
                 self.reach_out(peer)  # (once per peer: the peers waiting for us meet us down it)
+            if reply.ready:
+                self.ready_peers.add(peer)
             self.vouched.update(m for m in reply.met[:self.world_size] if 0 <= m < self.world_size and m != self.rank)
+            self.vouched_ready.update(m for m in reply.ready_peers[:self.world_size]
+                                      if 0 <= m < self.world_size and m != self.rank)
             for other in reply.private_peers[:self.world_size]:  # (second hand: what they said themselves wins)
                 if 0 <= other < self.world_size and other != self.rank and other not in self.peer_reachability:
                     self.routes.note_private(other, True)
@@ -365,7 +370,8 @@ class Greetings:
                              lane_port=self.lane_port, view=self.views.latest.to_proto(),
                              reachability=self.reachability, met=sorted(self.announced),
                              private_peers=sorted(p for p, v in self.peer_reachability.items()
-                                                  if v == pb.REACHABILITY_PRIVATE))
+                                                  if v == pb.REACHABILITY_PRIVATE),
+                             ready_peers=sorted(self.ready_peers))
 
     def on_hello(self, request: pb.HelloRequest) -> str:
         """Membership news from a Hello; returns why a want_state request is refused ("" = served)."""
@@ -591,8 +597,10 @@ class Greetings:
                 check()  # (private: it reaches out now, so the peers waiting for it meet it)
             if self.reachability == pb.REACHABILITY_PRIVATE:
                 # a peer it cannot greet (private too, behind another NAT) counts as met once a
-                # peer it reached has met it: their messages go through that peer
-                waiting -= self.vouched & self.routes.private & cannot_connect
+                # peer it reached has met it (and with require_ready, knows it ready): their
+                # messages go through that peer
+                vouched = self.vouched_ready if require_ready else self.vouched
+                waiting -= vouched & self.routes.private & cannot_connect
             if not waiting:
                 break
             remaining = deadline - time.monotonic()

@@ -12,7 +12,9 @@ concurrent one is made again on top of the winner, and nodes with opposite wishe
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from typing import Iterable
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
@@ -22,6 +24,15 @@ from p2ptrain.transport.membership.placement import neighbours_apart, place
 from p2ptrain.transport.membership.views import View, Views
 
 log = logging.getLogger(__name__)
+
+# A layout is proposed once this node has a pace (a few steps in), to switch this many seconds of
+# steps ahead (a Hello round to every member takes milliseconds): fast steps (DiLoCo's inner ones)
+# would otherwise pass a margin of steps before the view reached every member, and a ring whose
+# members disagree on its order fails until they agree (measured: a 1.1 s stall at the first sync).
+PLACEMENT_NOTICE = 0.1
+PLACEMENT_AFTER = 10  # steps into the run (a pace from the first two steps is no pace)
+PLACEMENT_TRIES = 100  # steps it waits for every member's reachability at most (a peer may never say)
+LAY_OUT_WAIT = 5.0  # seconds the lowest public node waits for every peer's reachability before step 0
 
 
 class Membership:
@@ -45,6 +56,7 @@ class Membership:
         self._leaves_taken: frozenset[tuple[int, int]] = frozenset()  # (leaver, epoch of the view that dropped it)
         self.refused_leaves = 0
         self._rechecked_at = -(2 ** 62)  # the step of the last recheck_if_isolated Hellos
+        self._placing = PLACEMENT_TRIES  # reconciles left to ask place_by_reachability (0: decided)
 
     # Who trains together (views) ------------------------------------------------------------------
     @property
@@ -198,6 +210,10 @@ class Membership:
         target = (latest | into) - out
         if target and target != latest:  # (the last member cannot leave: it trains on)
             self.propose(target)
+        elif self._placing and self.liveness.step >= PLACEMENT_AFTER and self.greetings.pace.steps_in(PLACEMENT_NOTICE):
+            self._placing -= 1  # (once decided, never again: later views keep the layout)
+            if self.place_by_reachability() is not None:
+                self._placing = 0
         return self.views.latest.switch_step
 
     def leave(self) -> None:
@@ -220,17 +236,39 @@ class Membership:
             log.warning("node %d: the ring keeps failing; proposing to re-form it", self.rank)
             self.propose(self.views.latest.members)
 
-    def place_by_reachability(self) -> bool:
+    def lay_out(self, timeout: float) -> None:
+        """Before this node says it is ready (the others wait for that): if it may be the lowest
+        public member, greet every peer, wait (at most LAY_OUT_WAIT seconds) until each has said
+        whether it is public, and propose a layout, so that it is in every view before step 0."""
+        greetings = self.greetings
+        others = greetings.others()
+        if greetings.reachability != pb.REACHABILITY_PUBLIC or any(
+                greetings.peer_reachability.get(m) == pb.REACHABILITY_PUBLIC for m in others if m < self.rank):
+            return
+        greetings.wait_for_peers(timeout)
+        deadline = time.monotonic() + LAY_OUT_WAIT
+        while (decided := self.place_by_reachability()) is None and time.monotonic() < deadline:
+            unknown = [m for m in others if m not in greetings.peer_reachability]
+            futures = [greetings.loop.submit(greetings.hello(peer, 1.0, wait_for_ready=False)) for peer in unknown]
+            for future in futures:
+                with contextlib.suppress(Exception):  # (not up to it yet: asked again)
+                    future.result(5)
+            time.sleep(0.1)
+        if decided is not None:
+            self._placing = 0
+
+    def place_by_reachability(self) -> bool | None:
         """Lay the members out so that private peers behind different NATs are no ring neighbours
         (placement.py): proposed once every member's reachability is known, by the lowest-ranked
         public member alone, and only when it has fewer such neighbours than the order in force.
-        Private peers are grouped by the host their Hellos came from (their NAT's). True if proposed."""
+        Private peers are grouped by the host their Hellos came from (their NAT's). True if proposed,
+        False if there is nothing to propose here, None while a member's reachability is unknown."""
         greetings = self.greetings
         latest = self.views.latest
         said = {m: greetings.peer_reachability.get(m, pb.REACHABILITY_UNKNOWN) for m in latest.members}
         said[self.rank] = greetings.reachability
         if pb.REACHABILITY_UNKNOWN in said.values():
-            return False
+            return None
         public = [m for m, value in said.items() if value == pb.REACHABILITY_PUBLIC]
         if not public or min(public) != self.rank:
             return False
@@ -241,7 +279,8 @@ class Membership:
             return False
         log.info("node %d: laying the members out as %s (private behind NATs: %s)", self.rank, list(order),
                  {m: nat_of[m] for m in sorted(nat_of)})
-        greetings.propose_view(latest.members, self.view_margin, self.view_notice, placement=order)
+        greetings.propose_view(latest.members, self.view_margin, max(self.view_notice, PLACEMENT_NOTICE),
+                               placement=order)
         return True
 
     def propose(self, members) -> int:
