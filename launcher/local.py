@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import Callable, Sequence, TextIO
 
 from launcher.chaos import MIN_ALIVE
 from p2ptrain.addresses import join_address
@@ -280,12 +280,14 @@ def steps_from_args(args: list[str]) -> int | None:
     return None
 
 
-def parameter_server_cluster(workers: int, out: Path, node_args: list[str], *, metrics: bool) -> dict:
+def parameter_server_cluster(workers: int, out: Path, node_args: list[str], *, metrics: bool,
+                             host: str = "127.0.0.1", prefix: Sequence[str] = ()) -> dict:
     """run_local_cluster keyword arguments for one `p2ptrain ps` process (a service) plus `workers`
-    asynchronous `--role worker` nodes pointed at it (GEM and its baselines)."""
+    asynchronous `--role worker` nodes pointed at it (GEM and its baselines). `host` / `prefix`:
+    where it listens and what runs it there (--netns: its own namespace's address and `ip netns exec`)."""
     ps_port, ps_metrics = free_ports(2)
-    address = f"127.0.0.1:{ps_port}"
-    ps_argv = [sys.executable, "-m", "p2ptrain", "ps", "--world-size", str(workers), "--listen", address,
+    address = f"{host}:{ps_port}"
+    ps_argv = [*prefix, sys.executable, "-m", "p2ptrain", "ps", "--world-size", str(workers), "--listen", address,
                "--out", str(out), *node_args]
     if metrics:
         ps_argv += ["--metrics-port", str(ps_metrics)]

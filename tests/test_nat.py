@@ -161,3 +161,21 @@ def test_the_issue_s_topology_lays_private_nodes_behind_different_nats_apart(tmp
     sent = sum(n["bytes_sent"] for n in nodes.values())
     assert relayed < 0.25 * sent, (relayed, sent)  # (before the switch at step ~8 only)
     assert len({n["shared_state"]["sha256"] for n in nodes.values()}) == 1
+
+
+@needs_nat
+@pytest.mark.timeout(240)
+def test_a_parameter_server_trains_workers_behind_nat(tmp_path):
+    """`launch --netns --nat 1/2 --algorithm gem`: the parameter server gets a public namespace of its
+    own, workers 1 and 2 sit behind two routers; workers only dial the server, so GEM runs as on a
+    LAN (every worker done, the model learns)."""
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "p2ptrain", "launch", "--netns", "--nat", "1/2", "--nodes", "3", "--out", str(out),
+            "--no-live", "--algorithm", "gem", "--steps", "60", "--model", "mlp", "--dataset", "synthetic",
+            "--no-metrics"]
+    proc = subprocess.run(argv, cwd=ROOT, env=node_env(), capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, f"launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "4 namespaces" in proc.stderr  # (3 workers and the server)
+    report = json.loads((out / "report.json").read_text())
+    assert [n["steps"] for n in report["nodes"]] == [60, 60, 60]
+    assert report["cluster"]["min_test_accuracy"] > 0.3, report["cluster"]

@@ -54,8 +54,9 @@ def variants(fragments: int, topk_fraction: float) -> dict[str, tuple[str, list[
         "streaming-a0": (f"streaming H=50 F={fragments} tau=1 a=0", [*streaming, "--mixing", "0"]),
         "int8": ("diloco H=50 int8", [*h50, "--compression", "int8"]),
         "int4": ("diloco H=50 int4", [*h50, "--compression", "int4"]),
-        "topk": (f"diloco H=50 topk {topk_fraction:g}", [*h50, "--compression", "topk", "--topk-fraction",
-                                                          str(topk_fraction)]),
+        # (the ring re-sparsifies partial sums hop by hop: the row measured before the all-gather came)
+        "topk": (f"diloco H=50 topk {topk_fraction:g} ring", [*h50, "--compression", "topk", "--topk-fraction",
+                                                               str(topk_fraction), "--sparse-exchange", "ring"]),
         "gossip": ("gossip-diloco H=50 2 peers", gossip),
         "gossip-faults": ("gossip-diloco H=50 2 peers drop=0.2 +stall", gossip),
     }

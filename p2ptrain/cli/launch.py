@@ -43,7 +43,8 @@ def add_parser(subcommands) -> None:
                         help="elastic run: SIGTERM node RANK once the cluster reaches STEP; it hands over its "
                              "push-sum mass and leaves, the others go on (repeatable)")
     launch.add_argument("--netns", action="store_true",
-                        help="run every node in its own Linux network namespace (veth + bridge, own IP); "
+                        help="run every node in its own Linux network namespace (veth + bridge, own IP; a "
+                             "parameter server, --algorithm gem, gets one of its own after the workers'); "
                              "needs root or CAP_NET_ADMIN")
     launch.add_argument("--bandwidth", metavar="RATE",
                         help="with --netns: real per-node cap (tc tbf) on upload and download, e.g. 100mbit "
@@ -211,7 +212,7 @@ def _launch(args: argparse.Namespace, verdicts=None) -> int:
         extra_pki = _certified_nodes(args, slots, server=server, script=bool(script), netns=netns is not None)
     extra_first = {"first": args.nodes} if slots > args.nodes else {}
     extra: dict = {"total_steps": config.steps, "verdicts": verdicts}
-    if server:
+    if server and netns is None:
         from launcher.local import parameter_server_cluster
 
         extra.update(parameter_server_cluster(args.nodes, Path(args.out), node_args, metrics=not args.no_metrics))
@@ -230,10 +231,19 @@ def _launch(args: argparse.Namespace, verdicts=None) -> int:
         netns_errors = (NetnsError, NetnsUnavailable)
     try:
         if netns is not None:
-            with NetnsCluster(slots, stream=sys.stderr, **netns) as namespaces:
+            # a parameter server gets a namespace of its own, after the workers' (public: they dial it)
+            with NetnsCluster(slots + server, stream=sys.stderr, **netns) as namespaces:
+                placed = namespaces.cluster_kwargs()
+                if server:
+                    from launcher.local import parameter_server_cluster
+
+                    extra.update(parameter_server_cluster(args.nodes, Path(args.out), node_args,
+                                                          metrics=not args.no_metrics, host=placed["hosts"][slots],
+                                                          prefix=placed["argv_prefixes"][slots]))
+                placed = {key: value[:slots] for key, value in placed.items()}
                 report = run_local_cluster(slots, Path(args.out), node_args, config=shown,
                                            metrics=not args.no_metrics, live=args.live, timeout=args.timeout,
-                                           faults=faults, **namespaces.cluster_kwargs(), **extra, **extra_first)
+                                           faults=faults, **placed, **extra, **extra_first)
         else:
             report = run_local_cluster(slots, Path(args.out), node_args, config=shown,
                                        metrics=not args.no_metrics, live=args.live, timeout=args.timeout,
@@ -324,8 +334,6 @@ def _netns_options(args: argparse.Namespace, server: bool) -> dict | None:
             raise ConfigError("--bandwidth, --netns-subnet and --nat need --netns (without namespaces, emulate a "
                               "cap with --link bandwidth=RATE)")
         return None
-    if server:
-        raise ConfigError(f"--netns does not run a parameter server (--algorithm {args.algorithm}) yet")
     from launcher.netns import parse_subnet
     from p2ptrain.transport.faults import parse_bandwidth
 
