@@ -589,6 +589,7 @@ class Greetings:
         check_after = min(2, len(waiting))  # peers reached before this node asks whether it is private
         last_problem: dict[int, str] = {}
         cannot_connect: set[int] = set()  # peers whose last Hello failed
+        inflight: dict[int, concurrent.futures.Future] = {}  # Hellos asked and not yet taken
         while waiting:
             if require_ready:
                 waiting -= self.ready_peers  # a peer that said so in its own Hello may be gone by now
@@ -596,20 +597,27 @@ class Greetings:
                 check, self.check_reachability = self.check_reachability, None
                 check()  # (private: it reaches out now, so the peers waiting for it meet it)
             if self.reachability == pb.REACHABILITY_PRIVATE:
-                # a peer it cannot greet (private too, behind another NAT) counts as met once a
-                # peer it reached has met it (and with require_ready, knows it ready): their
-                # messages go through that peer
+                # a private peer (maybe behind another NAT: a Hello to it would wait out its
+                # attempt) counts as met once a peer it reached has met it (and with require_ready,
+                # knows it ready): their messages go through that peer, or directly on one LAN
                 vouched = self.vouched_ready if require_ready else self.vouched
-                waiting -= vouched & self.routes.private & cannot_connect
+                waiting -= vouched & self.routes.private
             if not waiting:
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             attempt = min(remaining, 1.0)  # short attempts: notice peers that announce themselves
-            asked = waiting | (self.reached if self.reachability == pb.REACHABILITY_PRIVATE else set())
-            futures = {peer: self.loop.submit(self.hello(peer, attempt)) for peer in asked}
-            for peer, future in futures.items():
+            private = self.reachability == pb.REACHABILITY_PRIVATE
+            asked = waiting | (self.reached if private else set())
+            for peer in asked:
+                if peer not in inflight:
+                    inflight[peer] = self.loop.submit(self.hello(peer, attempt))
+            for peer in asked:
+                future = inflight[peer]
+                if private and peer in self.routes.private and not future.done():
+                    continue  # (behind another NAT its Hello waits out the attempt: taken when it ends)
+                del inflight[peer]
                 try:
                     reply = future.result(attempt + 5)
                 except FAILED as exc:
