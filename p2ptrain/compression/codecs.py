@@ -249,6 +249,23 @@ class Fp16(Codec):
         return 2 * int(numel)
 
 
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (uint8, < 16) two per byte, the even index in the low nibble."""
+    if q.numel() % 2:
+        q = torch.cat([q, q.new_zeros(1)])
+    return (q[0::2] | (q[1::2] << 4)).contiguous()
+
+
+def _unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """The first `numel` 4-bit codes of `packed` (_pack_nibbles' inverse), as uint8."""
+    return torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1)[:numel]
+
+
+def _check_scale(codec: str, scale: float) -> None:
+    if not math.isfinite(scale) or scale < 0:
+        raise CompressionError(f"{codec}: scale must be finite and >= 0, got {scale}")
+
+
 def _quotient(amax: torch.Tensor, levels: int) -> torch.Tensor:
     """amax / levels, correctly rounded on every device. (CUDA divides by a host scalar as a
     multiplication by its reciprocal, one ulp off for some values: a GPU node would then send a
@@ -280,8 +297,7 @@ class Int8Quantize(Codec):
 
     def decode(self, payload, params, shape, dtype=torch.float32):
         (scale,) = self._check_params(params, self.param_count)
-        if not math.isfinite(scale) or scale < 0:
-            raise CompressionError(f"int8: scale must be finite and >= 0, got {scale}")
+        _check_scale("int8", scale)
         self._check_dtype(dtype)
         numel = _numel(shape)
         q = _reinterpret(payload, torch.int8, numel, self.name)
@@ -349,19 +365,15 @@ class Int4Quantize(Codec):
         scale = _quotient(amax, self.LEVELS)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = flat.div(safe).round_().clamp_(-self.LEVELS, self.LEVELS).add_(8).to(torch.uint8)
-        if q.numel() % 2:
-            q = torch.cat([q, q.new_zeros(1)])
-        packed = q[0::2] | (q[1::2] << 4)
-        return Encoded(self.wire_id, packed.contiguous(), (float(scale),), torch.float32, tuple(tensor.shape))
+        return Encoded(self.wire_id, _pack_nibbles(q), (float(scale),), torch.float32, tuple(tensor.shape))
 
     def decode(self, payload, params, shape, dtype=torch.float32):
         (scale,) = self._check_params(params, self.param_count)
-        if not math.isfinite(scale) or scale < 0:
-            raise CompressionError(f"int4: scale must be finite and >= 0, got {scale}")
+        _check_scale("int4", scale)
         self._check_dtype(dtype)
         numel = _numel(shape)
         packed = _reinterpret(payload, torch.uint8, self.payload_bytes(numel), self.name)
-        q = torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1)[:numel]
+        q = _unpack_nibbles(packed, numel)
         out = q.to(torch.float32).sub_(8).mul_(scale).reshape(tuple(int(d) for d in shape))
         return out if dtype == torch.float32 else out.to(dtype)
 
@@ -714,19 +726,15 @@ class Fp4(Codec):
         code = torch.where(ratio >= 2.0 ** (FP4_MIN_EXPONENT - 1), code, torch.zeros_like(code))
         sign = ((flat < 0) & (code > 0)).to(torch.uint8) << 3
         q = code.to(torch.uint8) | sign
-        if q.numel() % 2:
-            q = torch.cat([q, q.new_zeros(1)])
-        packed = q[0::2] | (q[1::2] << 4)
-        return Encoded(self.wire_id, packed.contiguous(), (float(amax),), torch.float32, tuple(tensor.shape))
+        return Encoded(self.wire_id, _pack_nibbles(q), (float(amax),), torch.float32, tuple(tensor.shape))
 
     def decode(self, payload, params, shape, dtype=torch.float32):
         (scale,) = self._check_params(params, self.param_count)
-        if not math.isfinite(scale) or scale < 0:
-            raise CompressionError(f"fp4: scale must be finite and >= 0, got {scale}")
+        _check_scale("fp4", scale)
         self._check_dtype(dtype)
         numel = _numel(shape)
         packed = _reinterpret(payload, torch.uint8, self.payload_bytes(numel), self.name)
-        q = torch.stack([packed & 15, packed >> 4], dim=1).reshape(-1)[:numel].to(torch.long)
+        q = _unpack_nibbles(packed, numel).to(torch.long)
         magnitudes = torch.tensor([0.0] + [2.0 ** e for e in range(FP4_MIN_EXPONENT, 1)], device=packed.device)
         value = magnitudes[q & 7].mul_(scale)
         out = torch.where(q >= 8, -value, value).reshape(tuple(int(d) for d in shape))
