@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from p2ptrain import compression
 from p2ptrain.algorithms.base import Comm, Kind, buffer_like
-from p2ptrain.algorithms.collectives import CollectiveIncomplete, RingHops, ring_order
+from p2ptrain.algorithms.collectives import CollectiveIncomplete, RingHops, codec_and_dtype, ring_order
 
 if TYPE_CHECKING:
     import torch
@@ -63,12 +63,8 @@ class RingAllGather:
         self.comm = comm
         self.rank, self.n = comm.rank, comm.world_size
         self.numel = numel
-        self.codec = compression.get_codec(codec or "none") if not isinstance(codec, compression.Codec) else codec
-        if dtype is None:
-            import torch  # (here, not at import: the algorithm registry loads without torch)
-
-            dtype = torch.float32
-        self.dtype = dtype
+        self.codec, self.dtype = codec_and_dtype(codec, dtype)
+        dtype = self.dtype
         self.tag, self.kind = tag, kind
         self.hops = RingHops(comm, kind, elastic=True, delay=delay, what="all-gather")
         self._failed_at: int | None = None  # step of the last incomplete call

@@ -49,6 +49,16 @@ def chunk_bounds(start: int, end: int, chunk_numel: int) -> list[tuple[int, int]
     return [(start + a, start + b) for a, b in segment_bounds(end - start, parts)]
 
 
+def codec_and_dtype(codec, dtype):
+    """A ring collective's codec (a Codec, its name, or None: none) and dtype (None: float32)."""
+    codec = codec if isinstance(codec, compression.Codec) else compression.get_codec(codec or "none")
+    if dtype is None:
+        import torch  # (here, not at import: the algorithm registry loads without torch)
+
+        dtype = torch.float32
+    return codec, dtype
+
+
 def ring_order(members, placed: tuple[int, ...]) -> tuple[int, ...]:
     """`members` in the order of the step's placement `placed` (Members.placed: private peers
     behind different NATs are no neighbours), any not in it after them by rank."""
@@ -133,12 +143,8 @@ class RingAllReduce:
         self.hops = RingHops(comm, kind, elastic=elastic, delay=delay)
         self.rank, self.n = comm.rank, comm.world_size
         self.numel = numel
-        self.codec = compression.get_codec(codec or "none") if not isinstance(codec, compression.Codec) else codec
-        if dtype is None:
-            import torch  # (here, not at import: the algorithm registry loads without torch)
-
-            dtype = torch.float32
-        self.dtype = dtype
+        self.codec, self.dtype = codec_and_dtype(codec, dtype)
+        dtype = self.dtype
         self.chunk_numel = chunk_bytes // dtype.itemsize if chunk_bytes > 0 else 0
         self._failed_at: int | None = None  # step of the last incomplete round
         self._backup: torch.Tensor | None = None  # the input, to restore on failure (one buffer, reused)
