@@ -36,6 +36,19 @@ transport.stop()
 """
 
 
+def launch_nat(tmp_path, nat: str, nodes: int, algorithm: str, *flags: str, steps: int = 60, timeout: float = 220):
+    """`p2ptrain launch --netns --nat NAT` of `nodes` nodes (mlp, synthetic data, no metrics); the
+    finished process, its report and the report's nodes by rank (the launch must succeed)."""
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "p2ptrain", "launch", "--netns", "--nat", nat, "--nodes", str(nodes), "--out",
+            str(out), "--no-live", "--algorithm", algorithm, "--steps", str(steps), "--model", "mlp",
+            "--dataset", "synthetic", "--no-metrics", *flags]
+    proc = subprocess.run(argv, cwd=ROOT, env=node_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    report = json.loads((out / "report.json").read_text())
+    return proc, report, {n["rank"]: n for n in report["nodes"]}
+
+
 def test_nat_rules_masquerade_out_and_drop_what_comes_in():
     rules = [" ".join(rule) for rule in netns.nat_rules("eth0", "lan")]
     assert "add rule ip p2pnat postrouting oifname eth0 masquerade" in rules
@@ -90,14 +103,7 @@ def test_sgp_trains_with_a_node_behind_nat_and_no_route_flags(tmp_path):
     """`launch --netns --nat 2`: node 2 sits behind a NAT router. It finds itself private and opens a
     reverse stream to nodes 0 and 1, which send to it down those streams; nobody declares a route.
     Every node finishes, push-sum mass is exact (Σ w = 3) and the report says who reached whom how."""
-    out = tmp_path / "run"
-    argv = [sys.executable, "-m", "p2ptrain", "launch", "--netns", "--nat", "2", "--nodes", "3", "--out", str(out),
-            "--no-live", "--algorithm", "sgp", "--steps", "60", "--model", "mlp", "--dataset", "synthetic",
-            "--no-metrics"]
-    proc = subprocess.run(argv, cwd=ROOT, env=node_env(), capture_output=True, text=True, timeout=220)
-    assert proc.returncode == 0, f"launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    report = json.loads((out / "report.json").read_text())
-    nodes = {n["rank"]: n for n in report["nodes"]}
+    proc, report, nodes = launch_nat(tmp_path, "2", 3, "sgp")
     assert [nodes[r]["reachability"] for r in range(3)] == ["public", "public", "private"]
     assert nodes[0]["paths"]["2"] == nodes[1]["paths"]["2"] == "reverse"
     assert nodes[2]["paths"] == {"0": "direct", "1": "direct"}
@@ -118,18 +124,12 @@ def test_a_stalled_private_node_and_each_stalled_relay_in_turn_lose_nothing(tmp_
     relays for them stalls once: a hop through it times out, the relay goes last and the retry (same
     message id) takes another. Every verdict passes: Σ w exact, and no step of a node that was not
     itself frozen waits longer than the stall bound."""
-    out = tmp_path / "run"
-    argv = [sys.executable, "-m", "p2ptrain", "launch", "--netns", "--nat", "3/4", "--nodes", "5", "--out", str(out),
-            "--no-live", "--algorithm", "sgp", "--overlap", "1", "--steps", "130", "--model", "mlp",
-            "--dataset", "synthetic", "--no-metrics", "--link-deadline", "3",
-            "--stall", "4@20:3", "--stall", "0@45:3", "--stall", "1@70:3", "--stall", "2@95:3"]
-    proc = subprocess.run(argv, cwd=ROOT, env=node_env(), capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, f"launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    report = json.loads((out / "report.json").read_text())
+    _, report, nodes = launch_nat(tmp_path, "3/4", 5, "sgp", "--overlap", "1", "--link-deadline", "3",
+                                  "--stall", "4@20:3", "--stall", "0@45:3", "--stall", "1@70:3", "--stall", "2@95:3",
+                                  steps=130, timeout=280)
     assert [f["rank"] for f in report["faults"] if not f["skipped"]] == [4, 0, 1, 2], report["faults"]
     failed = [v for v in report["verdicts"] if not v["ok"]]
     assert not failed, failed
-    nodes = {n["rank"]: n for n in report["nodes"]}
     assert sum(n["ps_weight"] for n in nodes.values()) == pytest.approx(5.0, abs=1e-9)
     for sender, receiver in ((3, 4), (4, 3)):
         how = nodes[sender]["paths"][str(receiver)]
@@ -144,14 +144,7 @@ def test_the_issue_s_topology_lays_private_nodes_behind_different_nats_apart(tmp
     private node's Hellos come from (its router), and proposes a view that lays the ring out with
     3 and 4 side by side and 5 between public nodes: after the switch no ring hop needs a relay, so
     the relays carry only what went before it. AllReduce ends bit-identical everywhere."""
-    out = tmp_path / "run"
-    argv = [sys.executable, "-m", "p2ptrain", "launch", "--netns", "--nat", "3,4/5", "--nodes", "6", "--out", str(out),
-            "--no-live", "--algorithm", "allreduce", "--steps", "60", "--model", "mlp", "--dataset", "synthetic",
-            "--no-metrics"]
-    proc = subprocess.run(argv, cwd=ROOT, env=node_env(), capture_output=True, text=True, timeout=220)
-    assert proc.returncode == 0, f"launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    report = json.loads((out / "report.json").read_text())
-    nodes = {n["rank"]: n for n in report["nodes"]}
+    _, report, nodes = launch_nat(tmp_path, "3,4/5", 6, "allreduce")
     assert [nodes[r]["reachability"] for r in range(6)] == ["public"] * 3 + ["private"] * 3
     placement = nodes[0]["placement"]
     assert all(n["placement"] == placement for n in nodes.values()) and sorted(placement) == list(range(6))
@@ -169,13 +162,7 @@ def test_a_parameter_server_trains_workers_behind_nat(tmp_path):
     """`launch --netns --nat 1/2 --algorithm gem`: the parameter server gets a public namespace of its
     own, workers 1 and 2 sit behind two routers; workers only dial the server, so GEM runs as on a
     LAN (every worker done, the model learns)."""
-    out = tmp_path / "run"
-    argv = [sys.executable, "-m", "p2ptrain", "launch", "--netns", "--nat", "1/2", "--nodes", "3", "--out", str(out),
-            "--no-live", "--algorithm", "gem", "--steps", "60", "--model", "mlp", "--dataset", "synthetic",
-            "--no-metrics"]
-    proc = subprocess.run(argv, cwd=ROOT, env=node_env(), capture_output=True, text=True, timeout=220)
-    assert proc.returncode == 0, f"launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    proc, report, _ = launch_nat(tmp_path, "1/2", 3, "gem")
     assert "4 namespaces" in proc.stderr  # (3 workers and the server)
-    report = json.loads((out / "report.json").read_text())
     assert [n["steps"] for n in report["nodes"]] == [60, 60, 60]
     assert report["cluster"]["min_test_accuracy"] > 0.3, report["cluster"]
