@@ -194,3 +194,16 @@ def test_under_node_identity_the_calls_down_a_reverse_stream_are_judged_as_the_p
         assert reverse_call(address, pb.ReverseUp(open=pb.ReverseOpen(node_id=1)), credentials=held_by_0) == \
             ([], grpc.StatusCode.PERMISSION_DENIED)
         assert a.grpc.reverse_clients[1] is stream and a.identity.refused == 1
+
+
+def test_a_reset_channel_under_the_reverse_stream_opens_it_again(public_and_private):
+    """When node 0 comes back from the dead, node 1 drops its channel to it (GrpcPath.reset), which
+    cancels the stream running on it: the private node opens a new one on the new channel (before,
+    the cancelled stream ended its keeper and node 0 could never reach node 1 again)."""
+    a, b = public_and_private
+    link, first = b.reverse_links[0], a.grpc.reverse_clients[1]
+    opened = link.opened
+    b.loop.submit(b.grpc.reset(0)).result(10)
+    wait_until(lambda: link.opened > opened and a.grpc.reverse_clients.get(1) not in (None, first), 15,
+               "the stream opened again on a new channel")
+    assert a.loop.submit(a.membership.greetings.hello(1, 5.0, wait_for_ready=False)).result(20).node_id == 1

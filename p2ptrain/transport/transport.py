@@ -211,7 +211,7 @@ class Transport:
         """(On the loop thread.) A Reverse stream to `peer`, kept open from now on."""
         if peer not in self.reverse_links and self.grpc.addresses[peer]:
             greetings = self.membership.greetings
-            link = self.reverse_links[peer] = ReverseLink(self.rank, peer, self.grpc.direct_client(peer),
+            link = self.reverse_links[peer] = ReverseLink(self.rank, peer, lambda: self.grpc.direct_client(peer),
                                                           self.service, lambda: greetings.incarnation,
                                                           certify=lambda: self._certified(peer))
             link.start()

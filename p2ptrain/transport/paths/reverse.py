@@ -235,14 +235,14 @@ class _CallContext:
 
 class ReverseLink:
     """The private side: the Reverse stream this node (`rank`) keeps open to public peer `peer`
-    over `client` (a PeerClient: this node can dial out), answering the calls that come down it
+    over `client()` (the PeerClient of its channel now: this node can dial out), answering the calls that come down it
     with `service` (this node's PeerService). A broken stream is opened again REOPEN_SECONDS later,
     until stop(). `certify`: () -> awaitable of the peer's certificate, checked to name it (None
     when node identity is not in force; raises SecurityError or OSError), fetched before each open."""
 
     def __init__(self, rank: int, peer: int, client, service, incarnation, certify=None):
         self.rank, self.peer = rank, peer
-        self.client = client
+        self.client = client  # () -> the PeerClient to `peer`, asked at each open (a reset replaces it)
         self.service = service
         self.incarnation = incarnation  # () -> this node's incarnation now
         self.certify = certify
@@ -261,26 +261,33 @@ class ReverseLink:
                 await self._task
 
     async def _keep_open(self) -> None:
-        stub = self.client.channel.stream_stream(REVERSE_METHOD, request_serializer=pb.ReverseUp.SerializeToString,
-                                                 response_deserializer=pb.ReverseDown.FromString)
         failures = 0
         while True:
             calls = self.calls
             try:
                 certificate = await self.certify() if self.certify is not None else None
-                await self._serve(stub, _CallContext(certificate))
+                client = self.client()  # (now: the channel is replaced when the peer comes back)
+                stub = client.channel.stream_stream(REVERSE_METHOD, request_serializer=pb.ReverseUp.SerializeToString,
+                                                    response_deserializer=pb.ReverseDown.FromString)
+                await self._serve(stub, client, _CallContext(certificate))
                 why = "it ended"
             except grpc.aio.AioRpcError as exc:
                 why = f"{exc.code().name}: {exc.details()}"
             except (SecurityError, OSError) as exc:  # (not opened: the server is not node `peer`, or is not there)
                 why = str(exc)
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():
+                    raise  # (stop())
+                why = "its channel was closed"  # (a reset channel cancels its calls: open the stream anew)
+            except Exception as exc:  # noqa: BLE001 - whatever ended it, a private node must stay reachable
+                why = f"{type(exc).__name__}: {exc}"
             failures = 0 if self.calls > calls else failures + 1  # (it carried calls: it worked)
             if failures & (failures - 1) == 0:  # (the first failures, then every power of two)
                 log.info("node %d: the reverse stream to node %d broke off (%s); opening it again", self.rank,
                          self.peer, str(why)[:200])
             await asyncio.sleep(min(REOPEN_SECONDS * 2 ** max(0, failures - 1), REOPEN_MAX_SECONDS))
 
-    async def _serve(self, stub, context: _CallContext) -> None:
+    async def _serve(self, stub, client, context: _CallContext) -> None:
         up: asyncio.Queue[pb.ReverseUp | None] = asyncio.Queue()
         up.put_nowait(pb.ReverseUp(open=pb.ReverseOpen(node_id=self.rank, incarnation=self.incarnation())))
 
@@ -288,7 +295,7 @@ class ReverseLink:
             while (frame := await up.get()) is not None:
                 yield frame
 
-        call = stub(frames(), metadata=self.client.metadata(REVERSE_METHOD))
+        call = stub(frames(), metadata=client.metadata(REVERSE_METHOD))
         self.opened += 1
         pushes: dict[int, asyncio.Queue | None] = {}  # per call: its chunks (None: answered, the rest dropped)
         tasks: set[asyncio.Task] = set()
