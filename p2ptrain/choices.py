@@ -16,7 +16,7 @@ DataPlane = Literal["auto", "grpc", "tcp"]  # how tensor payloads travel (transp
 Reachability = Literal["auto", "public", "private"]  # can peers dial this node (transport/reachability.py)
 ModelName = Literal["mlp", "cnn"]
 DatasetName = Literal["synthetic", "mnist", "idx"]  # mnist and idx: MNIST-style IDX files in a folder
-OptimizerName = Literal["sgd", "adamw"]  # the local optimizer `p2ptrain node` builds
+OptimizerName = Literal["sgd", "adamw", "muon"]  # the local (inner) optimizer `p2ptrain node` builds
 
 ROLE_NAMES: tuple[str, ...] = get_args(Role)
 DEVICE_NAMES: tuple[str, ...] = get_args(Device)

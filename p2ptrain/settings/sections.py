@@ -206,12 +206,13 @@ class TrainingSettings:
     model: ModelName = setting("mlp", "model (default {default})")
     hidden: int = setting(128, "MLP hidden width (default {default})")
     optimizer: OptimizerName | None = setting(
-        None, "local optimizer of the built-in training: sgd (with --momentum) or adamw (default: the algorithm's, "
-              "sgd for the per-step algorithms)")
+        None, "local (DiLoCo: inner) optimizer of the built-in training: sgd (with --momentum), adamw, or muon "
+              "(Muon for the hidden matrices, AdamW for the rest, as MuLoCo; adamw's learning rate) (default: the "
+              "algorithm's, sgd for the per-step algorithms)", flags=("--optimizer", "--inner-optimizer"))
     lr: float | None = setting(None, "learning rate")  # None: the model's and optimizer's default (DEFAULT_LR)
     momentum: float = setting(0.9, "SGD momentum; for ps workers GEM's μ and the proxy's momentum "
                                    "(default {default})")
-    weight_decay: float = setting(0.0, "SGD weight decay (default {default})")
+    weight_decay: float = setting(0.0, "weight decay of the local optimizer (default {default})")
     seed: int = setting(0, "seed of model init, data and shards (default {default})")
     device: Device = setting("auto", "auto = cuda when available, else cpu (default {default})")
     threads: int = setting(1, "torch threads per node process (default {default})")
@@ -235,7 +236,7 @@ class TrainingSettings:
     def learning_rate(self) -> float:
         if self.lr is not None:
             return self.lr
-        return (DEFAULT_ADAMW_LR if self.resolved_optimizer == "adamw" else DEFAULT_LR)[self.model]
+        return (DEFAULT_LR if self.resolved_optimizer == "sgd" else DEFAULT_ADAMW_LR)[self.model]
 
     def validate(self) -> None:
         need(self.algorithm in registry.names(),

@@ -8,8 +8,8 @@ models and equal mean gradients still move apart for good if the optimizers' mom
 state too at the switch makes the members bit-identical from then on, as torchft heals with the
 optimizer state as well as the model.
 
-State an optimizer creates lazily is materialized as its first step would (zeros, step 0);
-optimizers other than SGD, Adam and AdamW are left alone (`of` returns None).
+State is materialized as a first step would (zeros, step 0); optimizers other than SGD, Adam,
+AdamW and MuonWithAdamW (train/muon.py) are left alone (`of` returns None).
 """
 from __future__ import annotations
 
@@ -30,11 +30,13 @@ class OptimizerStateVector:
 
     @classmethod
     def of(cls, optimizer: torch.optim.Optimizer) -> "OptimizerStateVector | None":
-        """The state vector of an SGD (with momentum), Adam or AdamW optimizer; None otherwise (or
-        when it holds no state worth averaging, e.g. plain SGD)."""
+        """The state vector of an SGD (with momentum), Adam, AdamW or MuonWithAdamW optimizer; None
+        otherwise (or when it holds no state worth averaging, e.g. plain SGD)."""
         layout: list[tuple[torch.Tensor, str, bool]] = []
         for group in optimizer.param_groups:
-            if isinstance(optimizer, _ADAM):
+            if group.get("use_muon"):
+                keys = [("momentum_buffer", True)]
+            elif isinstance(optimizer, _ADAM) or group.get("use_muon") is False:
                 keys = [("step", False), ("exp_avg", True), ("exp_avg_sq", True)]
                 keys += [("max_exp_avg_sq", True)] if group.get("amsgrad") else []
             elif type(optimizer) is torch.optim.SGD and group.get("momentum", 0):

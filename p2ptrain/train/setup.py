@@ -11,6 +11,7 @@ from p2ptrain.train.data import build_dataset, node_shard
 from p2ptrain.train.device import pick_device
 from p2ptrain.train.member_shards import MemberShards
 from p2ptrain.train.models import build_model
+from p2ptrain.train.muon import MuonWithAdamW
 
 
 def training_setup(config, members: Callable[[], Sequence[int]] | None = None):
@@ -47,21 +48,27 @@ def training_setup(config, members: Callable[[], Sequence[int]] | None = None):
     return loader, test_loader, model, device
 
 
-def _sgd(config, params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=config.learning_rate, momentum=config.momentum, weight_decay=config.weight_decay)
+def _sgd(config, model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=config.learning_rate, momentum=config.momentum,
+                           weight_decay=config.weight_decay)
 
 
-def _adamw(config, params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=config.weight_decay)
+def _adamw(config, model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+
+
+def _muon(config, model: torch.nn.Module) -> torch.optim.Optimizer:
+    return MuonWithAdamW(model, lr=config.learning_rate, weight_decay=config.weight_decay)
 
 
 # One builder per p2ptrain.choices.OPTIMIZER_NAMES (tests/test_settings.py keeps the two in step).
-OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"sgd": _sgd, "adamw": _adamw}
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {"sgd": _sgd, "adamw": _adamw, "muon": _muon}
 
 
 def build_optimizer(config, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """The local optimizer of the built-in training, from the settings (sgd: with momentum)."""
-    return OPTIMIZERS[config.resolved_optimizer](config, model.parameters())
+    """The local optimizer of the built-in training, from the settings (sgd: with momentum; muon:
+    Muon for the hidden matrices, AdamW for the rest)."""
+    return OPTIMIZERS[config.resolved_optimizer](config, model)
 
 
 def initial_model(config) -> torch.nn.Module:
