@@ -13,8 +13,9 @@ and the same model trained in one process with the same total batch (4 x 16), fo
 
     python examples/char_lm.py --single --nodes 4 --steps 400 --batch-size 16
 
-Settings (--steps, --batch-size, --lr, --seed) come from the launcher; the model's own options are this
-script's arguments (`-- python examples/char_lm.py --width 128`). The three p2ptrain lines are marked.
+Settings (--steps, --batch-size, --lr, --seed, --inner-optimizer muon) come from the launcher; the
+model's own options are this script's arguments (`-- python examples/char_lm.py --width 128`). The
+three p2ptrain lines are marked.
 """
 from __future__ import annotations
 
@@ -100,6 +101,19 @@ def validation_loss(model: nn.Module, val_inputs: torch.Tensor, val_targets: tor
     return loss / math.ceil(len(val_inputs) / 64)
 
 
+def inner_optimizer(model: nn.Module, lr: float, name: str | None) -> torch.optim.Optimizer:
+    """AdamW (weight decay on matrices only), or with `name` "muon" Muon on the hidden matrices and
+    AdamW on embeddings, positions, head, biases and norms (launch's --inner-optimizer muon)."""
+    if name == "muon":
+        from p2ptrain.train.muon import MuonWithAdamW
+
+        return MuonWithAdamW(model, lr=lr, weight_decay=0.1, betas=(0.9, 0.95), exclude=["position"])
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n != "position"]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or n == "position"]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95))
+
+
 def train(args: argparse.Namespace, steps: int, batch_size: int, lr: float, seed: int, *, rank: int = 0,
           world_size: int = 1, node=None) -> float:
     """Train for `steps` steps on this rank's slice; return the final validation loss. With `node`,
@@ -116,10 +130,7 @@ def train(args: argparse.Namespace, steps: int, batch_size: int, lr: float, seed
 
     torch.manual_seed(seed)  # the same initial model on every node
     model = CharTransformer(args.context, args.width, args.layers, args.heads)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n != "position"]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or n == "position"]
-    inner = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                              lr=lr, betas=(0.9, 0.95))
+    inner = inner_optimizer(model, lr, node.config.optimizer if node is not None else args.optimizer)
     opt = inner if node is None else p2ptrain.DecentralizedOptimizer(inner, model=model, node=node)  # p2ptrain 2/3
     start = opt.local_step if node is not None else 0  # a node restarted by the launcher rejoins at a peer's step
     factor = warmup_cosine(max(1, steps // 10), steps)
@@ -160,6 +171,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=100, help="validation every this many steps")
     parser.add_argument("--val-windows", type=int, default=256, help="held-out windows scored (default 256)")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3; launch's --lr wins)")
+    parser.add_argument("--optimizer", choices=("adamw", "muon"), default=None,
+                        help="--single's optimizer (default adamw; under launch, its --inner-optimizer)")
     single = parser.add_argument_group("one process, no p2ptrain (the comparison run)")
     single.add_argument("--single", action="store_true", help="train alone with --nodes x --batch-size per step")
     single.add_argument("--nodes", type=int, default=4)

@@ -103,7 +103,7 @@ def test_flags_build_diloco_with_adamw_and_refuse_what_does_not_apply():
                                                         outer_delay=2, compression="int4")).validate()
     options = config.algorithm_options
     assert (options.inner_steps, options.fragments, options.outer_delay, options.compression) == (20, 4, 2, "int4")
-    assert (options.outer_lr, options.outer_momentum, options.mixing, options.mixing_at_sync) == (0.7, 0.9, 0.5, False)
+    assert (options.outer_lr, options.momentum, options.mixing, options.mixing_at_sync) == (0.7, 0.9, 0.5, False)
     mixing = NodeConfig.from_sources(env={"P2PTRAIN_MIXING_AT_SYNC": "true"},
                                      flags=dict(algorithm="diloco", inner_steps=20)).validate()
     assert mixing.algorithm_options.mixing_at_sync is True and mixing.fingerprint() != NodeConfig.from_sources(
@@ -401,6 +401,45 @@ def test_compressed_diloco_loses_nothing_it_does_not_keep(codec):
     kept = sum(r[2] for r in results)
     assert kept.abs().max() > 0.01 * sent.abs().max()  # the codec really dropped something ...
     torch.testing.assert_close(n * moved + kept, sent, atol=1e-4, rtol=0)  # ... and kept all of it
+
+
+def test_sparseloco_error_feedback_decays_and_replaces_the_outer_momentum():
+    """SparseLoCo's rule, exactly: e_i <- β e_i + Δ_i, c_i = C(e_i), e_i <- e_i - c_i, θ <- θ - lr
+    mean_i c_i (no momentum). Checked sync by sync against each node's own residuals; and the
+    options resolve to it for compression sparseloco (explicit flags win, others keep β = 1, μ = 0.9)."""
+    n, H, steps, beta = 3, 4, 16, 0.9
+
+    def body(rank, comm):
+        algo = DiLoCo(comm, inner_steps=H, compression="sparseloco", topk_fraction=0.1, outer_lr=1.0,
+                      outer_momentum=0.0, error_decay=beta)
+        x = algo.setup(start())
+        syncs = []
+        for step in range(steps):
+            x = inner(rank, step, x)
+            if algo.due(step) is not None:
+                before, residual = algo.anchor.clone(), algo.residual.clone()
+                sent = beta * residual + (before - x)
+                x = algo.after_step(step, x)
+                syncs.append((sent - algo.residual, before - algo.anchor))
+            else:
+                x = algo.after_step(step, x)
+        return syncs
+
+    results = run_cluster(n, body)
+    for t in range(steps // H):
+        transmitted = sum(r[t][0] for r in results) / n
+        assert all(torch.equal(r[t][1], results[0][t][1]) for r in results)
+        torch.testing.assert_close(results[0][t][1], transmitted, atol=1e-5, rtol=0)
+        assert torch.count_nonzero(results[0][t][1]) <= n * 0.1 * NUMEL + n  # sparse: what the nodes sent
+    sparse = DiLoCoOptions(inner_steps=10, compression="sparseloco")
+    assert (sparse.momentum, sparse.decay) == (0.0, 0.95)
+    assert (DiLoCoOptions(inner_steps=10, compression="sparseloco", outer_momentum=0.5, error_decay=1.0).momentum,
+            DiLoCoOptions(inner_steps=10, compression="sparseloco", error_decay=1.0).decay) == (0.5, 1.0)
+    dense = DiLoCoOptions(inner_steps=10, compression="int4")
+    assert (dense.momentum, dense.decay) == (0.9, 1.0)
+    assert DiLoCoOptions(inner_steps=10, compression="sparseloco").outer_settings()["outer_momentum"] == 0.0
+    with pytest.raises(ValueError, match="error_decay"):
+        DiLoCoOptions(inner_steps=10, error_decay=0.0).validate(None)
 
 
 # -- faults -------------------------------------------------------------------------------------------

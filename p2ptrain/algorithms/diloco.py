@@ -53,6 +53,20 @@ class DiLoCoOptions(OuterOptions):
                                                "feedback keeps only its own loss); ring = the ring all-reduce, "
                                                "which decodes, sums and re-encodes at every hop; the other codecs "
                                                "always take the ring", choices=SPARSE_EXCHANGES)
+    error_decay: float | None = option(None, "β of the error feedback e <- β e + Δ that a codec's losses go "
+                                             "to (default 1: what a codec drops is only delayed; with compression "
+                                             "sparseloco 0.95, SparseLoCo's accumulator, which replaces the outer "
+                                             "momentum)", metavar="BETA")
+
+    def default_momentum(self) -> float:
+        return 0.0 if self.compression == "sparseloco" else 0.9
+
+    @property
+    def decay(self) -> float:
+        """The error feedback's β in force: the option, or SparseLoCo's 0.95 with its codec, else 1."""
+        if self.error_decay is not None:
+            return self.error_decay
+        return 0.95 if self.compression == "sparseloco" else 1.0
 
     def bounded_delay(self) -> int:
         """A node waits at every fragment's sync (or τ steps after it) for the others."""
@@ -68,11 +82,13 @@ class DiLoCoOptions(OuterOptions):
                              f"got {self.outer_delay}")
         if not 0 <= self.mixing < 1:
             raise ValueError(f"mixing α must be in [0, 1), got {self.mixing}")
-        if self.outer_delay == self.inner_steps and self.outer_momentum:
+        if not 0 < self.decay <= 1:
+            raise ValueError(f"error_decay β must be in (0, 1], got {self.error_decay}")
+        if self.outer_delay == self.inner_steps and self.momentum:
             # measured on the synthetic task: 0.34 accuracy with μ = 0.9, 0.90 with μ = 0 (blocking: 0.915)
             raise ValueError(f"outer_delay τ = H = {self.inner_steps} applies every outer gradient one outer step "
                              f"late, and outer momentum on it diverges: set outer_momentum 0 (got "
-                             f"{self.outer_momentum}) or τ < H")
+                             f"{self.momentum}) or τ < H")
 
 
 @dataclass
@@ -118,16 +134,17 @@ class DiLoCo(Algorithm):
     def from_options(cls, comm: Comm, options: DiLoCoOptions, context: BuildContext) -> "DiLoCo":
         return cls(comm, **options.outer_settings(), fragments=options.fragments, outer_delay=options.outer_delay,
                    mixing=options.mixing, mixing_at_sync=options.mixing_at_sync,
-                   sparse_exchange=options.sparse_exchange)
+                   sparse_exchange=options.sparse_exchange, error_decay=options.decay)
 
     def __init__(self, comm: Comm, *, inner_steps: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  compression: str = "none", topk_fraction: float = 0.01, value_bits: int = 2, fragments: int = 1,
                  outer_delay: int = 0,
-                 mixing: float = 0.5, mixing_at_sync: bool = False, sparse_exchange: str = "allgather"):
+                 mixing: float = 0.5, mixing_at_sync: bool = False, sparse_exchange: str = "allgather",
+                 error_decay: float = 1.0):
         DiLoCoOptions(inner_steps=inner_steps, outer_lr=outer_lr, outer_momentum=outer_momentum,
                       compression=compression, topk_fraction=topk_fraction, value_bits=value_bits, fragments=fragments,
                       outer_delay=outer_delay, mixing=mixing, mixing_at_sync=mixing_at_sync,
-                      sparse_exchange=sparse_exchange).validate(None)
+                      sparse_exchange=sparse_exchange, error_decay=error_decay).validate(None)
         self.comm = comm
         self.rank = comm.rank
         self.H, self.F, self.tau, self.alpha = inner_steps, fragments, outer_delay, mixing
@@ -135,6 +152,7 @@ class DiLoCo(Algorithm):
         self.period = inner_steps // fragments  # a fragment is synced every `period` steps, in turn
         self.outer = OuterNesterov(outer_lr, outer_momentum)
         self.codec_name, self.topk_fraction, self.value_bits = compression, topk_fraction, value_bits
+        self.error_decay = error_decay
         # each node's own payload, all-gathered, where a codec's output cannot be summed hop by hop
         self.allgather = sparse_exchange == "allgather" and compression in NEEDS_ERROR_FEEDBACK
         self.anchor: torch.Tensor | None = None     # θ, the outer parameters
@@ -292,11 +310,12 @@ class DiLoCo(Algorithm):
 
     # One fragment's outer step ------------------------------------------------------------------
     def _pseudo_gradient(self, p: int, params: torch.Tensor) -> torch.Tensor:
-        """Δ_p = θ_p - θ_{i,p}, plus what earlier compressions of this fragment lost."""
+        """Δ_p = θ_p - θ_{i,p}, plus what earlier compressions of this fragment lost, decayed by β
+        (SparseLoCo's e <- β e + Δ; β = 1 by default, then nothing is lost)."""
         start, end = self.bounds[p]
         delta = self.anchor[start:end] - params[start:end]
         if self.residual is not None:
-            delta.add_(self.residual[start:end])
+            delta.add_(self.residual[start:end], alpha=self.error_decay)
         return delta
 
     def _sync(self, p: int, delta: torch.Tensor, step: int) -> _Outcome:

@@ -32,7 +32,9 @@ class OuterOptions(AlgorithmOptions):
 
     inner_steps: int = option(50, "H: local steps of the inner optimizer (AdamW) between outer steps", metavar="H")
     outer_lr: float = option(0.7, "learning rate of the outer Nesterov SGD on the pseudo-gradient")
-    outer_momentum: float = option(0.9, "momentum of the outer Nesterov SGD")
+    outer_momentum: float | None = option(None, "momentum of the outer Nesterov SGD (default 0.9; diloco with "
+                                                "compression sparseloco: 0, its decaying error feedback takes "
+                                                "the momentum's place, see --error-decay)")
     compression: str = option("none", CODEC_HELP, choices=CODEC_NAMES)
     topk_fraction: float = option(0.01, "compression topk: the fraction of entries kept (what it drops stays "
                                         "on the node as error feedback); sparseloco / dct-topk: of each chunk",
@@ -44,13 +46,21 @@ class OuterOptions(AlgorithmOptions):
         """Between outer steps nodes hear nothing from each other: a fast one may be H steps ahead."""
         return self.inner_steps
 
+    def default_momentum(self) -> float:
+        return 0.9
+
+    @property
+    def momentum(self) -> float:
+        """The outer momentum in force: the option, or the variant's default."""
+        return self.default_momentum() if self.outer_momentum is None else self.outer_momentum
+
     def validate(self, settings) -> None:
         super().validate(settings)
         if self.inner_steps < 1:
             raise ValueError(f"inner_steps H must be >= 1, got {self.inner_steps}")
         if not self.outer_lr > 0:
             raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
-        if not 0 <= self.outer_momentum < 1:
+        if not 0 <= self.momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if not 0 < self.topk_fraction <= 1:
             raise ValueError(f"topk_fraction must be in (0, 1], got {self.topk_fraction}")
@@ -62,8 +72,9 @@ class OuterOptions(AlgorithmOptions):
                              f"step_window ({settings.step_window}): raise --step-window")
 
     def outer_settings(self) -> dict:
-        """The shared options as keyword arguments of the algorithms' constructors."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(OuterOptions)}
+        """The shared options as keyword arguments of the algorithms' constructors (defaults resolved)."""
+        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(OuterOptions)},
+                "outer_momentum": self.momentum}
 
 
 class OuterNesterov:

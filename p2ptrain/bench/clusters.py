@@ -34,12 +34,14 @@ class VariantResult:
 
 def run_variant(name: str, nodes: int, steps: int, node_args: list[str], out_dir: Path, *,
                 timeout: float | None = None, keep: bool = True, echo=None,
-                parameter_server: bool = False, stalls: list[str] = ()) -> VariantResult:
+                parameter_server: bool = False, stalls: list[str] = (), script: list[str] = ()) -> VariantResult:
     """Run one cluster; a failed run comes back with `error` set rather than aborting the sweep.
     With `parameter_server` the nodes are asynchronous workers around one `p2ptrain ps`, and the
-    test accuracy is that of the server's final θ. `stalls`: `launch --stall RANK@STEP:SECONDS`."""
+    test accuracy is that of the server's final θ. `stalls`: `launch --stall RANK@STEP:SECONDS`.
+    `script`: run this training script of your own per rank (`launch -- SCRIPT`), the node flags
+    handed to it as P2PTRAIN_<SETTING> variables."""
     from launcher import run_local_cluster
-    from launcher.local import ClusterError, fault_plan, parameter_server_cluster
+    from launcher.local import ClusterError, fault_plan, parameter_server_cluster, script_cluster
 
     run_dir = variant_dir(out_dir, name)
     if run_dir.exists():
@@ -47,6 +49,13 @@ def run_variant(name: str, nodes: int, steps: int, node_args: list[str], out_dir
     args = ["--steps", str(steps), *node_args]
     log = io.StringIO()
     extra = parameter_server_cluster(nodes, run_dir, args, metrics=False) if parameter_server else {}
+    if script:
+        from p2ptrain.cli import build_parser
+        from p2ptrain.cli.flags import flags_from_args
+        from p2ptrain.settings import env_variables
+
+        extra.update(script_cluster(list(script), env_variables(flags_from_args(build_parser().parse_args(
+            ["node", *args])))))
     if stalls:
         extra["faults"] = fault_plan([], [], nodes, list(stalls))
     try:

@@ -1,14 +1,15 @@
-"""`p2ptrain reproduce diloco`: issue 15's WAN comparison at a size that runs here in minutes.
+"""`p2ptrain reproduce diloco`: issue 15's WAN comparison, and issue 26's on a language model.
 
-The synthetic task with the MLP on 8 node processes whose links are emulated at 100 Mbit/s with
-50 ms latency (`--link bandwidth=100mbit,latency=50ms`): AllReduce every step against DiLoCo
-(H = 10, 50, 100, and mixing at sync), Streaming DiLoCo (F fragments, τ = 1), DiLoCo with int8 /
-int4 / top-k pseudo-gradients and gossip-DiLoCo (also with 20% of messages dropped and one node
-frozen). The table holds the final validation loss and accuracy (mean over nodes, worst node), MB
-sent per node and per sync, wall-clock seconds, bytes relative to AllReduce and the seconds a
-variant took to reach AllReduce's final accuracy; OUT/diloco.png plots validation loss against
-wall-clock time. Ratios are against runs of the same invocation; the targets of the issue are
-checked and printed with their numbers.
+8 node processes whose links are emulated at 100 Mbit/s with 50 ms latency. `--task synthetic`
+(the fast variant): the MLP on the synthetic task, AllReduce every step against DiLoCo (H = 10, 50,
+100, mixing at sync), Streaming DiLoCo, int8 / int4 / top-k pseudo-gradients and gossip-DiLoCo (also
+with drops and a frozen node). `--task char-lm`: examples/char_lm.py's byte-level Transformer on
+standard-library text, AllReduce against DiLoCo H = 50 in fp32, int8, int4, FP4, top-k 1% (ring and
+all-gather), SparseLoCo (also with drops and a frozen node), DCT-top-k, Muon inside with 2-bit
+values and gossip-DiLoCo. The table holds validation loss (and accuracy or
+perplexity), MB sent per node and per sync, wall-clock seconds, bytes relative to AllReduce and the
+seconds a variant took to reach AllReduce's final quality; OUT/diloco[-char-lm].png plots validation
+loss against wall-clock time; the issues' targets are printed PASS/MISS with their numbers.
 """
 from __future__ import annotations
 
@@ -26,6 +27,12 @@ LINK = "bandwidth=100mbit,latency=50ms"
 FRAGMENTS = 5
 TOPK_FRACTION = 0.1
 STALL = "3@60:8"
+TASKS = ("synthetic", "char-lm")
+LM_TOPK_FRACTION = 0.01   # top-k 1%, as the issue asks
+LM_SPARSE_FRACTION = 0.02  # SparseLoCo's and DCT-top-k's density (2%, 2-bit values)
+LM_STALL = "3@100:10"     # the frozen node of the language model's fault row: 10 s
+LM_MODEL = ["--width", "64", "--context", "64", "--layers", "2", "--eval-every", "50", "--val-windows", "128"]
+FAULTY = ("gossip-faults", "faults")  # the rows run with 20% drops and a frozen node
 
 
 def variants(fragments: int, topk_fraction: float) -> dict[str, tuple[str, list[str]]]:
@@ -62,20 +69,106 @@ def variants(fragments: int, topk_fraction: float) -> dict[str, tuple[str, list[
     }
 
 
+def lm_variants(topk_fraction: float, sparse_fraction: float) -> dict[str, tuple[str, list[str]]]:
+    """key -> (row name, node flags) of `--task char-lm`: AllReduce every step (gradients averaged
+    before the script's AdamW) and DiLoCo H = 50 with fp32, int8, int4 and FP4 pseudo-gradients,
+    top-k with the old ring (each hop re-sparsifies partial sums) and with the all-gather (each node's
+    own top-k, decoded and averaged locally), SparseLoCo (top-k of each 4096-entry chunk in 2 bits),
+    DCT-top-k (DeMo), Muon as the inner optimizer with dense 2-bit values (MuLoCo: SparseLoCo's codec
+    keeping every entry), gossip-DiLoCo with int8 shares (its sparse shares are not built yet: a
+    share's anchor half cannot be sparsified without biasing x / w), and SparseLoCo with 20% of
+    messages dropped and one node frozen."""
+    h50 = ["--algorithm", "diloco", "--inner-steps", "50"]
+    sparse = ["--compression", "sparseloco", "--topk-fraction", str(sparse_fraction), "--value-bits", "2"]
+    topk = [*h50, "--compression", "topk", "--topk-fraction", str(topk_fraction)]
+    gossip = ["--algorithm", "gossip-diloco", "--inner-steps", "50", "--peers-per-step", "2", "--step-window", "256",
+              "--compression", "int8"]
+    return {
+        "allreduce": ("allreduce every step", ["--algorithm", "allreduce", "--average", "gradients"]),
+        "diloco-h50": ("diloco H=50 fp32", h50),
+        "int8": ("diloco H=50 int8", [*h50, "--compression", "int8"]),
+        "int4": ("diloco H=50 int4", [*h50, "--compression", "int4"]),
+        "fp4": ("diloco H=50 fp4 (E3M0)", [*h50, "--compression", "fp4"]),
+        "topk-ring": (f"diloco H=50 topk {topk_fraction:g} ring", [*topk, "--sparse-exchange", "ring"]),
+        "topk": (f"diloco H=50 topk {topk_fraction:g} all-gather", [*topk, "--sparse-exchange", "allgather"]),
+        "sparseloco": (f"diloco H=50 sparseloco {sparse_fraction:g} 2-bit", [*h50, *sparse]),
+        "dct-topk": (f"diloco H=50 dct-topk {sparse_fraction:g} 2-bit",
+                     [*h50, "--compression", "dct-topk", "--topk-fraction", str(sparse_fraction), "--value-bits", "2"]),
+        "muon-2bit": ("diloco H=50 muon inner, 2-bit", [*h50, "--inner-optimizer", "muon", "--compression",
+                                                        "sparseloco", "--topk-fraction", "1", "--value-bits", "2"]),
+        "gossip-int8": ("gossip-diloco H=50 int8 shares", gossip),
+        "faults": (f"diloco H=50 sparseloco {sparse_fraction:g} drop=0.2 +stall", [*h50, *sparse]),
+    }
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a `--task` runs: its variants, the node flags common to them, the script of your own
+    each rank runs (none: `p2ptrain node`'s built-in training), the frozen node of its fault row."""
+
+    name: str
+    variants: dict[str, tuple[str, list[str]]]
+    node_args: list[str]
+    script: list[str]
+    stall: str
+
+    @property
+    def language_model(self) -> bool:
+        return bool(self.script)
+
+    @property
+    def plot_name(self) -> str:
+        return "diloco.png" if self.name == "synthetic" else f"diloco-{self.name}.png"
+
+
+def char_lm_script() -> Path:
+    """examples/char_lm.py of this checkout (the examples are not part of the installed package)."""
+    return Path(__file__).resolve().parents[2] / "examples" / "char_lm.py"
+
+
+def make_task(args) -> Task:
+    common = ["--seed", str(args.seed), "--log-every", str(args.log_every), "--link-deadline", str(args.link_deadline),
+              "--threads", "1", *args.extra.split()]
+    if args.task == "synthetic":
+        return Task("synthetic", variants(args.fragments, args.topk_fraction),
+                    ["--dataset", "synthetic", "--model", "mlp", "--num-train", str(args.num_train), *common], [],
+                    args.stall or STALL)
+    script = Path(args.script) if args.script else char_lm_script()
+    if not script.is_file():
+        raise SystemExit(f"p2ptrain reproduce diloco: {script} not found; run from a p2ptrain checkout or give "
+                         "--script PATH/char_lm.py")
+    return Task(args.task, lm_variants(args.topk_fraction if args.topk_fraction != TOPK_FRACTION else LM_TOPK_FRACTION,
+                                       LM_SPARSE_FRACTION),
+                ["--batch-size", str(args.batch_size), *common],
+                [sys.executable, str(script), *LM_MODEL, *args.script_args.split()], args.stall or LM_STALL)
+
+
 def add_arguments(parser) -> None:
     keys = ",".join(variants(FRAGMENTS, TOPK_FRACTION))
+    lm_keys = ",".join(lm_variants(LM_TOPK_FRACTION, LM_SPARSE_FRACTION))
+    parser.add_argument("--task", choices=TASKS, default="synthetic",
+                        help="synthetic: the MLP on the synthetic task (the fast variant); char-lm: "
+                             "examples/char_lm.py's byte-level Transformer on standard-library text (default "
+                             "synthetic)")
     parser.add_argument("--nodes", type=int, default=8, help="cluster size (default 8)")
     parser.add_argument("--steps", type=int, default=300, help="training steps per run (default 300)")
-    parser.add_argument("--variants", default=keys, help=f"comma-separated subset of {keys} (default all)")
+    parser.add_argument("--variants", default=None,
+                        help=f"comma-separated subset of {keys} (synthetic) or {lm_keys} (char-lm) (default all)")
     parser.add_argument("--link", default=LINK, help=f"emulated links of every node (default {LINK})")
     parser.add_argument("--link-deadline", type=float, default=5.0,
                         help="the nodes' --link-deadline: the outer sync's deadline (default 5 s)")
     parser.add_argument("--fragments", type=int, default=FRAGMENTS,
                         help=f"Streaming DiLoCo's F (default {FRAGMENTS}; must divide 50)")
     parser.add_argument("--topk-fraction", type=float, default=TOPK_FRACTION,
-                        help=f"kept fraction of the top-k run (default {TOPK_FRACTION})")
-    parser.add_argument("--stall", default=STALL,
-                        help=f"the frozen node of gossip-faults, RANK@STEP:SECONDS (default {STALL})")
+                        help=f"kept fraction of the top-k runs (default {TOPK_FRACTION}; char-lm: {LM_TOPK_FRACTION})")
+    parser.add_argument("--stall", default=None,
+                        help=f"the frozen node of the fault row, RANK@STEP:SECONDS (default {STALL}; char-lm: "
+                             f"{LM_STALL})")
+    parser.add_argument("--batch-size", type=int, default=16, help="char-lm: sequences per node and step (default 16)")
+    parser.add_argument("--script", default=None, help="char-lm: the script to run (default examples/char_lm.py "
+                                                       "of this checkout)")
+    parser.add_argument("--script-args", default="", help="char-lm: more arguments of the script, one string "
+                                                          "(e.g. '--width 128')")
     parser.add_argument("--log-every", type=int, default=10, help="snapshot / progress interval (default 10)")
     parser.add_argument("--num-train", type=int, default=12000, help="training samples, all nodes (default 12000)")
     parser.add_argument("--seed", type=int, default=0, help="seed of data, split and init (default 0)")
@@ -95,6 +188,7 @@ class Row:
     val_loss: float = math.nan
     val_accuracy: float = math.nan
     worst_accuracy: float = math.nan
+    worst_loss: float = math.nan
     mb_sent: float = math.nan
     syncs: int = 0
     curve: list[tuple[float, float, float]] = field(default_factory=list)  # (seconds since launch, loss, accuracy)
@@ -103,48 +197,58 @@ class Row:
     def mb_per_sync(self) -> float:
         return self.mb_sent / self.syncs if self.syncs else math.nan
 
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.val_loss) if math.isfinite(self.val_loss) else math.nan
+
     def seconds_to(self, accuracy: float) -> float:
         """Seconds since launch until the nodes' mean validation accuracy first reached `accuracy`."""
         return next((t for t, _, a in self.curve if a >= accuracy), math.nan)
 
+    def seconds_to_loss(self, loss: float) -> float:
+        """Seconds since launch until the nodes' mean validation loss first fell to `loss`."""
+        return next((t for t, v, _ in self.curve if v <= loss), math.nan)
+
     def to_dict(self) -> dict:
-        return {"key": self.key, "name": self.name, "val_loss": self.val_loss, "val_accuracy": self.val_accuracy,
-                "worst_accuracy": self.worst_accuracy, "mb_sent_per_node": self.mb_sent, "syncs": self.syncs,
+        return {"key": self.key, "name": self.name, "val_loss": self.val_loss, "worst_val_loss": self.worst_loss,
+                "perplexity": self.perplexity, "val_accuracy": self.val_accuracy, "worst_accuracy": self.worst_accuracy,
+                "mb_sent_per_node": self.mb_sent, "syncs": self.syncs,
                 "mb_per_sync": self.mb_per_sync, "wall_seconds": self.run.wall_seconds, "error": self.run.error,
                 "curve": self.curve}
 
 
 def main(args) -> int:
-    table = variants(args.fragments, args.topk_fraction)
-    keys = [k.strip() for k in args.variants.split(",") if k.strip()]
+    task = make_task(args)
+    table = task.variants
+    keys = [k.strip() for k in (args.variants or ",".join(table)).split(",") if k.strip()]
     unknown = [k for k in keys if k not in table]
     if unknown or not keys or args.nodes < 2 or args.steps < 1 or 50 % args.fragments:
-        print(f"p2ptrain reproduce diloco: choose variants from {', '.join(table)}, --nodes >= 2, --steps >= 1 and "
-              "--fragments dividing 50", file=sys.stderr)
+        print(f"p2ptrain reproduce diloco: choose --task {task.name} variants from {', '.join(table)}, --nodes >= 2, "
+              "--steps >= 1 and --fragments dividing 50", file=sys.stderr)
         return 2
     out = Path(args.out)
-    common = ["--dataset", "synthetic", "--model", "mlp", "--num-train", str(args.num_train), "--seed",
-              str(args.seed), "--log-every", str(args.log_every), "--link-deadline", str(args.link_deadline),
-              "--threads", "1", *args.extra.split()]
-    evaluator = _Evaluator(args)
+    evaluator = None if task.language_model else _Evaluator(args)
     rows: dict[str, Row] = {}
     for key in keys:
         name, flags = table[key]
-        link = args.link + (",drop=0.2" if key == "gossip-faults" else "")
-        stalls = [args.stall] if key == "gossip-faults" and args.stall else []
+        link = args.link + (",drop=0.2" if key in FAULTY else "")
+        stalls = [task.stall] if key in FAULTY and task.stall else []
         print(f"  running {name} ...", file=sys.stderr, flush=True)
         launched = time.time()
-        run = run_variant(name, args.nodes, args.steps, [*flags, "--link", link, *common], out,
-                          timeout=args.timeout, echo=lambda text: print(text, file=sys.stderr), stalls=stalls)
+        run = run_variant(name, args.nodes, args.steps, [*flags, "--link", link, *task.node_args], out,
+                          timeout=args.timeout, echo=lambda text: print(text, file=sys.stderr), stalls=stalls,
+                          script=task.script)
         row = Row(key, name, run, syncs=_syncs(flags, args.steps, args.nodes))
         if not run.error:
             _measure(row, variant_dir(out, name), args.nodes, launched, evaluator, keep=args.keep_snapshots)
         rows[key] = row
-        print(f"    {name}: val acc {fmt(row.val_accuracy)}, {fmt(row.mb_sent, '{:.2f}')} MB/node, "
+        quality = f"val loss {fmt(row.val_loss, '{:.4f}')}" if task.language_model else \
+            f"val acc {fmt(row.val_accuracy)}"
+        print(f"    {name}: {quality}, {fmt(row.mb_sent, '{:.2f}')} MB/node, "
               f"{fmt(run.wall_seconds, '{:.0f}')} s{'  FAILED: ' + run.error if run.error else ''}",
               file=sys.stderr, flush=True)
-    report(rows, sys.stdout)
-    plot = _plot(rows, out)
+    report(rows, sys.stdout, language_model=task.language_model)
+    plot = _plot(rows, out / task.plot_name)
     if plot:
         print(f"\nplot: {plot}")
     if args.json:
@@ -152,28 +256,34 @@ def main(args) -> int:
     return 0 if not any(r.run.error for r in rows.values()) else 1
 
 
-def report(rows: dict[str, Row], stream) -> None:
+def report(rows: dict[str, Row], stream, *, language_model: bool = False) -> None:
     """The table, then the targets. MB per sync is the bytes per node over the number of syncs of
     the schedule (_syncs): the peak, since every sync of a variant moves the same amount; wall-clock
-    seconds count from launch."""
+    seconds count from launch. A language model's rows give perplexity and the seconds to
+    AllReduce's final validation loss; the synthetic task's, accuracy and the seconds to its
+    accuracy."""
     base = rows.get("allreduce")
     usable = base is not None and not base.run.error
-    headers = ["variant", "val loss", "val acc (worst)", "MB sent/node", "MB/sync", "wall s", "x fewer bytes",
-               "s to AR acc"]
+    quality = ["val loss (worst)", "perplexity"] if language_model else ["val loss", "val acc (worst)"]
+    reach_header = "s to AR loss" if language_model else "s to AR acc"
+    headers = ["variant", *quality, "MB sent/node", "MB/sync", "wall s", "x fewer bytes", reach_header]
     table = []
     for row in rows.values():
         if row.run.error:
-            table.append([row.name, "failed", "-", "-", "-", "-", "-", "-"])
+            table.append([row.name, "failed", *["-"] * (len(headers) - 2)])
             continue
         fewer = base.mb_sent / row.mb_sent if usable and row.mb_sent else math.nan
-        reach = row.seconds_to(base.val_accuracy) if usable else math.nan
-        table.append([row.name, fmt(row.val_loss, "{:.4f}"),
-                      f"{fmt(row.val_accuracy)} ({fmt(row.worst_accuracy)})", fmt(row.mb_sent, "{:.2f}"),
-                      fmt(row.mb_per_sync, "{:.3f}"), fmt(row.run.wall_seconds, "{:.0f}"), fmt(fewer, "{:.1f}"),
-                      fmt(reach, "{:.0f}")])
+        if language_model:
+            reach = row.seconds_to_loss(base.val_loss) if usable else math.nan
+            shown = [f"{fmt(row.val_loss, '{:.4f}')} ({fmt(row.worst_loss, '{:.4f}')})", fmt(row.perplexity, "{:.3f}")]
+        else:
+            reach = row.seconds_to(base.val_accuracy) if usable else math.nan
+            shown = [fmt(row.val_loss, "{:.4f}"), f"{fmt(row.val_accuracy)} ({fmt(row.worst_accuracy)})"]
+        table.append([row.name, *shown, fmt(row.mb_sent, "{:.2f}"), fmt(row.mb_per_sync, "{:.3f}"),
+                      fmt(row.run.wall_seconds, "{:.0f}"), fmt(fewer, "{:.1f}"), fmt(reach, "{:.0f}")])
     print_table(table, headers, stream)
     print(file=stream)
-    for line in targets(rows):
+    for line in (lm_targets(rows) if language_model else targets(rows)):
         print(line, file=stream)
 
 
@@ -223,6 +333,50 @@ def targets(rows: dict[str, Row]) -> list[str]:
             gap = 100 * (faulty.val_accuracy - clean.val_accuracy)
             check(abs(gap) <= 2, f"{faulty.name}: finished, accuracy {gap:+.1f} points vs gossip-diloco without faults "
                                  "(target within 2 points)")
+    return lines
+
+
+def lm_targets(rows: dict[str, Row]) -> list[str]:
+    """Issue 26's targets on the language model, each PASS/MISS with its numbers (only where the
+    runs they compare are here). Relative losses are (variant - reference) / reference."""
+    def ok(key: str) -> Row | None:
+        row = rows.get(key)
+        return row if row is not None and not row.run.error else None
+
+    lines = []
+
+    def check(passed: bool, text: str) -> None:
+        lines.append(f"{'PASS' if passed else 'MISS'}  {text}")
+
+    def gap(row: Row, reference: Row) -> float:
+        return (row.val_loss - reference.val_loss) / reference.val_loss
+
+    base, fp32 = ok("allreduce"), ok("diloco-h50")
+    others = [row for key, row in rows.items() if key != "allreduce" and ok(key)]
+    if base and others:
+        best = min(others, key=lambda r: (gap(r, base) > 0.02, -base.mb_sent / r.mb_sent))
+        fewer = base.mb_sent / best.mb_sent
+        check(gap(best, base) <= 0.02 and fewer >= 400,
+              f"{best.name}: val loss {100 * gap(best, base):+.1f}% vs allreduce with {fewer:.0f}x fewer bytes per "
+              "node (target: within 2% with >= 400x fewer)")
+        fastest = min(others, key=lambda r: (math.isnan(r.seconds_to_loss(base.val_loss)),
+                                             r.seconds_to_loss(base.val_loss)))
+        reach, wall = fastest.seconds_to_loss(base.val_loss), base.run.wall_seconds
+        check(reach <= 0.2 * wall, f"{fastest.name} reached allreduce's final val loss {base.val_loss:.4f} after "
+              f"{fmt(reach, '{:.0f}')} s = {fmt(reach / wall, '{:.2f}')}x allreduce's {wall:.0f} s (target <= 0.2x)")
+    for key, bound in (("sparseloco", 0.01), ("topk", 0.005)):
+        row = ok(key)
+        if row and fp32:
+            check(gap(row, fp32) <= bound, f"{row.name}: val loss {100 * gap(row, fp32):+.2f}% vs diloco fp32, "
+                  f"{fp32.mb_sent / row.mb_sent:.0f}x fewer bytes (target: within {100 * bound:g}%)")
+    faulty = rows.get("faults")
+    if faulty is not None:
+        clean = ok("sparseloco")
+        if faulty.run.error:
+            check(False, f"{faulty.name}: did not finish ({faulty.run.error})")
+        elif clean:
+            check(gap(faulty, clean) <= 0.02, f"{faulty.name}: finished, val loss {100 * gap(faulty, clean):+.1f}% vs "
+                                              "without faults (target within 2%)")
     return lines
 
 
@@ -278,41 +432,59 @@ class _Evaluator:
         return evaluate(model, loader, loss_fn=F.nll_loss)  # (the node's loss: its models end in log_softmax)
 
 
-def _measure(row: Row, folder: Path, nodes: int, launched: float, evaluator: _Evaluator, *, keep: bool) -> None:
-    """The row's numbers from the run's files. Every node's model snapshots are evaluated on the
-    validation set, against the time its progress file gives for that step: the curve of
-    validation loss against wall-clock time (OUT/diloco.png)."""
-    import torch
-
+def _measure(row: Row, folder: Path, nodes: int, launched: float, evaluator: _Evaluator | None, *,
+             keep: bool) -> None:
+    """The row's numbers from the run's files, and its curve of validation loss against wall-clock
+    time (the plot): with an `evaluator`, every node's model snapshots are evaluated on the
+    validation set at the time its progress file gives for that step; without (a script that
+    reports its own val_loss, e.g. char_lm.py), the losses the nodes reported are taken as is."""
     summaries = [json.loads((folder / f"node{r}.json").read_text()) for r in range(nodes)
                  if (folder / f"node{r}.json").exists()]
-    accuracies = [s["test_accuracy"] for s in summaries if s.get("test_accuracy") is not None]
-    losses = [s["test_loss"] for s in summaries if s.get("test_loss") is not None]
+
+    def values(key: str) -> list[float]:
+        return [s[key] for s in summaries if isinstance(s.get(key), (int, float))]
+
+    accuracies = values("test_accuracy")
+    losses = values("test_loss") if evaluator is not None else values("val_loss")
     row.val_accuracy = sum(accuracies) / len(accuracies) if accuracies else math.nan
     row.worst_accuracy = min(accuracies, default=math.nan)
     row.val_loss = sum(losses) / len(losses) if losses else math.nan
+    row.worst_loss = max(losses, default=math.nan)
     row.mb_sent = sum(s["bytes_sent"] for s in summaries) / len(summaries) / 1e6 if summaries else math.nan
     points: dict[int, list[tuple[float, float, float]]] = {}
     for rank in range(nodes):
         snapshots, progress = folder / f"node{rank}.snapshots.pt", folder / f"node{rank}.progress.jsonl"
-        if not snapshots.exists() or not progress.exists():
-            continue
-        times = {}
-        for line in progress.read_text().splitlines():
-            record = json.loads(line)
-            if "step" in record and "time" in record:
-                times[record["step"]] = record["time"] - launched
-        saved = torch.load(snapshots)
-        for step, params in zip(saved["steps"], saved["params"]):
-            if step in times:
-                loss, accuracy = evaluator.evaluate(params)
-                points.setdefault(step, []).append((times[step], loss, accuracy))
-        if not keep:
+        if progress.exists():
+            for step, point in _progress_points(progress, launched, snapshots if evaluator else None, evaluator):
+                points.setdefault(step, []).append(point)
+        if snapshots.exists() and not keep:
             snapshots.unlink()
     row.curve = [tuple(sum(p[i] for p in pts) / len(pts) for i in range(3)) for _, pts in sorted(points.items())]
 
 
-def _plot(rows: dict[str, Row], out: Path) -> Path | None:
+def _progress_points(progress: Path, launched: float, snapshots: Path | None, evaluator: _Evaluator | None):
+    """(step, (seconds since launch, validation loss, accuracy)) of one node: its snapshots
+    evaluated, or the val_loss lines it reported (accuracy NaN)."""
+    times, reported = {}, []
+    for line in progress.read_text().splitlines():
+        record = json.loads(line)
+        if "step" in record and "time" in record:
+            times[record["step"]] = record["time"] - launched
+            if "val_loss" in record:
+                reported.append((record["step"], (times[record["step"]], record["val_loss"], math.nan)))
+    if evaluator is None:
+        return reported
+    if snapshots is None or not snapshots.exists():
+        return []
+    import torch
+
+    saved = torch.load(snapshots)
+    return [(step, (times[step], *evaluator.evaluate(params))) for step, params in zip(saved["steps"], saved["params"])
+            if step in times]
+
+
+def _plot(rows: dict[str, Row], path: Path) -> Path | None:
+    """Validation loss (and accuracy, where there is one) against wall-clock time, one line per row."""
     curves = {r.name: r.curve for r in rows.values() if r.curve}
     if not curves:
         return None
@@ -322,25 +494,28 @@ def _plot(rows: dict[str, Row], out: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(13, 5))
+    accuracy = any(math.isfinite(p[2]) for curve in curves.values() for p in curve)
+    fig, axes = plt.subplots(1, 2 if accuracy else 1, figsize=(13 if accuracy else 8, 5), squeeze=False)
+    loss_ax, acc_ax = axes[0][0], axes[0][1] if accuracy else None
     colors = plt.cm.tab20.colors  # (the default cycle repeats after 10 variants)
     for (name, curve), color in zip(curves.items(), colors[::2] + colors[1::2]):
         seconds = [p[0] for p in curve]
         loss_ax.plot(seconds, [p[1] for p in curve], label=name, marker=".", color=color)
-        acc_ax.plot(seconds, [p[2] for p in curve], label=name, marker=".", color=color)
+        if acc_ax is not None:
+            acc_ax.plot(seconds, [p[2] for p in curve], label=name, marker=".", color=color)
     loss_ax.set(xlabel="wall-clock seconds since launch", ylabel="validation loss (mean over nodes)", yscale="log",
                 title="validation loss against wall-clock time")
-    acc_ax.set(xlabel="wall-clock seconds since launch", ylabel="validation accuracy (mean over nodes)",
-               title="validation accuracy against wall-clock time")
-    acc_ax.legend(fontsize=7)
-    for ax in (loss_ax, acc_ax):
+    if acc_ax is not None:
+        acc_ax.set(xlabel="wall-clock seconds since launch", ylabel="validation accuracy (mean over nodes)",
+                   title="validation accuracy against wall-clock time")
+    (acc_ax or loss_ax).legend(fontsize=7)
+    for ax in axes[0]:
         ax.grid(alpha=0.3)
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     fig.tight_layout()
-    path = out / "diloco.png"
-    out.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
