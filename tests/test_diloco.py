@@ -542,7 +542,7 @@ def test_gossip_diloco_matches_the_push_sum_recursion():
     assert_gossip_diloco_is_the_push_sum_recursion(build_topology("exponential", 5, peers_per_step=1), 5, 4, 24)
 
 
-@pytest.mark.parametrize("codec", ["none", "bf16"])
+@pytest.mark.parametrize("codec", ["none", "bf16", "sparseloco"])
 def test_gossip_diloco_conserves_push_sum_mass_under_20_percent_drops(codec):
     """6 nodes, 20% of messages lost on every link (re-sent with the same id) and a deadline short
     enough that shares come late: Σ w (with the shares in flight) is n at every outer step and

@@ -16,6 +16,7 @@ from p2ptrain.compression import (
     CompressionError,
     DctTopK,
     Fp4,
+    Halves,
     SparseLoCo,
     dct_basis,
     encode_with_feedback,
@@ -427,6 +428,9 @@ def test_value_bits_out_of_range_refused(bits):
 def test_which_algorithms_take_the_new_codecs():
     for name in ("sparseloco", "dct-topk", "fp4"):
         NodeConfig.from_sources(env={}, flags=dict(algorithm="diloco", compression=name)).validate()
+    for name in ("sparseloco", "dct-topk"):  # on the pseudo-gradient half of the shares
+        NodeConfig.from_sources(env={}, flags=dict(algorithm="gossip-diloco", compression=name)).validate()
+    for name in ("fp4", "int4", "topk"):
         with pytest.raises(ConfigError, match="would drown"):
             NodeConfig.from_sources(env={}, flags=dict(algorithm="gossip-diloco", compression=name)).validate()
     for algorithm in ("allreduce", "pipesgd"):
@@ -437,6 +441,49 @@ def test_which_algorithms_take_the_new_codecs():
     with pytest.raises(ConfigError, match="sparseloco"):
         NodeConfig.from_sources(env={}, flags=dict(algorithm="sgp", share_compression="sparseloco")).validate()
     NodeConfig.from_sources(env={}, flags=dict(algorithm="sgp", share_compression="fp4")).validate()
+
+
+# -- halves: gossip-DiLoCo's shares, dense anchors and sparse pseudo-gradients -----------------------
+@pytest.mark.parametrize("numel", [2, 74, 8192 * 2 + 6])
+def test_halves_is_its_two_codecs_side_by_side(numel):
+    x = _randn(numel, seed=3)
+    x[: numel // 2] += 5.0  # anchors: large; pseudo-gradients: small
+    dense, sparse = get_codec("int8"), make_codec("sparseloco", topk_fraction=0.02, value_bits=2)
+    codec = Halves(dense, sparse)
+    enc, out = _roundtrip(codec, x)
+    split = numel // 2
+    a, b = _roundtrip(dense, x[:split])[1], _roundtrip(sparse, x[split:])[1]
+    assert torch.equal(out, torch.cat([a, b]))  # each half exactly as its own codec decodes it
+    assert enc.codec == pb.CODEC_HALVES and enc.nbytes == codec.payload_bytes(numel)
+    assert len(enc.params) == codec.param_count == 2 + dense.param_count + sparse.param_count
+    assert get_codec(pb.CODEC_HALVES).decode(enc.payload, enc.params, (numel,)).equal(out)  # any halves decodes
+    if numel > 1000:  # the anchors keep their int8 bound; the deltas' own chunk scale, not the anchors'
+        assert (out[:split] - x[:split]).abs().max() <= x[:split].abs().max() / 127
+        assert torch.count_nonzero(out[split:]) == sum(math.ceil(0.02 * length) for _, length in
+                                                       [(0, 4096), (0, 4096), (0, 3)])
+    residual = torch.empty_like(x)
+    _, decoded = encode_with_feedback(codec, x, residual)
+    torch.testing.assert_close(decoded + residual, x, atol=1e-6, rtol=0)
+
+
+def test_halves_refuses_what_its_encoder_never_sends():
+    dense, sparse = get_codec("int8"), make_codec("sparseloco", topk_fraction=0.1)
+    with pytest.raises(CompressionError, match="fixed size"):
+        Halves(sparse, dense)
+    with pytest.raises(CompressionError, match="neither may be halves"):
+        Halves(dense, Halves(dense, sparse))
+    enc = Halves(dense, sparse).encode(_randn(100))
+    decode = get_codec(pb.CODEC_HALVES).decode
+    for params in [(), (float(pb.CODEC_HALVES), *enc.params[1:]), (float(pb.CODEC_SPARSELOCO), *enc.params[1:]),
+                   (*enc.params, 1.0), (math.nan, *enc.params[1:]), (99.0, *enc.params[1:]), enc.params[:2]]:
+        with pytest.raises(CompressionError):
+            decode(enc.payload, params, (100,))
+    with pytest.raises(CompressionError):
+        decode(enc.payload[:10], enc.params, (100,))  # cut short
+    with pytest.raises(CompressionError):
+        decode(torch.cat([enc.payload, enc.payload[:3]]), enc.params, (100,))  # too long
+    with pytest.raises(CompressionError):
+        decode(enc.payload.tolist(), enc.params, (100,))
 
 
 # -- devices ---------------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ from p2ptrain.algorithms.base import Algorithm, Comm, Kind
 from p2ptrain.algorithms.outer import UNKNOWN, OuterNesterov, OuterOptions, OuterStateChannel
 from p2ptrain.algorithms.pushsum import PushSum
 from p2ptrain.algorithms.registry import AlgorithmSpec, BuildContext, option, register
-from p2ptrain.compression import NEEDS_ERROR_FEEDBACK
 from p2ptrain.topology import Topology, member_topology
 
 if TYPE_CHECKING:
@@ -31,6 +30,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 KIND = Kind.PUSH_SUM
 TAG = "gossip-diloco."
+# codecs that go on the pseudo-gradient half of a share only, the anchor half in int8: sparsifying
+# anchors would bias x / w (a receiver gets p w of weight but a few entries of p w θ^anchor)
+SPARSE_SHARES = ("sparseloco", "dct-topk")
 
 
 @dataclass(frozen=True)
@@ -41,12 +43,13 @@ class GossipDiLoCoOptions(OuterOptions):
         super().validate(settings)
         if self.peers_per_step < 1:
             raise ValueError("peers_per_step must be >= 1")
-        # A codec compresses a share whole, scaled by the anchors' magnitudes: 16-bit or int8 (with error
-        # feedback) serve; int4, fp4 and the top-k codecs would drown the pseudo-gradients.
-        if self.compression in NEEDS_ERROR_FEEDBACK + ("int4", "fp4"):
+        # A dense codec compresses a share whole, scaled by the anchors' magnitudes: 16-bit or int8 (with
+        # error feedback) serve; int4, fp4 and global top-k would drown the pseudo-gradients. The chunked
+        # sparse codecs take the pseudo-gradient half only (SPARSE_SHARES).
+        if self.compression in ("topk", "int4", "fp4"):
             raise ValueError(f"gossip-diloco pushes anchors with its pseudo-gradients, and compression "
                              f"{self.compression} scaled by the anchors would drown them: use none, trunc16, fp16, "
-                             f"bf16 or int8")
+                             f"bf16, int8, or {' or '.join(SPARSE_SHARES)} (pseudo-gradients only)")
 
 
 class GossipDiLoCo(Algorithm):
@@ -103,6 +106,8 @@ class GossipDiLoCo(Algorithm):
     # Hooks ------------------------------------------------------------------------------------------
     def setup(self, params: torch.Tensor) -> torch.Tensor:
         codec = compression.make_codec(self.codec_name, topk_fraction=self.topk_fraction, value_bits=self.value_bits)
+        if self.codec_name in SPARSE_SHARES:  # [θ^anchor ; Δ]: dense anchors, sparse pseudo-gradients
+            codec = compression.Halves(compression.get_codec("int8"), codec)
         self.mass = PushSum(self.comm, kind=KIND, codec=codec, log=log)
         self.mass.ledger, self.mass.sink = self.ledger, self._sink
         joined = self.comm.joined  # a rejoined node: the donor's anchor (loaded as params) and half its w

@@ -6,7 +6,7 @@
 with drops and a frozen node). `--task char-lm`: examples/char_lm.py's byte-level Transformer on
 standard-library text, AllReduce against DiLoCo H = 50 in fp32, int8, int4, FP4, top-k 1% (ring and
 all-gather), SparseLoCo (also with drops and a frozen node), DCT-top-k, Muon inside with 2-bit
-values and gossip-DiLoCo. The table holds validation loss (and accuracy or
+values and gossip-DiLoCo with SparseLoCo shares. The table holds validation loss (and accuracy or
 perplexity), MB sent per node and per sync, wall-clock seconds, bytes relative to AllReduce and the
 seconds a variant took to reach AllReduce's final quality; OUT/diloco[-char-lm].png plots validation
 loss against wall-clock time; the issues' targets are printed PASS/MISS with their numbers.
@@ -75,14 +75,13 @@ def lm_variants(topk_fraction: float, sparse_fraction: float) -> dict[str, tuple
     top-k with the old ring (each hop re-sparsifies partial sums) and with the all-gather (each node's
     own top-k, decoded and averaged locally), SparseLoCo (top-k of each 4096-entry chunk in 2 bits),
     DCT-top-k (DeMo), Muon as the inner optimizer with dense 2-bit values (MuLoCo: SparseLoCo's codec
-    keeping every entry), gossip-DiLoCo with int8 shares (its sparse shares are not built yet: a
-    share's anchor half cannot be sparsified without biasing x / w), and SparseLoCo with 20% of
-    messages dropped and one node frozen."""
+    keeping every entry), gossip-DiLoCo with SparseLoCo on its shares' pseudo-gradient half (the
+    anchor half in int8), and SparseLoCo with 20% of messages dropped and one node frozen."""
     h50 = ["--algorithm", "diloco", "--inner-steps", "50"]
     sparse = ["--compression", "sparseloco", "--topk-fraction", str(sparse_fraction), "--value-bits", "2"]
     topk = [*h50, "--compression", "topk", "--topk-fraction", str(topk_fraction)]
     gossip = ["--algorithm", "gossip-diloco", "--inner-steps", "50", "--peers-per-step", "2", "--step-window", "256",
-              "--compression", "int8"]
+              *sparse]
     return {
         "allreduce": ("allreduce every step", ["--algorithm", "allreduce", "--average", "gradients"]),
         "diloco-h50": ("diloco H=50 fp32", h50),
@@ -96,7 +95,7 @@ def lm_variants(topk_fraction: float, sparse_fraction: float) -> dict[str, tuple
                      [*h50, "--compression", "dct-topk", "--topk-fraction", str(sparse_fraction), "--value-bits", "2"]),
         "muon-2bit": ("diloco H=50 muon inner, 2-bit", [*h50, "--inner-optimizer", "muon", "--compression",
                                                         "sparseloco", "--topk-fraction", "1", "--value-bits", "2"]),
-        "gossip-int8": ("gossip-diloco H=50 int8 shares", gossip),
+        "gossip-sparseloco": (f"gossip-diloco H=50 sparseloco {sparse_fraction:g} shares", gossip),
         "faults": (f"diloco H=50 sparseloco {sparse_fraction:g} drop=0.2 +stall", [*h50, *sparse]),
     }
 

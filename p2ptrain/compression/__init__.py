@@ -20,14 +20,15 @@ CODEC_HELP = ("codec of every ring hop (each decompresses, sums, recompresses): 
               "fp4 = 4-bit floats E3M0 (sign, 3 exponent bits, scale max|x|), topk = the --topk-fraction largest "
               "entries, sparseloco = the --topk-fraction largest of each 4096-entry chunk in --value-bits bits, "
               "dct-topk = the same of the DCT coefficients of each 256-entry chunk (topk, sparseloco and "
-              "dct-topk: diloco only, which keeps what a codec drops on the node as error feedback and exchanges "
-              "them by all-gather, see --sparse-exchange)")
+              "dct-topk: diloco, which keeps what a codec drops on the node as error feedback and exchanges "
+              "them by all-gather, see --sparse-exchange; sparseloco and dct-topk also gossip-diloco, on the "
+              "pseudo-gradient half of its shares, the anchors going int8)")
 # codecs that drop most of a tensor: only for algorithms that keep what they drop (error feedback)
 NEEDS_ERROR_FEEDBACK = ("topk", "sparseloco", "dct-topk")
 # --value-bits of sparseloco / dct-topk (32: float32 values); codecs.VALUE_BITS (a test keeps them in step)
 VALUE_BITS = (1, 2, 3, 4, 5, 6, 7, 8, 32)
 
-_FROM_CODECS = ("CODECS", "Bf16Round", "Codec", "CompressionError", "DctTopK", "Encoded", "Fp4", "Fp16",
+_FROM_CODECS = ("CODECS", "Bf16Round", "Codec", "CompressionError", "DctTopK", "Encoded", "Fp4", "Fp16", "Halves",
                 "Int4Quantize", "Int8Quantize", "NoCompression", "SparseLoCo", "TopK", "Trunc16", "dct_basis",
                 "encode_with_feedback", "get_codec", "make_codec")
 

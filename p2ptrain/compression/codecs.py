@@ -744,10 +744,72 @@ class Fp4(Codec):
         return (int(numel) + 1) // 2
 
 
+class Halves(Codec):
+    """The first ⌊n/2⌋ elements by codec A, the others by codec B: a push-sum share of gossip-DiLoCo,
+    x = w [θ^anchor ; Δ], keeps its anchors dense (A, e.g. int8: a sparse anchor half would bias
+    the de-biased x / w) while its pseudo-gradients go sparse (B). A's payload size must follow from
+    the element count alone (not a top-k codec); B's params say its own. Not a config name: the
+    algorithm builds one (make_halves), and any Halves object decodes any Halves payload."""
+
+    wire_id = pb.CODEC_HALVES
+    name = "halves"
+
+    def __init__(self, first: Codec, second: Codec):
+        if isinstance(first, (Halves, TopK, _ChunkedTopK)) or isinstance(second, Halves):
+            raise CompressionError(f"halves: codec A must have a fixed size and neither may be halves, got "
+                                   f"{first.name} and {second.name}")
+        self.first, self.second = first, second
+        self.param_count = 2 + first.param_count + second.param_count
+
+    def encode(self, tensor: torch.Tensor) -> Encoded:
+        flat = tensor.detach().reshape(-1)
+        split = flat.numel() // 2
+        a, b = self.first.encode(flat[:split]), self.second.encode(flat[split:])
+        payload = torch.cat([a.payload.reshape(-1).view(torch.uint8), b.payload.reshape(-1).view(torch.uint8)])
+        return Encoded(self.wire_id, payload, (float(a.codec), *a.params, float(b.codec), *b.params), torch.float32,
+                       tuple(tensor.shape))
+
+    def decode(self, payload, params, shape, dtype=torch.float32):
+        try:
+            params = tuple(float(p) for p in params)
+        except (TypeError, ValueError) as exc:
+            raise CompressionError(f"halves: codec params must be numbers, got {params!r}") from exc
+        first = self._part(params, 0)
+        second = self._part(params, 1 + first.param_count)
+        if isinstance(first, (Halves, TopK, _ChunkedTopK)) or isinstance(second, Halves) \
+                or len(params) != 2 + first.param_count + second.param_count:
+            raise CompressionError(f"halves: codec params {params} do not describe a fixed-size codec and another")
+        numel = _numel(shape)
+        split = numel // 2
+        if not isinstance(payload, torch.Tensor):
+            raise CompressionError(f"halves: payload must be a torch.Tensor, got {type(payload).__name__}")
+        raw = _reinterpret(payload, torch.uint8, payload.numel() * payload.element_size(), self.name)
+        size = first.payload_bytes(split)
+        if raw.numel() < size:
+            raise CompressionError(f"halves: payload has {raw.numel()} bytes, fewer than its first half's {size}")
+        a = first.decode(raw[:size], params[1:1 + first.param_count], (split,), torch.float32)
+        b = second.decode(raw[size:], params[2 + first.param_count:], (numel - split,), torch.float32)
+        out = torch.cat([a, b]).reshape(tuple(int(d) for d in shape))
+        return out if dtype == torch.float32 else out.to(dtype)
+
+    def _part(self, params: tuple[float, ...], at: int) -> Codec:
+        if at >= len(params) or not float(params[at]).is_integer():
+            raise CompressionError(f"halves: codec params {params} lack a codec id at {at}")
+        return get_codec(int(params[at]))
+
+    def payload_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        split = int(numel) // 2
+        return self.first.payload_bytes(split) + self.second.payload_bytes(int(numel) - split)
+
+    def __repr__(self) -> str:
+        return f"Halves({self.first!r}, {self.second!r})"
+
+
 CODECS: dict[str, Codec] = {"none": NoCompression(), "trunc16": Trunc16(), "fp16": Fp16(), "bf16": Bf16Round(),
                             "int8": Int8Quantize(), "int4": Int4Quantize(), "topk": TopK(),
                             "sparseloco": SparseLoCo(), "dct-topk": DctTopK(), "fp4": Fp4()}
 _BY_WIRE_ID: dict[int, Codec] = {c.wire_id: c for c in CODECS.values()}
+_BY_WIRE_ID[Halves.wire_id] = Halves(Int8Quantize(), NoCompression())  # (a decoder of any halves payload)
 
 
 def get_codec(name_or_wire_id: str | int) -> Codec:
