@@ -406,7 +406,7 @@ def test_compressed_diloco_loses_nothing_it_does_not_keep(codec):
 def test_sparseloco_error_feedback_decays_and_replaces_the_outer_momentum():
     """SparseLoCo's rule, exactly: e_i <- β e_i + Δ_i, c_i = C(e_i), e_i <- e_i - c_i, θ <- θ - lr
     mean_i c_i (no momentum). Checked sync by sync against each node's own residuals; and the
-    options resolve to it for compression sparseloco (explicit flags win, others keep β = 1, μ = 0.9)."""
+    options resolve to it for the sparse codecs (explicit flags win; the others keep β = 1, μ = 0.9)."""
     n, H, steps, beta = 3, 4, 16, 0.9
 
     def body(rank, comm):
@@ -437,6 +437,9 @@ def test_sparseloco_error_feedback_decays_and_replaces_the_outer_momentum():
             DiLoCoOptions(inner_steps=10, compression="sparseloco", error_decay=1.0).decay) == (0.5, 1.0)
     dense = DiLoCoOptions(inner_steps=10, compression="int4")
     assert (dense.momentum, dense.decay) == (0.9, 1.0)
+    for name in ("topk", "dct-topk"):  # DeMo's momentum is its error feedback too
+        assert (DiLoCoOptions(inner_steps=10, compression=name).momentum,
+                DiLoCoOptions(inner_steps=10, compression=name).decay) == (0.0, 0.95)
     assert DiLoCoOptions(inner_steps=10, compression="sparseloco").outer_settings()["outer_momentum"] == 0.0
     with pytest.raises(ValueError, match="error_decay"):
         DiLoCoOptions(inner_steps=10, error_decay=0.0).validate(None)

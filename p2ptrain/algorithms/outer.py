@@ -33,8 +33,8 @@ class OuterOptions(AlgorithmOptions):
     inner_steps: int = option(50, "H: local steps of the inner optimizer (AdamW) between outer steps", metavar="H")
     outer_lr: float = option(0.7, "learning rate of the outer Nesterov SGD on the pseudo-gradient")
     outer_momentum: float | None = option(None, "momentum of the outer Nesterov SGD (default 0.9; diloco with "
-                                                "compression sparseloco: 0, its decaying error feedback takes "
-                                                "the momentum's place, see --error-decay)")
+                                                "compression topk, sparseloco or dct-topk: 0, their decaying "
+                                                "error feedback takes the momentum's place, see --error-decay)")
     compression: str = option("none", CODEC_HELP, choices=CODEC_NAMES)
     topk_fraction: float = option(0.01, "compression topk: the fraction of entries kept (what it drops stays "
                                         "on the node as error feedback); sparseloco / dct-topk: of each chunk",
