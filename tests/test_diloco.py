@@ -5,6 +5,7 @@ donor's state, push-sum mass under dropped links); and `p2ptrain launch --algori
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -676,6 +677,46 @@ def test_reproduce_diloco_checks_the_issue_targets():
     assert lines[3].startswith("PASS") and "8.3x fewer bytes" in lines[3]
     assert lines[4].startswith("MISS") and "-1.5 points" in lines[4]
     assert lines[5].startswith("PASS") and "-1.0 points" in lines[5]
+
+
+def test_reproduce_diloco_checks_the_language_model_targets():
+    """Issue 26's targets: the variant within 2% of AllReduce's loss with the fewest bytes (>= 400x),
+    SparseLoCo within 1% and top-k within 0.5% of fp32 DiLoCo, time to AllReduce's loss <= 0.2x."""
+    import io
+
+    from p2ptrain.bench.reproduce_diloco import lm_targets, report
+
+    rows = {"allreduce": _row("allreduce", math.nan, 400.0, 400, [(300.0, 2.0, math.nan)], loss=2.0, wall=400.0),
+            "diloco": _row("diloco", math.nan, 8.0, 16, [(20.0, 2.5, math.nan), (50.0, 2.01, math.nan)], loss=2.01),
+            "sparseloco": _row("sparseloco", math.nan, 0.5, 16, [(60.0, 1.99, math.nan)], loss=2.03),
+            "topk": _row("topk", math.nan, 0.8, 16, loss=2.05)}
+    lines = lm_targets(rows)
+    assert lines[0].startswith("PASS") and lines[0].startswith("PASS  sparseloco: val loss +1.5%") \
+        and "800x fewer" in lines[0]
+    assert lines[1].startswith("PASS") and "diloco reached allreduce's final val loss 2.0000 after 60 s" not in lines[1]
+    assert "sparseloco reached" in lines[1] and "60 s = 0.15x" in lines[1]
+    assert lines[2].startswith("PASS") and "+1.00% vs diloco fp32, 16x fewer" in lines[2]
+    assert lines[3].startswith("MISS") and "+1.99% vs diloco fp32" in lines[3]
+    out = io.StringIO()
+    report(rows, out, language_model=True)
+    assert "perplexity" in out.getvalue() and "7.614" in out.getvalue()  # e^2.03
+    assert "s to AR loss" in out.getvalue()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_reproduce_diloco_char_lm_at_tiny_size(tmp_path):
+    argv = [sys.executable, "-m", "p2ptrain", "reproduce", "diloco", "--task", "char-lm", "--nodes", "3", "--steps",
+            "60", "--variants", "allreduce,sparseloco,gossip-sparseloco", "--link", "latency=2ms", "--script-args",
+            "--width 32 --context 32 --val-windows 32 --eval-every 30", "--out", str(tmp_path), "--json"]
+    proc = subprocess.run(argv, env=node_env(), capture_output=True, text=True, timeout=560, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "perplexity" in proc.stdout and (tmp_path / "diloco-char-lm.png").exists()
+    rows = json.loads(proc.stdout[proc.stdout.index("\n["):])
+    assert [r["key"] for r in rows] == ["allreduce", "sparseloco", "gossip-sparseloco"]
+    assert all(r["val_loss"] < math.log(256) and r["error"] is None for r in rows)  # learned beyond uniform
+    assert rows[1]["mb_sent_per_node"] < rows[0]["mb_sent_per_node"] / 50
+    assert [t for t, _, _ in rows[0]["curve"]] == sorted(t for t, _, _ in rows[0]["curve"]) and rows[0]["curve"]
 
 
 @pytest.mark.slow
