@@ -526,6 +526,70 @@ def test_a_long_gather_probes_its_silent_senders_and_ends_when_they_are_gone():
         assert 1 in started[0].membership.dead()
 
 
+def _stop_later(transport: Transport, seconds: float, stopped: list[float]) -> threading.Thread:
+    def stop() -> None:
+        time.sleep(seconds)
+        transport.stop()
+        stopped.append(time.monotonic())
+    thread = threading.Thread(target=stop)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("how", ["its lane hangs up", "our send is refused"])
+def test_a_peer_whose_connect_is_refused_ends_the_wait_for_it_at_once(how):
+    """Issue 27: a peer whose process is gone ends the wait for its message at once, not after the
+    link deadline (10 s here, the default). How this node learns it: the lane connection the peer
+    sent on closes and a connect to its address is refused (a ring hop waiting for a dead
+    predecessor with nothing left to send to it), or this node's own send to it is refused."""
+    plane = "tcp" if how == "its lane hangs up" else "grpc"
+    options = on_plane(dataclasses.replace(FAST, link_deadline=10.0), plane)
+    with nodes(2, options=options) as t:
+        for rank in (0, 1):  # step 0 both ways: each has reached the other (a refused connect fails fast)
+            t[rank].expect(KIND, torch.float32, 4)
+            ack = t[1 - rank].sender.send(rank, torch.ones(4), kind=KIND, step=0).result(30)
+            assert ack.status == pb.Ack.STATUS_ACCEPTED
+            t[rank].recv(KIND, 0, [1 - rank], timeout=10)[1 - rank].release()
+        stopped: list[float] = []
+        stopper = _stop_later(t[1], 0.3, stopped)
+        if how == "our send is refused":
+            stopper.join()
+            refused = t[0].sender.send(1, torch.ones(4), kind=KIND, step=1)
+        began = time.monotonic()
+        assert t[0].gather(KIND, 1, [1]) == {}
+        ended = time.monotonic()
+        stopper.join()
+        assert ended - began < 10.0 - 1.0  # (the link deadline, with room for a busy machine)
+        assert ended - stopped[0] < 1.0, "the wait outlived the peer by a second"
+        assert 1 in t[0].membership.dead()
+        if how == "our send is refused":
+            with pytest.raises(PeerError):
+                refused.result(10)
+
+
+def test_a_live_peer_that_hangs_up_its_lane_is_still_waited_for():
+    """A closed lane connection is only a hint: the peer still listens, so the wait goes on and
+    its message, sent afresh, is taken; nobody is declared dead."""
+    with nodes(2, options=on_plane(FAST, "tcp")) as t:
+        t[0].expect(KIND, torch.float32, 4)
+        assert t[1].sender.send(0, torch.ones(4), kind=KIND, step=0).result(30).status == pb.Ack.STATUS_ACCEPTED
+        t[0].recv(KIND, 0, [1], timeout=10)[1].release()
+
+        def hang_up_then_send() -> None:
+            time.sleep(0.3)
+            on_loop(t[1], lambda: t[1].loop.spawn(t[1].lanes.close()))
+            wait_until(lambda: not on_loop(t[0], lambda: dict(t[0].lane_server.per_sender)), what="the hang-up")
+            time.sleep(0.3)  # (the check ran meanwhile: something listens)
+            t[1].sender.send(0, torch.full((4,), 2.0), kind=KIND, step=1).result(30)
+        thread = threading.Thread(target=hang_up_then_send)
+        thread.start()
+        got = t[0].gather(KIND, 1, [1])
+        thread.join()
+        assert list(got) == [1] and torch.equal(got[1].tensor, torch.full((4,), 2.0))
+        got[1].release()
+        assert not t[0].membership.dead()
+
+
 def test_a_gather_ends_as_soon_as_its_abandon_check_says_why():
     """`abandon` ends a wait that can no longer complete (say, a view drops a ring member), whatever
     is left of the deadline; the sender, alive, answers the probes and is not declared dead."""

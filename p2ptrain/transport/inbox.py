@@ -169,6 +169,7 @@ class Inbox:
         self._open_per_sender: Counter[int] = Counter()
         self._dedup_window = dedup_window
         self._waiters: list[tuple[object, asyncio.Future]] = []
+        self._awaited: Counter[int] = Counter()  # senders the waiters wait for (hangups.py asks)
         # called (loop thread) with the ps_weight of every delivered message that carries one: the
         # push-sum mass acknowledged to its sender (a push-sum node's mass record, train/mass_record.py)
         self.on_mass: Callable[[float], None] | None = None
@@ -356,6 +357,10 @@ class Inbox:
             if not future.done() and ready():
                 future.set_result(None)
 
+    def awaited(self) -> set[int]:
+        """The senders some wait_for is waiting for now."""
+        return set(self._awaited)
+
     def wake(self) -> None:
         """Re-check every waiter (e.g. a peer was declared dead: stop waiting for it)."""
         self._wake_waiters()
@@ -373,6 +378,7 @@ class Inbox:
         if not ready():
             waiter = (ready, asyncio.get_running_loop().create_future())
             self._waiters.append(waiter)
+            self._awaited.update(wanted)
             try:
                 await asyncio.wait_for(waiter[1], timeout)
             except asyncio.TimeoutError:
@@ -382,6 +388,10 @@ class Inbox:
                                        f"did not arrive within {timeout:.1f}s") from None
             finally:
                 self._waiters.remove(waiter)
+                self._awaited.subtract(wanted)
+                for sender in wanted:
+                    if not self._awaited[sender]:
+                        del self._awaited[sender]
         return self._pop(kind, channel, step, wanted)
 
     def take(self, kind: int, max_step: int, channel: str = "") -> list[Message]:

@@ -18,6 +18,7 @@ import logging
 import secrets
 import socket
 from collections import Counter
+from typing import Protocol
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.addresses import binds_both_families
@@ -78,17 +79,28 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 # -- receiving side -----------------------------------------------------------------------------------
+class SenderConnections(Protocol):
+    """Told when a sender's lane connections all closed (a dead peer's kernel closes them at once),
+    and when it connects again (hangups.py)."""
+
+    def hung_up(self, peer: int) -> None: ...
+
+    def reconnected(self, peer: int) -> None: ...
+
+
 class LaneServer:
     """Node `answers.rank`'s lane (of a cluster of `world_size` ranks): accepts connections and
     feeds what they carry into the Inbox through `answers`."""
 
-    def __init__(self, answers: Answers, world_size: int, security: Security, identity: IdentityCheck | None = None):
+    def __init__(self, answers: Answers, world_size: int, security: Security, identity: IdentityCheck | None = None,
+                 hangups: SenderConnections | None = None):
         self.answers = answers
         self.inbox = answers.inbox
         self.rank = answers.rank
         self.world_size = world_size
         self.token = security.token
         self.identity = identity  # under mTLS with identity certificates: LaneAuth.sender must be the peer's
+        self.hangups = hangups
         self.ssl = security.lane_server_context()
         self.port = 0
         self.connections: set[LaneReceiver] = set()
@@ -159,6 +171,7 @@ class LaneServer:
 
     async def stop(self) -> None:
         """Stop listening and cut every connection (an open reception is dropped)."""
+        self.hangups = None  # (the cuts below are ours, not the senders' hang-ups)
         if self._accepting is not None:  # stop accepting before the socket goes (the loop still watches it)
             self._accepting.cancel()
             await asyncio.wait([self._accepting], timeout=1.0)
@@ -303,6 +316,8 @@ class LaneReceiver(asyncio.BufferedProtocol):
             server.per_sender[self.sender] -= 1
             if not server.per_sender[self.sender]:
                 del server.per_sender[self.sender]
+                if server.hangups is not None:
+                    server.hangups.hung_up(self.sender)
         self._drop_reception("aborted_stream")
 
     # the parts of a connection ------------------------------------------------------------------
@@ -337,6 +352,8 @@ class LaneReceiver(asyncio.BufferedProtocol):
             return
         self.sender = auth.sender
         server.per_sender[auth.sender] += 1
+        if server.hangups is not None and server.per_sender[auth.sender] == 1:
+            server.hangups.reconnected(auth.sender)
         self.transport.write(encode(pb.LaneAuthReply(accepted=True)))
         self._next_message()
 

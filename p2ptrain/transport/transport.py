@@ -24,6 +24,7 @@ from p2ptrain.transport.errors import PeerError
 from p2ptrain.transport.faults import EmulatedLinks
 from p2ptrain.transport.forwarding import Forwarder
 from p2ptrain.transport.framing import check_chunk_bytes
+from p2ptrain.transport.hangups import Hangups
 from p2ptrain.transport.health import ServingStatus
 from p2ptrain.transport.inbox import Inbox
 from p2ptrain.transport.lane_server import LaneServer
@@ -110,6 +111,7 @@ class Transport:
         # Receiving, forwarding, sending.
         self.inbox = Inbox(rank, world_size, liveness, step_window=options.step_window, pin_memory=options.pin_memory)
         liveness.subscribe(self.inbox.wake)  # stop waiting for a peer declared dead
+        self.hangups = Hangups(self.loop, self.inbox.awaited, greetings.check_gone)  # (a dead one: at once)
         self.answers = Answers(rank, self.inbox, liveness, metrics)
         self.forwarder = Forwarder(rank, world_size, self.grpc, send_timeout=options.send_timeout, links=self.links,
                                    metrics=metrics)
@@ -153,7 +155,8 @@ class Transport:
                 raise PeerError(f"node {self.rank}: data_plane=tcp needs a host:port listen address, not "
                                 f"{self.listen!r}")
             return 0
-        self.lane_server = LaneServer(self.answers, self.world_size, self.options.security, identity=self.identity)
+        self.lane_server = LaneServer(self.answers, self.world_size, self.options.security, identity=self.identity,
+                                      hangups=self.hangups)
         peer_ports = frozenset(a[1] for a in map(split_address, self.grpc.addresses) if a is not None)
         return await self.lane_server.start(address[0], self.options.lane_port, avoid=peer_ports)
 
@@ -301,7 +304,9 @@ class Transport:
         """The step-`step` messages of the senders worth waiting for (Liveness.awaited), waiting
         at most `deadline` (default options.link_deadline) seconds. A sender that missed it counts
         as a dropped link for this step (its message is folded in later, if it comes) and gets a
-        Hello probe: one that does not answer is declared dead and not waited for again.
+        Hello probe: one that does not answer is declared dead and not waited for again. A sender
+        whose lane connections closed is asked at once whether anything still listens at its
+        address (hangups.py): a refused connect declares it dead, which ends the wait then.
 
         `abandon` (run on the loop thread): why waiting on is hopeless, or None. It is checked
         every WATCH_INTERVAL and ends the wait at once (a collective whose ring lost a member).
@@ -318,6 +323,7 @@ class Transport:
 
     async def _gather(self, kind: int, step: int, senders: list[int], channel: str,
                       timeout: float, abandon: Callable[[], str | None] | None = None) -> dict[int, Message]:
+        self.hangups.waiting(senders)
         if abandon is None and timeout <= self.options.link_deadline:
             got = await self.inbox.wait_for(kind, step, senders, channel, timeout, partial=True)
         else:

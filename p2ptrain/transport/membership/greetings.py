@@ -22,7 +22,7 @@ from p2ptrain.transport.membership import vetting
 from p2ptrain.transport.membership.identity import Identity
 from p2ptrain.transport.membership.liveness import Liveness
 from p2ptrain.transport.membership.views import MAX_ADDRESS, View, Views
-from p2ptrain.transport.paths.grpc_path import GrpcPath
+from p2ptrain.transport.paths.grpc_path import GrpcPath, nothing_listens
 from p2ptrain.transport.paths.lane_path import LanePorts
 from p2ptrain.transport.routes import RouteTable
 
@@ -336,6 +336,19 @@ class Greetings:
             return False
         finally:
             self._probing.discard(peer)
+
+    async def check_gone(self, peer: int) -> None:
+        """Declare `peer` dead if nothing listens at its address any more (a refused connect: its
+        process is gone, hangups.py). Only that definitive answer counts here: a peer that answers,
+        is silent or is reached otherwise than directly (a private peer, a declared route, a direct
+        link found down: its address may refuse us while the peer is fine) is left to the waits'
+        deadlines and the probes."""
+        routes = self.routes
+        if (not self.liveness.alive(peer) or peer in routes.private or peer in self.grpc.reverse_clients
+                or routes.declared(peer) is not None or routes.blocked(peer) or not routes.direct_ok(peer)):
+            return
+        if await nothing_listens(self.addresses[peer]):
+            self.liveness.mark_dead(peer, f"its connections closed and a connect to {self.addresses[peer]} is refused")
 
     async def recheck_dead(self, peers: list[int]) -> None:
         """Hello peers we declared dead, once, without marking anything: one that answers and

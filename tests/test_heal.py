@@ -1,0 +1,39 @@
+"""Healing after a SIGKILL, real processes (issue 27): survivors never wait out the link deadline for a
+peer whose process is gone, and after a kill and restart every lockstep member ends bit-identical.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.test_launch_e2e import launch
+
+QUICK = ("--nodes", "4", "--no-metrics", "--timeout", "300")
+
+
+@pytest.mark.timeout(400)
+def test_survivors_of_a_sigkill_under_allreduce_never_wait_out_the_link_deadline(tmp_path):
+    """A killed node's connections are refused at once: the survivors' longest step stays far under
+    the default link deadline (10 s), whichever moment of a ring round the kill hits."""
+    report = launch(tmp_path, *QUICK, "--algorithm", "allreduce", "--steps", "300", "--kill", "1@100")
+    assert report["config"]["link_deadline"] == 10.0
+    survivors = [n for n in report["nodes"] if n["rank"] != 1]
+    assert all(n["outcome"] == "done" for n in survivors)
+    longest = max(n["max_step_seconds"] for n in survivors)
+    assert longest < 3.0, f"a survivor's step took {longest:.2f} s: it waited for the dead node"
+
+
+@pytest.mark.slow  # 40-50 s each
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("algorithm,steps,what", [("allreduce", 600, "model"), ("diloco", 3000, "anchor")])
+def test_after_a_kill_and_restart_every_member_ends_bit_identical(tmp_path, algorithm, steps, what):
+    """`--kill 1@100 --restart 1@150`: the restarted node rejoins at a view switch, whose average
+    (model and optimizer state; DiLoCo's anchor at its next outer sync) makes all four members
+    bit-identical again, and the end of the run keeps them so (docs/faults.md)."""
+    report = launch(tmp_path, *QUICK, "--algorithm", algorithm, "--steps", str(steps), "--kill", "1@100",
+                    "--restart", "1@150")
+    restarted = next(n for n in report["nodes"] if n["rank"] == 1)
+    assert restarted["outcome"] == "done" and restarted["rejoined"], restarted
+    identical = next(v for v in report["verdicts"] if v["name"] == "identical")
+    assert identical["ok"] and identical["figures"]["what"] == what, identical
+    assert sorted(identical["figures"]["digests"]) == ["0", "1", "2", "3"] and identical["figures"]["groups"] == 1
+    assert report["cluster"]["consensus_distance"] == 0.0
