@@ -14,12 +14,14 @@ QUICK = ("--nodes", "4", "--no-metrics", "--timeout", "300")
 def test_survivors_of_a_sigkill_under_allreduce_never_wait_out_the_link_deadline(tmp_path):
     """A killed node's connections are refused at once: the survivors' longest step stays far under
     the default link deadline (10 s), whichever moment of a ring round the kill hits."""
-    report = launch(tmp_path, *QUICK, "--algorithm", "allreduce", "--steps", "300", "--kill", "1@100")
+    report = launch(tmp_path, *QUICK, "--algorithm", "allreduce", "--steps", "160", "--kill", "1@60")
     assert report["config"]["link_deadline"] == 10.0
     survivors = [n for n in report["nodes"] if n["rank"] != 1]
     assert all(n["outcome"] == "done" for n in survivors)
     longest = max(n["max_step_seconds"] for n in survivors)
-    assert longest < 3.0, f"a survivor's step took {longest:.2f} s: it waited for the dead node"
+    # waiting out the deadline takes >= 10 s; a busy machine's slow step, a few seconds at most
+    assert longest < 0.6 * report["config"]["link_deadline"], f"a survivor's step took {longest:.2f} s: it waited " \
+                                                               "for the dead node"
 
 
 @pytest.mark.slow  # 40-50 s each
