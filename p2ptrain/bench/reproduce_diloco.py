@@ -160,6 +160,9 @@ def add_arguments(parser) -> None:
                              "synthetic)")
     parser.add_argument("--nodes", type=int, default=8, help="cluster size (default 8)")
     parser.add_argument("--steps", type=int, default=300, help="training steps per run (default 300)")
+    parser.add_argument("--diloco-steps", type=int, default=None,
+                        help="steps of every run but AllReduce's (default --steps): DiLoCo's steps are cheaper, so "
+                             "time to AllReduce's final quality may need more of them")
     parser.add_argument("--variants", default=None,
                         help=f"comma-separated subset of {keys} (synthetic) or {lm_keys} (char-lm) (default all)")
     parser.add_argument("--link", default=LINK, help=f"emulated links of every node (default {LINK})")
@@ -230,7 +233,7 @@ def main(args) -> int:
     table = task.variants
     keys = [k.strip() for k in (args.variants or ",".join(table)).split(",") if k.strip()]
     unknown = [k for k in keys if k not in table]
-    if unknown or not keys or args.nodes < 2 or args.steps < 1 or 50 % args.fragments:
+    if unknown or not keys or args.nodes < 2 or args.steps < 1 or (args.diloco_steps or 1) < 1 or 50 % args.fragments:
         print(f"p2ptrain reproduce diloco: choose --task {task.name} variants from {', '.join(table)}, --nodes >= 2, "
               "--steps >= 1 and --fragments dividing 50", file=sys.stderr)
         return 2
@@ -241,12 +244,13 @@ def main(args) -> int:
         name, flags = table[key]
         link = args.link + (",drop=0.2" if key in FAULTY else "")
         stalls = [task.stall] if key in FAULTY and task.stall else []
+        steps = args.steps if key == "allreduce" else args.diloco_steps or args.steps
         print(f"  running {name} ...", file=sys.stderr, flush=True)
         launched = time.time()
-        run = run_variant(name, args.nodes, args.steps, [*flags, "--link", link, *task.node_args], out,
+        run = run_variant(name, args.nodes, steps, [*flags, "--link", link, *task.node_args], out,
                           timeout=args.timeout, echo=lambda text: print(text, file=sys.stderr), stalls=stalls,
                           script=task.script)
-        row = Row(key, name, run, syncs=_syncs(flags, args.steps, args.nodes))
+        row = Row(key, name, run, syncs=_syncs(flags, steps, args.nodes))
         if not run.error:
             _measure(row, variant_dir(out, name), args.nodes, launched, evaluator, keep=args.keep_snapshots)
         rows[key] = row
