@@ -175,6 +175,7 @@ def build_report(out_dir: Path | RunFiles, nodes: int, config: dict | None, wall
         "total_bytes_sent": _sum(_numbers(summaries, "bytes_sent")),
         "total_bytes_received": _sum(_numbers(summaries, "bytes_received")),
         "mean_step_seconds": _mean(_numbers(summaries, "mean_step_seconds")),
+        **step_times(summaries),
     }
     loss_history = {
         str(rank): [[r["step"], r["loss"]] for r in records if "step" in r and "loss" in r]
@@ -209,6 +210,19 @@ def build_report(out_dir: Path | RunFiles, nodes: int, config: dict | None, wall
         except (OSError, ValueError) as exc:
             warnings.append(f"parameter server: cannot read {ps_path.name} ({exc})")
     return result
+
+
+def step_times(summaries: Sequence[dict]) -> dict[str, float | None]:
+    """The cluster's step times as users pay them, from the node summaries: after warm-up the mean
+    (what speed ratios use), p50 and p95 (each a mean over nodes) and the slowest step of any node;
+    and wall seconds per step, the slowest node's training time (warm-up included, evaluations
+    excluded) over its steps. A median alone hides the tail that a run's wall time includes."""
+    found = [s for s in summaries if s]
+    return {"steady_step_seconds": _mean(_numbers(found, "steady_step_seconds")),
+            "p50_step_seconds": _mean(_numbers(found, "median_step_seconds")),
+            "p95_step_seconds": _mean(_numbers(found, "p95_step_seconds")),
+            "max_step_seconds": _max(_numbers(found, "max_step_seconds")),
+            "wall_seconds_per_step": _max(_numbers(found, "mean_step_seconds"))}
 
 
 def merge_run(folders: Sequence[Path], out_dir: Path | None = None, nodes: int | None = None) -> dict:
@@ -389,6 +403,10 @@ def _mean(values: list[float]) -> float | None:
 
 def _min(values: list[float]) -> float | None:
     return min(values) if values else None
+
+
+def _max(values: list[float]) -> float | None:
+    return max(values) if values else None
 
 
 def _sum(values: list[float]) -> float | None:

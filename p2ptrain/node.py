@@ -271,7 +271,10 @@ class Node:
         if links is not None and links.scheduled:  # link bursts: this node's links follow its own steps
             links.at_step(optimizer.local_step)
             optimizer.add_step_listener(lambda done: links.at_step(done.local_step))
-        self.recorder.snapshot(optimizer.local_step, optimizer.state_vector.parameter_vector())  # the start
+        model = optimizer.state_vector.parameter_vector()
+        self.recorder.snapshot(optimizer.local_step, model)  # the start
+        if self._metrics_server is not None:  # draws the projection's directions now, not in a timed step
+            self.metrics.set_model_projection(self.model_projection(model))
         self.clock.restart()
 
     def report(self, step: int, **scalars: float) -> None:
@@ -296,7 +299,7 @@ class Node:
         if "ps_weight" in stats:
             self.metrics.set_ps_weight(stats["ps_weight"])
         model = optimizer.state_vector.parameter_vector()
-        if step % self.config.log_every == 0:
+        if step % self.config.log_every == 0 and self._metrics_server is not None:  # only Prometheus reads it
             self.metrics.set_model_projection(self.model_projection(model))
         extra = {"ps_weight": stats["ps_weight"]} if "ps_weight" in stats else {}
         if step % self.config.log_every == 0:

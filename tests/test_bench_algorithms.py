@@ -58,11 +58,12 @@ def test_bench_algorithms_runs_variants_over_emulated_links(tmp_path):
     assert [r["name"] for r in rows] == ["allreduce", "sgp-tau1", "pipesgd-int8"]
     for row in rows:
         assert row["error"] is None and row["step_seconds"] > 0.002  # 2 ms latency per hop at least
+        assert row["step_p50"] <= row["step_p95"] <= row["step_max"] and row["wall_per_step"] > 0.002
         assert "--link" in row["args"]
     by_name = {r["name"]: r for r in rows}
     # int8 ring hops carry a quarter of the float32 bytes of plain all-reduce
     assert by_name["pipesgd-int8"]["bytes_per_step"] < 0.3 * by_name["allreduce"]["bytes_per_step"]
-    assert "x AR" in table and "1.00" in table
+    assert "x AR" in table and "1.00" in table and "mean step ms" in table and "wall/step" in table
 
 
 def test_bench_algorithms_rejects_unknown_variant(tmp_path):

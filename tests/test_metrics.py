@@ -201,3 +201,30 @@ def test_node_serves_metrics_on_its_listen_host(metrics_host, bound):
         assert all(reachable.values()), reachable
     else:
         assert not any(reachable.values()), reachable
+
+
+@pytest.mark.parametrize("served", [True, False])
+def test_the_model_projection_is_drawn_at_attach_and_only_for_a_served_endpoint(served):
+    """The projection's random directions are drawn when the optimizer attaches, not in a timed
+    step; a node that serves no /metrics computes no projection at all (nobody reads it)."""
+    from launcher.ports import free_ports
+    from p2ptrain.node import Node
+    from p2ptrain.settings import NodeConfig
+    from p2ptrain.train.optimizer import DecentralizedOptimizer
+
+    flags = {"listen": f"127.0.0.1:{free_ports(1)[0]}", "device": "cpu", "log_every": 1}
+    config = NodeConfig.from_sources(env={}, flags={**flags, **({"metrics_port": 0} if served else {})})
+
+    def projection(node) -> list[float]:
+        return [s.value for m in node.metrics.registry.collect() if m.name == "p2ptrain_model_projection"
+                for s in m.samples]
+
+    with Node(config) as node:
+        model = torch.nn.Linear(3, 2)
+        optimizer = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model, node=node)
+        at_attach = projection(node)
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+        after_step = projection(node)
+    assert len(at_attach) == (4 if served else 0)
+    assert len(after_step) == len(at_attach) and (not served or after_step != at_attach)

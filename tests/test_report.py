@@ -55,6 +55,28 @@ def test_two_host_folders_give_the_report_of_one_folder(run, tmp_path, capsys):
     assert merged["history"] == launched["history"] and merged["warnings"] == [] and merged["config"] == {}
 
 
+def test_the_cluster_step_times_are_those_of_the_node_summaries(run):
+    """report.json's cluster gives what users pay: the mean step after warm-up, p50, p95, the
+    slowest step and wall seconds per step, each from the nodes' summaries (which hold them per node)."""
+    nodes, cluster = report_of(run)["nodes"], report_of(run)["cluster"]
+
+    def mean(key):
+        return sum(n[key] for n in nodes) / len(nodes)
+
+    assert cluster["steady_step_seconds"] == pytest.approx(mean("steady_step_seconds"))
+    assert cluster["p50_step_seconds"] == pytest.approx(mean("median_step_seconds"))
+    assert cluster["p95_step_seconds"] == pytest.approx(mean("p95_step_seconds"))
+    assert cluster["max_step_seconds"] == max(n["max_step_seconds"] for n in nodes)
+    assert cluster["wall_seconds_per_step"] == max(n["mean_step_seconds"] for n in nodes)
+    for node in nodes:
+        assert 0 < node["median_step_seconds"] <= node["p95_step_seconds"] <= node["max_step_seconds"]
+        assert node["steady_step_seconds"] <= node["max_step_seconds"]
+
+
+def test_step_times_of_no_summaries_are_none():
+    assert set(run_report.step_times([{}, None]).values()) == {None}
+
+
 def test_redrawing_a_launch_folder_keeps_what_only_the_launcher_knew(run, tmp_path):
     folder = tmp_path / "again"
     shutil.copytree(run, folder)

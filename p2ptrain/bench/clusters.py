@@ -19,7 +19,7 @@ class VariantResult:
     args: list[str]
     nodes: int
     steps: int
-    step_seconds: float          # steady-state mean over nodes
+    step_seconds: float          # mean step time after warm-up, mean over nodes (what ratios use)
     bytes_per_step: float        # payload bytes sent per step per node
     test_accuracy: float         # mean over nodes
     min_test_accuracy: float
@@ -27,6 +27,10 @@ class VariantResult:
     wall_seconds: float
     error: str | None = None
     final_loss: float = math.nan  # mean over nodes of the training loss of the last steps
+    step_p50: float = math.nan    # median step time after warm-up, mean over nodes
+    step_p95: float = math.nan    # 95th percentile step time after warm-up, mean over nodes
+    step_max: float = math.nan    # the slowest step after warm-up of any node
+    wall_per_step: float = math.nan  # the slowest node's training seconds (warm-up included) over its steps
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -42,6 +46,7 @@ def run_variant(name: str, nodes: int, steps: int, node_args: list[str], out_dir
     handed to it as P2PTRAIN_<SETTING> variables."""
     from launcher import run_local_cluster
     from launcher.local import ClusterError, fault_plan, parameter_server_cluster, script_cluster
+    from launcher.report import step_times
 
     run_dir = variant_dir(out_dir, name)
     if run_dir.exists():
@@ -73,9 +78,12 @@ def run_variant(name: str, nodes: int, steps: int, node_args: list[str], out_dir
         values = [s[key] for s in summaries if isinstance(s.get(key), (int, float))]
         return sum(values) / len(values) if values else math.nan
 
+    times = step_times(summaries)
     result = VariantResult(
         name=name, args=args, nodes=nodes, steps=steps,
-        step_seconds=mean("steady_step_seconds"),
+        step_seconds=nan_if_none(times["steady_step_seconds"]),
+        step_p50=nan_if_none(times["p50_step_seconds"]), step_p95=nan_if_none(times["p95_step_seconds"]),
+        step_max=nan_if_none(times["max_step_seconds"]), wall_per_step=nan_if_none(times["wall_seconds_per_step"]),
         bytes_per_step=mean("bytes_sent") / steps,
         test_accuracy=mean("test_accuracy"),
         min_test_accuracy=min((s["test_accuracy"] for s in summaries if s.get("test_accuracy") is not None),
@@ -107,6 +115,10 @@ def print_table(rows: list[list[str]], headers: list[str], stream=sys.stdout) ->
     print("  ".join("-" * w for w in widths), file=stream)
     for row in rows:
         print(line(row), file=stream)
+
+
+def nan_if_none(value: float | None) -> float:
+    return math.nan if value is None else value
 
 
 def fmt(value, pattern: str = "{:.3f}") -> str:

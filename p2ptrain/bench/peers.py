@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from p2ptrain.bench.algorithms import VARIANTS as ALGORITHM_VARIANTS
-from p2ptrain.bench.clusters import fmt, print_table, variant_dir
+from p2ptrain.bench.clusters import fmt, nan_if_none, print_table, variant_dir
 
 BASELINE = "ddp"
 HIVEMIND = "hivemind"
@@ -238,7 +238,7 @@ class _Tail:
 
 def summarize(name: str, nodes: int, steps: int, run_dir: Path, report: dict) -> PeersResult:
     """The figures of one finished run, from the nodes' summaries and progress files."""
-    from launcher.report import load_progress
+    from launcher.report import load_progress, step_times
 
     summaries = [s for s in report["nodes"] if s]
 
@@ -254,10 +254,10 @@ def summarize(name: str, nodes: int, steps: int, run_dir: Path, report: dict) ->
     failed = sum(s.get("failed_rounds") or 0 for s in summaries)
     note = f"{failed} of {nodes * steps} averaging rounds failed" if failed else None
     last = curve[-1] if curve and curve[-1][0] == steps else None
-    return PeersResult(name=name, nodes=nodes, steps=steps, step_seconds=mean("steady_step_seconds"),
-                       step_p50=mean("median_step_seconds"), step_p95=mean("p95_step_seconds"),
-                       step_max=max(values("max_step_seconds"), default=math.nan),
-                       wall_per_step=last[1] / steps if last else math.nan,
+    times = {key: nan_if_none(value) for key, value in step_times(summaries).items()}
+    return PeersResult(name=name, nodes=nodes, steps=steps, step_seconds=times["steady_step_seconds"],
+                       step_p50=times["p50_step_seconds"], step_p95=times["p95_step_seconds"],
+                       step_max=times["max_step_seconds"], wall_per_step=last[1] / steps if last else math.nan,
                        cpu_seconds_per_step=mean("cpu_seconds_per_step"), bytes_per_step=mean("bytes_sent") / steps,
                        test_accuracy=mean("test_accuracy"), accuracy_curve=curve,
                        wall_seconds=report["cluster"].get("wall_seconds", math.nan), note=note)
