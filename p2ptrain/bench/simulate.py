@@ -57,6 +57,11 @@ def calls(record: dict, key: str, method: str) -> int:
     return record[key]["methods"].get(method, [0, 0])[0]
 
 
+def methods_of(records: list[dict], key: str) -> list[str]:
+    """The control methods any node had called by snapshot `key`."""
+    return sorted({m for r in records for m in r[key]["methods"]} - {DATA_METHOD})
+
+
 def mean(values) -> float:
     values = list(values)
     return sum(values) / len(values) if values else 0.0
@@ -74,6 +79,8 @@ def summarize(plan: Plan, parts: list[dict]) -> dict:
               for key, field in (("control_messages_per_node_step", "control_messages"),
                                  ("data_messages_per_node_step", "data_messages"),
                                  ("data_bytes_per_node_step", "data_bytes"))}
+    steady["control_calls_per_node"] = {m: mean(calls(r, "change_from", m) - calls(r, "steady_from", m)
+                                                for r in records) for m in methods_of(records, "change_from")}
     connections = {"channels_per_node": mean(r["change_from"]["channels"] for r in records),
                    "channels_max": max(r["change_from"]["channels"] for r in records),
                    "lane_connections_per_node": mean(r["change_from"]["lane_connections"] for r in records)}
@@ -117,7 +124,8 @@ def change(plan: Plan, records: list[dict]) -> dict | None:
         during = sum(per_node(records, "change_to", "change_from", field))
         before = sum(per_node(records, "change_from", "steady_from", field))
         cost[field + "_per_node"] = (during - before) / n
-    methods = sorted({m for r in records for m in r["change_to"]["methods"]} - {DATA_METHOD})
+        cost["baseline_" + field + "_per_node"] = before / n
+    methods = methods_of(records, "change_to")
     cost["calls_per_node"] = {m: sum(calls(r, "change_to", m) - 2 * calls(r, "change_from", m) +
                                      calls(r, "steady_from", m) for r in records) / n for m in methods}
     adopted = [r["adopted"] for r in records if r.get("adopted") is not None]
@@ -158,7 +166,8 @@ def plot(runs: list[dict], path: Path) -> None:
 
 
 def print_runs(runs: list[dict], stream=sys.stdout) -> None:
-    headers = ["n", "procs", "threads/proc", "start s", "start calls/node", "channels/node", "change calls/node",
+    headers = ["n", "procs", "threads/proc", "start s", "start calls/node", "channels/node", "steady calls/node/step",
+               "change calls/node",
                "change KB/node", "agree s", "mixed after", "theory", "|Σw-n|"]
     rows = []
     for run in runs:
@@ -166,6 +175,7 @@ def print_runs(runs: list[dict], stream=sys.stdout) -> None:
         rows.append([run["nodes"], run["processes"], run["threads_per_process"], fmt(run["start_seconds"], "{:.1f}"),
                      fmt(run["startup"]["control_messages_per_node"], "{:.1f}"),
                      fmt(run["connections"]["channels_per_node"], "{:.1f}"),
+                     fmt(run["steady"]["control_messages_per_node_step"], "{:.2f}"),
                      fmt(moved.get("control_messages_per_node"), "{:.1f}"),
                      fmt(moved.get("control_bytes_per_node", 0) / 1e3, "{:.1f}"),
                      fmt(moved.get("agreement_seconds"), "{:.2f}"), fmt(dist["mixing_steps"], "{} steps"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import faulthandler
+import gc
 import resource
 import signal
 import sys
@@ -28,6 +29,9 @@ from p2ptrain.train.optimizer import DecentralizedOptimizer
 from p2ptrain.transport import Transport, TransportOptions
 
 DATA_METHOD = "PushTensor"  # every other gRPC method is membership or control
+# Python's cyclic GC: with dozens of nodes a process holds millions of objects, and full collections
+# took a third of its CPU at 64 nodes per process (perf), starving the loops. Collected rarely here.
+GC_THRESHOLDS = (100_000, 50, 1000)
 WATCH_SECONDS = 0.005       # how often the watcher reads the nodes' views (the agreement time's resolution)
 # A busy 2-core machine hosting a hundred nodes: long deadlines, so a slow peer is waited for, not
 # declared dead (that would be a membership change of its own, and lost mass against the theory);
@@ -144,20 +148,28 @@ def host(plan: Plan, ranks: list[int]) -> dict:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # every node holds a channel to every peer
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where a slow process waits
+    gc.freeze()  # (what is imported by now lives to the end: never scanned again)
+    gc.set_threshold(*GC_THRESHOLDS)
     torch.set_num_threads(1)
     began = time.time()
     transports: list[Transport] = []
     comms: list[Communicator] = []
     watcher = None
+    pool = concurrent.futures.ThreadPoolExecutor(len(ranks), thread_name_prefix="node")
     try:
         for rank in ranks:
             transports.append(Transport(rank, plan.nodes, list(plan.peers), listen=plan.peers[rank], options=OPTIONS,
                                         metrics=NodeMetrics(rank, "sgp")).start())
         comms = [Communicator(t, "cpu", peer_timeout=plan.timeout) for t in transports]
         watcher = ViewWatcher(transports, plan.leaver)
-        with concurrent.futures.ThreadPoolExecutor(len(ranks), thread_name_prefix="node") as pool:
-            futures = [pool.submit(run_node, plan, comm) for comm in comms]
-            records = [future.result(timeout=plan.timeout) for future in futures]
+        futures = [pool.submit(run_node, plan, comm) for comm in comms]
+        done, _ = concurrent.futures.wait(futures, plan.timeout, return_when=concurrent.futures.FIRST_EXCEPTION)
+        for future in done:  # the first failure ends the run at once (the finally stops every node)
+            if future.exception() is not None:
+                raise future.exception()
+        if len(done) < len(futures):
+            raise TimeoutError(f"{len(futures) - len(done)} nodes of {ranks[:3]}... unfinished after {plan.timeout}s")
+        records = [future.result() for future in futures]
         watcher.stop()
         print(f"nodes {ranks[0]}, {ranks[1] if len(ranks) > 1 else ''}...: done in {time.time() - began:.1f}s",
               file=sys.stderr, flush=True)
@@ -171,6 +183,7 @@ def host(plan: Plan, ranks: list[int]) -> dict:
             transport.stop()
         for comm in comms:
             comm.close()
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 __all__ = ["DATA_METHOD", "OPTIONS", "Plan", "Vector", "counters", "host", "run_node"]
