@@ -83,7 +83,14 @@ class NodeMetrics:
                                       "Model projected on fixed random unit directions (the same on every "
                                       "node): stddev across nodes per direction estimates the consensus "
                                       "distance", ["node", "direction"], registry=r)
+        self.rpc_calls = Counter("p2ptrain_rpc_calls", "gRPC calls this node made, by method (Hello: greetings, "
+                                 "probes and views; Settle; PushTensor: tensors not sent over a lane)",
+                                 ["node", "method"], registry=r)
+        self.rpc_bytes = Counter("p2ptrain_rpc_bytes", "Bytes of the requests of those calls (a push: its payload)",
+                                 ["node", "method"], registry=r)
         # Plain running totals: cheap to read for progress lines without walking the registry.
+        self.rpc_totals: dict[str, list[int]] = {}  # method -> [calls, bytes] (the simulation reads them)
+        self.messages_sent_total = 0
         self.bytes_sent_total = 0
         self.bytes_received_total = 0
         self.dropped_total = 0
@@ -93,6 +100,7 @@ class NodeMetrics:
     def on_sent(self, peer: int, nbytes: int) -> None:
         self.sent_bytes.labels(self.node, str(peer)).inc(nbytes)
         self.sent_messages.labels(self.node, str(peer)).inc()
+        self.messages_sent_total += 1
         self.bytes_sent_total += nbytes
 
     def on_received(self, peer: int, nbytes: int) -> None:
@@ -110,6 +118,14 @@ class NodeMetrics:
     def on_reachability(self, reachability: int) -> None:
         """0 unknown, 1 public, 2 private (the proto's Reachability)."""
         self.reachability.labels(self.node).set(reachability)
+
+    def on_rpc(self, method: str, nbytes: int) -> None:
+        """A gRPC call of `method` ("Hello", "Settle", ...) with an `nbytes` request left this node."""
+        self.rpc_calls.labels(self.node, method).inc()
+        self.rpc_bytes.labels(self.node, method).inc(nbytes)
+        totals = self.rpc_totals.setdefault(method, [0, 0])
+        totals[0] += 1
+        totals[1] += nbytes
 
     def on_lane_message(self, peer: int) -> None:
         self.lane_messages.labels(self.node, str(peer)).inc()

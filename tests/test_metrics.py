@@ -105,6 +105,19 @@ def test_scrape_reflects_later_changes(served):
     assert s['p2ptrain_sent_bytes_total{node="0",peer="3"}'] == 10.0
 
 
+def test_rpc_calls_are_counted_by_method(served):
+    """What membership costs: each gRPC call the node makes, by method, with its request bytes."""
+    metrics, port = served
+    metrics.on_rpc("Hello", 120)
+    metrics.on_rpc("Hello", 80)
+    metrics.on_rpc("Settle", 9)
+    s = scrape(port)
+    assert s['p2ptrain_rpc_calls_total{method="Hello",node="0"}'] == 2.0
+    assert s['p2ptrain_rpc_bytes_total{method="Hello",node="0"}'] == 200.0
+    assert s['p2ptrain_rpc_calls_total{method="Settle",node="0"}'] == 1.0
+    assert metrics.rpc_totals == {"Hello": [2, 200], "Settle": [1, 9]}
+
+
 def test_two_nodes_in_one_process_do_not_share_series():
     a, b = NodeMetrics(0, "sgp"), NodeMetrics(1, "sgp")
     a.on_sent(1, 100)

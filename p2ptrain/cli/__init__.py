@@ -1,4 +1,4 @@
-"""The `p2ptrain` command: node, ps, launch, compose, kubernetes, report, health, pki, bench, reproduce.
+"""The `p2ptrain` command: node, ps, launch, compose, kubernetes, report, health, pki, bench, reproduce, simulate.
 
   p2ptrain node    run one node (flags, env RANK/WORLD_SIZE/P2PTRAIN_*, or --config FILE.toml; a GEM worker)
   p2ptrain ps      run a parameter server for --world-size workers (GEM, seed 001)
@@ -8,8 +8,8 @@
   p2ptrain report  (re)build a run's report.json and plot.png from its folder, or merge one folder per host
   p2ptrain health  ask a node or parameter server whether it is serving (grpc.health.v1); exit 0 if so
   p2ptrain pki     make a run's CA and per-node certificates (mutual TLS: a node speaks only as itself)
-  p2ptrain bench   benchmarks (transport, algorithms, peers)
-  p2ptrain reproduce  re-run a figure of the source documents (relaysgd, gem, diloco)
+  p2ptrain bench   benchmarks (transport, algorithms, peers); reproduce: a figure of the sources (relaysgd, gem, ...)
+  p2ptrain simulate  many logical nodes in a few processes: membership costs per node as n grows
 """
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ import logging
 import signal
 import sys
 
-from p2ptrain.cli import bench, compose, health, kubernetes, launch, node, pki, ps, report, reproduce
+from p2ptrain.cli import bench, compose, health, kubernetes, launch, node, pki, ps, report, reproduce, simulate
 from p2ptrain.cli.flags import config_from_args, node_flags_as_argv
 from p2ptrain.exit_codes import EXIT_CONFIG
 from p2ptrain.settings import ConfigError
 
 # One module per subcommand: add_parser(subparsers) declares it, its run(args) runs it (importing
 # torch-heavy modules only there, so that `p2ptrain --help` stays fast).
-COMMANDS = (node, ps, launch, compose, kubernetes, report, health, pki, bench, reproduce)
+COMMANDS = (node, ps, launch, compose, kubernetes, report, health, pki, bench, reproduce, simulate)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -87,7 +87,8 @@ class Transport:
         # Paths out: gRPC always, the lane unless data_plane is grpc, through emulated links if any.
         links = options.links if options.links is not None and not options.links.is_noop else None
         self.links = EmulatedLinks(links, rank, metrics) if links is not None else None
-        self.grpc = GrpcPath(addresses, options.channel_options(), options.chunk_bytes, options.security, rank)
+        self.grpc = GrpcPath(addresses, options.channel_options(), options.chunk_bytes, options.security, rank,
+                            metrics=metrics)
         self.lane_ports = LanePorts(rank, required=options.data_plane == "tcp", retry_after=options.relay_retry_after) \
             if options.data_plane != "grpc" else None
         self.routes = RouteTable(rank, world_size, parse_relay_routes(options.relay_routes, world_size),

@@ -91,8 +91,9 @@ class PeerClient:
     the call goes out: a call that may wait for the peer first waits for the channel to be ready."""
 
     def __init__(self, address: str, options: list[tuple[str, object]], chunk_bytes: int,
-                 security: Security = PLAINTEXT, *, sender: int | str = 0, receiver: int | str = 0):
+                 security: Security = PLAINTEXT, *, sender: int | str = 0, receiver: int | str = 0, metrics=None):
         self.address = address
+        self.metrics = metrics  # counts each call by method (NodeMetrics.on_rpc): what membership costs
         self.chunk_bytes = chunk_bytes
         self.channel = security.aio_channel(address, options)
         self.security = security
@@ -139,6 +140,7 @@ class PeerClient:
 
         timeout = await self.ready(timeout, wait_for_ready)
         sent = time.monotonic()
+        self.count(PUSH_METHOD, len(payload))
         try:
             return await self._push(chunks(), timeout=timeout, wait_for_ready=wait_for_ready,
                                     metadata=self.metadata(PUSH_METHOD))
@@ -166,10 +168,16 @@ class PeerClient:
     async def _unary(self, stub, method: str, request, timeout: float | None, wait_for_ready: bool):
         """One unary call with a fresh proof; SendFailure if it fails."""
         sent = time.monotonic()
+        self.count(method, request.ByteSize())
         try:
             return await stub(request, timeout=timeout, wait_for_ready=wait_for_ready, metadata=self.metadata(method))
         except grpc.aio.AioRpcError as exc:
             raise await self.failure(exc, sent) from None
+
+    def count(self, method: str, nbytes: int) -> None:
+        """One call of `method` sending `nbytes` (the request; a push's payload) leaves this node."""
+        if self.metrics is not None:
+            self.metrics.on_rpc(method.rsplit("/", 1)[1], nbytes)
 
     async def failure(self, exc: grpc.aio.AioRpcError, sent: float) -> SendFailure:
         """failure_of; but a refused proof made a window or more ago (the call waited for a peer
@@ -240,8 +248,9 @@ class GrpcPath:
     name = "grpc"
 
     def __init__(self, addresses: list[str], options: list[tuple[str, object]], chunk_bytes: int,
-                 security: Security = PLAINTEXT, rank: int = 0):
-        self.rank = rank  # this node: the sender named in every call's auth proof
+                 security: Security = PLAINTEXT, rank: int = 0, metrics=None):
+        self.rank = rank
+        self.metrics = metrics  # this node: the sender named in every call's auth proof
         self.addresses = addresses  # shared with the node (rank order; "" until a joiner is heard of)
         self.options = options
         self.chunk_bytes = chunk_bytes
@@ -277,7 +286,8 @@ class GrpcPath:
         client = self._clients.get(peer)
         if client is None:
             client = self._clients[peer] = PeerClient(self.addresses[peer], self.options, self.chunk_bytes,
-                                                      self.security, sender=self.rank, receiver=peer)
+                                                      self.security, sender=self.rank, receiver=peer,
+                                                      metrics=self.metrics)
         return client
 
     def fresh_client(self, peer: int) -> PeerClient:
@@ -286,7 +296,7 @@ class GrpcPath:
         if not self.addresses[peer]:
             raise SendFailure(FailureKind.UNREACHABLE, f"no address known for node {peer}")
         return PeerClient(self.addresses[peer], self.options + [("grpc.use_local_subchannel_pool", 1)],
-                          self.chunk_bytes, self.security, sender=self.rank, receiver=peer)
+                          self.chunk_bytes, self.security, sender=self.rank, receiver=peer, metrics=self.metrics)
 
     async def connects(self, peer: int, timeout: float) -> bool:
         """Whether a direct connection to `peer` opens within `timeout` (the channel, not a call)."""
@@ -295,6 +305,11 @@ class GrpcPath:
             return True
         except (asyncio.TimeoutError, grpc.RpcError, grpc.aio.UsageError, OSError):
             return False
+
+    @property
+    def channels(self) -> int:
+        """Channels this node holds open to its peers (one per peer it ever called directly)."""
+        return len(self._clients)
 
     async def push(self, peer: int, header: pb.TensorHeader, payload: memoryview, timeout: float,
                    wait_for_ready: bool = True) -> pb.Ack:

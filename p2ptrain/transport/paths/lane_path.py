@@ -274,6 +274,11 @@ class LanePath:
             raise SendFailure(later, f"{ack.reason}: {ack.detail}")
         return ack
 
+    @property
+    def connections(self) -> int:
+        """Lane connections this node holds open (idle in the pool or carrying a message)."""
+        return len(self._all)
+
     def _pooled(self, peer: int, port: int) -> LaneConnection | None:
         """The most recently used idle connection to `peer`'s lane at `port` still worth using
         (closes stale ones, and those to a lane the peer no longer advertises)."""
