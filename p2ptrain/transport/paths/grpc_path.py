@@ -249,8 +249,8 @@ class GrpcPath:
 
     def __init__(self, addresses: list[str], options: list[tuple[str, object]], chunk_bytes: int,
                  security: Security = PLAINTEXT, rank: int = 0, metrics=None):
-        self.rank = rank
-        self.metrics = metrics  # this node: the sender named in every call's auth proof
+        self.rank = rank  # this node: the sender named in every call's auth proof
+        self.metrics = metrics  # counts the calls by method (NodeMetrics.on_rpc)
         self.addresses = addresses  # shared with the node (rank order; "" until a joiner is heard of)
         self.options = options
         self.chunk_bytes = chunk_bytes
