@@ -382,7 +382,8 @@ def _observe_everything(metrics) -> None:
     """Call every public observation method once, so each labelled series has a sample."""
     samples = {"peer": 1, "next_hop": 2, "worker": 0, "nbytes": 100, "step": 3, "seconds": 0.02, "loss": 0.5,
                "reason": "stale", "weight": 1.0, "values": [0.1, -0.2], "up": True, "live_peers": 2,
-               "staleness": 1, "version": 4, "pi_median": 0.9, "workers_done": 1, "reachability": 1, "via": -1}
+               "staleness": 1, "version": 4, "pi_median": 0.9, "workers_done": 1, "reachability": 1, "via": -1,
+               "method": "Hello"}
     import inspect
 
     called = 0
