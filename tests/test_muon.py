@@ -3,9 +3,6 @@ as one torch optimizer that schedulers, checkpoints and the rings' state averagi
 from __future__ import annotations
 
 import copy
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +13,7 @@ from p2ptrain.settings import NodeConfig
 from p2ptrain.train.muon import MuonWithAdamW, muon_matrices
 from p2ptrain.train.optimizer_state import OptimizerStateVector
 from p2ptrain.train.setup import build_optimizer
-from tests.conftest import ROOT, node_env
+from tests.test_diloco import launch
 
 
 def mlp() -> nn.Module:
@@ -121,13 +118,8 @@ def test_inner_optimizer_muon_is_a_setting_with_adamws_learning_rate():
 @pytest.mark.timeout(300)
 def test_launch_diloco_with_muon_inside(tmp_path):
     """3 processes, DiLoCo H = 10 with Muon as the inner optimizer: same bits on every node, learned."""
-    out = tmp_path / "run"
-    argv = [sys.executable, "-m", "p2ptrain", "launch", "--nodes", "3", "--algorithm", "diloco", "--inner-steps",
-            "10", "--inner-optimizer", "muon", "--steps", "60", "--num-train", "3000", "--num-test", "500",
-            "--out", str(out), "--no-live", "--no-metrics", "--timeout", "200"]
-    proc = subprocess.run(argv, env=node_env(), capture_output=True, text=True, timeout=260, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summaries = [json.loads((out / f"node{r}.json").read_text()) for r in range(3)]
-    finals = [torch.load(out / f"node{r}.snapshots.pt")["params"][-1] for r in range(3)]
+    summaries = launch(tmp_path, "muon", 3, "--algorithm", "diloco", "--inner-steps", "10", "--inner-optimizer",
+                       "muon", "--steps", "60", "--num-train", "3000", "--num-test", "500")
+    finals = [torch.load(tmp_path / "muon" / f"node{r}.snapshots.pt")["params"][-1] for r in range(3)]
     assert all(torch.equal(f, finals[0]) for f in finals)
     assert min(s["test_accuracy"] for s in summaries) > 0.5

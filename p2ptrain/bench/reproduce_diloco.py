@@ -299,16 +299,25 @@ def report(rows: dict[str, Row], stream, *, language_model: bool = False) -> Non
         print(line, file=stream)
 
 
-def targets(rows: dict[str, Row]) -> list[str]:
-    """The issue's targets, each PASS/MISS with its numbers (only where both runs are here)."""
-    def ok(key: str) -> Row | None:
-        row = rows.get(key)
+class Verdicts:
+    """PASS/MISS lines about the rows that ran without error."""
+
+    def __init__(self, rows: dict[str, Row]):
+        self.rows = rows
+        self.lines: list[str] = []
+
+    def ok(self, key: str) -> Row | None:
+        row = self.rows.get(key)
         return row if row is not None and not row.run.error else None
 
-    lines = []
+    def check(self, passed: bool, text: str) -> None:
+        self.lines.append(f"{'PASS' if passed else 'MISS'}  {text}")
 
-    def check(passed: bool, text: str) -> None:
-        lines.append(f"{'PASS' if passed else 'MISS'}  {text}")
+
+def targets(rows: dict[str, Row]) -> list[str]:
+    """The issue's targets, each PASS/MISS with its numbers (only where both runs are here)."""
+    verdicts = Verdicts(rows)
+    ok, check, lines = verdicts.ok, verdicts.check, verdicts.lines
 
     base, h50 = ok("allreduce"), ok("diloco-h50")
     if base and h50:
@@ -351,14 +360,8 @@ def targets(rows: dict[str, Row]) -> list[str]:
 def lm_targets(rows: dict[str, Row]) -> list[str]:
     """Issue 26's targets on the language model, each PASS/MISS with its numbers (only where the
     runs they compare are here). Relative losses are (variant - reference) / reference."""
-    def ok(key: str) -> Row | None:
-        row = rows.get(key)
-        return row if row is not None and not row.run.error else None
-
-    lines = []
-
-    def check(passed: bool, text: str) -> None:
-        lines.append(f"{'PASS' if passed else 'MISS'}  {text}")
+    verdicts = Verdicts(rows)
+    ok, check, lines = verdicts.ok, verdicts.check, verdicts.lines
 
     def gap(row: Row, reference: Row) -> float:
         return (row.val_loss - reference.val_loss) / reference.val_loss
