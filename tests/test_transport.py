@@ -709,3 +709,20 @@ def test_readiness_barrier_waits_for_setup_and_survives_a_peer_that_already_left
         start = time.monotonic()
         a.membership.wait_for_peers(timeout=20, require_ready=True)  # b is gone, but it said it was ready
         assert time.monotonic() - start < 5
+
+
+def test_a_first_push_waiting_for_a_peer_to_come_up_ends_when_it_is_declared_dead():
+    """A push to a peer never reached yet waits for it to come up (nodes start in any order), up to
+    the send timeout; once the peer is declared dead that wait ends at once (a ring's failed call
+    fenced on such a push had waited 19 s for a crashed member)."""
+    with nodes(2, options=dataclasses.replace(FAST, send_timeout=30.0)) as t:
+        t[1].stop()
+        on_loop(t[0], lambda: t[0].sender.greetings.reached.discard(1))  # never reached: it waits for it
+        push = t[0].sender.send(1, torch.ones(4), kind=KIND, step=0, reliable=True)
+        time.sleep(0.5)
+        assert not push.done()
+        declared = time.monotonic()
+        on_loop(t[0], lambda: t[0].sender.liveness.mark_dead(1, "a test"))
+        with pytest.raises(PeerError):
+            push.result(20)
+        assert time.monotonic() - declared < 5.0  # not the 30 s send timeout

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import secrets
@@ -55,6 +56,9 @@ class Sender:
         self._outstanding: dict[int, dict[int, concurrent.futures.Future]] = {p: {} for p in range(world_size)}
         self._unsettled: dict[int, dict[int, asyncio.Future]] = {}
         self._settling: set[int] = set()
+        # pushes waiting for a peer to come up (wait_for_ready), ended when it is declared dead
+        self._waiting: dict[int, set[asyncio.Future]] = {}
+        liveness.subscribe(self._peer_news)
 
     def send(self, peer: int, tensor: torch.Tensor, *, kind: int, step: int, ps_weight: float = 0.0,
              relay_count: float = 0.0, channel: str = "", codec: int = pb.CODEC_NONE,
@@ -89,6 +93,36 @@ class Sender:
         future.add_done_callback(lambda _: outstanding.pop(header.message_id, None))
         return future
 
+    async def _unless_dead(self, peer: int, push) -> pb.Ack | None:
+        """`push`'s Ack, or None once `peer` is declared dead first: a push that waits for a peer to
+        come up (its first contact) would otherwise wait out the send timeout for a dead one."""
+        task = asyncio.ensure_future(push)
+        dead = asyncio.get_running_loop().create_future()
+        waiting = self._waiting.setdefault(peer, set())
+        waiting.add(dead)
+        try:
+            await asyncio.wait([task, dead], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiting.discard(dead)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+
+    def _peer_news(self) -> None:
+        """A peer was declared dead or alive (Liveness listener, any thread): end the waits for the dead."""
+        if self._waiting:
+            with contextlib.suppress(RuntimeError):  # (the loop has stopped: nothing waits any more)
+                self.loop.call_soon(self._end_waits_for_dead)
+
+    def _end_waits_for_dead(self) -> None:
+        for peer, waiting in self._waiting.items():
+            if not self.liveness.alive(peer):
+                for dead in waiting:
+                    if not dead.done():
+                        dead.set_result(None)
+
     def outstanding(self, peer: int) -> list[concurrent.futures.Future]:
         """Futures of our sends to `peer` not acknowledged yet, oldest first."""
         return list(self._outstanding[peer].values())
@@ -109,7 +143,10 @@ class Sender:
             remaining = max(0.05, deadline - time.monotonic())
             try:  # direct or through relays (declared, or when the peer proves unreachable): the router
                 attempted = True
-                ack = await self.router.push(peer, header, payload, reliable, remaining, wait_for_ready=wait)
+                push = self.router.push(peer, header, payload, reliable, remaining, wait_for_ready=wait)
+                ack = await (self._unless_dead(peer, push) if wait else push)
+                if ack is None:
+                    continue  # declared dead while we waited for it to come up: the check above ends it
                 break
             except (MessageDropped, LinkUnreachable):
                 raise  # the emulated link lost it, or is down with no relay: it was never delivered
