@@ -168,7 +168,8 @@ class PeerClient:
     async def _unary(self, stub, method: str, request, timeout: float | None, wait_for_ready: bool):
         """One unary call with a fresh proof; SendFailure if it fails."""
         sent = time.monotonic()
-        self.count(method, request.ByteSize())
+        if self.metrics is not None:  # (sizing a request costs a pass over it: only when counted)
+            self.count(method, request.ByteSize())
         try:
             return await stub(request, timeout=timeout, wait_for_ready=wait_for_ready, metadata=self.metadata(method))
         except grpc.aio.AioRpcError as exc:
