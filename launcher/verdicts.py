@@ -113,9 +113,11 @@ def finite(out_dir: Path, report: dict) -> Verdict:
 
 def identical(report: dict) -> Verdict:
     """The state the algorithm keeps the same bits on every member (Algorithm.shared_state: a
-    ring's model, DiLoCo's anchor) has one digest across the final members. A node restarted so
-    late that its view switched at or after the run's last step never trained as a member: it took
-    a donor's state and ran the last steps alone, so it is not held to the members' bits."""
+    ring's model, DiLoCo's anchor) has one digest across the final members, and so has the inner
+    optimizer state where the algorithm keeps that equal too (rings averaging gradients). A node
+    restarted so late that its view switched at or after the run's last step never trained as a
+    member: it took a donor's state and ran the last steps alone, so it is not held to the
+    members' bits."""
     steps = report.get("config", {}).get("steps")
     members = [n for n in final_members(report)
                if not (isinstance(steps, int) and isinstance(n.get("start_step"), int) and n["start_step"] >= steps)]
@@ -123,7 +125,22 @@ def identical(report: dict) -> Verdict:
     if not any(states.values()):
         return Verdict("identical", True, "n/a: the algorithm keeps no state identical across members",
                        {"digests": {}})
-    missing = sorted(rank for rank, state in states.items() if not state)
+    figures, problem = _one_digest(states)
+    what = figures["what"]
+    optimizer_states = {n["rank"]: n["optimizer_state"] for n in members if n.get("optimizer_state")}
+    if optimizer_states:
+        figures["optimizer_state"], optimizer_problem = _one_digest(optimizer_states)
+        problem = problem or optimizer_problem
+        what += " and optimizer state"
+    if problem:
+        return Verdict("identical", False, problem, figures)
+    return Verdict("identical", True, f"{what} bit-identical on {len(states)} final members "
+                                      f"(sha256 {next(iter(figures['digests'].values()))[:12]})", figures)
+
+
+def _one_digest(states: dict[int, dict | None]) -> tuple[dict, str | None]:
+    """Figures of state digests by rank (Node.close: {name, sha256, numel}), and what is wrong
+    (None: one digest on every rank)."""
     digests = {rank: state["sha256"] for rank, state in states.items() if state}
     what = next(state["name"] for state in states.values() if state)
     groups: dict[str, list[int]] = {}
@@ -131,13 +148,13 @@ def identical(report: dict) -> Verdict:
         groups.setdefault(digest, []).append(rank)
     figures = {"what": what, "digests": {str(r): d[:16] for r, d in digests.items()}, "groups": len(groups),
                "numel": next(state["numel"] for state in states.values() if state)}
+    missing = sorted(rank for rank, state in states.items() if not state)
     if missing:
-        return Verdict("identical", False, f"no {what} digest from node(s) {missing}", figures)
+        return figures, f"no {what} digest from node(s) {missing}"
     if len(groups) > 1:
         parts = " vs ".join(f"nodes {ranks} {digest[:12]}" for digest, ranks in groups.items())
-        return Verdict("identical", False, f"{what} differs across final members: {parts}", figures)
-    return Verdict("identical", True, f"{what} bit-identical on {len(digests)} final members "
-                                      f"(sha256 {next(iter(groups))[:12]})", figures)
+        return figures, f"{what} differs across final members: {parts}"
+    return figures, None
 
 
 def mass(report: dict, faults: list[dict]) -> Verdict:

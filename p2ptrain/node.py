@@ -207,6 +207,9 @@ class Node:
                 algorithm = self.optimizer.algorithm
                 final = {k: v for k, v in algorithm.stats().items() if k == "ps_weight"}
                 shared = {"push_sum": algorithm.holds_mass, "shared_state": state_digest(algorithm.shared_state(model))}
+                optimizer_state = self.optimizer.optimizer_state
+                if algorithm.shares_optimizer_state and optimizer_state is not None:
+                    shared["optimizer_state"] = state_digest(("optimizer state", optimizer_state.vector()))
             final.update(bytes_sent=self.metrics.bytes_sent_total, bytes_received=self.metrics.bytes_received_total,
                          reach=self.reach())
             return self.recorder.finish({**self.summary(), **shared, **summary}, model, **final)

@@ -273,6 +273,9 @@ class _AllAlive:
     def dead(self):
         return frozenset()
 
+    def asking_for_state(self):
+        return frozenset()
+
     def peer_step(self, peer, heard_since=None):
         return None  # never heard from: the silent neighbour of _LateAcks
 

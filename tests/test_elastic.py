@@ -435,6 +435,35 @@ def test_a_switch_resync_gives_up_within_link_deadlines_when_a_member_of_its_rin
         assert 2 not in members
 
 
+@pytest.mark.parametrize("holders", [(0, 1, 2), (), (0, 1, 2, 3)])
+def test_a_switch_average_gives_nodes_that_took_a_donors_state_the_holders_mean_model_and_optimizer_state(holders):
+    """Issue 27 (full-state healing): at a switch, a node that took a donor's state (a restarted or
+    caught-up node: holds_state False) weighs 0 while some member holds the members' state, so every
+    member, it included, continues with exactly the holders' mean model and optimizer state; with
+    all or none holding it, the plain mean over all members as before. Then every node holds it."""
+    numel, state_numel = 1000, 2000
+    options = TransportOptions(send_timeout=20.0, link_deadline=5.0)
+
+    def body(rank, comm):
+        ring = MemberRing(comm, numel, torch.float32, state=(state_numel, torch.float32),
+                          holds_state=rank in holders)
+        comm.ready()
+        params = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+        state = torch.randn(state_numel, generator=torch.Generator().manual_seed(100 + rank))
+        averaged = ring.resync(params.clone(), step=0)
+        averaged_state = ring.resync_state(state.clone(), step=0)
+        return params, state, averaged, averaged_state, ring.holds_state, ring.resyncs
+
+    results = run_cluster(4, body, options=options, timeout=120)
+    weighed = holders if 0 < len(holders) < 4 else range(4)
+    for which, (value, mean) in enumerate([(0, 2), (1, 3)]):
+        expected = sum(results[r][value] for r in weighed) / len(weighed)
+        for r in range(4):
+            assert torch.equal(results[r][mean], results[0][mean]), f"node {r} ended apart ({which})"
+            torch.testing.assert_close(results[r][mean], expected, rtol=0, atol=1e-6)
+    assert all(r[4] and r[5] == 1 for r in results)
+
+
 # DiLoCo and gossip-DiLoCo take joins and leaves too ----------------------------------------------------
 
 def test_diloco_takes_a_joiner_and_lets_a_node_leave_ending_bit_identical():

@@ -424,3 +424,16 @@ def test_every_algorithm_survives_a_chaos_run_of_every_fault_kind(tmp_path, algo
     if algorithm in ("sgp", "gossip-diloco"):
         mass = judged["mass"]["figures"]
         assert mass["expected_low"] - 1e-6 <= mass["actual"] <= mass["expected_high"] + 1e-6
+
+
+def test_identical_also_compares_the_optimizer_state_digests_where_the_algorithm_keeps_them_equal(tmp_path):
+    """Rings averaging gradients report their optimizer state's digest (issue 27: torch.equal on
+    parameters and optimizer state): one differing node fails the verdict although the models agree."""
+    same = [{"rank": r, "shared_state": _digest("a"), "optimizer_state": _digest("c", "optimizer state")}
+            for r in range(3)]
+    verdict = verdicts.identical(write_run(tmp_path, same))
+    assert verdict.ok and verdict.detail.startswith("model and optimizer state bit-identical on 3")
+    assert verdict.figures["optimizer_state"]["groups"] == 1
+    differ = [*same[:2], {**same[2], "optimizer_state": _digest("d", "optimizer state")}]
+    verdict = verdicts.identical(write_run(tmp_path, differ))
+    assert not verdict.ok and verdict.detail.startswith("optimizer state differs across final members")

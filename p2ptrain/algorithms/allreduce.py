@@ -97,7 +97,7 @@ class AllReduceSGD(Algorithm):
         self.average = average
         self.codec = codec
         self.chunk_kb = chunk_kb
-        self.uses_gradients = average == "gradients"
+        self.uses_gradients = self.shares_optimizer_state = average == "gradients"
         self.buckets_mb = buckets_mb
         self.overlap = overlap
         self.allreduce = None
@@ -118,7 +118,7 @@ class AllReduceSGD(Algorithm):
     def setup(self, params: torch.Tensor) -> torch.Tensor:
         self.allreduce = MemberRing(self.comm, params.numel(), params.dtype, codec=self.codec,
                                     resync_deadline=self.comm.peer_timeout, chunk_bytes=self.chunk_kb * 1024,
-                                    state=self._optimizer_state)
+                                    state=self._optimizer_state, holds_state=self.comm.joined is None)
         if self.uses_gradients and self.buckets_mb > 0 and self._watched is not None:
             self.buckets = BucketedGradients(self.comm, self.allreduce, *self._watched,
                                              bucket_bytes=int(self.buckets_mb * 2**20), codec=self.codec)
@@ -189,8 +189,10 @@ class AllReduceSGD(Algorithm):
 
     def adopt_state(self, state: Received, params: torch.Tensor) -> torch.Tensor:
         """Caught up after a stall: the donor's model replaces ours, and the correction towards the
-        mean of our stale snapshot with it."""
+        mean of our stale snapshot with it. Until the next switch average this node holds a
+        copy, not the members' state (MemberRing.holds_state)."""
         self._drop_correction()
+        self.allreduce.holds_state = False
         return super().adopt_state(state, params)
 
     def state_dict(self) -> dict:

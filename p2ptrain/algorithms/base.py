@@ -90,6 +90,10 @@ class Members(Protocol):
     def dead(self) -> frozenset[int]:
         """The peers this node declared dead."""
 
+    def asking_for_state(self) -> frozenset[int]:
+        """Peers that gave their state up and wait for ours (a catch-up or a restart asked): a
+        collective that waits for them cannot complete before this node serves them."""
+
     def peer_step(self, peer: int, heard_since: int | None = None) -> int | None:
         """The latest step `peer` was heard at (None: never heard from, or with `heard_since`,
         not since this node was at that step)."""
@@ -170,6 +174,9 @@ class Algorithm(ABC):
     uses_gradients = False  # True: the engine calls reduce_gradients after every backward
     elastic = False         # True: nodes may join and leave while it runs (welcome / hand_over, views)
     holds_mass = False      # True: push-sum mass w, Σ w = the member count (watch_mass)
+    # True: every member's inner optimizer state ends with the same bits too (gradients averaged
+    # over a ring that averages the optimizer state at its switches); the node reports its digest
+    shares_optimizer_state = False
     comm: Comm
 
     @abstractmethod

@@ -523,6 +523,9 @@ class RingHops:
         dead = self.comm.membership.dead().intersection(members)
         if dead:
             return f"node(s) {sorted(dead)} of the ring are dead"
+        asking = self.comm.membership.asking_for_state().intersection(members)
+        if asking:  # (they wait for this node's next step boundary: waiting for them stalls both)
+            return f"node(s) {sorted(asking)} of the ring gave their state up and wait for this node's"
         dropped = self.comm.membership.departing(step).intersection(members) if self.elastic else ()
         if dropped:
             return f"a newer view drops node(s) {sorted(dropped)}"
@@ -595,11 +598,16 @@ class MemberRing:
       averaged over the new ring, with a deadline long enough to wait for the slowest member
       (switch_deadline: paced, and cut short when a member is found dead or dropped): it
       re-aligns the nodes' steps and brings back together models that trained apart while the ring
-      was broken (and a joiner's), so the members are bit-identical again."""
+      was broken, so the members are bit-identical again.
+    - A node that took a donor's state since it last averaged (joined, restarted, caught up:
+      `holds_state` False) weighs 0 in that average while some member holds the members' state:
+      it enters with the state as of the switch step (model and optimizer state, like torchft's
+      heal), instead of pulling the others back towards its older copy. Without such a node the
+      weights are all 1 and the average is the plain mean, unchanged."""
 
     def __init__(self, comm: Comm, numel: int, dtype: torch.dtype | None = None, *, codec=None,
                  resync_deadline: float = 30.0, chunk_bytes: int = 0,
-                 state: tuple[int, torch.dtype] | None = None):
+                 state: tuple[int, torch.dtype] | None = None, holds_state: bool = True):
         self.comm = comm
         self.rank = comm.rank
         self.ring = RingAllReduce(comm, numel, dtype, codec=codec, elastic=True, chunk_bytes=chunk_bytes)
@@ -610,6 +618,11 @@ class MemberRing:
         import torch  # (here, not at import: the algorithm registry loads without torch)
 
         self.apart_flags = RingAllReduce(comm, 1, torch.float64, tag="end.", elastic=True)
+        self.holders = RingAllReduce(comm, 1, torch.float64, tag="hold.", elastic=True)
+        # False from taking a donor's state (a joiner's, a restarted or caught-up node's) until a
+        # switch average completes: then its state is the members' again (see the class docstring)
+        self.holds_state = holds_state
+        self._weights: tuple[float, float] | None = None  # (own, sum) of the last switch average; None: plain mean
         self.resyncs = 0  # model averages at view switches (stats, tests)
         self.end_averages = 0  # model averages at the end of the run (stats, tests)
         # a round was skipped or failed here since the members last averaged. Written by the thread
@@ -672,13 +685,40 @@ class MemberRing:
         return min(self.resync_deadline, max(m * link_deadline, self.comm.membership.seconds_for_lag()))
 
     def resync(self, params: torch.Tensor, step: int) -> torch.Tensor:
-        """At the first step of a view: the mean model over its members (`params` unchanged if it
-        cannot complete)."""
-        averaged, done = self._average_at_switch(self.sync, params, step, "models")
+        """At the first step of a view: the mean model over its members, with weight 0 on those
+        that do not hold the members' state while some do (`params` unchanged if it cannot
+        complete)."""
+        done = self._agree_on_weights(step)
+        averaged, done = self._average_at_switch(self.sync, params, step, "models") if done else (params, False)
         self.resyncs += done
         self._resynced_at = step if done else None
         self._apart = not done
+        self.holds_state = self.holds_state or done
         return averaged
+
+    def _agree_on_weights(self, step: int) -> bool:
+        """Before a switch average: Σ over the members of "holds the members' state" (1 or 0),
+        which sets `_weights` (None where all or none hold it: the plain mean); False if it cannot
+        complete (nor can the average: the caller keeps its values)."""
+        self._weights = None
+        members = self.comm.membership.members(step)
+        if self.rank not in members or len(members) == 1:
+            return True
+        import torch
+
+        own = 1.0 if self.holds_state else 0.0
+        try:
+            total = self.holders(torch.tensor([own], dtype=torch.float64), step, average=False, members=members,
+                                 deadline=self.switch_deadline(len(members))).item()
+        except CollectiveIncomplete as exc:
+            log.warning("%s; the members' models were not averaged at their switch", exc)
+            self.comm.membership.drop_dead_members()
+            return False
+        if 0 < total < len(members):
+            self._weights = (own, total)
+            log.info("node %d: step %d: %d of %d members hold the state; %s", self.rank, step, round(total),
+                     len(members), "it is averaged over them" if own else "this node takes their average")
+        return True
 
     def agree_at_end(self, params: torch.Tensor, step: int) -> torch.Tensor:
         """At the end of the run (every member calls it at the same step): if a round was skipped or
@@ -699,9 +739,12 @@ class MemberRing:
             log.warning("%s; the members' models may differ at the end", exc)
             return params
         if apart.item() == 0:
+            self._resynced_at = None
             return params
+        self._weights = None  # every member trained on as one since the last switch: the plain mean
         averaged, done = self._average_at_switch(self.sync, params, step, "models (end of run)")
         self.end_averages += done
+        self._resynced_at = step if done else None  # resync_state averages the optimizer states too
         return averaged
 
     def resync_state(self, state: torch.Tensor, step: int) -> torch.Tensor:
@@ -717,8 +760,15 @@ class MemberRing:
         members = self.comm.membership.members(step)
         if self.rank not in members or len(members) == 1:
             return values, False
+        deadline = self.switch_deadline(len(members))
         try:
-            averaged = ring(values, step, average=True, members=members, deadline=self.switch_deadline(len(members)))
+            if self._weights is None:
+                averaged = ring(values, step, average=True, members=members, deadline=deadline)
+            else:  # Σ w_i x_i / Σ w_i, w_i in {0, 1}: a node with weight 0 sends zeros
+                own, total = self._weights
+                weighted = values * own
+                averaged = ring(weighted, step, average=False, members=members, deadline=deadline, restore=False)
+                averaged.div_(total)
         except CollectiveIncomplete as exc:
             log.warning("%s; the members' %s were not averaged at their switch", exc, what)
             self.comm.membership.drop_dead_members()

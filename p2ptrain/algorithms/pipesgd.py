@@ -48,6 +48,7 @@ class PipeSGDOptions(AlgorithmOptions):
 class PipeSGD(Algorithm):
     name = "pipesgd"
     uses_gradients = True
+    shares_optimizer_state = True
     elastic = True  # the ring re-forms over each step's members (collectives.MemberRing)
 
     @classmethod
@@ -74,7 +75,7 @@ class PipeSGD(Algorithm):
     def setup(self, params: torch.Tensor) -> torch.Tensor:
         self.allreduce = MemberRing(self.comm, params.numel(), params.dtype, codec=self.codec,
                                     resync_deadline=self.comm.peer_timeout, chunk_bytes=self.chunk_kb * 1024,
-                                    state=self._optimizer_state)
+                                    state=self._optimizer_state, holds_state=self.comm.joined is None)
         self._sums = (buffer_like(params), buffer_like(params))
         self._locals = (buffer_like(params), buffer_like(params))
         self.comm.ready()
@@ -111,6 +112,12 @@ class PipeSGD(Algorithm):
 
     def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:
         return params
+
+    def adopt_state(self, state, params: torch.Tensor) -> torch.Tensor:
+        """Caught up after a stall: the donor's model replaces ours; until the next switch average
+        this node holds a copy, not the members' state (MemberRing.holds_state)."""
+        self.allreduce.holds_state = False
+        return super().adopt_state(state, params)
 
     def state_dict(self) -> dict:
         """The aggregated gradient of the last step, which the next update applies (one step stale)."""

@@ -206,6 +206,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             agreed = self.algorithm.agree_at_end(self.local_step, self.state_vector.vector())
             if agreed is not None:
                 self.state_vector.load(agreed)
+                if self.optimizer_state is not None:  # (rings: with the models, the optimizer states)
+                    synced = self.algorithm.resync_optimizer_state(self.local_step, self.optimizer_state.vector())
+                    if synced is not None:
+                        self.optimizer_state.load(synced)
         self._finished = True
         if self.comm is not None:
             self.comm.membership.finish()  # no state to give from here on

@@ -432,6 +432,10 @@ class Greetings:
         return [(peer, peer in holding) for peer in requests]
 
     # Training thread ----------------------------------------------------------------------------
+    def asking_for_state(self) -> frozenset[int]:
+        """The peers whose state requests wait for this node's next step boundary (a snapshot)."""
+        return frozenset(self._state_requests)
+
     def take_state_requests(self) -> list[tuple[int, bool]]:
         """Peers that asked (in a Hello) for our model state since the last call, each with whether
         it holds state already (it asked as a ready node: a split, never a new unit). Called at every

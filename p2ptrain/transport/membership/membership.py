@@ -164,8 +164,19 @@ class Membership:
 
     def must_catch_up(self) -> bool:
         """A peer declared this node dead (it stalled), or it trails the cluster by more than the
-        lag limit: it must rejoin through a state transfer."""
-        return self.liveness.must_catch_up()
+        lag limit: it must rejoin through a state transfer. Lag alone does not count while a view
+        switch that keeps this node lies ahead of it: members that skip rounds for a dropped peer
+        until that switch run apart at compute speed, and the switch re-aligns them (rings average
+        there); a node still behind after it catches up then. (Else a survivor of a crash, a few
+        fast steps behind, asked a donor that waited for it in the switch average: both stalled a
+        link deadline.)"""
+        liveness = self.liveness
+        if not liveness.must_catch_up():
+            return False
+        if liveness.excluded_by():
+            return True
+        latest = self.views.latest
+        return not (latest.switch_step > liveness.step and self.rank in latest.members)
 
     def recheck_if_isolated(self) -> bool:
         """If this node considers at least half of the other members dead, it may be the one that
@@ -323,6 +334,9 @@ class Membership:
         """Wait until every live peer reports a current step >= `step` (the cluster resumed from
         checkpoints of the same step: a peer still at step 0 would refuse our messages)."""
         self.greetings.wait_for_step(step, timeout)
+
+    def asking_for_state(self) -> frozenset[int]:
+        return self.greetings.asking_for_state()
 
     def take_state_requests(self) -> list[tuple[int, bool]]:
         """Peers that asked (in a Hello) for this node's state since the last call, each with
