@@ -1,4 +1,4 @@
-"""`p2ptrain bench`: benchmarks (transport, algorithms, peers)."""
+"""`p2ptrain bench`: benchmarks (transport, algorithms, peers, heal)."""
 from __future__ import annotations
 
 import argparse
@@ -38,6 +38,14 @@ def add_parser(subcommands) -> None:
         description=bench_peers.__doc__.split("\n\n")[1].replace("\n", " "))
     bench_peers.add_arguments(peers)
     peers.set_defaults(func=main_of("p2ptrain.bench.peers"))
+
+    from p2ptrain.bench import heal as bench_heal
+
+    heal = benchmarks.add_parser(
+        "heal", help="kill and restart a node under each lockstep algorithm (and torchft when installed)",
+        description=bench_heal.__doc__.split("\n\n")[1].replace("\n", " "))
+    bench_heal.add_arguments(heal)
+    heal.set_defaults(func=main_of("p2ptrain.bench.heal"))
 
 
 def main_of(module: str) -> Callable[[argparse.Namespace], int]:

@@ -60,6 +60,9 @@ class Lifecycle:
         self.leave_at: int | None = None  # the step the members switch to a view without this node
         self._leave_requested = False
         self._catch_up_after = 0      # no new catch-up attempt before this step (after a failed one)
+        # a (re)joiner's wall-clock times (time.time(), comparable with the launcher's fault log):
+        # "asked" for a state, got the "state", "trained" its first step as a member (bench heal)
+        self.timeline: dict[str, float] = {}
 
     # Joining ----------------------------------------------------------------------------------------
     def join(self) -> int:
@@ -67,9 +70,17 @@ class Lifecycle:
         would continue at (0 for a node that starts with the others)."""
         if self.phase is not Phase.JOINING:
             return 0
+        self.timeline["asked"] = time.time()
         joined = self.fetch_state()
+        self.timeline["state"] = time.time()
+        self.timeline["state_bytes"] = float(joined.tensor.numel() * joined.tensor.element_size())
         self.state.load(joined.tensor)
         return joined.step + 1
+
+    def step_done(self) -> None:
+        """After each step: the first one of a (re)joiner ends its join on the timeline."""
+        if "asked" in self.timeline and "trained" not in self.timeline:
+            self.timeline["trained"] = time.time()
 
     def joined(self, step: int) -> int:
         """After the algorithm set up (a joiner announced itself in comm.ready()): the step to start

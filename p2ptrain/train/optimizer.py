@@ -128,7 +128,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
     def summary(self) -> dict[str, Any]:
         """This optimizer's part of the node's summary."""
         return {"start_step": self.start_step, "catch_ups": self.catch_ups, "skipped_steps": self.skipped_steps,
-                "rejoined": bool(self.start_step > 0 and self.comm is not None and self.comm.joined is not None)}
+                "rejoined": bool(self.start_step > 0 and self.comm is not None and self.comm.joined is not None),
+                "join_timeline": dict(self.lifecycle.timeline) if self.lifecycle is not None else {}}
 
     # The step ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -171,6 +172,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 self._leave(step, leave_at)
             lifecycle.hold_back(step)
             next_step = lifecycle.catch_up(step)
+            lifecycle.step_done()
         self.local_step = next_step
         self._step_done()
         return None
