@@ -15,10 +15,10 @@ from torch import nn
 
 from p2ptrain.algorithms.allreduce import AllReduceSGD
 from p2ptrain.algorithms.base import Kind
-from p2ptrain.algorithms.collectives import MemberRing
 from p2ptrain.algorithms.diloco import DiLoCo
 from p2ptrain.algorithms.dpsgd import DPSGD
 from p2ptrain.algorithms.gossip_diloco import GossipDiLoCo
+from p2ptrain.algorithms.member_ring import MemberRing
 from p2ptrain.algorithms.pipesgd import PipeSGD
 from p2ptrain.algorithms.pushsum import PushSum
 from p2ptrain.algorithms.sgp import SGP
@@ -462,6 +462,40 @@ def test_a_switch_average_gives_nodes_that_took_a_donors_state_the_holders_mean_
             assert torch.equal(results[r][mean], results[0][mean]), f"node {r} ended apart ({which})"
             torch.testing.assert_close(results[r][mean], expected, rtol=0, atol=1e-6)
     assert all(r[4] and r[5] == 1 for r in results)
+
+
+@pytest.mark.parametrize("dies", [None, 1])
+def test_a_switch_hands_holders_in_step_bits_to_takers_from_all_of_them_checksummed_even_if_one_dies(dies):
+    """Issue 27 (streamed, parallel state transfer): holders that kept in step hold the same bits, so
+    at a switch each sends its slice of the model and the optimizer state to the takers (nodes that
+    took a donor's copy), which end with exactly those bits; the holders keep theirs untouched. A
+    holder that dies before sending has its slice sent by the next live holder."""
+    numel, state_numel = 1001, 2002
+    options = TransportOptions(send_timeout=20.0, link_deadline=2.0, probe_timeout=1.0, view_margin=4)
+    model = torch.randn(numel, generator=torch.Generator().manual_seed(7))
+    state = torch.randn(state_numel, generator=torch.Generator().manual_seed(8))
+
+    def body(rank, comm):
+        ring = MemberRing(comm, numel, torch.float32, state=(state_numel, torch.float32), holds_state=rank != 3)
+        comm.ready()
+        mine = (model.clone(), state.clone()) if rank != 3 else (torch.zeros(numel), torch.zeros(state_numel))
+        if rank == dies:  # dies after the flags (it is counted a holder), before its slices
+            ring.fanout.give = lambda *args: comm.transport.stop()
+        agreed = ring.resync(mine[0], step=0)
+        if rank == dies:
+            return None
+        agreed_state = ring.resync_state(mine[1], step=0)
+        return agreed is mine[0], agreed, agreed_state, ring.plan.how, ring.holds_state, ring.fanout.received
+
+    results = run_cluster(4, body, options=options, timeout=120)
+    for rank, result in enumerate(results):
+        if rank == dies:
+            continue
+        untouched, agreed, agreed_state, how, holds, received = result
+        assert how == "fanout" and holds
+        assert torch.equal(agreed, model) and torch.equal(agreed_state, state), rank
+        assert untouched == (rank != 3)
+    assert len(results[3][5]) == 1 and results[3][5][0][0] == 4 * numel
 
 
 # DiLoCo and gossip-DiLoCo take joins and leaves too ----------------------------------------------------

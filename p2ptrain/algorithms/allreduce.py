@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 from p2ptrain.algorithms.base import Algorithm, Comm, Received, buffer_like
 from p2ptrain.algorithms.buckets import BucketedGradients
-from p2ptrain.algorithms.collectives import CHUNK_KB_HELP, DEFAULT_CHUNK_KB, MemberRing
+from p2ptrain.algorithms.collectives import CHUNK_KB_HELP, DEFAULT_CHUNK_KB
+from p2ptrain.algorithms.member_ring import MemberRing
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, option, register
 from p2ptrain.compression import CODEC_HELP, CODEC_NAMES, NEEDS_ERROR_FEEDBACK
 
@@ -80,7 +81,7 @@ class AllReduceSGD(Algorithm):
     compresses every ring hop (seed 004); gradients tolerate it far better than models do."""
 
     name = "allreduce"
-    elastic = True  # the ring re-forms over each step's members (collectives.MemberRing)
+    elastic = True  # the ring re-forms over each step's members (member_ring.MemberRing)
 
     @classmethod
     def from_options(cls, comm: Comm, options: AllReduceOptions, context: BuildContext) -> "AllReduceSGD":
@@ -118,7 +119,8 @@ class AllReduceSGD(Algorithm):
     def setup(self, params: torch.Tensor) -> torch.Tensor:
         self.allreduce = MemberRing(self.comm, params.numel(), params.dtype, codec=self.codec,
                                     resync_deadline=self.comm.peer_timeout, chunk_bytes=self.chunk_kb * 1024,
-                                    state=self._optimizer_state, holds_state=self.comm.joined is None)
+                                    state=self._optimizer_state, holds_state=self.comm.joined is None,
+                                    identical_state=self.shares_optimizer_state)
         if self.uses_gradients and self.buckets_mb > 0 and self._watched is not None:
             self.buckets = BucketedGradients(self.comm, self.allreduce, *self._watched,
                                              bucket_bytes=int(self.buckets_mb * 2**20), codec=self.codec)

@@ -16,7 +16,8 @@ import logging
 from typing import TYPE_CHECKING, Callable
 
 from p2ptrain.algorithms.base import Comm
-from p2ptrain.algorithms.collectives import CollectiveIncomplete, MemberRing, RingAllReduce
+from p2ptrain.algorithms.collectives import CollectiveIncomplete, RingAllReduce
+from p2ptrain.algorithms.member_ring import MemberRing
 
 if TYPE_CHECKING:
     import torch

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from p2ptrain.algorithms.base import Algorithm, Comm, buffer_like
-from p2ptrain.algorithms.collectives import CHUNK_KB_HELP, DEFAULT_CHUNK_KB, MemberRing
+from p2ptrain.algorithms.collectives import CHUNK_KB_HELP, DEFAULT_CHUNK_KB
+from p2ptrain.algorithms.member_ring import MemberRing
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, option, register
 from p2ptrain.compression import CODEC_HELP, CODEC_NAMES, NEEDS_ERROR_FEEDBACK
 
@@ -49,7 +50,7 @@ class PipeSGD(Algorithm):
     name = "pipesgd"
     uses_gradients = True
     shares_optimizer_state = True
-    elastic = True  # the ring re-forms over each step's members (collectives.MemberRing)
+    elastic = True  # the ring re-forms over each step's members (member_ring.MemberRing)
 
     @classmethod
     def from_options(cls, comm: Comm, options: PipeSGDOptions, context: BuildContext) -> "PipeSGD":
