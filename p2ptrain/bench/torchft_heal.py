@@ -335,6 +335,15 @@ def run_torchft_heal(out_dir, *, steps: int = 300, kill_at: int | None = 100, re
                 break
             if all(p.poll() is not None for p in procs.values()):
                 break
+            if (killed, 1) in procs and procs[(killed, 1)].poll() is None and \
+                    all(p.poll() is not None for key, p in procs.items() if key[0] != killed):
+                # no quorum can form any more: torchft would wait out its quorum timeout, then raise
+                asked = next((r["t"] for r in read_progress(progress_path(out, killed, 1))
+                              if r["event"] == "quorum_request"), None)
+                error = ("the survivors finished before the restarted replica rejoined (it was "
+                         + (f"{time.time() - asked:.1f} s into its first quorum request)" if asked else
+                            "still starting up)"))
+                break
             if time.monotonic() > deadline:
                 error = f"timed out after {timeout} s (steps: " + ", ".join(
                     f"{r}: {last_step(read_progress(progress_path(out, r, i)))}" for r, i in procs) + ")"
@@ -391,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--nodes", type=int, default=4)
     run.add_argument("--ft-timeout", type=float, default=FT_TIMEOUT_S, help="torchft Manager/gloo timeout, s")
     run.add_argument("--timeout", type=float, default=600, help="limit of each run, s")
+    run.add_argument("--repeats", type=int, default=1, help="kill/restart runs (default 1)")
     one = sub.add_parser("worker", help="one torchft replica (the driver starts these)")
     one.add_argument("--replica-id", type=int, required=True)
     one.add_argument("--nodes", type=int, default=4)
@@ -406,9 +416,11 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args)
     out = Path(args.out)
     common = dict(steps=args.steps, nodes=args.nodes, timeout=args.timeout, ft_timeout=args.ft_timeout)
-    results = {"kill/restart": run_torchft_heal(out / "heal", kill_at=args.kill_at, restart_at=args.restart_at,
-                                                **common),
-               "fault-free": run_torchft_heal(out / "fault-free", kill_at=None, restart_at=None, **common)}
+    results = {}
+    for repeat in range(1, args.repeats + 1):  # the stall depends on where in its step the kill lands: repeat it
+        name, folder = ("kill/restart", "heal") if repeat == 1 else (f"kill/restart #{repeat}", f"heal-{repeat}")
+        results[name] = run_torchft_heal(out / folder, kill_at=args.kill_at, restart_at=args.restart_at, **common)
+    results["fault-free"] = run_torchft_heal(out / "fault-free", kill_at=None, restart_at=None, **common)
     (out / "torchft-heal.json").write_text(json.dumps(results, indent=2) + "\n")
     print(table(results))
     return 0
