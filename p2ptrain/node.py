@@ -356,6 +356,9 @@ class Node:
             "dropped_shares": int(stats.get("dropped_shares", 0)),
             "ps_in_flight": stats.get("ps_in_flight", 0.0),  # push-sum shares never acknowledged (at the end)
             "ps_minted": stats.get("ps_minted", 0.0),  # the new units this process started with (joined, restarted)
+            # rings: the state this node took from holders at switches (member_ring.py; bench heal)
+            "state_received_mb": stats.get("state_received_mb", 0.0),
+            "state_received_seconds": stats.get("state_received_seconds", 0.0),
             "ps_flows": self._mass_flows(optimizer),  # push-sum: every flow of w, for the exact mass ledger
             "dropped_messages": self.metrics.dropped_total, "link_timeouts": self.metrics.link_timeouts_total,
         }

@@ -480,7 +480,7 @@ def test_a_switch_hands_holders_in_step_bits_to_takers_from_all_of_them_checksum
         comm.ready()
         mine = (model.clone(), state.clone()) if rank != 3 else (torch.zeros(numel), torch.zeros(state_numel))
         if rank == dies:  # dies after the flags (it is counted a holder), before its slices
-            ring.fanout.give = lambda *args: comm.transport.stop()
+            ring.fanout.give = lambda *args, **kwargs: comm.transport.stop()
         agreed = ring.resync(mine[0], step=0)
         if rank == dies:
             return None
@@ -494,7 +494,7 @@ def test_a_switch_hands_holders_in_step_bits_to_takers_from_all_of_them_checksum
         untouched, agreed, agreed_state, how, holds, received = result
         assert how == "fanout" and holds
         assert torch.equal(agreed, model) and torch.equal(agreed_state, state), rank
-        assert untouched == (rank != 3)
+        assert untouched  # (in place: a holder's read only, a taker's overwritten once every slice checked out)
     assert len(results[3][5]) == 1 and results[3][5][0][0] == 4 * numel
 
 

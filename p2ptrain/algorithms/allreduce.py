@@ -250,7 +250,7 @@ class AllReduceSGD(Algorithm):
         return "model", params
 
     def stats(self) -> dict[str, float]:
-        stats = {"ring_resyncs": float(self.allreduce.resyncs)} if self.allreduce is not None else {}
+        stats = self.allreduce.stats() if self.allreduce is not None else {}
         if self.buckets is not None:
             stats["bucketed_steps"] = float(self.buckets.bucketed_steps)
         if self.overlap:

@@ -18,7 +18,7 @@ import zlib
 from typing import TYPE_CHECKING
 
 from p2ptrain import compression
-from p2ptrain.algorithms.base import Comm, Kind, buffer_like
+from p2ptrain.algorithms.base import Comm, Kind
 from p2ptrain.algorithms.collectives import segment_bounds
 
 if TYPE_CHECKING:
@@ -64,16 +64,16 @@ class FanOut:
 
     # Holders ------------------------------------------------------------------------------------
     def give(self, values: torch.Tensor, step: int, holders: tuple[int, ...], takers: tuple[int, ...],
-             deadline: float) -> None:
+             deadline: float, whole: float | None = None) -> None:
         """Send this holder's slice (and the slices of holders that died, when it is their next
         live holder) to every taker, and wait until each acknowledged or died, `deadline` seconds
-        at most. `values` is read in place, never written."""
+        at most. `values` is read in place, never written; `whole`: its CRC32, if known."""
         import concurrent.futures
 
         membership = self.comm.membership
         k = len(holders)
         bounds = segment_bounds(self.numel, k)
-        whole = crc32(values)
+        whole = crc32(values) if whole is None else whole
         sends: list[concurrent.futures.Future] = []
 
         def send(i: int) -> None:
@@ -121,39 +121,37 @@ class FanOut:
 
     # Takers -------------------------------------------------------------------------------------
     def take(self, values: torch.Tensor, step: int, holders: tuple[int, ...], deadline: float) -> torch.Tensor:
-        """The holders' values, assembled from their slices (each waited for up to `deadline`
-        seconds from its current sender); acknowledges to every live holder either way. Raises
-        FanOutIncomplete, `values` untouched, when it cannot."""
+        """`values`, overwritten in place with the holders' values once every slice came (each
+        waited for up to `deadline` seconds from its current sender) and checked out; acknowledges
+        to every live holder either way. Raises FanOutIncomplete, `values` untouched, when it
+        cannot. (The slices stay in their receive buffers until all are checked: no second copy.)"""
         import torch
 
         k = len(holders)
-        out = buffer_like(values)
         began = time.monotonic()
+        messages = []
         try:
-            wholes = set()
-            for i, (a, b) in enumerate(segment_bounds(self.numel, k)):
-                message = self._slice(step, holders, i, deadline)
-                try:
-                    part = message.tensor.view(-1)
-                    checksum, whole = message.codec_params
-                    if crc32(part) != checksum:
-                        raise FanOutIncomplete(f"node {self.rank}: step-{step} state slice {i} from node "
-                                               f"{message.sender} failed its checksum")
-                    out[a:b].copy_(part)
-                    wholes.add(whole)
-                finally:
-                    message.release()
-            if len(wholes) != 1:
+            for i in range(k):
+                messages.append(self._slice(step, holders, i, deadline))
+            if len({message.codec_params[1] for message in messages}) != 1:
                 raise FanOutIncomplete(f"node {self.rank}: step-{step} state holders {list(holders)} disagree "
                                        "(different checksums of the whole state)")
+            for i, message in enumerate(messages):
+                if crc32(message.tensor) != message.codec_params[0]:
+                    raise FanOutIncomplete(f"node {self.rank}: step-{step} state slice {i} from node "
+                                           f"{message.sender} failed its checksum")
+            for (a, b), message in zip(segment_bounds(self.numel, k), messages):
+                values[a:b].copy_(message.tensor.view(-1))
         finally:
+            for message in messages:
+                message.release()
             ack = torch.ones(1, dtype=torch.float64)
             for holder in self.comm.membership.live(holders):
                 self.comm.send(holder, ack, kind=KIND, step=step, channel=self.ack_channel,
                                codec=compression.UNCOMPRESSED, dtype=torch.float64, numel=1, shape=(1,))
             self._discard(step, k)
-        self.received.append((float(out.numel() * out.element_size()), time.monotonic() - began))
-        return out
+        self.received.append((float(values.numel() * values.element_size()), time.monotonic() - began))
+        return values
 
     def _slice(self, step: int, holders: tuple[int, ...], i: int, deadline: float):
         """Slice i's message from its current sender, following it to the next live holder when

@@ -93,6 +93,17 @@ class MemberRing:
         self._plan: SwitchPlan | None = None  # of the last switch (resync_state follows it)
         self._resynced_at: int | None = None  # the step whose model plan completed (resync_state follows it)
         self._failures = 0  # rounds failed in a row
+        self._crc: float | None = None  # of the model at the last switch (its holders' hand-out reuses it)
+
+    def stats(self) -> dict[str, float]:
+        """Switches, and the state this node took from holders (MB and seconds, model and optimizer
+        state together; bench heal divides them)."""
+        taken = [t for fanout in (self.fanout, self.state_fanout) if fanout is not None for t in fanout.received]
+        stats = {"ring_resyncs": float(self.resyncs)}
+        if taken:
+            stats.update(state_received_mb=sum(b for b, _ in taken) / 1e6,
+                         state_received_seconds=sum(s for _, s in taken))
+        return stats
 
     @property
     def plan(self) -> SwitchPlan | None:
@@ -203,7 +214,7 @@ class MemberRing:
         n = self.comm.world_size
         flags = torch.zeros(2 * n, dtype=torch.float64)
         flags[self.rank] = 1.0 if self.holds_state else 0.0
-        flags[n + self.rank] = crc32(values)
+        flags[n + self.rank] = self._crc = crc32(values)
         try:
             flags = self.flags(flags, step, average=False, members=members,
                                deadline=self.switch_deadline(len(members)))
@@ -230,7 +241,8 @@ class MemberRing:
         try:
             if plan.how == "fanout":
                 if self.rank in plan.holders:
-                    fanout.give(values, step, plan.holders, plan.takers, deadline)
+                    fanout.give(values, step, plan.holders, plan.takers, deadline,
+                                whole=self._crc if fanout is self.fanout else None)
                     return values, True
                 agreed = fanout.take(values, step, plan.holders, deadline)
                 log.info("node %d: step %d: took the members' %s from nodes %s", self.rank, step, what,

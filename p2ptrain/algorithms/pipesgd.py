@@ -146,6 +146,9 @@ class PipeSGD(Algorithm):
         """Every member applies the same averaged gradient to the same model: the same bits."""
         return "model", params
 
+    def stats(self) -> dict[str, float]:
+        return self.allreduce.stats() if self.allreduce is not None else {}
+
 
 def _done(value) -> concurrent.futures.Future:
     future: concurrent.futures.Future = concurrent.futures.Future()

@@ -27,7 +27,7 @@ ALGORITHMS = {  # the algorithm's flags on top of the task's (DiLoCo: its inner 
 # DiLoCo's steps cost a third of a ring's: it runs this many times the steps, so that the restart
 # (a few seconds of process start-up) still lands well before the end
 STEPS_FACTOR = {"diloco": 3}
-TASK = ["--model", "mlp", "--hidden", "640", "--batch-size", "32", "--threads", "1"]
+TASK = ["--model", "mlp", "--batch-size", "32", "--threads", "1"]
 KILLED = 1  # the rank killed and restarted
 
 
@@ -41,6 +41,7 @@ class HealResult:
     startup_s: float = math.nan            # restarted process: spawn -> asks for state
     rejoin_s: float = math.nan             # asks for state -> its first step trained as a member
     state_mb: float = math.nan             # the state it took from a donor
+    transfer_mb_s: float = math.nan        # MB/s of the state it took from the holders at its switch
     identical: str = ""                    # the identical verdict: what is bit-identical, or why not
     accuracy: float = math.nan             # mean test accuracy of the final members
     error: str | None = None
@@ -56,6 +57,11 @@ def add_arguments(parser) -> None:
                         help="training steps per run (default 600; DiLoCo runs 3x the steps, kill and restart)")
     parser.add_argument("--kill-at", type=int, default=100, help="step at which node 1 is SIGKILLed (default 100)")
     parser.add_argument("--restart-at", type=int, default=150, help="step at which it restarts (default 150)")
+    parser.add_argument("--hidden", type=int, default=640,
+                        help="MLP width (default 640: 0.92 M parameters; 3600 makes a 63 MB model)")
+    parser.add_argument("--lane", action="store_true",
+                        help="also measure the lane (bench transport's figure) for the state's size, for the "
+                             "state transfer's ratio")
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS),
                         help=f"comma-separated subset of {','.join(ALGORITHMS)} (default all)")
     parser.add_argument("--no-fault-free", dest="fault_free", action="store_false",
@@ -85,22 +91,24 @@ def main(args) -> int:
             log(f"  running {name} {'kill/restart' if faults else 'fault-free'} ...")
             factor = STEPS_FACTOR.get(name, 1)
             results.append(run_heal(name, args.nodes, factor * args.steps, factor * args.kill_at if faults else None,
-                                    factor * args.restart_at, out, timeout=args.timeout))
+                                    factor * args.restart_at, out, timeout=args.timeout, hidden=args.hidden))
             if results[-1].error:
                 log(f"  {name} failed: {results[-1].error}")
     if args.torchft:
         results += torchft_rows(args, out, log)
+    lane = lane_mb_s(results, log) if args.lane else None
     table = sys.stderr if args.json else sys.stdout
-    report(results, args, table)
+    report(results, args, table, lane)
     if args.json:
-        print(json.dumps({"nodes": args.nodes, "steps": args.steps, "kill_at": args.kill_at,
-                          "restart_at": args.restart_at, "runs": [r.to_dict() for r in results]}, indent=2,
+        print(json.dumps({"nodes": args.nodes, "steps": args.steps, "kill_at": args.kill_at, "hidden": args.hidden,
+                          "restart_at": args.restart_at, "lane_mb_s": lane, "runs": [r.to_dict() for r in results]},
+                         indent=2,
                          default=str))
     return 0 if not any(r.error for r in results if r.name in ALGORITHMS) else 1
 
 
 def run_heal(name: str, nodes: int, steps: int, kill_at: int | None, restart_at: int, out: Path, *,
-             timeout: float | None = None) -> HealResult:
+             timeout: float | None = None, hidden: int = 640) -> HealResult:
     """One cluster of `name`, with node 1 killed at `kill_at` and restarted at `restart_at` (no
     fault with kill_at None); a failure comes back as `error`."""
     from launcher import run_local_cluster
@@ -109,7 +117,7 @@ def run_heal(name: str, nodes: int, steps: int, kill_at: int | None, restart_at:
     run_dir = variant_dir(out, f"{name}-{'heal' if kill_at is not None else 'fault-free'}")
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    args = ["--steps", str(steps), *ALGORITHMS[name], *TASK, "--eval-every", str(steps),
+    args = ["--steps", str(steps), *ALGORITHMS[name], *TASK, "--hidden", str(hidden), "--eval-every", str(steps),
             "--log-every", str(max(1, steps // 5))]
     faults = fault_plan([f"{KILLED}@{kill_at}"], [f"{KILLED}@{restart_at}"], nodes) if kill_at is not None else []
     result = HealResult(name, kill_at is not None)
@@ -146,6 +154,8 @@ def summarize(result: HealResult, report: dict, run_dir: Path) -> HealResult:
         if "trained" in timeline:
             result.rejoin_s = timeline["trained"] - timeline["asked"]
         result.state_mb = timeline.get("state_bytes", math.nan) / 1e6
+        if restarted.get("state_received_seconds"):
+            result.transfer_mb_s = restarted["state_received_mb"] / restarted["state_received_seconds"]
         result.figures = {"join_timeline": timeline, "restarted_start_step": restarted.get("start_step")}
     return result
 
@@ -160,6 +170,18 @@ def restart_time(run_dir: Path) -> float | None:
         if event.get("action") == "restart" and not event.get("skipped"):
             return float(event["time"])
     return None
+
+
+def lane_mb_s(results: list[HealResult], log) -> float | None:
+    """bench transport's lane figure (two processes, one transfer after a warm-up) for the size
+    of the state the restarted nodes took."""
+    from p2ptrain.bench.push import bench_p2ptrain
+
+    sizes = [r.state_mb for r in results if math.isfinite(r.state_mb)]
+    if not sizes:
+        return None
+    log(f"  measuring the lane for {max(sizes):.1f} MB ...")
+    return bench_p2ptrain(int(max(sizes) * 1e6) // 4 * 4, 3, data_plane="tcp").mb_per_s
 
 
 def torchft_rows(args, out: Path, log) -> list[HealResult]:
@@ -202,17 +224,19 @@ def torchft_result(figures: dict, faults: bool) -> HealResult:
         error=figures.get("error"), figures=figures)
 
 
-def report(results: list[HealResult], args, stream) -> None:
+def report(results: list[HealResult], args, stream, lane: float | None = None) -> None:
     def f(value: float, digits: int = 2) -> str:
         return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
 
-    print(f"bench heal: {args.nodes} nodes, mlp 640, batch 32, {args.steps} steps; kill node {KILLED} at step "
-          f"{args.kill_at}, restart at {args.restart_at} (DiLoCo: 3x the steps)", file=stream)
+    print(f"bench heal: {args.nodes} nodes, mlp {args.hidden}, batch 32, {args.steps} steps; kill node {KILLED} at "
+          f"step {args.kill_at}, restart at {args.restart_at} (DiLoCo: 3x the steps)", file=stream)
     rows = [[r.name, "kill/restart" if r.faults else "none", f(r.mean_step_ms, 1), f(r.p50_step_ms, 1),
-             f(r.survivor_longest_s), f(r.startup_s), f(r.rejoin_s), f(r.accuracy, 4),
+             f(r.survivor_longest_s), f(r.startup_s), f(r.rejoin_s), f(r.transfer_mb_s, 0), f(r.accuracy, 4),
              r.error or r.identical or "-"] for r in results]
     print_table(rows, ["run", "faults", "mean ms", "p50 ms", "longest step s", "start-up s", "rejoin s",
-                       "accuracy", "final members"], stream)
+                       "state MB/s", "accuracy", "final members"], stream)
+    if lane is not None:
+        print(f"  lane (bench transport, same size): {lane:.0f} MB/s", file=stream)
     for r in results:
         if not r.faults or r.error or r.name not in ALGORITHMS:
             continue
@@ -220,6 +244,9 @@ def report(results: list[HealResult], args, stream) -> None:
         checks = [("survivors' longest step <= 1 s", r.survivor_longest_s <= 1.0),
                   ("rejoin (asked -> training) <= 1 s", r.rejoin_s <= 1.0),
                   ("final members bit-identical", "bit-identical" in r.identical)]
+        if lane is not None and math.isfinite(r.transfer_mb_s):
+            checks.append((f"state transfer {r.transfer_mb_s / lane:.2f}x the lane >= 0.8x",
+                           r.transfer_mb_s >= 0.8 * lane))
         if clean is not None:
             checks.append((f"accuracy no more than 0.01 under fault-free ({clean.accuracy:.4f})",
                            r.accuracy >= clean.accuracy - 0.01))
