@@ -160,3 +160,29 @@ def test_a_node_finds_its_reachability_at_start():
     finally:
         for node in nodes:
             node.stop()
+
+
+def test_a_helper_whose_call_is_cancelled_under_the_ask_counts_as_no_answer():
+    """A helper that comes back from the dead while a joiner asks it has its channel reset, which
+    cancels the call: that is no answer, not a crash of the joiner's start-up (found by a chaos run)."""
+    import asyncio
+
+    from p2ptrain.transport.reachability import ask
+
+    class Client:
+        def __init__(self, peer):
+            self.peer = peer
+
+        async def dial_back(self, request, timeout):
+            if self.peer == 1:
+                raise asyncio.CancelledError()
+            return pb.DialBackReply(grpc_ok=True, observed="127.0.0.1")
+
+    class Grpc:
+        addresses = ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]
+
+        def client(self, peer):
+            return Client(peer)
+
+    found, notes = asyncio.run(ask(Grpc(), [1, 2], 0, 1, 5.0))
+    assert found == pb.REACHABILITY_PUBLIC and notes == ["node 1 did not answer: "]

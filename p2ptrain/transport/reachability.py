@@ -166,7 +166,9 @@ async def ask(grpc: GrpcPath, helpers: list[int], rank: int, incarnation: int, t
     replies, notes = [], []
     for peer, outcome in zip(helpers, outcomes):
         if isinstance(outcome, BaseException):
-            if not isinstance(outcome, (SendFailure, OSError)):
+            # (a call cancelled under us: its channel was reset, e.g. the helper came back from the
+            # dead meanwhile. A chaos run's joiner crashed on that at start-up; it is no answer)
+            if not isinstance(outcome, (SendFailure, OSError, asyncio.CancelledError)):
                 raise outcome
             notes.append(f"node {peer} did not answer: {outcome}")
             continue
