@@ -119,8 +119,7 @@ class AllReduceSGD(Algorithm):
     def setup(self, params: torch.Tensor) -> torch.Tensor:
         self.allreduce = MemberRing(self.comm, params.numel(), params.dtype, codec=self.codec,
                                     resync_deadline=self.comm.peer_timeout, chunk_bytes=self.chunk_kb * 1024,
-                                    state=self._optimizer_state, holds_state=self.comm.joined is None,
-                                    identical_state=self.shares_optimizer_state)
+                                    state=self._optimizer_state, holds_state=self.comm.joined is None)
         if self.uses_gradients and self.buckets_mb > 0 and self._watched is not None:
             self.buckets = BucketedGradients(self.comm, self.allreduce, *self._watched,
                                              bucket_bytes=int(self.buckets_mb * 2**20), codec=self.codec)

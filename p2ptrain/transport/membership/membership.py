@@ -164,19 +164,19 @@ class Membership:
 
     def must_catch_up(self) -> bool:
         """A peer declared this node dead (it stalled), or it trails the cluster by more than the
-        lag limit: it must rejoin through a state transfer. Lag alone does not count while a view
-        switch that keeps this node lies ahead of it: members that skip rounds for a dropped peer
-        until that switch run apart at compute speed, and the switch re-aligns them (rings average
-        there); a node still behind after it catches up then. (Else a survivor of a crash, a few
-        fast steps behind, asked a donor that waited for it in the switch average: both stalled a
-        link deadline.)"""
+        lag limit: it must rejoin through a state transfer. Lag alone does not count while a
+        pending view drops a dead member and keeps this node: rings skip their rounds until that
+        switch, so the members run apart at compute speed, and the switch re-aligns them; a node
+        still behind after it catches up then. (Else a survivor of a crash, a few fast steps
+        behind, asked a donor that waited for it in the switch average: both stalled a link
+        deadline.)"""
         liveness = self.liveness
         if not liveness.must_catch_up():
             return False
         if liveness.excluded_by():
             return True
-        latest = self.views.latest
-        return not (latest.switch_step > liveness.step and self.rank in latest.members)
+        latest, step = self.views.latest, liveness.step
+        return not (latest.switch_step > step and self.rank in latest.members and self.departing(step))
 
     def recheck_if_isolated(self) -> bool:
         """If this node considers at least half of the other members dead, it may be the one that
