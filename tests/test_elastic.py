@@ -471,6 +471,30 @@ def test_a_switch_average_gives_nodes_that_took_a_donors_state_the_holders_mean_
     assert all(r[4] and r[5] == 1 and torch.equal(r[6], r[2]) for r in results)  # (the end changes nothing)
 
 
+def test_a_forged_weight_in_a_switch_average_leaves_every_members_values_untouched():
+    """A member that sends an absurd weight (5 of 4 members) cannot scale anyone's model: every
+    member sees Σ w outside [1, members] and keeps its values (the next switch or the end tries again)."""
+    numel = 100
+    options = TransportOptions(send_timeout=20.0, link_deadline=5.0)
+
+    def body(rank, comm):
+        ring = MemberRing(comm, numel, torch.float32)
+        comm.ready()
+        params = torch.full((numel,), float(rank + 1))
+        if rank == 3:  # its ring input says w = 5
+            honest = ring.sync
+
+            def forged(tensor, *args, **kwargs):
+                tensor[-1] = 5.0
+                return honest(tensor, *args, **kwargs)
+
+            ring.sync = forged
+        averaged = ring.resync(params.clone(), step=0)
+        return torch.equal(averaged, params), ring.resyncs
+
+    assert run_cluster(4, body, options=options, timeout=60) == [(True, 0)] * 4
+
+
 # DiLoCo and gossip-DiLoCo take joins and leaves too ----------------------------------------------------
 
 def test_diloco_takes_a_joiner_and_lets_a_node_leave_ending_bit_identical():

@@ -104,9 +104,6 @@ class Members(Protocol):
     def seconds_for_lag(self, lags: int = 1) -> float:
         """About how long this node takes for `lags` lag limits of steps (0.0 before it has a pace)."""
 
-    def probe(self, peer: int) -> bool:
-        """Hello `peer` once (waits up to the probe timeout); declares it dead if it does not answer."""
-
     def drop_dead_members(self) -> None:
         """Propose the members without the peers this node declared dead."""
 

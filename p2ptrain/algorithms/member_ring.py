@@ -42,7 +42,7 @@ class MemberRing:
     - A node that took a donor's state since it last averaged (joined, restarted, caught up:
       `holds_state` False) weighs 0 in that average, so it enters with the holders' model and
       optimizer state as of the switch step (as torchft heals), instead of pulling the others back
-      towards its older copy; the ring delivers it from all of them, chunk by chunk. With every
+      towards its older copy; the ring delivers it from all of them. With every
       member holding the state the weights are all 1: the plain mean, as before."""
 
     def __init__(self, comm: Comm, numel: int, dtype: torch.dtype | None = None, *, codec=None,
@@ -212,6 +212,10 @@ class MemberRing:
         if total == 0:
             log.warning("node %d: step %d: no member holds the members' state; the %s were not averaged", self.rank,
                         step, what)
+            return values, False
+        if total != round(total) or not 0 < total <= len(members):  # a member sent a forged weight
+            log.warning("node %d: step %d: the members' weights sum to %r (of %d members); the %s were not averaged",
+                        self.rank, step, total, len(members), what)
             return values, False
         averaged = summed[:-1].div_(total).view_as(values)
         if weight == 0:

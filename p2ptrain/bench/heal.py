@@ -211,15 +211,16 @@ def torchft_rows(args, out: Path, log) -> list[HealResult]:
 def torchft_result(figures: dict, faults: bool) -> HealResult:
     """A HealResult from run_torchft_heal's figures."""
     accuracies = [a for a in (figures.get("accuracy") or {}).values() if isinstance(a, (int, float))]
-    same = figures.get("bit_identical")
+    same, same_state = figures.get("bit_identical"), figures.get("optimizer_identical")
+    identical = "" if same is None else "NO: the models differ" if not same else \
+        "model and optimizer state bit-identical" if same_state else "model bit-identical, optimizer state differs"
     return HealResult(
         "torchft ddp", faults, mean_step_ms=nan_if_none(figures.get("mean_step_ms")),
         p50_step_ms=nan_if_none(figures.get("p50_step_ms")),
         survivor_longest_s=nan_if_none(figures.get("survivor_longest_step_s")),
         startup_s=nan_if_none(figures.get("restart_startup_s")) if faults else math.nan,
         rejoin_s=nan_if_none(figures.get("rejoin_s")) if faults else math.nan,
-        identical="" if same is None else ("model and optimizer state bit-identical" if same and
-                                           figures.get("optimizer_identical") else "NO" if not same else "model"),
+        identical=identical,
         accuracy=sum(accuracies) / len(accuracies) if accuracies else math.nan,
         error=figures.get("error"), figures=figures)
 
