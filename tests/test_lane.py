@@ -19,6 +19,7 @@ from p2ptrain.settings import ConfigError, NodeConfig
 from p2ptrain.transport import FailureKind, PeerError, SendFailure, Transport, TransportOptions
 from p2ptrain.transport.laneframes import MAX_FRAME_BYTES, PREFIX, encode
 from p2ptrain.transport.options import DataPlane
+from p2ptrain.transport.paths.lane_path import LanePorts
 from tests.rawlane import RawLane
 from tests.test_transport import (
     FAST,
@@ -471,3 +472,16 @@ def test_payload_is_read_into_the_buffer_the_message_views_and_scanned_as_it_arr
         assert message.tensor.data_ptr() == pooled and torch.equal(message.tensor, values)
         assert message.peak == numel // 2
     assert scans[0] >= SCAN_BYTES and scanned_at_delivery == [max(scans)]
+
+
+def test_a_restarted_peer_on_the_same_lane_port_gets_its_lane_tried_at_once():
+    """A killed peer's lane refuses connections and is set aside (retry_after); its restart may
+    listen on the same port (a launcher's fixed ports), and its new incarnation in a Hello brings
+    the lane back at once instead of leaving its state transfer on gRPC for retry_after seconds."""
+    ports = LanePorts(0, retry_after=30.0)
+    ports.learn(1, 5000, incarnation=11)
+    ports.set_aside(1)
+    ports.learn(1, 5000, incarnation=11)  # the same process's Hellos: still set aside
+    assert ports.port_of(1) == 0
+    ports.learn(1, 5000, incarnation=12)  # a new process on the same port
+    assert ports.port_of(1) == 5000

@@ -298,7 +298,7 @@ class Greetings:
             self.announced.add(peer)
             self.reached.add(peer)  # it is up: a refused connection from now on means it went away
             if self.lane_ports is not None:
-                self.lane_ports.learn(peer, reply.lane_port)
+                self.lane_ports.learn(peer, reply.lane_port, reply.incarnation)
             self._note_reachability(peer, reply.reachability)
             if self.reachability == pb.REACHABILITY_PRIVATE and self.reach_out is not None:
                 self.reach_out(peer)  # (once per peer: the peers waiting for us meet us down it)
@@ -394,7 +394,7 @@ class Greetings:
         if request.HasField("view"):
             self.adopt_view(request.view, peer)
         if self.lane_ports is not None:
-            self.lane_ports.learn(peer, request.lane_port)
+            self.lane_ports.learn(peer, request.lane_port, request.incarnation)
         self._note_reachability(peer, request.reachability)
         was_dead = not self.liveness.alive(peer)
         known_before = self.liveness.incarnation(peer)

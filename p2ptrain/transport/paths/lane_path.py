@@ -62,12 +62,14 @@ class LanePorts:
         self.retry_after = retry_after
         self._ports: dict[int, int] = {}        # peer -> the lane port it advertised (0: none)
         self._unusable: dict[int, float] = {}   # peer -> monotonic time until which its lane is not tried
+        self._incarnations: dict[int, int] = {}  # peer -> the incarnation its latest Hello named
 
-    def learn(self, peer: int, port: int) -> None:
-        """`peer` advertised lane `port` in a Hello (0: it offers none)."""
-        if self._ports.get(peer) != port:
-            self._unusable.pop(peer, None)  # a new lane (a restart): worth trying at once
+    def learn(self, peer: int, port: int, incarnation: int = 0) -> None:
+        """`peer` advertised lane `port` in a Hello (0: it offers none), as its `incarnation`."""
+        if self._ports.get(peer) != port or self._incarnations.get(peer, incarnation) != incarnation:
+            self._unusable.pop(peer, None)  # a new lane or process (a restart on the same port): try it at once
         self._ports[peer] = port
+        self._incarnations[peer] = incarnation
 
     def known(self, peer: int) -> bool:
         return peer in self._ports
