@@ -48,6 +48,9 @@ def test_views_switch_at_the_agreed_step_and_the_greater_view_wins():
     proposed = views.propose({0, 1, 2, 3, 4, 5}, 130)
     assert proposed.epoch == 2 and views.members_at(130) == (0, 1, 2, 3, 4, 5)
     assert views.members_at(115) == (0, 1, 2, 3, 5)
+    # the members its proposer's latest view lacked enter with it (only at its switch), and travel
+    assert proposed.entering == (4,) and views.entering_at(130) == (4,) and views.entering_at(131) == ()
+    assert View.from_proto(proposed.to_proto(), capacity=6) == proposed
 
 
 def test_a_malformed_view_is_refused_with_a_reason():
@@ -55,6 +58,11 @@ def test_a_malformed_view_is_refused_with_a_reason():
         message = View(1, 0, 5, ()).to_proto()
         message.members[:] = members
         with pytest.raises(ValueError, match="members"):
+            View.from_proto(message, capacity=6)
+    for entering in ([2], [1, 1], [3, 1]):  # not members, twice, unsorted
+        message = View(1, 0, 5, (0, 1, 3)).to_proto()
+        message.entering[:] = entering
+        with pytest.raises(ValueError, match="entering"):
             View.from_proto(message, capacity=6)
 
 
@@ -469,6 +477,69 @@ def test_a_switch_average_gives_nodes_that_took_a_donors_state_the_holders_mean_
             assert torch.equal(results[r][mean], results[0][mean]), f"node {r} ended apart ({which})"
             torch.testing.assert_close(results[r][mean], expected, rtol=0, atol=1e-6)
     assert all(r[4] and r[5] == 1 and torch.equal(r[6], r[2]) for r in results)  # (the end changes nothing)
+
+
+def _hand_out_at_switch(entering, tamper=None):
+    """Nodes 0-3; a view switching at step 5 in which `entering` enter: each node's (params, state
+    in, averaged model, averaged state, holds_state, bytes taken). `tamper(rank, comm)`: a stand-in
+    for node `rank`'s hand-out sends (None: the real comm)."""
+    numel, state_numel = 1001, 2003
+    options = TransportOptions(send_timeout=20.0, link_deadline=5.0)
+
+    def body(rank, comm):
+        ring = MemberRing(comm, numel, torch.float32, state=(state_numel, torch.float32),
+                          holds_state=rank not in entering)
+        comm.ready()
+        comm.membership.views.adopt(View(1, 0, 5, (0, 1, 2, 3), entering=tuple(entering)))
+        if tamper is not None and tamper(rank, comm) is not None:
+            ring.handout.comm = tamper(rank, comm)
+        params = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+        state = torch.randn(state_numel, generator=torch.Generator().manual_seed(100 + rank))
+        averaged = ring.resync(params.clone(), step=5)
+        averaged_state = ring.resync_state(state.clone(), step=5)
+        return params, state, averaged, averaged_state, ring.holds_state, ring.stats().get("state_received_mb", 0.0)
+
+    return run_cluster(4, body, options=options, timeout=120)
+
+
+@pytest.mark.parametrize("entering", [(3,), (1, 3)])
+def test_nodes_entering_at_a_switch_take_the_holders_mean_model_and_state_bit_for_bit(entering):
+    """Issue 27 (streamed state): the members new in a view (View.entering) sit the switch average
+    out; the others average alone and each hands its slice of the result straight to them, so
+    every member continues with exactly the holders' mean model and optimizer state, and the
+    entering nodes took each byte once (model + state, 4 bytes a value)."""
+    results = _hand_out_at_switch(entering)
+    holders = [r for r in range(4) if r not in entering]
+    for value, mean in [(0, 2), (1, 3)]:
+        expected = sum(results[r][value] for r in holders) / len(holders)
+        for r in range(4):
+            assert torch.equal(results[r][mean], results[holders[0]][mean]), f"node {r} ended apart"
+        torch.testing.assert_close(results[0][mean], expected, rtol=0, atol=1e-6)
+    assert all(r[4] for r in results)
+    assert [round(r[5] * 1e6) for r in results] == [(1001 + 2003) * 4 if r in entering else 0 for r in range(4)]
+
+
+def test_a_state_slice_that_fails_its_checksum_leaves_the_entering_node_with_its_own_copy():
+    """A slice whose bits changed after its checksum (corruption on the way) is not taken: the
+    entering node keeps its donor's copy and does not count as holding the members' state, so the
+    next switch or the end of the run averages it in; the holders' own average is unaffected."""
+    class Flipping:
+        def __init__(self, comm):
+            self.comm = comm
+
+        def __getattr__(self, name):
+            return getattr(self.comm, name)
+
+        def send(self, peer, tensor, **header):
+            flipped = tensor.clone()
+            flipped[0] += 1.0
+            return self.comm.send(peer, flipped, **header)
+
+    results = _hand_out_at_switch((3,), tamper=lambda rank, comm: Flipping(comm) if rank == 0 else None)
+    params, _, averaged, _, holds, _ = results[3]
+    assert torch.equal(averaged, params) and not holds
+    expected = sum(results[r][0] for r in range(3)) / 3
+    torch.testing.assert_close(results[0][2], expected, rtol=0, atol=1e-6)
 
 
 def test_a_forged_weight_in_a_switch_average_leaves_every_members_values_untouched():

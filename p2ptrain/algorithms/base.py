@@ -72,6 +72,10 @@ class Members(Protocol):
     def first_switch(self, after: int, until: int) -> int | None:
         """The first step in (after, until] at which the members change (None: none)."""
 
+    def entering(self, step: int) -> tuple[int, ...]:
+        """Members that enter at `step`'s switch with a donor's copy (new in its view): the others
+        hand them the members' state there (() where no view switches)."""
+
     def departing(self, step: int) -> frozenset[int]:
         """Members at `step` that a pending view drops without their own say (they died)."""
 
@@ -93,6 +97,9 @@ class Members(Protocol):
     def asking_for_state(self) -> frozenset[int]:
         """Peers that gave their state up and wait for ours (a catch-up or a restart asked): a
         collective that waits for them cannot complete before this node serves them."""
+
+    def entered(self, peer: int, step: int) -> None:
+        """`peer` took the members' state from this node at `step`'s switch: await it from there."""
 
     def peer_step(self, peer: int, heard_since: int | None = None) -> int | None:
         """The latest step `peer` was heard at (None: never heard from, or with `heard_since`,

@@ -5,6 +5,8 @@ members average their model (then their optimizer state) in one ring call over [
 on a node that holds the members' state and 0 on one that took a donor's copy since (a restarted,
 joining or caught-up node), so that node enters with the holders' state as of the switch step and
 the holders, had they run apart, come together again. Without such a node it is the plain mean.
+Nodes new in the view (View.entering) sit that average out: the holders hand them its result
+directly (state_handout.py), so their state crosses the wire once.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from p2ptrain.algorithms.base import Comm
 from p2ptrain.algorithms.collectives import CollectiveIncomplete, RingAllReduce
+from p2ptrain.algorithms.state_handout import StateHandout
 
 if TYPE_CHECKING:
     import torch
@@ -42,8 +45,10 @@ class MemberRing:
     - A node that took a donor's state since it last averaged (joined, restarted, caught up:
       `holds_state` False) weighs 0 in that average, so it enters with the holders' model and
       optimizer state as of the switch step (as torchft heals), instead of pulling the others back
-      towards its older copy; the ring delivers it from all of them. With every
-      member holding the state the weights are all 1: the plain mean, as before."""
+      towards its older copy. With every member holding the state the weights are all 1: the
+      plain mean, as before.
+    - Members new in the view (View.entering) sit that average out: the others average over their
+      own ring and hand them the result, a slice from each (StateHandout)."""
 
     def __init__(self, comm: Comm, numel: int, dtype: torch.dtype | None = None, *, codec=None,
                  resync_deadline: float = 30.0, chunk_bytes: int = 0,
@@ -58,6 +63,9 @@ class MemberRing:
         # `state`: (numel, dtype) of the optimizer state, averaged with the model at a switch
         self.state_sync = RingAllReduce(comm, state[0] + 1, state[1], tag="osync.", elastic=True) \
             if state and state[0] else None
+        # ... handed to the nodes that enter at a switch (View.entering) by the others, who average alone
+        self.handout = StateHandout(comm, numel, self.ring.dtype, tag="hand.")
+        self.state_handout = StateHandout(comm, state[0], state[1], tag="ohand.") if self.state_sync else None
         self.resync_deadline = resync_deadline  # the most a switch average waits for a segment (switch_deadline)
         # at the end of the run: Σ "a round was skipped or failed here" and Σ holds_state
         self.end_flags = RingAllReduce(comm, 2, torch.float64, tag="end.", elastic=True)
@@ -72,6 +80,7 @@ class MemberRing:
         self._apart = False
         self._weight: float | None = None  # this node's w in the last model average (resync_state follows it)
         self._resynced_at: int | None = None  # the step whose model average completed (resync_state follows it)
+        self._handed_at: int | None = None  # the step whose switch handed the model out (resync_state follows it)
         self._failures = 0  # rounds failed in a row
         self.received: list[tuple[float, float]] = []  # (bytes, seconds) of each average taken with w = 0
 
@@ -140,9 +149,14 @@ class MemberRing:
 
     def resync(self, params: torch.Tensor, step: int) -> torch.Tensor:
         """At the first step of a view: the members' mean model, weight 0 on those that do not hold
-        the members' state (`params` unchanged if it cannot complete)."""
-        averaged, done = self._average_at_switch(self.sync, params, step, "models",
-                                                 1.0 if self.holds_state else 0.0)
+        the members' state, handed out to those that enter (`params` unchanged if it cannot complete)."""
+        self._weight = 1.0 if self.holds_state else 0.0
+        self._handed_at = None
+        if self._handing_out(step):
+            averaged, done = self._hand_out(self.sync, self.handout, params, step, "models")
+            self._handed_at = step
+        else:
+            averaged, done = self._average_at_switch(self.sync, params, step, "models", self._weight)
         self.resyncs += done
         self._note(step, done)
         return averaged
@@ -155,7 +169,7 @@ class MemberRing:
         one 2-element all-reduce and changes no bit."""
         import torch
 
-        self._resynced_at = None
+        self._resynced_at = self._handed_at = None
         members = self.comm.membership.members(step)
         if self.rank not in members or len(members) == 1:
             return params
@@ -177,9 +191,45 @@ class MemberRing:
     def resync_state(self, state: torch.Tensor, step: int) -> torch.Tensor:
         """After resync or agree_at_end: the members' mean optimizer state, with the same weights
         (`state` unchanged without a state ring, or if the models were not averaged)."""
-        if self.state_sync is None or self._resynced_at != step:
+        if self.state_sync is None:
+            return state
+        if self._handed_at == step:
+            return self._hand_out(self.state_sync, self.state_handout, state, step, "optimizer states")[0]
+        if self._resynced_at != step:
             return state
         return self._average_at_switch(self.state_sync, state, step, "optimizer states", self._weight)[0]
+
+    def _handing_out(self, step: int) -> bool:
+        """The view switching at `step` has members that enter (and others that hold the state)."""
+        membership = self.comm.membership
+        members = membership.members(step)
+        entering = set(membership.entering(step)) & set(members)
+        return self.rank in members and bool(entering) and len(entering) < len(members)
+
+    def _hand_out(self, ring: RingAllReduce, handout: StateHandout, values: torch.Tensor, step: int,
+                  what: str) -> tuple[torch.Tensor, bool]:
+        """A switch with entering members: the holders average over their own ring, then hand the
+        result (their own values if that failed) to the entering nodes, which wait for it. Whether
+        this node now holds the members' state (an average of all holders)."""
+        members = self.comm.membership.members(step)
+        entering = tuple(m for m in self.comm.membership.entering(step) if m in members)
+        holders = tuple(m for m in members if m not in entering)
+        if self.rank in entering:
+            taken = handout.take(values, step, holders, self.switch_deadline(len(members)))
+            if taken is None:
+                return values, False
+            result, averaged, seconds = taken
+            self.received.append((float(values.numel() * values.element_size()), seconds))
+            log.info("node %d: members %s from step %d: took the %s from nodes %s%s", self.rank, list(members), step,
+                     what, list(holders), "" if averaged else " (they had not all averaged them)")
+            return result, averaged
+        if len(holders) == 1:
+            averaged, done = values, self._weight > 0
+        else:
+            averaged, done = self._average_at_switch(ring, values, step, what, self._weight, holders)
+        handout.give(averaged if done else values.clone(), step, holders, entering, done,
+                     self.switch_deadline(len(members)))
+        return averaged, done
 
     def _note(self, step: int, done: bool) -> None:
         self._resynced_at = step if done else None
@@ -187,13 +237,13 @@ class MemberRing:
         self.holds_state = self.holds_state or done
 
     def _average_at_switch(self, ring: RingAllReduce, values: torch.Tensor, step: int, what: str,
-                           weight: float) -> tuple[torch.Tensor, bool]:
-        """Σ w_i x_i / Σ w_i over the members of the view at `step` (one ring call over [w x, w]),
-        and whether it was taken; `values` unchanged if not (or if no member holds the state)."""
+                           weight: float, members: tuple[int, ...] | None = None) -> tuple[torch.Tensor, bool]:
+        """Σ w_i x_i / Σ w_i over `members` (default: those of the view at `step`; one ring call
+        over [w x, w]), and whether it was taken; `values` unchanged if not (or if none holds the state)."""
         import torch
 
         self._weight = weight
-        members = self.comm.membership.members(step)
+        members = members or self.comm.membership.members(step)
         if self.rank not in members or len(members) == 1:
             return values, False
         flat = values.reshape(-1)

@@ -41,7 +41,7 @@ class HealResult:
     startup_s: float = math.nan            # restarted process: spawn -> asks for state
     rejoin_s: float = math.nan             # asks for state -> its first step trained as a member
     state_mb: float = math.nan             # the state it took from a donor
-    transfer_mb_s: float = math.nan        # MB/s of the state it took from the holders at its switch
+    transfer_mb_s: float = math.nan        # MB/s of the state it took from the holders at its switch (hand-out)
     identical: str = ""                    # the identical verdict: what is bit-identical, or why not
     accuracy: float = math.nan             # mean test accuracy of the final members
     error: str | None = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Mapping
 from typing import Callable, Protocol
@@ -76,6 +77,7 @@ class Reception:
 
     def __init__(self, header: pb.TensorHeader, allocate: Callable[[int], torch.Tensor]):
         self.header = header
+        self.opened = time.monotonic()  # its header arrived (Message.arrived_since)
         self.buffer: torch.Tensor | None = None
         self.received = 0
         self.scanned = 0          # payload bytes already checked for NaN / Inf (Inbox.scan)
@@ -305,7 +307,7 @@ class Inbox:
             tensor=tensor, ps_weight=header.ps_weight, relay_count=header.relay_count,
             codec=header.codec, codec_params=tuple(header.codec_params),
             shape=tuple(header.shape) or (header.numel,), message_id=header.message_id, peak=peak,
-            _release=lambda: self.pool.release(buffer))
+            arrived_since=reception.opened, _release=lambda: self.pool.release(buffer))
         box[header.sender] = message
         if header.ps_weight > 0:
             self.mass_delivered += header.ps_weight

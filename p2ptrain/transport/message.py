@@ -30,6 +30,8 @@ class Message:
     # same pass), so consumers that bound values (push-sum's plausibility check) need not re-read
     # the tensor; None for codec and integer payloads
     peak: float | None = None
+    # time.monotonic() when its header arrived, the first of its bytes (transfer rates: state_handout.py)
+    arrived_since: float = 0.0
     _release: object = field(default=None, repr=False)
 
     def release(self) -> None:

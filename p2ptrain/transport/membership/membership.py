@@ -75,6 +75,10 @@ class Membership:
         """The members change at `step` (a ring re-forms, and first re-synchronizes the model)."""
         return self.views.switches_at(step)
 
+    def entering(self, step: int) -> tuple[int, ...]:
+        """Members that enter at `step`'s switch with a donor's copy (View.entering; () elsewhere)."""
+        return self.views.entering_at(step)
+
     def first_switch(self, after: int, until: int) -> int | None:
         """The first step in (after, until] at which the members change, as the views held here say."""
         return self.views.first_switch(after, until)
@@ -337,6 +341,12 @@ class Membership:
 
     def asking_for_state(self) -> frozenset[int]:
         return self.greetings.asking_for_state()
+
+    def entered(self, peer: int, step: int) -> None:
+        """`peer` entered at `step`'s switch and took the members' state from this node there: it
+        trains with them from that step on, so it is awaited from it (no first message of its own
+        needs to confirm it, as after a rejoin)."""
+        self.liveness.confirmed(peer, step)
 
     def take_state_requests(self) -> list[tuple[int, bool]]:
         """Peers that asked (in a Hello) for this node's state since the last call, each with

@@ -45,6 +45,9 @@ class View:
     members: tuple[int, ...]
     addresses: tuple[str, ...] = ()  # members[i]'s address, "" where the receiver already knows it
     placement: tuple[int, ...] = ()  # the members in ring / graph order; () = rank order (placement.py)
+    # members that were not in the proposer's latest view: they enter with a donor's copy, and the
+    # holders hand them the members' state at the switch (algorithms/state_handout.py)
+    entering: tuple[int, ...] = ()
 
     @property
     def placed(self) -> tuple[int, ...]:
@@ -57,7 +60,8 @@ class View:
 
     def to_proto(self) -> pb.View:
         return pb.View(epoch=self.epoch, proposer=self.proposer, switch_step=self.switch_step,
-                       members=list(self.members), addresses=list(self.addresses), placement=list(self.placement))
+                       members=list(self.members), addresses=list(self.addresses), placement=list(self.placement),
+                       entering=list(self.entering))
 
     @classmethod
     def from_proto(cls, message: pb.View, capacity: int) -> "View":
@@ -80,8 +84,11 @@ class View:
         placement = tuple(message.placement)
         if placement and sorted(placement) != list(members):
             raise ValueError(f"view placement {brief(placement)} is not an order of its members {brief(members)}")
+        entering = tuple(message.entering)
+        if list(entering) != sorted(set(entering)) or not set(entering) <= set(members):
+            raise ValueError(f"view entering {brief(entering)} must be distinct sorted members")
         return cls(message.epoch, message.proposer, message.switch_step, members, tuple(message.addresses),
-                   placement)
+                   placement, entering)
 
 
 class Views:
@@ -127,6 +134,11 @@ class Views:
         a view that repeats them is how a ring whose nodes fell out of step re-aligns)."""
         return step > 0 and self.view_at(step) is not self.view_at(step - 1)
 
+    def entering_at(self, step: int) -> tuple[int, ...]:
+        """The members that enter with a donor's copy at `step`: those of the view that switches
+        there (() where none does)."""
+        return self.view_at(step).entering if self.switches_at(step) else ()
+
     def first_switch(self, after: int, until: int) -> int | None:
         """The first step in (after, until] at which another view takes effect (None: none does)."""
         steps = sorted({v.switch_step for v in self._history if after < v.switch_step <= until})
@@ -171,7 +183,8 @@ class Views:
     def propose(self, members, switch_step: int, addresses: dict[int, str] | None = None,
                 placement: tuple[int, ...] | None = None) -> View:
         """A new view of this node's (adopted here first): `members` from `switch_step` on, laid out
-        by `placement` (None: the latest view's order, newcomers after it)."""
+        by `placement` (None: the latest view's order, newcomers after it); those not in the latest
+        view enter (View.entering)."""
         members = tuple(sorted(set(members)))
         addresses = addresses or {}
         if placement is None:
@@ -183,7 +196,8 @@ class Views:
         elif placement and sorted(placement) != list(members):
             raise ValueError(f"placement {list(placement)} is not an order of the members {list(members)}")
         view = View(self.latest.epoch + 1, self.rank, switch_step, members,
-                    tuple(addresses.get(m, "") for m in members) if addresses else (), placement)
+                    tuple(addresses.get(m, "") for m in members) if addresses else (), placement,
+                    tuple(m for m in members if m not in self.latest.members))
         self.adopt(view)
         return view
 
@@ -201,6 +215,7 @@ class Views:
         self._history = kept + (view,)
         self.members_ever = self.members_ever | set(view.members)
         laid_out = f", laid out as {list(view.placement)}" if view.placement else ""
+        laid_out += f", {list(view.entering)} entering" if view.entering else ""
         log.info("node %d: view %d (from node %d): members %s from step %d%s", self.rank, view.epoch, view.proposer,
                  list(view.members), view.switch_step, laid_out)
         return True
