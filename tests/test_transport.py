@@ -136,10 +136,6 @@ def test_tensor_arrives_exactly(numel, dtype, chunk_bytes, shape, plane):
         assert message.shape == tuple(tensor.shape)
         assert message.tensor.dtype == dtype and message.tensor.numel() == numel
         assert torch.equal(message.tensor.reshape(tensor.shape), tensor)
-        # the receiver's NaN / Inf check measured max |v| in the same pass (on the lane, in pieces
-        # while the payload arrived): push-sum's plausibility check reads it instead of the tensor
-        expected_peak = float(tensor.abs().max()) if numel and dtype.is_floating_point else 0.0
-        assert message.peak == (expected_peak if dtype.is_floating_point else None)
         message.release()
         assert pending(t[1]) == 0
         # bytes metrics, exactly (payload bytes only)

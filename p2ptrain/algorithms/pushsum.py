@@ -238,9 +238,7 @@ class PushSum:
             return f"weight {share.ps_weight!r} outside (0, {n}]"
         if self.w + share.ps_weight > n * (1 + 1e-9):
             return f"w would become {self.w + share.ps_weight:.6g} > n = {n} (push-sum mass never exceeds n)"
-        # the receiver's NaN / Inf check measured the peak of an uncompressed share (Message.peak)
-        peak = share.peak if share.peak is not None and values is share.tensor else _peak_magnitude(values)
-        scale = peak / share.ps_weight
+        scale = _peak_magnitude(values) / share.ps_weight
         if not math.isfinite(scale) or scale > PLAUSIBLE_SCALE * max(1.0, self._z_scale):
             return f"de-biased values up to {scale:.3g}, ours up to {self._z_scale:.3g}"
         return ""

@@ -11,7 +11,6 @@ never said of an id that is merely in flight (Inbox.deliver). Open receptions ar
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
 import time
 from collections import Counter, OrderedDict, defaultdict
@@ -27,7 +26,7 @@ from p2ptrain.transport.validation import (
     ChannelSpec,
     CodecLayout,
     Rejection,
-    peak_magnitude,
+    all_finite,
     validate_header,
 )
 
@@ -81,7 +80,7 @@ class Reception:
         self.buffer: torch.Tensor | None = None
         self.received = 0
         self.scanned = 0          # payload bytes already checked for NaN / Inf (Inbox.scan)
-        self.peak = 0.0           # ... their max |value| (inf: they held a NaN or Inf)
+        self.finite = True        # ... and whether they were all finite
         self._allocate = allocate
         self._view = memoryview(b"")
 
@@ -289,11 +288,9 @@ class Inbox:
             buffer = reception.payload()
             # Codec payloads stay raw bytes: the algorithm's codec decodes them (and checks them).
             tensor = buffer.view(torch_dtype(header.dtype)) if header.codec == pb.CODEC_NONE else buffer
-            peak = None
-            if header.codec == pb.CODEC_NONE and tensor.is_floating_point():
-                peak = max(reception.peak, peak_magnitude(tensor[reception.scanned // tensor.element_size():]))
-                if not math.isfinite(peak):
-                    raise Rejection("non_finite", f"the payload from {header.sender} holds NaN or Inf")
+            if header.codec == pb.CODEC_NONE and tensor.is_floating_point() and not (
+                    reception.finite and all_finite(tensor[reception.scanned // tensor.element_size():])):
+                raise Rejection("non_finite", f"the payload from {header.sender} holds NaN or Inf")
         except Rejection:
             self.abort(reception)
             raise
@@ -306,7 +303,7 @@ class Inbox:
             sender=header.sender, step=header.step, kind=header.kind, channel=header.channel,
             tensor=tensor, ps_weight=header.ps_weight, relay_count=header.relay_count,
             codec=header.codec, codec_params=tuple(header.codec_params),
-            shape=tuple(header.shape) or (header.numel,), message_id=header.message_id, peak=peak,
+            shape=tuple(header.shape) or (header.numel,), message_id=header.message_id,
             arrived_since=reception.opened, _release=lambda: self.pool.release(buffer))
         box[header.sender] = message
         if header.ps_weight > 0:
@@ -323,12 +320,12 @@ class Inbox:
         takes the check (a pass over the payload) off the time between the last byte and the Ack.
         A NaN found here is refused by deliver(), when the message is complete, as ever."""
         header = reception.header
-        if header.codec != pb.CODEC_NONE or reception.buffer is None or not math.isfinite(reception.peak):
+        if header.codec != pb.CODEC_NONE or reception.buffer is None or not reception.finite:
             return
         dtype = torch_dtype(header.dtype)
         end = reception.received - reception.received % dtype.itemsize
         if dtype.is_floating_point and end > reception.scanned:
-            reception.peak = max(reception.peak, peak_magnitude(reception.buffer[reception.scanned:end].view(dtype)))
+            reception.finite = all_finite(reception.buffer[reception.scanned:end].view(dtype))
             reception.scanned = end
 
     def _validate(self, header: pb.TensorHeader) -> None:

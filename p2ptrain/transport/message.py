@@ -26,10 +26,6 @@ class Message:
     codec_params: tuple[float, ...]
     shape: tuple[int, ...]
     message_id: int
-    # max |value| of an uncompressed float payload, found by the receive-side NaN / Inf check (the
-    # same pass), so consumers that bound values (push-sum's plausibility check) need not re-read
-    # the tensor; None for codec and integer payloads
-    peak: float | None = None
     # time.monotonic() when its header arrived, the first of its bytes (transfer rates: state_handout.py)
     arrived_since: float = 0.0
     _release: object = field(default=None, repr=False)
