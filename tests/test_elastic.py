@@ -6,6 +6,7 @@ user-facing DecentralizedOptimizer; the ledgers of push-sum mass check Σ w exac
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -25,7 +26,7 @@ from p2ptrain.algorithms.sgp import SGP
 from p2ptrain.topology import member_graph, member_topology
 from p2ptrain.train.optimizer import DecentralizedOptimizer, LeftCluster
 from p2ptrain.transport import TransportOptions
-from p2ptrain.transport.membership.views import View, Views
+from p2ptrain.transport.membership.views import View, Views, gossip_targets
 from tests.cluster import run_cluster
 from tests.test_transport import wait_until
 
@@ -51,6 +52,22 @@ def test_views_switch_at_the_agreed_step_and_the_greater_view_wins():
     # the members its proposer's latest view lacked enter with it (only at its switch), and travel
     assert proposed.entering == (4,) and views.entering_at(130) == (4,) and views.entering_at(131) == ()
     assert View.from_proto(proposed.to_proto(), capacity=6) == proposed
+
+
+def test_adopters_pass_a_view_on_as_gossip_reaching_every_member_in_log_hops():
+    """Issue 28: an adopter passes a view on to the members at offsets 1, 2, 4, ... after it
+    (⌈log2 m⌉ calls, not m - 1): from any node every member has it within ⌈log2 m⌉ hops."""
+    assert gossip_targets((0, 1, 2, 3), 2) == [3, 0]
+    assert gossip_targets((0, 2, 5), 7) == [0, 2]  # (a node outside the view: after its place)
+    for m in (2, 5, 16, 100):
+        ring = tuple(range(0, 3 * m, 3))
+        assert all(len(gossip_targets(ring, r)) == math.ceil(math.log2(m)) for r in ring)
+        reached, frontier, hops = {ring[0]}, {ring[0]}, 0
+        while len(reached) < m:
+            frontier = {t for r in frontier for t in gossip_targets(ring, r)} - reached
+            reached |= frontier
+            hops += 1
+        assert hops <= math.ceil(math.log2(m))
 
 
 def test_a_malformed_view_is_refused_with_a_reason():

@@ -21,7 +21,7 @@ from p2ptrain.transport.loop_thread import LoopThread
 from p2ptrain.transport.membership import vetting
 from p2ptrain.transport.membership.identity import Identity
 from p2ptrain.transport.membership.liveness import Liveness
-from p2ptrain.transport.membership.views import MAX_ADDRESS, View, Views
+from p2ptrain.transport.membership.views import MAX_ADDRESS, View, Views, gossip_targets
 from p2ptrain.transport.paths.grpc_path import GrpcPath, nothing_listens
 from p2ptrain.transport.paths.lane_path import LanePorts
 from p2ptrain.transport.routes import RouteTable
@@ -191,10 +191,13 @@ class Greetings:
                 self.learn_address(member, address)
         if not self.views.adopt(view):
             return False
-        # Pass it on once: a proposer reaches the nodes it knows of, and a concurrent proposal's
-        # loser (or a joiner the proposer never heard of) may be known here only.
-        others = (self.views.members_ever | set(view.members)) - {self.rank, sender, view.proposer}
-        for peer in sorted(p for p in others if self.addresses[p]):
+        # Pass it on once, as gossip: a proposer reaches the nodes it knows of, and one it could not
+        # reach (a blocked link), a concurrent proposal's loser or a joiner it never heard of may be
+        # known here only. To the members at exponential offsets after this node (O(log m) calls, all
+        # reached within O(log m) hops), and to the live former members the view leaves out.
+        others = set(gossip_targets(view.members, self.rank))
+        others |= set(self.liveness.live(self.views.members_ever - set(view.members)))
+        for peer in sorted(p for p in others - {self.rank, sender, view.proposer} if self.addresses[p]):
             self.loop.spawn(self._pass_on(peer))
         return True
 

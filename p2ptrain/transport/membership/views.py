@@ -30,6 +30,19 @@ def brief(values, limit: int = 8) -> str:
     return f"[{shown}{', ...' if len(values) > limit else ''}]"
 
 
+def gossip_targets(ring, rank: int) -> list[int]:
+    """The nodes at offsets 1, 2, 4, ... (below len(ring)) after `rank` on `ring` (rank joins it
+    where it is not there): ⌈log2 m⌉ of them, so that a view every adopter passes on to its own
+    reaches all m nodes of the ring within ⌈log2 m⌉ hops from any of them, at O(log m) calls each."""
+    ring = sorted(set(ring) | {rank})
+    m, at = len(ring), ring.index(rank)
+    offsets, offset = [], 1
+    while offset < m:
+        offsets.append(offset)
+        offset *= 2
+    return [ring[(at + k) % m] for k in offsets]
+
+
 @dataclass(frozen=True)
 class View:
     """One change of the members. Nodes join a running cluster and leave it without anyone
@@ -221,4 +234,4 @@ class Views:
         return True
 
 
-__all__ = ["View", "Views", "DEFAULT_VIEW_MARGIN", "MAX_ADDRESS", "MAX_COUNTER", "brief"]
+__all__ = ["View", "Views", "DEFAULT_VIEW_MARGIN", "MAX_ADDRESS", "MAX_COUNTER", "brief", "gossip_targets"]
