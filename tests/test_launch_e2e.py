@@ -84,8 +84,8 @@ def test_non_iid_dirichlet_shards_through_launch(tmp_path):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("algorithm,extra", [
     ("allreduce", []),
-    ("dpsgd", []),
-    ("relaysgd", []),
+    pytest.param("dpsgd", [], marks=pytest.mark.slow),  # (CI time: gossip runs in the SGP cluster test)
+    pytest.param("relaysgd", [], marks=pytest.mark.slow),
     ("pipesgd", ["--compression", "int8", "--warmup-steps", "5"]),
 ])
 def test_every_algorithm_trains_the_demo_task(tmp_path, algorithm, extra):

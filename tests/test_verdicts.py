@@ -321,6 +321,7 @@ def test_the_mass_record_keeps_the_last_whole_write_after_a_sigkill(tmp_path):
 
 # --- a real chaos run ------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # (CI time: the SGP chaos run below stays in the default suite)
 @pytest.mark.timeout(240)
 def test_chaos_compare_runs_the_same_command_without_any_fault_first(tmp_path):
     """--chaos-compare: a baseline without the plan's joins, slow windows and link bursts (a slow
@@ -374,6 +375,7 @@ def test_a_real_sgp_chaos_run_with_a_kill_is_judged_and_passes(tmp_path):
                                                                   for v in judged.values()))
 
 
+@pytest.mark.slow  # (CI time: the SGP chaos run below stays in the default suite)
 @pytest.mark.timeout(300)
 def test_a_real_allreduce_chaos_run_with_stalls_a_leave_and_slow_windows_ends_bit_identical(tmp_path):
     """4 AllReduce nodes, seed 2, stalls, leaves, link bursts and slow windows (6 faults; kills are
