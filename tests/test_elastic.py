@@ -519,7 +519,7 @@ def _hand_out_at_switch(entering, tamper=None):
     return run_cluster(4, body, options=options, timeout=120)
 
 
-@pytest.mark.parametrize("entering", [(3,), (1, 3)])
+@pytest.mark.parametrize("entering", [(3,), (1, 3), (1, 2, 3)])
 def test_nodes_entering_at_a_switch_take_the_holders_mean_model_and_state_bit_for_bit(entering):
     """Issue 27 (streamed state): the members new in a view (View.entering) sit the switch average
     out; the others average alone and each hands its slice of the result straight to them, so

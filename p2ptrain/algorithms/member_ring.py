@@ -223,8 +223,8 @@ class MemberRing:
             log.info("node %d: members %s from step %d: took the %s from nodes %s%s", self.rank, list(members), step,
                      what, list(holders), "" if averaged else " (they had not all averaged them)")
             return result, averaged
-        if len(holders) == 1:
-            averaged, done = values, self._weight > 0
+        if len(holders) == 1:  # (a copy: `values` may be the live model, and the sends read what they get)
+            averaged, done = values.clone(), self._weight > 0
         else:
             averaged, done = self._average_at_switch(ring, values, step, what, self._weight, holders)
         handout.give(averaged if done else values.clone(), step, holders, entering, done,
