@@ -110,6 +110,16 @@ class Communicator:
                                          laggards=laggards)
         return {sender: self.received(m) for sender, m in messages.items()}
 
+    def receive_into(self, peer: int, kind: int, step: int, tensor: torch.Tensor | None, *, channel: str = "") -> bool:
+        """Have `peer`'s step-`step` message of `kind` on `channel` land in `tensor` (a contiguous
+        CPU tensor of its size) rather than in a pooled buffer; None forgets it. False where this
+        does not apply (a tensor on CUDA: the bytes land in host memory first anyway)."""
+        if tensor is not None and (tensor.device.type != "cpu" or not tensor.is_contiguous()):
+            return False
+        self.transport.receive_into(peer, kind, step, None if tensor is None else tensor.view(-1).view(torch.uint8),
+                                    channel)
+        return True
+
     def take(self, kind: int, max_step: int, *, channel: str = "") -> list[Message]:
         """Already-arrived messages with step <= max_step (late ones, to be folded in)."""
         return [self.received(m) for m in self.transport.take(kind, max_step, channel)]

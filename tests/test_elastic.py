@@ -19,10 +19,11 @@ from p2ptrain.algorithms.base import Kind
 from p2ptrain.algorithms.diloco import DiLoCo
 from p2ptrain.algorithms.dpsgd import DPSGD
 from p2ptrain.algorithms.gossip_diloco import GossipDiLoCo
-from p2ptrain.algorithms.member_ring import MemberRing
+from p2ptrain.algorithms.member_ring import MemberRing, covered_seconds
 from p2ptrain.algorithms.pipesgd import PipeSGD
 from p2ptrain.algorithms.pushsum import PushSum
 from p2ptrain.algorithms.sgp import SGP
+from p2ptrain.algorithms.state_handout import checksum, slice_bounds
 from p2ptrain.topology import member_graph, member_topology
 from p2ptrain.train.optimizer import DecentralizedOptimizer, LeftCluster
 from p2ptrain.transport import TransportOptions
@@ -496,10 +497,26 @@ def test_a_switch_average_gives_nodes_that_took_a_donors_state_the_holders_mean_
     assert all(r[4] and r[5] == 1 and torch.equal(r[6], r[2]) for r in results)  # (the end changes nothing)
 
 
+class Recording:
+    """A node's comm that notes the tensors registered as receive destinations (receive_into)."""
+
+    def __init__(self, comm):
+        self.comm, self.destinations = comm, []
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+    def receive_into(self, peer, kind, step, tensor, **kwargs):
+        if tensor is not None:
+            self.destinations.append(tensor)
+        return self.comm.receive_into(peer, kind, step, tensor, **kwargs)
+
+
 def _hand_out_at_switch(entering, tamper=None):
     """Nodes 0-3; a view switching at step 5 in which `entering` enter: each node's (params, state
-    in, averaged model, averaged state, holds_state, bytes taken). `tamper(rank, comm)`: a stand-in
-    for node `rank`'s hand-out sends (None: the real comm)."""
+    in, averaged model, averaged state, holds_state, bytes taken, whether the model it took is
+    the buffer it readied). `tamper(rank, comm)`: a stand-in for node `rank`'s hand-out sends
+    (None: the real comm)."""
     numel, state_numel = 1001, 2003
     options = TransportOptions(send_timeout=20.0, link_deadline=5.0)
 
@@ -510,11 +527,14 @@ def _hand_out_at_switch(entering, tamper=None):
         comm.membership.views.adopt(View(1, 0, 5, (0, 1, 2, 3), entering=tuple(entering)))
         if tamper is not None and tamper(rank, comm) is not None:
             ring.handout.comm = tamper(rank, comm)
+        recording = ring.handout.comm = Recording(ring.handout.comm)
         params = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
         state = torch.randn(state_numel, generator=torch.Generator().manual_seed(100 + rank))
         averaged = ring.resync(params.clone(), step=5)
         averaged_state = ring.resync_state(state.clone(), step=5)
-        return params, state, averaged, averaged_state, ring.holds_state, ring.stats().get("state_received_mb", 0.0)
+        readied = bool(recording.destinations) and averaged.data_ptr() == recording.destinations[0].data_ptr()
+        return (params, state, averaged, averaged_state, ring.holds_state, ring.stats().get("state_received_mb", 0.0),
+                readied)
 
     return run_cluster(4, body, options=options, timeout=120)
 
@@ -524,7 +544,8 @@ def test_nodes_entering_at_a_switch_take_the_holders_mean_model_and_state_bit_fo
     """Issue 27 (streamed state): the members new in a view (View.entering) sit the switch average
     out; the others average alone and each hands its slice of the result straight to them, so
     every member continues with exactly the holders' mean model and optimizer state, and the
-    entering nodes took each byte once (model + state, 4 bytes a value)."""
+    entering nodes took each byte once (model + state, 4 bytes a value), into the buffer each
+    registered for the slices to land in (receive_into), which becomes its model."""
     results = _hand_out_at_switch(entering)
     holders = [r for r in range(4) if r not in entering]
     for value, mean in [(0, 2), (1, 3)]:
@@ -534,6 +555,36 @@ def test_nodes_entering_at_a_switch_take_the_holders_mean_model_and_state_bit_fo
         torch.testing.assert_close(results[0][mean], expected, rtol=0, atol=1e-6)
     assert all(r[4] for r in results)
     assert [round(r[5] * 1e6) for r in results] == [(1001 + 2003) * 4 if r in entering else 0 for r in range(4)]
+    assert [r[6] for r in results] == [r in entering for r in range(4)]
+
+
+def test_a_holder_sends_the_model_alone_when_no_optimizer_state_hand_out_follows():
+    """Holders keep their model hand-out back to send it with the optimizer state's; a loop that
+    never asks for the state (resync_state) still gets the model to the entering node: the next
+    round's members_for sends it."""
+    numel = 1001
+    options = TransportOptions(send_timeout=20.0, link_deadline=5.0)
+
+    def body(rank, comm):
+        ring = MemberRing(comm, numel, torch.float32, state=(7, torch.float32), holds_state=rank != 3)
+        comm.ready()
+        comm.membership.views.adopt(View(1, 0, 5, (0, 1, 2, 3), entering=(3,)))
+        params = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+        averaged = ring.resync(params.clone(), step=5)
+        if rank != 3:
+            ring.members_for(6)
+        return params, averaged
+
+    results = run_cluster(4, body, options=options, timeout=120)
+    expected = sum(results[r][0] for r in range(3)) / 3
+    assert all(torch.equal(r[1], results[0][1]) for r in results)
+    torch.testing.assert_close(results[3][1], expected, rtol=0, atol=1e-6)
+
+
+def test_covered_seconds_counts_overlapping_transfer_windows_once():
+    assert covered_seconds([]) == 0.0
+    assert covered_seconds([(0.0, 1.0), (2.0, 2.5)]) == 1.5
+    assert covered_seconds([(0.0, 1.0), (0.5, 2.0), (0.7, 0.9)]) == 2.0
 
 
 def test_a_state_slice_that_fails_its_checksum_leaves_the_entering_node_with_its_own_copy():
@@ -553,7 +604,7 @@ def test_a_state_slice_that_fails_its_checksum_leaves_the_entering_node_with_its
             return self.comm.send(peer, flipped, **header)
 
     results = _hand_out_at_switch((3,), tamper=lambda rank, comm: Flipping(comm) if rank == 0 else None)
-    params, _, averaged, _, holds, _ = results[3]
+    params, _, averaged, _, holds, _, _ = results[3]
     assert torch.equal(averaged, params) and not holds
     expected = sum(results[r][0] for r in range(3)) / 3
     torch.testing.assert_close(results[0][2], expected, rtol=0, atol=1e-6)
@@ -738,3 +789,22 @@ def test_a_view_switch_lies_seconds_ahead_at_the_proposers_pace_and_a_jump_reset
     assert 40 <= pace.steps_in(1.0) <= 110  # ~100 steps/s (sleep granularity and load make it less)
     pace.note(500)  # a rejoin resumed further on: not 490 steps in 10 ms
     assert pace.steps_in(1.0) == 0
+
+
+def test_a_state_checksum_changes_with_any_single_flipped_bit_and_slices_start_aligned():
+    """The hand-out's checksum (the mod-2^64 sum of 64-bit words, sent as two exact doubles) sees
+    every single-bit flip, high bits of a word included; a slice's bounds sit on 64-byte
+    multiples, so its words are read in place (no copy) on both ends."""
+    values = torch.randn(5, dtype=torch.float32)  # 20 bytes: two words and a 4-byte tail
+    clean = checksum(values)
+    raw = values.view(torch.uint8)
+    for byte in range(raw.numel()):
+        for bit in range(8):
+            flipped = raw.clone()
+            flipped[byte] ^= 1 << bit
+            assert checksum(flipped.view(torch.float32)) != clean, (byte, bit)
+    for numel, parts, itemsize in [(1000, 3, 4), (17, 3, 4), (5, 4, 2), (10 ** 6 + 7, 7, 8)]:
+        bounds = slice_bounds(numel, parts, itemsize)
+        assert bounds[0][0] == 0 and bounds[-1][1] == numel and len(bounds) == parts
+        assert all(b0 == a1 for (_, b0), (a1, _) in zip(bounds, bounds[1:]))
+        assert all((a * itemsize % 64 == 0 or a == numel) and a <= b for a, b in bounds)

@@ -386,6 +386,46 @@ def test_retry_after_rejected_header_is_accepted(receiver, raw):
     assert raw(iter(good_stream(h)), timeout=10).status == pb.Ack.STATUS_ACCEPTED
 
 
+def test_a_message_lands_in_the_destination_registered_for_it(receiver, raw):
+    """receive_into (a state hand-out the receiver saw coming): that one message is written straight
+    into the caller's tensor, with no pooled buffer and no copy; the next message of another step
+    takes a pooled buffer as before, and a forgotten destination is not written."""
+    destination = torch.zeros(NUMEL)
+    receiver.receive_into(0, KIND, 0, destination.view(torch.uint8))
+    assert raw(iter(good_stream(header(step=0))), timeout=10).status == pb.Ack.STATUS_ACCEPTED
+    (message,) = receiver.take(KIND, 0)
+    assert message.tensor.data_ptr() == destination.data_ptr() and torch.equal(destination, PAYLOAD)
+    message.release()  # (the caller's memory: not given to the pool)
+    assert raw(iter(good_stream(header(step=1))), timeout=10).status == pb.Ack.STATUS_ACCEPTED
+    (other,) = receiver.take(KIND, 1)
+    assert other.tensor.data_ptr() != destination.data_ptr() and torch.equal(other.tensor, PAYLOAD)
+    forgotten = torch.zeros(NUMEL)
+    receiver.receive_into(0, KIND, 2, forgotten.view(torch.uint8))
+    receiver.receive_into(0, KIND, 2, None)
+    assert raw(iter(good_stream(header(step=2))), timeout=10).status == pb.Ack.STATUS_ACCEPTED
+    assert torch.equal(receiver.take(KIND, 2)[0].tensor, PAYLOAD) and not forgotten.any()
+
+
+def test_a_destination_outlives_a_broken_stream_and_refuses_other_sizes(receiver, raw):
+    """A stream that breaks off half-way into a destination leaves it registered for the retry,
+    which lands there whole; a message of another size than the destination's takes a pooled
+    buffer and leaves it untouched; a destination that is not a flat CPU byte tensor is refused."""
+    destination = torch.zeros(NUMEL)
+    receiver.receive_into(0, KIND, 0, destination.view(torch.uint8))
+    h = header()
+    truncated = raw(iter([encode_header(h), *data_chunks(PAYLOAD_BYTES[:1500])]), timeout=10)
+    assert truncated.reason == "truncated" and pending(receiver) == 0
+    assert raw(iter(good_stream(h)), timeout=10).status == pb.Ack.STATUS_ACCEPTED
+    (message,) = receiver.take(KIND, 0)
+    assert message.tensor.data_ptr() == destination.data_ptr() and torch.equal(destination, PAYLOAD)
+    small = torch.zeros(NUMEL // 2)
+    receiver.receive_into(0, KIND, 1, small.view(torch.uint8))
+    assert raw(iter(good_stream(header(step=1))), timeout=10).status == pb.Ack.STATUS_ACCEPTED
+    assert torch.equal(receiver.take(KIND, 1)[0].tensor, PAYLOAD) and not small.any()
+    with pytest.raises(ValueError, match="contiguous 1-D uint8 CPU tensor"):
+        receiver.receive_into(0, KIND, 2, torch.zeros(4))
+
+
 def _blocking_stream(h: pb.TensorHeader, release: threading.Event, tail=()):
     """Header and one data chunk, then wait for `release`, then `tail`."""
     yield encode_header(h)

@@ -157,6 +157,11 @@ class Comm(Protocol):
         `abandon`: says why waiting on is hopeless (or None); checked while waiting, on the
         transport's thread, it ends the wait early. `laggards`: wait for lagging senders too."""
 
+    def receive_into(self, peer: int, kind: Kind, step: int, tensor: "torch.Tensor | None", *,
+                     channel: str = "") -> bool:
+        """Have `peer`'s step-`step` message of `kind` land straight in `tensor` (its size; no
+        copy, no page faults while it arrives); None forgets it. False where it cannot (CUDA)."""
+
     def take(self, kind: Kind, max_step: int, *, channel: str = "") -> list[Received]:
         """Messages of steps <= max_step that already arrived (late ones)."""
 

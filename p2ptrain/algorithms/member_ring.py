@@ -11,6 +11,7 @@ directly (state_handout.py), so their state crosses the wire once.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -82,15 +83,19 @@ class MemberRing:
         self._resynced_at: int | None = None  # the step whose model average completed (resync_state follows it)
         self._handed_at: int | None = None  # the step whose switch handed the model out (resync_state follows it)
         self._failures = 0  # rounds failed in a row
-        self.received: list[tuple[float, float]] = []  # (bytes, seconds) of each average taken with w = 0
+        # (bytes, start, end on time.monotonic()) of each state this node took with w = 0 or was handed
+        self.received: list[tuple[float, float, float]] = []
+        # a holder's model hand-out of a switch, kept until the optimizer state's is averaged too:
+        # (step, values, averaged, holders, entering); both are then sent at once (resync_state)
+        self._model_handout: tuple[int, torch.Tensor, bool, tuple[int, ...], tuple[int, ...]] | None = None
 
     def stats(self) -> dict[str, float]:
         """Switch averages, and the state this node took with weight 0 (MB and seconds, model and
         optimizer state together; bench heal divides them)."""
         stats = {"ring_resyncs": float(self.resyncs)}
         if self.received:
-            stats.update(state_received_mb=sum(b for b, _ in self.received) / 1e6,
-                         state_received_seconds=sum(s for _, s in self.received))
+            stats.update(state_received_mb=sum(b for b, _, _ in self.received) / 1e6,
+                         state_received_seconds=covered_seconds([(a, b) for _, a, b in self.received]))
         return stats
 
     # Rounds ------------------------------------------------------------------------------------
@@ -113,6 +118,7 @@ class MemberRing:
         """The ranks to reduce over at `step`, or None when this step's round is skipped (this node
         alone, not a member, or a member a pending view drops is still in the ring). Rings of
         other tensors that follow the same members (gradient buckets) ask here too."""
+        self._flush_model_handout(before=step)
         members = self.comm.membership.members(step)
         if self.rank not in members or len(members) == 1:
             return None
@@ -153,7 +159,8 @@ class MemberRing:
         self._weight = 1.0 if self.holds_state else 0.0
         self._handed_at = None
         if self._handing_out(step):
-            averaged, done = self._hand_out(self.sync, self.handout, params, step, "models")
+            averaged, done = self._hand_out(self.sync, self.handout, params, step, "models",
+                                            with_state=self.state_handout is not None)
             self._handed_at = step
         else:
             averaged, done = self._average_at_switch(self.sync, params, step, "models", self._weight)
@@ -170,6 +177,7 @@ class MemberRing:
         import torch
 
         self._resynced_at = self._handed_at = None
+        self._flush_model_handout(before=step + 1)
         members = self.comm.membership.members(step)
         if self.rank not in members or len(members) == 1:
             return params
@@ -207,29 +215,66 @@ class MemberRing:
         return self.rank in members and bool(entering) and len(entering) < len(members)
 
     def _hand_out(self, ring: RingAllReduce, handout: StateHandout, values: torch.Tensor, step: int,
-                  what: str) -> tuple[torch.Tensor, bool]:
+                  what: str, with_state: bool = False) -> tuple[torch.Tensor, bool]:
         """A switch with entering members: the holders average over their own ring, then hand the
         result (their own values if that failed) to the entering nodes, which wait for it. Whether
-        this node now holds the members' state (an average of all holders)."""
+        this node now holds the members' state (an average of all holders). `with_state`: the
+        optimizer state's hand-out follows (resync_state): the holders send the model with it,
+        once both are averaged, so the transfer has the machine alone; an entering node makes
+        both landings before it waits."""
         members = self.comm.membership.members(step)
         entering = tuple(m for m in self.comm.membership.entering(step) if m in members)
         holders = tuple(m for m in members if m not in entering)
         if self.rank in entering:
+            if with_state and self.state_handout is not None:
+                self.state_handout.ready(step, holders)
             taken = handout.take(values, step, holders, self.switch_deadline(len(members)))
             if taken is None:
                 return values, False
-            result, averaged, seconds = taken
-            self.received.append((float(values.numel() * values.element_size()), seconds))
+            result, averaged, (began, ended) = taken
+            self.received.append((float(values.numel() * values.element_size()), began, ended))
             log.info("node %d: members %s from step %d: took the %s from nodes %s%s", self.rank, list(members), step,
                      what, list(holders), "" if averaged else " (they had not all averaged them)")
             return result, averaged
         if len(holders) == 1:  # (a copy: `values` may be the live model, and the sends read what they get)
-            averaged, done = values.clone(), self._weight > 0
+            given, divisor, done = values.clone(), 1.0, self._weight > 0
         else:
-            averaged, done = self._average_at_switch(ring, values, step, what, self._weight, holders)
-        handout.give(averaged if done else values.clone(), step, holders, entering, done,
-                     self.switch_deadline(len(members)))
-        return averaged, done
+            summed = self._sum_at_switch(ring, values, step, what, self._weight, holders)
+            done = summed is not None
+            given, divisor = summed if summed is not None else (values.clone(), 1.0)
+        # nobody writes to `given` while the sends read it
+        if with_state:  # (averaged now, off the transfer's path: the optimizer state's average comes first)
+            averaged = given.div_(divisor) if divisor != 1.0 else given
+            self._model_handout = (step, averaged, done, holders, entering)
+            return (averaged if done else values), done
+        # sent as sums: the entering nodes divide as this node does, after the transfer, which so
+        # starts as soon as the ring ends, on every holder alike
+        deadline = self.switch_deadline(len(members))
+        sent = self._send_model_handout(before=step + 1)
+        sends = handout.send(given, step, holders, entering, done, divisor)
+        if sent is not None:
+            self.handout.settle(sent, step, deadline)
+        handout.settle(sends, step, deadline)
+        averaged = given.div_(divisor) if divisor != 1.0 else given
+        return (averaged if done else values), done
+
+    def _send_model_handout(self, before: int) -> dict | None:
+        """Send the model hand-out kept back for a switch before step `before` (the futures of its
+        deliveries); None if none is kept (the optimizer state's hand-out sends it)."""
+        kept = self._model_handout
+        if kept is None or kept[0] >= before:
+            return None
+        self._model_handout = None
+        step, values, averaged, holders, entering = kept
+        return self.handout.send(values, step, holders, entering, averaged)
+
+    def _flush_model_handout(self, before: int) -> None:
+        """In case no optimizer state's hand-out came after the model's (resync_state not called):
+        the model's goes alone, at the next round."""
+        kept = self._model_handout
+        sent = self._send_model_handout(before)
+        if sent is not None and kept is not None:
+            self.handout.settle(sent, kept[0], self.switch_deadline(len(kept[3]) + len(kept[4])))
 
     def _note(self, step: int, done: bool) -> None:
         self._resynced_at = step if done else None
@@ -240,39 +285,58 @@ class MemberRing:
                            weight: float, members: tuple[int, ...] | None = None) -> tuple[torch.Tensor, bool]:
         """Σ w_i x_i / Σ w_i over `members` (default: those of the view at `step`; one ring call
         over [w x, w]), and whether it was taken; `values` unchanged if not (or if none holds the state)."""
+        began = time.monotonic()
+        summed = self._sum_at_switch(ring, values, step, what, weight, members)
+        if summed is None:
+            return values, False
+        averaged = summed[0].div_(summed[1])
+        if weight == 0:
+            self.received.append((float(values.numel() * values.element_size()), began, time.monotonic()))
+        return averaged, True
+
+    def _sum_at_switch(self, ring: RingAllReduce, values: torch.Tensor, step: int, what: str, weight: float,
+                       members: tuple[int, ...] | None = None) -> tuple[torch.Tensor, float] | None:
+        """(Σ w_i x_i shaped like `values`, Σ w_i) over `members`, or None when it could not be
+        taken (a member missing, none holding the state, or a forged weight)."""
         import torch
 
         self._weight = weight
         members = members or self.comm.membership.members(step)
         if self.rank not in members or len(members) == 1:
-            return values, False
+            return None
         flat = values.reshape(-1)
         weighted = torch.empty(flat.numel() + 1, dtype=flat.dtype, device=flat.device)
         torch.mul(flat, weight, out=weighted[:-1])  # (a node with weight 0 sends zeros)
         weighted[-1] = weight
-        began = time.monotonic()
         try:
             summed = ring(weighted, step, average=False, members=members,
                           deadline=self.switch_deadline(len(members)), restore=False)
         except CollectiveIncomplete as exc:
             log.warning("%s; the members' %s were not averaged at their switch", exc, what)
             self.comm.membership.drop_dead_members()
-            return values, False
+            return None
         total = summed[-1].item()
         if total == 0:
             log.warning("node %d: step %d: no member holds the members' state; the %s were not averaged", self.rank,
                         step, what)
-            return values, False
+            return None
         if total != round(total) or not 0 < total <= len(members):  # a member sent a forged weight
             log.warning("node %d: step %d: the members' weights sum to %r (of %d members); the %s were not averaged",
                         self.rank, step, total, len(members), what)
-            return values, False
-        averaged = summed[:-1].div_(total).view_as(values)
-        if weight == 0:
-            self.received.append((float(values.numel() * values.element_size()), time.monotonic() - began))
+            return None
         log.info("node %d: members %s from step %d: %s averaged over the re-formed ring%s", self.rank, list(members),
                  step, what, "" if total == len(members) else f" ({total:.0f} of them hold the state)")
-        return averaged, True
+        return summed[:-1].view_as(values), total
 
 
-__all__ = ["REALIGN_AFTER", "MemberRing"]
+def covered_seconds(windows: list[tuple[float, float]]) -> float:
+    """The seconds the (start, end) windows cover together (overlaps counted once)."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(windows):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+__all__ = ["REALIGN_AFTER", "MemberRing", "covered_seconds"]

@@ -167,6 +167,10 @@ class Inbox:
         self._delivered: dict[int, OrderedDict[int, None]] = defaultdict(OrderedDict)  # sender -> ids
         self._voided: dict[int, OrderedDict[int, None]] = defaultdict(OrderedDict)  # settled, never delivered
         self._open: set[Reception] = set()
+        # (sender, kind, channel, step) -> the byte tensor that message lands in (receive_into), and
+        # the open receptions writing into one, with its key (it goes back there if they fail)
+        self._destinations: dict[tuple[int, int, str, int], torch.Tensor] = {}
+        self._lent: dict[Reception, tuple[int, int, str, int]] = {}
         self._open_per_sender: Counter[int] = Counter()
         self._dedup_window = dedup_window
         self._waiters: list[tuple[object, asyncio.Future]] = []
@@ -197,6 +201,21 @@ class Inbox:
         """Stop accepting messages of `kind` (e.g. state transfers once a rejoin is done)."""
         self._specs.pop((kind, channel), None)
 
+    def receive_into(self, sender: int, kind: int, channel: str, step: int, buffer: torch.Tensor | None) -> None:
+        """Land `sender`'s step-`step` message of `kind` on `channel` straight in `buffer` (a
+        contiguous CPU byte tensor of its exact payload size) instead of a pooled buffer: a large
+        transfer the receiver saw coming (a state hand-out) then needs no copy after it, and
+        takes no page faults while its bytes arrive if the caller touched `buffer` beforehand.
+        One reception at a time writes into it; any other (a copy sent on another connection, a
+        payload of another size or codec) takes a pooled buffer as usual. None forgets it."""
+        key = (sender, kind, channel, step)
+        if buffer is None:
+            self._destinations.pop(key, None)
+        elif buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous() or buffer.is_cuda:
+            raise ValueError("a receive destination is a contiguous 1-D uint8 CPU tensor")
+        else:
+            self._destinations[key] = buffer
+
     def settle(self, sender: int, message_ids: list[int]) -> list[int]:
         """Of `sender`'s `message_ids` (sent while a link failed), the ones delivered; the others are
         voided for good, so a copy still on its way is refused and the sender may take them back."""
@@ -222,7 +241,13 @@ class Inbox:
         if self._open_per_sender[sender] >= self.max_receptions_per_sender:
             raise Rejection("too_many_streams", f"{self._open_per_sender[sender]} streams from {sender} are open "
                                                 f"already (at most {self.max_receptions_per_sender})")
-        reception = Reception(header, self._hold)
+        key = (sender, header.kind, header.channel, header.step)
+        destination = self._destinations.pop(key, None) if self._destinations else None
+        if destination is not None and (header.codec != pb.CODEC_NONE or destination.numel() != header.payload_bytes):
+            self._destinations[key], destination = destination, None  # not this one's size: a pooled buffer
+        reception = Reception(header, self._hold if destination is None else lambda nbytes: destination)
+        if destination is not None:
+            self._lent[reception] = key
         self._open.add(reception)
         self._open_per_sender[sender] += 1
         return reception
@@ -237,9 +262,15 @@ class Inbox:
         return buffer
 
     def abort(self, reception: Reception) -> None:
-        """Drop a half-received message: buffer back to the pool, nothing marked (idempotent)."""
-        if self._close(reception) and reception.buffer is not None:
+        """Drop a half-received message: buffer back to the pool (or a destination back to its
+        message's key, for a retry to land in), nothing marked (idempotent)."""
+        key = self._lent.get(reception)
+        if not self._close(reception) or reception.buffer is None:
+            return
+        if key is None:
             self.pool.release(reception.buffer)
+        else:
+            self._destinations.setdefault(key, reception.buffer)
 
     def _close(self, reception: Reception) -> bool:
         if reception not in self._open:
@@ -248,8 +279,8 @@ class Inbox:
         self._open_per_sender[reception.header.sender] -= 1
         if not self._open_per_sender[reception.header.sender]:
             del self._open_per_sender[reception.header.sender]
-        if reception.buffer is not None:
-            self.buffered_bytes -= reception.buffer.numel()
+        if self._lent.pop(reception, None) is None and reception.buffer is not None:
+            self.buffered_bytes -= reception.buffer.numel()  # (a destination was never counted: it is the caller's)
         return True
 
     def receiving(self) -> set[tuple[int, int]]:
@@ -294,6 +325,7 @@ class Inbox:
         except Rejection:
             self.abort(reception)
             raise
+        lent = reception in self._lent
         self._close(reception)  # the buffer now belongs to the message
         delivered = self._delivered[header.sender]
         delivered[header.message_id] = None
@@ -304,7 +336,8 @@ class Inbox:
             tensor=tensor, ps_weight=header.ps_weight, relay_count=header.relay_count,
             codec=header.codec, codec_params=tuple(header.codec_params),
             shape=tuple(header.shape) or (header.numel,), message_id=header.message_id,
-            arrived_since=reception.opened, _release=lambda: self.pool.release(buffer))
+            arrived_since=reception.opened, landed=time.monotonic(),
+            _release=None if lent else lambda: self.pool.release(buffer))
         box[header.sender] = message
         if header.ps_weight > 0:
             self.mass_delivered += header.ps_weight

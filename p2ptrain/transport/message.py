@@ -28,6 +28,7 @@ class Message:
     message_id: int
     # time.monotonic() when its header arrived, the first of its bytes (transfer rates: state_handout.py)
     arrived_since: float = 0.0
+    landed: float = 0.0  # time.monotonic() when its last byte was in and it was delivered
     _release: object = field(default=None, repr=False)
 
     def release(self) -> None:

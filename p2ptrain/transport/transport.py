@@ -292,6 +292,10 @@ class Transport:
         """Stop accepting `kind` (Inbox.unexpect)."""
         self.loop.call(self.inbox.unexpect, kind, channel)
 
+    def receive_into(self, sender: int, kind: int, step: int, buffer: torch.Tensor | None, channel: str = "") -> None:
+        """Land that message in `buffer`, or forget it with None (see Inbox.receive_into)."""
+        self.loop.call(self.inbox.receive_into, sender, kind, channel, step, buffer)
+
     def recv(self, kind: int, step: int, senders: list[int], *, timeout: float | None = None,
              channel: str = "") -> dict[int, Message]:
         """Block until each sender's step-`step` message of `kind` arrived; raises TimeoutError."""
