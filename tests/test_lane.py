@@ -291,6 +291,25 @@ def test_idle_connection_mid_message_is_cut_and_its_buffer_released(receiver, la
     assert buffered_bytes(receiver) == 0 and in_progress(receiver) == set() and pending(receiver) == 0
 
 
+def test_a_payload_that_trickles_in_below_the_low_water_mark_is_not_cut_as_idle(receiver, lane):
+    """Lane reads wait for a MiB of payload at a time (SO_RCVLOWAT: fewer wake-ups per GB). A slow
+    link that brings less than that per idle timeout still keeps its stream: the idle check finds
+    the bytes waiting in the socket and reads them, and the message arrives whole."""
+    numel = 300_000  # 1.2 MB, more than the low-water mark; 32 KB every 0.1 s take 3.2 s per MiB
+    receiver.expect(KIND, torch.float32, numel, channel="slow")
+    on_loop(receiver, setattr, receiver.inbox, "stream_idle_timeout", IDLE)
+    payload = torch.arange(numel, dtype=torch.float32)
+    data = payload.numpy().tobytes()
+    lane.send(encode(header(numel=numel, shape=[numel], payload_bytes=4 * numel, channel="slow")))
+    for offset in range(0, len(data), 32 * 1024):
+        lane.send(data[offset:offset + 32 * 1024])
+        time.sleep(0.1)
+    ack = lane.ack()
+    assert ack.status == pb.Ack.STATUS_ACCEPTED, ack
+    (message,) = receiver.take(KIND, 0, channel="slow")
+    assert torch.equal(message.tensor, payload) and rejections(receiver) == {}
+
+
 def test_connection_that_never_authenticates_is_closed(receiver):
     on_loop(receiver, setattr, receiver.inbox, "stream_idle_timeout", IDLE)
     with RawLane(receiver.lane_port, sender=None) as silent:

@@ -14,9 +14,12 @@ max_receptions_per_sender connections. A malformed frame is refused and its conn
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import secrets
 import socket
+import sys
+import termios
 from collections import Counter
 from typing import Protocol
 
@@ -46,6 +49,7 @@ MAX_HANDSHAKES_PER_SOURCE = 32  # of them from one source address (nodes on one 
 HANDSHAKE_SECONDS = 5.0      # from accept to an accepted proof (TLS handshake included), however bytes trickle
 DISCARD_BYTES = 256 * 1024   # scratch into which a refused message's payload is read and dropped
 SCAN_BYTES = 4 << 20         # payload bytes checked for NaN / Inf at a time while more arrive (Inbox.scan)
+LOW_WATER_BYTES = 1 << 20    # payload bytes a lane connection waits for before a read (SO_RCVLOWAT; < chunk_bytes)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -249,6 +253,8 @@ class LaneReceiver(asyncio.BufferedProtocol):
         self._loop = asyncio.get_running_loop()
         self._last = self._loop.time()
         self._timer: asyncio.TimerHandle | None = None
+        self._sock: socket.socket | None = None  # (TCP: its SO_RCVLOWAT follows what the next part needs)
+        self._lowat = 1
 
     # asyncio callbacks --------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -263,6 +269,8 @@ class LaneReceiver(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if server.ssl is None:  # (under TLS the socket's bytes are records, some read ahead)
+                self._sock = sock
         transport.write(encode(pb.LaneChallenge(protocol_version=LANE_PROTOCOL, nonce=self._nonce,
                                                 token_required=bool(server.token))))
         self._rearm()
@@ -282,8 +290,10 @@ class LaneReceiver(asyncio.BufferedProtocol):
                 reception.filled(nbytes)
                 if reception.complete():
                     self._deliver()
-                elif reception.received - reception.scanned >= SCAN_BYTES:  # while the rest is on its way
-                    self.server.inbox.scan(reception)
+                else:
+                    self._low_water(reception.header.payload_bytes - reception.received)
+                    if reception.received - reception.scanned >= SCAN_BYTES:  # while the rest is on its way
+                        self.server.inbox.scan(reception)
             elif self._mode is _DISCARD:
                 self._skip -= nbytes
                 if not self._skip:
@@ -321,7 +331,25 @@ class LaneReceiver(asyncio.BufferedProtocol):
         self._drop_reception("aborted_stream")
 
     # the parts of a connection ------------------------------------------------------------------
+    def _low_water(self, remaining: int) -> None:
+        """Wake this connection when min(LOW_WATER_BYTES, `remaining`) bytes are in (SO_RCVLOWAT):
+        a payload then arrives in reads of about a MiB, not hundreds of 100-KB wake-ups, each a
+        Python callback (the lane's share of the CPU per GB); a frame or a payload's last bytes wake
+        it as soon as they are all in."""
+        wanted = max(1, min(LOW_WATER_BYTES, remaining))
+        if wanted != self._lowat and self._sock is not None:
+            self._lowat = wanted
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, wanted)
+
+    def _held_back(self) -> bool:
+        """Bytes wait in the socket, fewer than the low-water mark (a slow link's trickle)."""
+        if self._lowat <= 1 or self._sock is None:
+            return False
+        pending = fcntl.ioctl(self._sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+        return int.from_bytes(pending, sys.byteorder) > 0
+
     def _read_frame(self, handler) -> None:
+        self._low_water(1)
         self._mode, self._handler = _FRAME, handler
         self._frame, self._filled, self._in_prefix = bytearray(PREFIX.size), 0, True
 
@@ -400,6 +428,7 @@ class LaneReceiver(asyncio.BufferedProtocol):
             self._deliver()
         else:
             self._mode = _PAYLOAD
+            self._low_water(header.payload_bytes)
 
     def _deliver(self) -> None:
         reception, self.reception = self.reception, None
@@ -457,6 +486,11 @@ class LaneReceiver(asyncio.BufferedProtocol):
         due = self._last + self._limit()
         if self._loop.time() < due:
             self._timer = self._loop.call_at(due, self._check_idle)
+            return
+        if self._busy() and self._held_back():  # bytes came: the low-water mark keeps them from a read
+            self._low_water(1)
+            self._last = self._loop.time()
+            self._rearm()
             return
         if self._busy() and self.sender is not None:  # a half-sent message: refused, like an idle stream
             idle = self.server.inbox.stream_idle_timeout
