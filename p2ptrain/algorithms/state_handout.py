@@ -76,11 +76,6 @@ class StateHandout:
     def _channel(self, holders: int, index: int) -> str:
         return f"{self.tag}{holders}.{index}"
 
-    def give(self, values: torch.Tensor, step: int, holders: tuple[int, ...], entering: tuple[int, ...],
-             averaged: bool, deadline: float) -> None:
-        """A holder's part: send() and settle()."""
-        self.settle(self.send(values, step, holders, entering, averaged), step, deadline)
-
     def send(self, values: torch.Tensor, step: int, holders: tuple[int, ...], entering: tuple[int, ...],
              averaged: bool, divisor: float = 1.0) -> dict[int, concurrent.futures.Future]:
         """A holder's slice of `values` (which nobody writes to until settle(): the sends read it)
@@ -120,6 +115,8 @@ class StateHandout:
         """An entering node, before it waits for another hand-out of the same switch: make this
         one's landing now too (take() then uses it), while the holders are still averaging and
         the machine is quiet, not while their bytes come."""
+        if self._ready is not None:  # (one of an earlier switch that no take() used)
+            self._forget(*self._ready[:2])
         self._ready = (step, holders, self._landing(step, holders))
 
     def take(self, like: torch.Tensor, step: int, holders: tuple[int, ...],
@@ -141,11 +138,14 @@ class StateHandout:
         try:
             return self._join(result, like, step, holders, deadline)
         finally:
-            for index, holder in enumerate(holders):  # (a destination nothing landed in)
-                self.comm.receive_into(holder, KIND, step, None, channel=self._channel(len(holders), index))
+            self._forget(step, holders)
             if ready is not None and ready[:2] != (step, holders):
-                for index, holder in enumerate(ready[1]):
-                    self.comm.receive_into(holder, KIND, ready[0], None, channel=self._channel(len(ready[1]), index))
+                self._forget(*ready[:2])
+
+    def _forget(self, step: int, holders: tuple[int, ...]) -> None:
+        """Unregister the landing's destinations of that switch (those nothing landed in)."""
+        for index, holder in enumerate(holders):
+            self.comm.receive_into(holder, KIND, step, None, channel=self._channel(len(holders), index))
 
     def _landing(self, step: int, holders: tuple[int, ...]) -> torch.Tensor:
         """The tensor the slices land in, each slice's destination registered with the transport,
