@@ -610,6 +610,26 @@ def test_a_state_slice_that_fails_its_checksum_leaves_the_entering_node_with_its
     torch.testing.assert_close(results[0][2], expected, rtol=0, atol=1e-6)
 
 
+def test_a_slice_with_a_forged_divisor_leaves_the_entering_node_with_its_own_copy():
+    """Slices carry the divisor their sums are to be divided by; one that says 5 (of 3 holders),
+    or another divisor than the other slices, is not taken: the entering node keeps its copy."""
+    class Forging:
+        def __init__(self, comm):
+            self.comm = comm
+
+        def __getattr__(self, name):
+            return getattr(self.comm, name)
+
+        def send(self, peer, tensor, codec_params=(), **header):
+            averaged, _, *checksum = codec_params
+            return self.comm.send(peer, tensor, codec_params=(averaged, 5.0, *checksum), **header)
+
+    results = _hand_out_at_switch((3,), tamper=lambda rank, comm: Forging(comm) if rank == 0 else None)
+    params, _, averaged, _, holds, _, _ = results[3]
+    assert torch.equal(averaged, params) and not holds
+    torch.testing.assert_close(results[0][2], sum(results[r][0] for r in range(3)) / 3, rtol=0, atol=1e-6)
+
+
 def test_a_forged_weight_in_a_switch_average_leaves_every_members_values_untouched():
     """A member that sends an absurd weight (5 of 4 members) cannot scale anyone's model: every
     member sees Σ w outside [1, members] and keeps its values (the next switch or the end tries again)."""
