@@ -93,6 +93,26 @@ FINISHED = "finished its run"  # a want_state refusal that means: this member wi
 FAILED = (SendFailure, concurrent.futures.TimeoutError, concurrent.futures.CancelledError)
 
 
+class NotReadyBackoff:
+    """When to ask a peer that answered "not ready" again: after 50 ms, then twice as long each
+    time up to 5 s. A peer that turns ready greets the peers it waits for at once, and those
+    waiting for it are among them (neighbourhoods are symmetric), so each learns it then; the
+    asks are the fallback. Setting up takes seconds on a crowded machine, and hundreds of nodes
+    asking every 50 ms only load the loops that are setting up."""
+
+    FIRST, LONGEST = 0.05, 5.0
+
+    def __init__(self) -> None:
+        self._next: dict[int, tuple[float, float]] = {}  # peer -> (when to ask again, the pause after that)
+
+    def due(self, peer: int) -> bool:
+        return time.monotonic() >= self._next.get(peer, (0.0, 0.0))[0]
+
+    def note(self, peer: int) -> None:
+        pause = self._next.get(peer, (0.0, self.FIRST))[1]
+        self._next[peer] = (time.monotonic() + pause, min(self.LONGEST, 2 * pause))
+
+
 class Greetings:
     """Node `identity.node_id`'s Hello exchanges with its peers (addresses: `grpc.addresses`).
     Blocking methods are for the training thread; coroutines and `on_hello` run on the loop thread."""
@@ -120,11 +140,14 @@ class Greetings:
         self._state_requests: list[int] = []  # peers that asked for our model state (Hello want_state)
         self._holding_state: set[int] = set()  # ... of them, those that asked while ready (they hold state)
         self.finished = False                  # this node's training is over: it serves no state request
+        self.leaving = False                   # this node asked to leave (said in replies: Membership.leave)
         self.pace = StepPace()
         self.metrics = metrics
         self.announced: set[int] = set()      # peers that greeted us, or answered our Hello as themselves
         self._vetting: set[tuple[int, int]] = set()  # views whose claims are being confirmed
         self.refused_views = 0
+        self.views_held: dict[int, tuple[int, tuple[int, int]]] = {}  # peer -> (its incarnation, the latest
+        # view order it showed us it holds)
         self.refused_evictions: tuple[View, ...] = ()  # views refused for evicting a live peer (newest last)
         self.reachability = pb.REACHABILITY_UNKNOWN  # can peers dial us? (reachability.py; said in Hellos)
         self.peer_reachability: dict[int, int] = {}  # ... each peer's, as its latest Hello or reply said
@@ -160,12 +183,12 @@ class Greetings:
         """A view a peer sent (Hello or reply); True if it was adopted now. One out of bounds is
         refused; one asserting what this node has not seen for itself is adopted once the nodes it
         names confirm it (vetting.py), in the background."""
+        if (message.epoch, message.proposer) <= self.views.latest.order:
+            return False  # (nothing new: not even parsed; a digest of a view says only its order)
         try:
             view = View.from_proto(message, self.world_size)
         except ValueError as exc:
             self._refuse_view(sender, str(exc))
-            return False
-        if view.order <= self.views.latest.order:
             return False
         furthest = max([self.liveness.step, self.resume_step] +
                        [s for s in map(self.liveness.peer_step, range(self.world_size)) if s is not None])
@@ -230,8 +253,12 @@ class Greetings:
             reply = await self.greet(peer, self.hello_request(), self.probe_timeout, wait_for_ready=False)
         except SendFailure:
             return None
+        if not reply.view.members:  # (none, or a digest: it holds our latest view, which may have
+            latest = self.views.latest  # passed `view` meanwhile)
+            return reply.HasField("view") and (reply.view.epoch, reply.view.proposer) == latest.order \
+                and (latest.order > view.order or latest == view)
         try:
-            theirs = View.from_proto(reply.view, self.world_size) if reply.HasField("view") else None
+            theirs = View.from_proto(reply.view, self.world_size)
         except ValueError:
             return False
         return theirs is not None and (theirs.order > view.order or theirs == view)
@@ -267,7 +294,10 @@ class Greetings:
                 return f"new member {member} does not answer as itself"
             self.announced.add(member)
         for member in sorted(doubts.dropped_live):
-            if await self.probe(member):
+            alive, reply = await self.probe_reply(member)
+            if alive and reply is not None and reply.leaving:
+                continue  # its own leave (this node, a joiner since, did not see it ask)
+            if alive:
                 if view.proposer in self.views.latest.members:  # its proposer (and the evicted) hold it
                     self.refused_evictions = (*self.refused_evictions[-(MAX_REFUSED_EVICTIONS - 1):], view)
                 return f"it drops node {member}, which is alive here and did not leave"
@@ -294,8 +324,15 @@ class Greetings:
         """Hello `peer` and note what its reply says about it and us, and how long it took (relays
         go nearest first) when it did not wait for the peer to come up."""
         sent = time.monotonic()
+        if request.HasField("view") and request.view.members and self._holds_ours(peer):
+            trimmed = pb.HelloRequest()  # (it holds our view or a later one already: O(n) bytes saved)
+            trimmed.CopyFrom(request)
+            trimmed.view.CopyFrom(self.views.latest.digest())
+            request = trimmed
         reply = await self.grpc.client(peer).hello(request, timeout, wait_for_ready=wait_for_ready)
         if reply.compatible and reply.node_id == peer:
+            if reply.HasField("view"):  # (its latest view, or only the order of it where that is ours)
+                self._note_view_held(peer, reply.incarnation, reply.view)
             if not wait_for_ready:
                 self.routes.note_rtt(peer, time.monotonic() - sent)
             self.announced.add(peer)
@@ -307,6 +344,7 @@ class Greetings:
                 self.reach_out(peer)  # (once per peer: the peers waiting for us meet us down it)
             if reply.ready:
                 self.ready_peers.add(peer)
+                self.liveness.note_ready(peer, reply.incarnation)
             self.vouched.update(m for m in reply.met[:self.world_size] if 0 <= m < self.world_size and m != self.rank)
             self.vouched_ready.update(m for m in reply.ready_peers[:self.world_size]
                                       if 0 <= m < self.world_size and m != self.rank)
@@ -327,16 +365,22 @@ class Greetings:
     async def probe(self, peer: int) -> bool:
         """Hello `peer` without waiting for a connection; declare it dead if it does not answer.
         Two private nodes cannot greet each other (their messages go through relays): no probe."""
-        if peer in self._probing or (self.reachability == pb.REACHABILITY_PRIVATE and peer in self.routes.private
-                                     and peer not in self.grpc.reverse_clients):
+        if peer in self._probing:
             return self.liveness.alive(peer)
+        return (await self.probe_reply(peer))[0]
+
+    async def probe_reply(self, peer: int) -> tuple[bool, pb.HelloReply | None]:
+        """probe() (even while another one is under way), and the reply (None where no Hello
+        went out: a private peer this private node cannot greet)."""
+        if (self.reachability == pb.REACHABILITY_PRIVATE and peer in self.routes.private
+                and peer not in self.grpc.reverse_clients):
+            return self.liveness.alive(peer), None
         self._probing.add(peer)
         try:
-            await self.greet(peer, self.hello_request(), self.probe_timeout, wait_for_ready=False)
-            return True
+            return True, await self.greet(peer, self.hello_request(), self.probe_timeout, wait_for_ready=False)
         except SendFailure as exc:
             self.liveness.mark_dead(peer, f"no answer to a probe: {describe(exc)}")
-            return False
+            return False, None
         finally:
             self._probing.discard(peer)
 
@@ -371,6 +415,12 @@ class Greetings:
         ready = self.ready
         peer = request.node_id
         known = not reason and 0 <= peer < me.world_size and peer != me.node_id
+        latest = self.views.latest
+        # (O(n) parts only where they say something: our view where the caller lacks it, whom we
+        # met and know ready to a caller that may be private, the one that reads them)
+        theirs = (request.view.epoch, request.view.proposer) if request.HasField("view") else None
+        same = theirs == latest.order  # (then the reply says only its order: the caller holds it)
+        vouch = request.reachability != pb.REACHABILITY_PUBLIC
         if known and observed:
             self.seen_from[peer] = observed[:MAX_ADDRESS]
         if known and ready and request.ready:
@@ -383,11 +433,11 @@ class Greetings:
                              config_fingerprint=me.config_fingerprint, step=self.liveness.step,
                              compatible=not reason or known, reason=reason, ready=ready,
                              caller_excluded=known and self.liveness.excludes(peer), incarnation=self.incarnation,
-                             lane_port=self.lane_port, view=self.views.latest.to_proto(),
-                             reachability=self.reachability, met=sorted(self.announced),
+                             lane_port=self.lane_port, view=latest.digest() if same else latest.to_proto(),
+                             reachability=self.reachability, met=sorted(self.announced) if vouch else (),
                              private_peers=sorted(p for p, v in self.peer_reachability.items()
                                                   if v == pb.REACHABILITY_PRIVATE),
-                             ready_peers=sorted(self.ready_peers))
+                             ready_peers=sorted(self.ready_peers) if vouch else (), leaving=self.leaving)
 
     def on_hello(self, request: pb.HelloRequest) -> str:
         """Membership news from a Hello; returns why a want_state request is refused ("" = served)."""
@@ -395,6 +445,7 @@ class Greetings:
         self.announced.add(peer)
         self.learn_address(peer, request.address)
         if request.HasField("view"):
+            self._note_view_held(peer, request.incarnation, request.view)
             self.adopt_view(request.view, peer)
         if self.lane_ports is not None:
             self.lane_ports.learn(peer, request.lane_port, request.incarnation)
@@ -419,6 +470,20 @@ class Greetings:
         if request.ready:  # a member catching up (or a joiner whose view lost to a concurrent one) holds state
             self._holding_state = self._holding_state | {peer}
         return ""
+
+    def _note_view_held(self, peer: int, incarnation: int, view: pb.View) -> None:
+        """`peer` (as `incarnation`: a restarted process starts from its first view again) holds
+        `view` (or its digest): our Hellos to it need not carry views up to that one."""
+        order = (view.epoch, view.proposer)
+        known = self.views_held.get(peer)
+        if known is None or known[0] != incarnation or known[1] < order:
+            self.views_held[peer] = (incarnation, order)
+
+    def _holds_ours(self, peer: int) -> bool:
+        """`peer`, as we last heard of it, holds our latest view (or a later one)."""
+        known = self.views_held.get(peer)
+        return (known is not None and known[0] == self.liveness.incarnation(peer)
+                and known[1] >= self.views.latest.order)
 
     def _note_reachability(self, peer: int, value: int) -> None:
         if value in (pb.REACHABILITY_PUBLIC, pb.REACHABILITY_PRIVATE):  # (an unknown enum value says nothing)
@@ -532,7 +597,8 @@ class Greetings:
             # It marked us alive before answering, so its pushes from its next step on reach us; and
             # from the switch of the view that made us a member, if it knew that view before.
             since, member_since = reply.step + 1, self.views.member_since(self.rank)
-            if member_since and self.rank in reply.view.members:
+            theirs = reply.view.members or self.views.latest.members  # (a digest: it holds ours)
+            if member_since and self.rank in theirs:
                 since = min(since, member_since)
             if reply.step + self.liveness.max_lag >= self.resume_step:
                 # we were the one away (a freeze): a peer we declared dead meanwhile, level with the
@@ -562,8 +628,10 @@ class Greetings:
                 # Nodes that never took it (a concurrent proposal's loser, or a node that refused
                 # it: it dropped a node alive there) then hold the same members for every step.
                 switch = pending
-            view = self.loop.call(self.views.propose, members, switch, {m: self.addresses[m] for m in members},
-                                  placement)
+            # (the addresses nodes may lack: every node of a run is configured with the same list,
+            # so those of the joiners, learned since, and our own; O(n) bytes less per Hello)
+            told = {m: self.addresses[m] for m in members if m in self.grpc.learned or m == self.rank}
+            view = self.loop.call(self.views.propose, members, switch, told, placement)
             margin *= 2  # (if a node was past it, the next try goes further)
             request = self.hello_request()  # (it carries the view)
             futures = {peer: self._hello_once(peer, request, 2.0) for peer in targets}
@@ -600,16 +668,20 @@ class Greetings:
             raise PeerError(f"node {self.rank}: node(s) {sorted(waiting)} did not resume at step {step} within "
                             f"{timeout:.0f}s (did every node load a checkpoint of the same step?)")
 
-    def wait_for_peers(self, timeout: float = 60.0, *, require_ready: bool = False) -> None:
-        """Hello every peer, waiting for it to come up (and, with require_ready, to have its
-        algorithm set up, so nothing we send is refused as unexpected). Raises PeerError on an
-        incompatible peer at once, or on one still unreachable / not ready after `timeout`."""
+    def wait_for_peers(self, timeout: float = 60.0, *, require_ready: bool = False, peers=None) -> None:
+        """Hello every peer (or those of `peers`), waiting for it to come up (and, with
+        require_ready, to have its algorithm set up, so nothing we send is refused as unexpected).
+        Raises PeerError on an incompatible peer at once, or on one still unreachable / not ready
+        after `timeout`."""
         deadline = time.monotonic() + timeout
-        waiting = {peer for peer in self.others() if not self.routes.skip_hello(peer)}  # routed: not greeted
+        near = None if peers is None else set(peers)
+        waiting = {peer for peer in self.others()  # routed: not greeted
+                   if not self.routes.skip_hello(peer) and (near is None or peer in near)}
         check_after = min(2, len(waiting))  # peers reached before this node asks whether it is private
         last_problem: dict[int, str] = {}
         cannot_connect: set[int] = set()  # peers whose last Hello failed
         inflight: dict[int, concurrent.futures.Future] = {}  # Hellos asked and not yet taken
+        not_ready = NotReadyBackoff()  # (a peer that becomes ready says so itself: see answer())
         while waiting:
             if require_ready:
                 waiting -= self.ready_peers  # a peer that said so in its own Hello may be gone by now
@@ -631,10 +703,12 @@ class Greetings:
             private = self.reachability == pb.REACHABILITY_PRIVATE
             asked = waiting | (self.reached if private else set())
             for peer in asked:
-                if peer not in inflight:
+                if peer not in inflight and not_ready.due(peer):
                     inflight[peer] = self.loop.submit(self.hello(peer, attempt))
             for peer in asked:
-                future = inflight[peer]
+                future = inflight.get(peer)
+                if future is None:
+                    continue  # (said it was not ready: asked again later)
                 if private and peer in self.routes.private and not future.done():
                     continue  # (behind another NAT its Hello waits out the attempt: taken when it ends)
                 del inflight[peer]
@@ -659,6 +733,7 @@ class Greetings:
                     raise PeerError(self.lane_ports.refusal(peer))
                 if require_ready and not reply.ready:
                     last_problem[peer] = "not ready (still setting up)"
+                    not_ready.note(peer)
                     continue
                 self.reached.add(peer)
                 self.routes.mark_reached(peer)  # a relay candidate from now on

@@ -65,6 +65,7 @@ class Liveness:
         self._seen_at: dict[int, tuple[int, int]] = {}  # peer -> (its step, our step) when last seen
         self._sent_step: dict[tuple[int, int], int] = {}  # (peer, kind) -> the latest step of its messages
         self._incarnations: dict[int, int] = {}         # peer -> incarnation last seen
+        self._active: dict[int, int] = {}               # peer -> its incarnation last seen ready or training
         self._dead_incarnation: dict[int, int | None] = {}  # peer -> the incarnation that was declared dead
         self._excluded_by: frozenset[int] = frozenset()  # peers that told us they consider us dead
         self._changed_at: dict[int, float] = {}
@@ -200,6 +201,8 @@ class Liveness:
         known = self._incarnations.get(peer)
         if incarnation:
             self._incarnations = {**self._incarnations, peer: incarnation}
+        if ready:
+            self.note_ready(peer, incarnation)
         new = bool(incarnation) and incarnation != known
         if new and known is not None:  # a fresh start: forget its steps
             self._seen_at = {p: s for p, s in self._seen_at.items() if p != peer}
@@ -212,14 +215,22 @@ class Liveness:
         if new and known is not None:
             if ready:
                 self.mark_alive(peer, since_step=resume_step or None)
-            else:
+            elif self._active.get(peer) == known:  # (a joiner's earlier self, never ready, held nothing)
                 self.mark_dead(peer, "restarted (a new incarnation asks for state)")
+
+    def note_ready(self, peer: int, incarnation: int) -> None:
+        """`peer` as `incarnation` is ready (its Hello or reply said so): a later incarnation asking
+        for state means this one is gone."""
+        if incarnation and self._active.get(peer) != incarnation:
+            self._active = {**self._active, peer: incarnation}
 
     def heard_from(self, peer: int, step: int | None = None, kind: int | None = None) -> None:
         """A message from `peer` arrived. After our own rejoin, its first message of the training
         (not a state transfer) confirms it: it sends to us from that message's step on, so earlier
         steps (when it did not know we were back) are not waited for; their messages, if any come,
         are folded in late. It never revives a dead peer (only a rejoin does)."""
+        if kind != pb.MESSAGE_KIND_STATE and peer in self._incarnations:
+            self.note_ready(peer, self._incarnations[peer])  # (it trains: it was ready)
         if peer in self._unconfirmed and kind != pb.MESSAGE_KIND_STATE:
             self._unconfirmed = self._unconfirmed - {peer}
             if step is not None and step > self._alive_since.get(peer, 0):

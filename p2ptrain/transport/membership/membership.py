@@ -234,7 +234,7 @@ class Membership:
     def leave(self) -> None:
         """Stand for the members without this node: it trains up to the step before they switch
         (first_step_without_me), then hands over what it holds and stops."""
-        self.leaving = True
+        self.leaving = self.greetings.leaving = True
         self.reconcile()
 
     def drop_dead_members(self) -> None:
@@ -330,9 +330,10 @@ class Membership:
         greetings = self.greetings
         return greetings.loop.submit(greetings.hello(peer, timeout)).result(timeout + 5)
 
-    def wait_for_peers(self, timeout: float = 60.0, *, require_ready: bool = False) -> None:
-        """Hello every peer until it is up (and ready, with require_ready); PeerError otherwise."""
-        self.greetings.wait_for_peers(timeout, require_ready=require_ready)
+    def wait_for_peers(self, timeout: float = 60.0, *, require_ready: bool = False, peers=None) -> None:
+        """Hello every peer (or those of `peers`) until it is up (and ready, with require_ready);
+        PeerError otherwise."""
+        self.greetings.wait_for_peers(timeout, require_ready=require_ready, peers=peers)
 
     def wait_for_step(self, step: int, timeout: float) -> None:
         """Wait until every live peer reports a current step >= `step` (the cluster resumed from

@@ -6,7 +6,8 @@ node (or answer a Hello as itself), and a member that a view drops without its o
 this node's own probe.
 
 In a fault-free run every view comes from its proposer, names members that greeted everyone, and
-drops only its proposer or nodes already dead here: then nothing is asked and nothing changes.
+drops only its proposer or nodes already dead here: then nothing is asked and nothing changes. A
+dropped member that answers the probe as leaving (HelloReply.leaving) left by its own will.
 """
 from __future__ import annotations
 

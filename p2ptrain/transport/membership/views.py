@@ -76,6 +76,10 @@ class View:
                        members=list(self.members), addresses=list(self.addresses), placement=list(self.placement),
                        entering=list(self.entering))
 
+    def digest(self) -> pb.View:
+        """The view's order alone, for a peer known to hold it (a Hello's view is O(members))."""
+        return pb.View(epoch=self.epoch, proposer=self.proposer)
+
     @classmethod
     def from_proto(cls, message: pb.View, capacity: int) -> "View":
         """The view a peer sent; ValueError (a short reason) for one no honest node proposes."""

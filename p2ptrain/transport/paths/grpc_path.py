@@ -258,6 +258,7 @@ class GrpcPath:
         self.security = security
         self._clients: dict[int, PeerClient] = {}
         self.reverse_clients: dict = {}  # private peer -> its reverse.ReverseClient (while its stream is open)
+        self.learned: set[int] = set()  # peers whose address was not configured but learned (joiners)
 
     def set_addresses(self, addresses: list[str]) -> None:
         """Peer addresses learned after start-up (a rendezvous); before any channel is made."""
@@ -271,6 +272,7 @@ class GrpcPath:
         if not address or self.addresses[peer]:
             return False
         self.addresses[peer] = address
+        self.learned.add(peer)
         return True
 
     def client(self, peer: int) -> PeerClient:
