@@ -14,6 +14,7 @@ Role = Literal["peer", "ps", "worker"]  # peer: decentralized node; ps / worker:
 Device = Literal["auto", "cpu", "cuda"]  # auto: cuda when available
 DataPlane = Literal["auto", "grpc", "tcp"]  # how tensor payloads travel (transport/dataplane.py)
 Reachability = Literal["auto", "public", "private"]  # can peers dial this node (transport/reachability.py)
+Meet = Literal["everyone", "neighbours"]  # whom a node greets and waits for at start (transport/options.py)
 ModelName = Literal["mlp", "cnn"]
 DatasetName = Literal["synthetic", "mnist", "idx"]  # mnist and idx: MNIST-style IDX files in a folder
 OptimizerName = Literal["sgd", "adamw", "muon"]  # the local (inner) optimizer `p2ptrain node` builds
@@ -22,11 +23,12 @@ ROLE_NAMES: tuple[str, ...] = get_args(Role)
 DEVICE_NAMES: tuple[str, ...] = get_args(Device)
 DATA_PLANE_NAMES: tuple[str, ...] = get_args(DataPlane)
 REACHABILITY_NAMES: tuple[str, ...] = get_args(Reachability)
+MEET_NAMES: tuple[str, ...] = get_args(Meet)
 MODEL_NAMES: tuple[str, ...] = get_args(ModelName)
 DATASET_NAMES: tuple[str, ...] = get_args(DatasetName)
 OPTIMIZER_NAMES: tuple[str, ...] = get_args(OptimizerName)
 IDX_DATASETS: tuple[str, ...] = ("mnist", "idx")  # the data sets read from --data-dir
 
-__all__ = ["DATASET_NAMES", "DATA_PLANE_NAMES", "DEVICE_NAMES", "IDX_DATASETS", "MODEL_NAMES", "OPTIMIZER_NAMES",
-           "REACHABILITY_NAMES", "ROLE_NAMES", "DataPlane", "DatasetName", "Device", "ModelName", "OptimizerName",
-           "Reachability", "Role"]
+__all__ = ["DATASET_NAMES", "DATA_PLANE_NAMES", "DEVICE_NAMES", "IDX_DATASETS", "MEET_NAMES", "MODEL_NAMES",
+           "OPTIMIZER_NAMES", "REACHABILITY_NAMES", "ROLE_NAMES", "DataPlane", "DatasetName", "Device", "Meet",
+           "ModelName", "OptimizerName", "Reachability", "Role"]

@@ -51,13 +51,16 @@ class Communicator:
         """Refuse `kind` messages from now on (the senders learn at once: "unexpected_kind")."""
         self.transport.unexpect(kind, channel)
 
-    def ready(self) -> None:
+    def ready(self, neighbours=None) -> None:
         """Call after every expect(): this node accepts every message now. A (re)joining node tells
         the live peers it is back and at which step, and stands for membership; a starting one waits
         until all peers are ready too (the lowest public node first lays the members out, while the
-        others wait for it: placement.py)."""
+        others wait for it: placement.py). With TransportOptions.meet = "neighbours" it waits only
+        for `neighbours`, the peers its algorithm sends to or hears from (None: all), and nobody
+        lays the members out (that needs every member's answer)."""
         membership = self.membership
-        if not membership.joining and self.world_size > 1:
+        near = neighbours if self.transport.options.meet == "neighbours" else None
+        if not membership.joining and self.world_size > 1 and self.transport.options.meet == "everyone":
             membership.lay_out(timeout=self.peer_timeout)
         self.transport.mark_ready()
         if membership.joining:
@@ -65,7 +68,7 @@ class Communicator:
             membership.wants_in = True  # now that it accepts every message it asks to be a member, if new
             membership.reconcile()
         elif self.world_size > 1:
-            membership.wait_for_peers(timeout=self.peer_timeout, require_ready=True)
+            membership.wait_for_peers(timeout=self.peer_timeout, require_ready=True, peers=near)
 
     def set_step(self, step: int) -> None:
         self.membership.set_step(step)

@@ -23,6 +23,7 @@ from p2ptrain.algorithms.registry import BuildContext
 from p2ptrain.communicator import Communicator
 from p2ptrain.metrics import NodeMetrics, counter_total
 from p2ptrain.settings import NodeConfig
+from p2ptrain.topology import build_topology
 from p2ptrain.train import DecentralizedTrainer, cycle, pick_device
 from p2ptrain.train.errors import LeftCluster, NonFiniteError
 from p2ptrain.train.mass_record import MassRecord, mass_path
@@ -141,14 +142,20 @@ class Node:
             membership.joining = True
             log.info("node %d: the cluster is already training; rejoining", self.config.rank)
             return
-        if self.config.world_size > 1:
+        near = None  # (meet everyone)
+        if self.transport.options.meet == "neighbours":
+            # only the exponential graph's neighbours (O(log n): what the reachability check asks);
+            # no survey: a node that is not the algorithm's neighbour may already train while this
+            # one starts afresh, so a restart must say so (--rejoin, as the launcher's restarts do)
+            near = build_topology("exponential", self.config.world_size).neighbourhood(self.config.rank)
+        elif self.config.world_size > 1:
             survey = membership.survey()
             if survey.running:
                 membership.joining = True  # a restarted node: its peers train on; fetch state, don't wait for all
                 log.info("node %d: the cluster is already training; rejoining", self.config.rank)
                 return
         if wait_for_peers and self.config.world_size > 1:
-            membership.wait_for_peers(timeout=self.config.peer_timeout)
+            membership.wait_for_peers(timeout=self.config.peer_timeout, peers=near)
 
     def wait_to_join(self, running: bool = False) -> None:
         """A joiner: wait (up to the peer timeout) for the cluster to answer, and with join_at for it
@@ -361,6 +368,10 @@ class Node:
             "state_received_seconds": stats.get("state_received_seconds", 0.0),
             "ps_flows": self._mass_flows(optimizer),  # push-sum: every flow of w, for the exact mass ledger
             "dropped_messages": self.metrics.dropped_total, "link_timeouts": self.metrics.link_timeouts_total,
+            # membership's cost: its gRPC calls by method (the tensor pushes apart), its open channels
+            "control_calls": {method: calls for method, (calls, _) in self.metrics.rpc_totals.items()
+                              if method != "PushTensor"},
+            "channels": self.transport.grpc.channels,
         }
 
 

@@ -138,8 +138,10 @@ class Comm(Protocol):
     def unexpect(self, kind: Kind, channel: str | None = None) -> None:
         """Refuse `kind` messages from now on (a leaver takes no other leaver's mass)."""
 
-    def ready(self) -> None:
-        """Every expect() done: announce readiness and wait for the peers to be ready too."""
+    def ready(self, neighbours: Iterable[int] | None = None) -> None:
+        """Every expect() done: announce readiness and wait for the peers to be ready too (where
+        the transport meets only neighbours: those of `neighbours`, the peers this algorithm
+        sends to or hears from; None: every peer)."""
 
     def set_step(self, step: int) -> None: ...
 

@@ -116,7 +116,7 @@ class SGP(Algorithm):
             self.mass.record("w", joined.step, self.mass.w)
         self.mass.expect(params)
         self.comm.expect(Kind.LEAVE, params.dtype, params.numel(), preallocate=0)  # mass of nodes that leave
-        self.comm.ready()
+        self.comm.ready(self.topology.neighbourhood(self.rank))
         return z
 
     def after_step(self, step: int, params: torch.Tensor) -> torch.Tensor:

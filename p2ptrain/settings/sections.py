@@ -31,6 +31,7 @@ from p2ptrain.choices import (
     DataPlane,
     DatasetName,
     Device,
+    Meet,
     ModelName,
     OptimizerName,
     Reachability,
@@ -312,6 +313,12 @@ class TransportSettings:
         "auto", "whether peers can dial this node at its address: auto = ask one or two peers to dial it back at "
                 "start; public / private = say so without asking (a node behind NAT or a firewall is private) "
                 "(default {default})", per_node=True)
+    meet: Meet = setting(
+        "everyone", "whom a node greets and waits for at start: everyone = every peer (O(n) Hellos per node); "
+                    "neighbours = only the peers its algorithm sends to or hears from (SGP: its topology's, "
+                    "O(log n) on the exponential graph; other algorithms still wait for every peer), for clusters "
+                    "of hundreds; then nobody lays private peers out apart, and a process restarted by other means "
+                    "than `p2ptrain launch` must be told --rejoin (default {default})")
 
     @property
     def chunk_bytes(self) -> int:

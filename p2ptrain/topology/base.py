@@ -59,6 +59,15 @@ class Topology(ABC):
         """Length of the schedule's cycle, or None when it never repeats (random graphs)."""
         return None
 
+    def neighbourhood(self, rank: int, step: int = 0) -> frozenset[int] | None:
+        """Every rank that `rank` sends to or hears from over one cycle from `step`: the only peers
+        it must meet (TransportOptions.meet); None when the schedule never repeats."""
+        period = self.period()
+        if period is None:
+            return None
+        return frozenset(peer for k in range(step, step + period)
+                         for peer in self.out_peers(rank, k) + self.in_peers(rank, k))
+
     def _cache_key(self, step: int) -> int:
         period = self.period()
         return step % period if period else step

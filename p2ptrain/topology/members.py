@@ -52,6 +52,15 @@ class MemberTopology(Topology):
     def period(self) -> int | None:
         return None  # members change: no in-table is reused across steps
 
+    def neighbourhood(self, rank: int, step: int = 0) -> frozenset[int] | None:
+        """The members `rank` sends to or hears from over one cycle of the graph of `step`'s
+        members (a later view may bring others: they are met when first sent to)."""
+        members, graph = self._graph(step)
+        if rank not in members:
+            return frozenset()
+        near = graph.neighbourhood(members.index(rank), step)
+        return None if near is None else frozenset(members[j] for j in near)
+
 
 class MemberGraph:
     """The undirected graph `build(k)` over the k members of each step, with its Metropolis

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from p2ptrain.choices import DataPlane, Reachability
+from p2ptrain.choices import DataPlane, Meet, Reachability
 from p2ptrain.transport.faults import LinkTable
 from p2ptrain.transport.framing import DEFAULT_CHUNK_BYTES
 from p2ptrain.transport.membership.liveness import DEFAULT_MAX_LAG
@@ -49,6 +49,8 @@ class TransportOptions:
                                        # later (None: every rank of the world is a member from the start)
     view_margin: int = DEFAULT_VIEW_MARGIN  # steps between a membership change's proposal and its switch
     view_notice: float = 0.0           # ... and at least this many seconds at the proposer's pace (node.py: 1 s)
+    meet: Meet = "everyone"            # at start, greet and wait for every peer, or only the neighbours the
+                                       # algorithm names in Comm.ready() (large clusters: O(degree), not O(n))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "relay_routes", tuple(self.relay_routes))
