@@ -4,6 +4,8 @@ node starts, and one node leaving has a measured cost. No timing asserts: the ma
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from p2ptrain.bench.consensus import consensus_distance, push_sum_trace
 from p2ptrain.bench.simulate import PLOT_NAME, RESULT_NAME, fit_exponent
 from p2ptrain.cli import main
 from p2ptrain.topology import build_topology
+from tests.conftest import ROOT, node_env
 
 NODES, STEPS = 64, 8
 
@@ -33,10 +36,25 @@ def test_every_node_starts_and_the_result_has_its_keys(run):
     for key in ("start_seconds", "threads_per_process", "startup", "steady", "connections", "consensus", "change"):
         assert key in run, key
     assert run["start_seconds"] > 0
-    # today every node greets every other one at start (one that greeted it ready first is spared)
-    assert run["startup"]["calls_per_node"]["Hello"] >= (NODES - 1) / 2
-    assert 0 < run["connections"]["channels_per_node"] <= run["connections"]["channels_max"] <= NODES - 1
+    # each node greets only its exponential-graph neighbours (±1, ±2, ..., ±32: 11 peers), each about once
+    near = len(build_topology("exponential", NODES).neighbourhood(0))
+    assert near == 11
+    assert near / 2 <= run["startup"]["calls_per_node"]["Hello"] <= 2 * near
+    assert 0 < run["connections"]["channels_per_node"] <= run["connections"]["channels_max"] <= near
     assert run["steady"]["data_messages_per_node_step"] > 0
+
+
+def test_meeting_everyone_costs_a_hello_per_peer_and_meeting_neighbours_log_n(tmp_path):
+    calls = {}
+    for meet in ("everyone", "neighbours"):
+        assert main(["simulate", "--nodes", "32", "--processes", "2", "--steps", "2", "--dim", "4", "--window", "10",
+                     "--meet", meet, "--out", str(tmp_path / meet), "--timeout", "200"]) == 0
+        run = json.loads((tmp_path / meet / RESULT_NAME).read_text())["runs"][0]
+        assert run["meet"] == meet and run["started"] == 32
+        assert run["consensus"]["sum_w"] == pytest.approx(32, abs=1e-9)
+        calls[meet] = run["startup"]["calls_per_node"]["Hello"], run["connections"]["channels_max"]
+    assert calls["everyone"][0] >= 31 / 2 and calls["everyone"][1] == 31
+    assert calls["neighbours"][0] <= 2 * 9 and calls["neighbours"][1] <= 9  # (±1, ±2, ±4, ±8, 16)
 
 
 def test_push_sum_conserves_mass_and_follows_the_exact_theory(run):
@@ -78,3 +96,36 @@ def test_a_sweep_fits_the_exponents_and_plots_them(tmp_path):
     assert [run["nodes"] for run in result["runs"]] == [8, 16]
     assert result["fit"]["change_calls"] > 0 and result["fit"]["channels"] > 0
     assert (tmp_path / PLOT_NAME).stat().st_size > 0
+
+
+def test_launched_nodes_meeting_neighbours_greet_only_their_exponential_graph_neighbours(tmp_path):
+    """`p2ptrain launch --meet neighbours`: 8 real SGP processes train; node r meets only
+    r ± 1, r ± 2 and r + 4 (5 of its 7 peers: every node opens fewer channels than peers), and Σ w
+    stays 8."""
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "p2ptrain", "launch", "--nodes", "8", "--algorithm", "sgp", "--meet", "neighbours",
+            "--steps", "30", "--model", "mlp", "--hidden", "32", "--batch-size", "16", "--out", str(out),
+            "--no-live", "--no-metrics", "--timeout", "200"]
+    proc = subprocess.run(argv, env=node_env(), capture_output=True, text=True, timeout=260, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summaries = [json.loads((out / f"node{r}.json").read_text()) for r in range(8)]
+    near = len(build_topology("exponential", 8).neighbourhood(0))
+    assert near == 5
+    assert all(s["steps"] == 30 for s in summaries)
+    assert all(0 < s["channels"] <= near for s in summaries), [s["channels"] for s in summaries]
+    assert sum(s["ps_weight"] for s in summaries) + sum(s["ps_in_flight"] for s in summaries) == pytest.approx(8.0)
+
+
+def test_churn_joins_and_leaves_keep_one_unit_of_mass_per_member_and_views_agree_fast(tmp_path):
+    """`--churn 3`: three members leave as three new nodes join (each takes a member's state and a
+    new unit of mass, and is admitted by a view), besides the change window's leaver. Σ w is then
+    the final member count exactly, and every view reached every node within the view margin."""
+    assert main(["simulate", "--nodes", "16", "--processes", "2", "--steps", "4", "--dim", "8", "--window", "12",
+                 "--churn", "3", "--churn-steps", "36", "--out", str(tmp_path), "--timeout", "200"]) == 0
+    churn = json.loads((tmp_path / RESULT_NAME).read_text())["runs"][0]["churn"]
+    assert churn["events"] == churn["joined"] == 3 and churn["left"] == 4
+    assert churn["final_members"] == 16 - 4 + 3
+    assert churn["units"] == pytest.approx(15.0, abs=1e-9)
+    assert churn["sum_w_error"] < 1e-6
+    assert churn["views"] >= 4 and churn["agreement_steps_max"] <= 8  # (DEFAULT_VIEW_MARGIN)
+    assert churn["control_messages_per_node_per_event"] > 0

@@ -10,9 +10,11 @@ a baseline window of the same length) and the time until every node holds the vi
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import multiprocessing
+import random
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -35,16 +37,35 @@ FITTED = (("change_calls", ("change", "control_messages_per_node")),
 PLOT_NAME = "scale.png"
 
 
-def simulate(nodes: int, processes: int, steps: int, dim: int, window: int, timeout: float) -> dict:
-    """One simulation of `nodes` nodes in `processes` processes; its summary (see summarize)."""
+def simulate(nodes: int, processes: int, steps: int, dim: int, window: int, timeout: float,
+             meet: str = "neighbours", churn: int = 0, churn_steps: int = 0, seed: int = 0) -> dict:
+    """One simulation of `nodes` nodes in `processes` processes, meeting `meet` at start
+    (TransportOptions.meet), with `churn` leaves and as many joins over `churn_steps` steps at
+    the end; its summary (see summarize)."""
     processes = max(1, min(processes, nodes))
-    plan = Plan(tuple(f"127.0.0.1:{port}" for port in free_ports(nodes)), steps, dim, window,
-                leaver=nodes - 1 if nodes > 2 else None, timeout=timeout)
-    groups = [list(range(nodes))[p::processes] for p in range(processes)]
+    world = nodes + churn
+    plan = Plan(tuple(f"127.0.0.1:{port}" for port in free_ports(world)), steps, dim, window,
+                leaver=nodes - 1 if nodes > 2 else None, timeout=timeout, meet=meet,
+                members=nodes if churn else None, churn_steps=churn_steps if churn else 0)
+    plan = dataclasses.replace(plan, churn=churn_schedule(plan, churn, seed))
+    groups = [list(range(world))[p::processes] for p in range(processes)]
     with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [pool.submit(host, plan, group) for group in groups]
         parts = [future.result(timeout=timeout + 60) for future in futures]
     return summarize(plan, parts)
+
+
+def churn_schedule(plan: Plan, events: int, seed: int) -> tuple[tuple[int, int, int], ...]:
+    """`events` (step, leaving, joining) spread evenly over the churn steps: a random initial member
+    (not node 0, nor the change window's leaver) leaves as the next new rank joins."""
+    if not events:
+        return ()
+    stayers = [rank for rank in range(1, plan.nodes) if rank != plan.leaver]
+    if events > len(stayers) or plan.churn_steps < events:
+        raise ValueError(f"{events} churn events need {events}+ members that may leave and as many churn steps")
+    leaving = random.Random(seed).sample(stayers, events)
+    return tuple((plan.churn_at + (2 * k + 1) * plan.churn_steps // (2 * events), leaver, plan.nodes + k)
+                 for k, leaver in enumerate(leaving))
 
 
 def per_node(records: list[dict], key: str, since: str | None = None, field: str = "control_messages") -> list[int]:
@@ -84,12 +105,60 @@ def summarize(plan: Plan, parts: list[dict]) -> dict:
     connections = {"channels_per_node": mean(r["change_from"]["channels"] for r in records),
                    "channels_max": max(r["change_from"]["channels"] for r in records),
                    "lane_connections_per_node": mean(r["change_from"]["lane_connections"] for r in records)}
-    return {"nodes": n, "processes": len(parts), "algorithm": "sgp", "dim": plan.dim, "steps": plan.steps,
+    return {"nodes": n, "processes": len(parts), "algorithm": "sgp", "meet": plan.meet, "dim": plan.dim,
+            "steps": plan.steps,
             "window": plan.window, "started": sum(1 for r in records if r.get("ready")),
             "threads_per_process": max(part["threads"] for part in parts),
             "start_seconds": max(r["ready"] for r in records) - min(part["began"] for part in parts),
             "startup": startup, "steady": steady, "connections": connections,
-            "consensus": consensus(plan, records), "change": change(plan, records)}
+            "consensus": consensus(plan, records), "change": change(plan, records),
+            "churn": churn_costs(plan, records, [j for part in parts for j in part["joiners"]],
+                                 {rank: seen for part in parts for rank, seen in part["views"].items()})}
+
+
+def churn_costs(plan: Plan, records: list[dict], joiners: list[dict], views: dict) -> dict | None:
+    """What the churn cost: control calls and bytes per node per event (every node's calls in the
+    churn phase, the joiners' whole runs included), the churn rate it came to (per minute, of the
+    members), how long each view took to reach every node that was there when it came (in seconds
+    and in the steps of the node it reached last, against the proposer's), and Σ w of the final
+    members against the units there are: n, plus each joiner's new one, less each leaver's, retired
+    where its mass went (one per final member)."""
+    if not plan.churn:
+        return None
+    events = len(plan.churn)
+    began = min(r["change_to_time"] for r in records if "change_to_time" in r)
+    ended = max(r["end_time"] for r in records + joiners)
+    cost = {}
+    for field in ("control_messages", "control_bytes"):
+        total = sum(r["end"][field] - r["change_to"][field] for r in records) + sum(j["end"][field] for j in joiners)
+        cost[field + "_per_node_per_event"] = total / events / plan.nodes
+    spreads = view_spreads(views)
+    final = [r for r in records + joiners if not r["left"]]
+    units = plan.nodes + math.fsum(j["minted"] for j in joiners) - math.fsum(r["retired"] for r in records + joiners)
+    sum_w = math.fsum(r["final_w"] for r in final)
+    return {"events": events, "joined": len(joiners), "left": sum(r["left"] for r in records + joiners),
+            "seconds": ended - began, "rate_per_minute": events / plan.nodes / ((ended - began) / 60), **cost,
+            "views": len(spreads), "agreement_seconds_max": max((s for s, _ in spreads), default=None),
+            "agreement_steps_max": max((k for _, k in spreads), default=None),
+            "join_seconds_max": max((j["join_seconds"] for j in joiners), default=None),
+            "final_members": len(final), "units": units, "sum_w": sum_w, "sum_w_error": abs(sum_w - units)}
+
+
+def view_spreads(views: dict) -> list[tuple[float, int]]:
+    """For each view any node came to hold after its first: the seconds from the first node holding
+    it or a later one (its proposer) until the last one did, and that last node's step then less
+    the first one's, over the nodes watched since before it came (a joiner that starts later takes
+    the latest view at once) that came to hold it."""
+    seen = {rank: [(tuple(order), when, step) for order, when, step in entries] for rank, entries in views.items()}
+    orders = sorted({order for entries in seen.values() for order, _, _ in entries[1:]})
+    spreads = []
+    for order in orders:
+        holders = [(next((when, step) for o, when, step in entries if o >= order), entries[0][1])
+                   for entries in seen.values() if entries[-1][0] >= order]
+        first = min(held for held, _ in holders)
+        last = max(held for held, since in holders if since <= first[0])
+        spreads.append((last[0] - first[0], last[1] - first[1]))
+    return spreads
 
 
 def consensus(plan: Plan, records: list[dict]) -> dict:
@@ -158,7 +227,8 @@ def plot(runs: list[dict], path: Path) -> None:
     for name, (group, key) in FITTED:
         scale = 1e-3 if name.endswith("bytes") else 1.0
         ax.plot(sizes, [run[group][key] * scale for run in runs], marker="o", label=labels[name])
-    ax.set(xscale="log", yscale="log", xlabel="nodes n", ylabel="per node", title="Membership cost today (sgp)")
+    ax.set(xscale="log", yscale="log", xlabel="nodes n", ylabel="per node",
+           title=f"Membership cost (sgp, meeting {runs[0]['meet']})")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -181,6 +251,17 @@ def print_runs(runs: list[dict], stream=sys.stdout) -> None:
                      fmt(moved.get("agreement_seconds"), "{:.2f}"), fmt(dist["mixing_steps"], "{} steps"),
                      fmt(dist["theory_mixing_steps"], "{} steps"), fmt(dist["sum_w_error"], "{:.1e}")])
     print_table(rows, headers, stream)
+    churned = [run for run in runs if run.get("churn")]
+    if churned:
+        print_table([[run["nodes"], run["churn"]["events"], fmt(run["churn"]["seconds"], "{:.0f}"),
+                      fmt(100 * run["churn"]["rate_per_minute"], "{:.2f}%"),
+                      fmt(run["churn"]["control_messages_per_node_per_event"], "{:.2f}"),
+                      fmt(run["churn"]["control_bytes_per_node_per_event"] / 1e3, "{:.2f}"),
+                      run["churn"]["views"], fmt(run["churn"]["agreement_seconds_max"], "{:.2f}"),
+                      fmt(run["churn"]["agreement_steps_max"], "{}"), fmt(run["churn"]["join_seconds_max"], "{:.1f}"),
+                      run["churn"]["final_members"], fmt(run["churn"]["sum_w_error"], "{:.1e}")] for run in churned],
+                    ["n", "churn events", "seconds", "per minute", "calls/node/event", "KB/node/event", "views",
+                     "agree s (max)", "agree steps (max)", "join s (max)", "final members", "|Σw-units|"], stream)
 
 
 def main(args) -> int:
@@ -188,11 +269,16 @@ def main(args) -> int:
     if min(sizes) < 2 or args.steps < 1 or args.dim < 1 or args.window < 1 or args.processes < 1:
         print("p2ptrain simulate: --nodes/--sweep >= 2, --steps, --dim, --window, --processes >= 1", file=sys.stderr)
         return 2
+    if args.churn < 0 or (args.churn and (args.churn_steps < args.churn or args.churn > min(sizes) - 2)):
+        print("p2ptrain simulate: --churn EVENTS needs --churn-steps >= EVENTS and fewer events than nodes - 1",
+              file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = []
     for n in sizes:
-        runs.append(simulate(n, args.processes, args.steps, args.dim, args.window, args.timeout))
+        runs.append(simulate(n, args.processes, args.steps, args.dim, args.window, args.timeout, args.meet,
+                             args.churn, args.churn_steps, args.seed))
         print(f"simulated {n} nodes", file=sys.stderr)
     result: dict = {"runs": runs}
     print_runs(runs)

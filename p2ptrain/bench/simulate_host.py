@@ -7,6 +7,7 @@ without the leaver (a watcher thread reads every node's latest view)."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import faulthandler
 import gc
 import resource
@@ -42,16 +43,28 @@ OPTIONS = TransportOptions(send_timeout=120.0, link_deadline=60.0, probe_timeout
 @dataclass(frozen=True)
 class Plan:
     """What every process runs: `steps` steps measured for consensus, then `window` steps as a
-    baseline, then `window` steps in which node `leaver` leaves (None: nobody)."""
+    baseline, then `window` steps in which node `leaver` leaves (None: nobody), then `churn_steps`
+    steps of churn: at each (step, leaving, joining) of `churn` one member leaves and a new node
+    joins (ranks from `members` on: they start outside the cluster), then `window` steps more."""
     peers: tuple[str, ...]
     steps: int
     dim: int
     window: int
     leaver: int | None
     timeout: float
+    meet: str = "neighbours"  # TransportOptions.meet
+    members: int | None = None  # the initial members (None: every rank of peers)
+    churn: tuple[tuple[int, int, int], ...] = ()
+    churn_steps: int = 0
 
     @property
     def nodes(self) -> int:
+        """The initial members (n)."""
+        return self.members if self.members is not None else len(self.peers)
+
+    @property
+    def world(self) -> int:
+        """Every rank, joiners included."""
         return len(self.peers)
 
     @property
@@ -59,8 +72,22 @@ class Plan:
         return self.steps + self.window
 
     @property
-    def end(self) -> int:
+    def churn_at(self) -> int:
         return self.steps + 2 * self.window
+
+    @property
+    def end(self) -> int:
+        """(After the churn, a window more: the last joiner's view switches, and it trains.)"""
+        return self.churn_at + (self.churn_steps + self.window if self.churn else 0)
+
+    def options(self) -> TransportOptions:
+        return dataclasses.replace(OPTIONS, meet=self.meet, initial_members=self.members)
+
+    def leaves_at(self, rank: int) -> int | None:
+        """The step `rank` asks to leave at (None: it stays)."""
+        if rank == self.leaver:
+            return self.change_at
+        return next((step for step, leaving, _ in self.churn if leaving == rank), None)
 
 
 class Vector(nn.Module):
@@ -84,12 +111,14 @@ def counters(transport: Transport) -> dict:
 
 class ViewWatcher:
     """Reads each node's latest view every WATCH_SECONDS: the first time each held a view without
-    the leaver, and the most threads this process ran."""
+    the leaver, each view each node came to hold (its order, when, at which step of the node),
+    and the most threads this process ran. Nodes may be added while it runs (joiners)."""
 
     def __init__(self, transports: list[Transport], leaver: int | None):
         self.transports = transports
         self.leaver = leaver
         self.adopted: dict[int, float] = {}
+        self.views: dict[int, list[tuple[tuple[int, int], float, int]]] = {}
         self.peak_threads = threading.active_count()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="view-watcher", daemon=True)
@@ -98,9 +127,14 @@ class ViewWatcher:
     def _watch(self) -> None:
         while not self._done.wait(WATCH_SECONDS):
             self.peak_threads = max(self.peak_threads, threading.active_count())
-            for transport in self.transports:
+            for transport in list(self.transports):
+                membership = transport.membership
+                latest = membership.latest
+                seen = self.views.setdefault(transport.rank, [])
+                if not seen or seen[-1][0] != latest.order:
+                    seen.append((latest.order, time.time(), membership.step))
                 if transport.rank not in self.adopted and self.leaver is not None \
-                        and self.leaver not in transport.membership.latest.members:
+                        and self.leaver not in latest.members:
                     self.adopted[transport.rank] = time.time()
 
     def stop(self) -> None:
@@ -108,43 +142,116 @@ class ViewWatcher:
         self._thread.join(5)
 
 
-def run_node(plan: Plan, comm: Communicator) -> dict:
-    """One node's run: set up (every node ready), `plan.steps` recorded steps, the baseline
-    window, the change window (the leaver asks to leave at its start), finish."""
-    rank, transport = comm.rank, comm.transport
-    model = Vector(initial_vector(rank, plan.dim))
-    algorithm = SGP(comm, member_topology("exponential", plan.nodes, comm.membership.placed), overlap=0)
+def make_optimizer(plan: Plan, comm: Communicator) -> tuple[DecentralizedOptimizer, SGP, Vector]:
+    """The node's vector, SGP on the exponential graph over the members, and the engine (a joiner
+    takes a member's state in here)."""
+    model = Vector(initial_vector(comm.rank, plan.dim))
+    algorithm = SGP(comm, member_topology("exponential", plan.world, comm.membership.placed), overlap=0)
     opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model=model, algorithm=algorithm,
                                  comm=comm)
+    return opt, algorithm, model
+
+
+def run_node(plan: Plan, comm: Communicator, progress: dict[int, int]) -> dict:
+    """One node's run: set up (every node ready), `plan.steps` recorded steps, the baseline
+    window, the change window (the leaver asks to leave at its start), the churn, finish."""
+    rank, transport = comm.rank, comm.transport
+    opt, algorithm, model = make_optimizer(plan, comm)
     record = {"rank": rank, "ready": time.time(), "startup": transport.run_on_loop(counters, transport),
               "z": [], "w": [], "left": False}
     if rank == 0:
         print(f"node 0 ready, {record['startup']['control_messages']} control calls", file=sys.stderr, flush=True)
+    marks = {plan.steps: "steady_from", plan.change_at: "change_from", plan.churn_at: "change_to"}
+    leave_at = plan.leaves_at(rank)
     try:
         while opt.local_step < plan.end:
-            step = opt.local_step
-            if step == plan.steps:
-                record["steady_from"] = transport.run_on_loop(counters, transport)
-            if step == plan.change_at:
-                record["change_from"] = transport.run_on_loop(counters, transport)
-                if rank == plan.leaver:
-                    opt.request_leave()
+            step = progress[rank] = opt.local_step
+            if step in marks:
+                record[marks[step]] = transport.run_on_loop(counters, transport)
+                record[marks[step] + "_time"] = time.time()
+            if step == leave_at:
+                opt.request_leave()
             opt.step()
             if step < plan.steps:  # (τ = 0: every share of this step is mixed in, nothing is in flight)
                 record["z"].append(model.x.detach().tolist())
                 record["w"].append(algorithm.w)
-        record["change_to"] = transport.run_on_loop(counters, transport)
         opt.finish()
     except LeftCluster:
-        record["change_to"] = transport.run_on_loop(counters, transport)
         record["left"] = True
+    progress.pop(rank, None)
+    record["end"] = transport.run_on_loop(counters, transport)
+    record["end_time"] = time.time()
+    record.setdefault("change_to", record["end"])
     record["final_w"] = 0.0 if record["left"] else algorithm.w
+    record["retired"] = algorithm.mass.retired_w  # (units it retired for leavers whose mass it took)
     return record
 
 
+def run_joiner(plan: Plan, transport: Transport, progress: dict[int, int]) -> dict:
+    """A node that joins the running cluster: it takes a member's state (and its share of mass),
+    is admitted by a view, trains to the end (or leaves, if the churn says so)."""
+    began = time.time()
+    transport.membership.joining = True
+    comm = Communicator(transport, "cpu", peer_timeout=plan.timeout)
+    opt, algorithm, _ = make_optimizer(plan, comm)
+    record = {"rank": transport.rank, "began": began, "member_from": opt.local_step,
+              "join_seconds": time.time() - began, "left": False}
+    leave_at = plan.leaves_at(transport.rank)
+    try:
+        while opt.local_step < plan.end:
+            step = progress[transport.rank] = opt.local_step
+            if step == leave_at:
+                opt.request_leave()
+            opt.step()
+        opt.finish()
+    except LeftCluster:
+        record["left"] = True
+    finally:
+        progress.pop(transport.rank, None)
+        comm.close()
+    record["end"] = transport.run_on_loop(counters, transport)
+    record["end_time"] = time.time()
+    record["final_w"] = 0.0 if record["left"] else algorithm.w
+    record["minted"] = algorithm.stats().get("ps_minted", 0.0)
+    record["retired"] = algorithm.mass.retired_w
+    return record
+
+
+class Churn:
+    """Starts this process's joiners when its nodes reach their join steps (each joins as a member
+    leaves: Plan.churn)."""
+
+    def __init__(self, plan: Plan, ranks: list[int], transports: list[Transport], progress: dict[int, int],
+                 pool: concurrent.futures.ThreadPoolExecutor):
+        self.plan, self.transports, self.progress, self.pool = plan, transports, progress, pool
+        self.due = sorted((step, joining) for step, _, joining in plan.churn if joining in ranks)
+        self.futures: list[concurrent.futures.Future] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="churn", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while self.due and not self._done.wait(WATCH_SECONDS * 4):
+            if max(self.progress.values(), default=-1) >= self.due[0][0]:
+                _, rank = self.due.pop(0)
+                plan = self.plan
+                transport = Transport(rank, plan.world, list(plan.peers), listen=plan.peers[rank],
+                                      options=plan.options(), metrics=NodeMetrics(rank, "sgp")).start()
+                self.transports.append(transport)
+                self.futures.append(self.pool.submit(run_joiner, plan, transport, self.progress))
+
+    def results(self, timeout: float) -> list[dict]:
+        self._thread.join(timeout)
+        return [future.result(timeout) for future in self.futures]
+
+    def stop(self) -> None:
+        self._done.set()
+
+
 def host(plan: Plan, ranks: list[int]) -> dict:
-    """Run the nodes `ranks` of `plan` in this process; their records, the process's start time
-    and its thread count."""
+    """Run the nodes `ranks` of `plan` in this process (joiners among them start when the churn
+    says); their records, the joiners', the views each node held, the process's start time and
+    its thread count."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # every node holds a channel to every peer
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where a slow process waits
@@ -154,15 +261,18 @@ def host(plan: Plan, ranks: list[int]) -> dict:
     began = time.time()
     transports: list[Transport] = []
     comms: list[Communicator] = []
-    watcher = None
+    watcher = churn = None
+    members = [rank for rank in ranks if rank < plan.nodes]
+    progress: dict[int, int] = {}
     pool = concurrent.futures.ThreadPoolExecutor(len(ranks), thread_name_prefix="node")
     try:
-        for rank in ranks:
-            transports.append(Transport(rank, plan.nodes, list(plan.peers), listen=plan.peers[rank], options=OPTIONS,
-                                        metrics=NodeMetrics(rank, "sgp")).start())
+        for rank in members:
+            transports.append(Transport(rank, plan.world, list(plan.peers), listen=plan.peers[rank],
+                                        options=plan.options(), metrics=NodeMetrics(rank, "sgp")).start())
         comms = [Communicator(t, "cpu", peer_timeout=plan.timeout) for t in transports]
         watcher = ViewWatcher(transports, plan.leaver)
-        futures = [pool.submit(run_node, plan, comm) for comm in comms]
+        churn = Churn(plan, ranks, transports, progress, pool)
+        futures = [pool.submit(run_node, plan, comm, progress) for comm in comms]
         done, _ = concurrent.futures.wait(futures, plan.timeout, return_when=concurrent.futures.FIRST_EXCEPTION)
         for future in done:  # the first failure ends the run at once (the finally stops every node)
             if future.exception() is not None:
@@ -170,13 +280,17 @@ def host(plan: Plan, ranks: list[int]) -> dict:
         if len(done) < len(futures):
             raise TimeoutError(f"{len(futures) - len(done)} nodes of {ranks[:3]}... unfinished after {plan.timeout}s")
         records = [future.result() for future in futures]
+        joiners = churn.results(plan.timeout)
         watcher.stop()
         print(f"nodes {ranks[0]}, {ranks[1] if len(ranks) > 1 else ''}...: done in {time.time() - began:.1f}s",
               file=sys.stderr, flush=True)
         for record in records:
             record["adopted"] = watcher.adopted.get(record["rank"])
-        return {"began": began, "threads": watcher.peak_threads, "records": records}
+        return {"began": began, "threads": watcher.peak_threads, "records": records, "joiners": joiners,
+                "views": {rank: seen for rank, seen in watcher.views.items()}}
     finally:
+        if churn is not None:
+            churn.stop()
         if watcher is not None:
             watcher.stop()
         for transport in transports:
@@ -186,4 +300,5 @@ def host(plan: Plan, ranks: list[int]) -> dict:
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-__all__ = ["DATA_METHOD", "OPTIONS", "Plan", "Vector", "counters", "host", "run_node"]
+__all__ = ["DATA_METHOD", "OPTIONS", "Churn", "Plan", "Vector", "counters", "host", "make_optimizer", "run_joiner",
+           "run_node"]
