@@ -5,6 +5,7 @@ looks like from outside: it reaches its peers, they cannot open a connection to 
 """
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -186,3 +187,45 @@ def test_a_helper_whose_call_is_cancelled_under_the_ask_counts_as_no_answer():
 
     found, notes = asyncio.run(ask(Grpc(), [1, 2], 0, 1, 5.0))
     assert found == pb.REACHABILITY_PUBLIC and notes == ["node 1 did not answer: "]
+
+
+def test_a_peer_that_answers_others_but_not_this_node_is_reached_indirectly_and_not_declared_dead(transports):
+    """SWIM's indirect probe (meeting neighbours): node 0 holds for node 2 an address where a socket
+    accepts connections but never answers (a half-open path), so its own probe times out; node 1,
+    asked to probe node 2 itself, reaches it, and node 2 stays alive at node 0. Without helpers
+    the same probe declares it dead."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    try:
+        real = [f"127.0.0.1:{port}" for port in free_ports(3)]
+        options = TransportOptions(probe_timeout=1.0, meet="neighbours", reachability="public")
+        for rank in range(3):
+            peers = list(real)
+            if rank == 0:
+                peers[2] = f"127.0.0.1:{silent.getsockname()[1]}"
+            transports.append(Transport(rank, 3, peers, listen=real[rank], options=options,
+                                        metrics=NodeMetrics(rank)).start())
+        for transport in transports:
+            transport.mark_ready()
+        a = transports[0]
+        _greet(a, 1)  # (both ready: node 1 may be asked)
+        greetings = a.membership.greetings
+        assert greetings.indirect_probes == 2
+        assert a.loop.submit(greetings.probe(2)).result(30) is True
+        assert 2 not in a.membership.dead()
+        greetings.indirect_probes = 0
+        assert a.loop.submit(greetings.probe(2)).result(30) is False
+        assert 2 in a.membership.dead()
+    finally:
+        silent.close()
+
+
+def test_an_indirect_probe_request_for_the_caller_itself_or_an_unknown_rank_greets_nobody(transports):
+    transports += _pair(lambda rank: TransportOptions(probe_timeout=1.0, meet="neighbours", reachability="public"))
+    greetings = transports[1].membership.greetings
+    run = transports[1].loop.submit
+    assert run(greetings.probe_for(0, 0)).result(10) is False   # (the caller)
+    assert run(greetings.probe_for(0, 1)).result(10) is False   # (itself)
+    assert run(greetings.probe_for(0, 7)).result(10) is False   # (no such rank)
+    assert run(greetings.probe_for(1, 0)).result(10) is True    # (a live peer, for another caller)

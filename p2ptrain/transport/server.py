@@ -86,7 +86,10 @@ class PeerService:
         if self.identity is not None:
             await self._deny(context, self.identity.claim_problem(self.identity.grpc_peer(context), request.node_id,
                                                                   "a Hello"))
-        return self.greetings.answer(request, observed_host(context.peer()))
+        reply = self.greetings.answer(request, observed_host(context.peer()))
+        if request.HasField("probe_for") and reply.compatible and not reply.reason:
+            reply.probed = await self.greetings.probe_for(request.node_id, request.probe_for)
+        return reply
 
     async def settle(self, request: pb.SettleRequest, context) -> pb.SettleReply:
         """Which of these messages from `request.sender` did we deliver? The others are voided."""

@@ -52,6 +52,7 @@ WATCH_INTERVAL = 0.05  # seconds between re-checks of a gather that may be aband
 log = logging.getLogger(__name__)
 
 REVERSE_LINGER = 8.0  # seconds a node waits at its stop for the private peers that reach others through it
+INDIRECT_PROBES = 2  # meeting neighbours: peers asked to probe one that does not answer (SWIM ping-req)
 
 class Transport:
     """Tensor push/receive for node `rank` of `world_size`; peers[i] is node i's address. peers=None:
@@ -101,7 +102,7 @@ class Transport:
         liveness = Liveness(rank, world_size, views, metrics, max_lag=options.max_lag)
         greetings = Greetings(Identity(rank, world_size, config_fingerprint), self.loop, self.grpc, liveness, views,
                               self.routes, probe_timeout=options.probe_timeout, lane_ports=self.lane_ports,
-                              metrics=metrics)
+                              metrics=metrics, indirect_probes=INDIRECT_PROBES if options.meet == "neighbours" else 0)
         self.membership = Membership(views, liveness, greetings, view_margin=options.view_margin,
                                      view_notice=options.view_notice)
         self.dial_back = reachability.DialBack(rank, self.grpc, self.lane_ports, options.security,

@@ -8,8 +8,10 @@ reaches peers only through the gRPC path's Hello (every failure a SendFailure).
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
+import random
 import secrets
 import time
 from collections import deque
@@ -118,7 +120,8 @@ class Greetings:
     Blocking methods are for the training thread; coroutines and `on_hello` run on the loop thread."""
 
     def __init__(self, identity: Identity, loop: LoopThread, grpc: GrpcPath, liveness: Liveness, views: Views,
-                 routes: RouteTable, *, probe_timeout: float, lane_ports: LanePorts | None = None, metrics=None):
+                 routes: RouteTable, *, probe_timeout: float, lane_ports: LanePorts | None = None, metrics=None,
+                 indirect_probes: int = 0):
         self.identity = identity
         self.lane_ports = lane_ports  # where the peers' TCP lanes listen, from their Hellos; None: gRPC only
         self.lane_port = 0  # our own lane's port, advertised in our Hellos (0: none)
@@ -131,6 +134,7 @@ class Greetings:
         self.views = views
         self.routes = routes
         self.probe_timeout = probe_timeout
+        self.indirect_probes = indirect_probes  # peers asked to probe one that does not answer us (0: none)
         self.incarnation = new_incarnation()  # new at every start and every completed rejoin
         self.resume_step = 0                  # the step a rejoined node resumes at (sent in its Hellos)
         self.ready = False                    # this node accepts tensors (mark_ready)
@@ -379,10 +383,40 @@ class Greetings:
         try:
             return True, await self.greet(peer, self.hello_request(), self.probe_timeout, wait_for_ready=False)
         except SendFailure as exc:
+            if exc.kind not in (FailureKind.GONE, FailureKind.DENIED) and await self._answers_others(peer):
+                log.warning("node %d: node %d does not answer this node (%s) but answers others: alive", self.rank,
+                            peer, describe(exc))
+                return True, None
             self.liveness.mark_dead(peer, f"no answer to a probe: {describe(exc)}")
             return False, None
         finally:
             self._probing.discard(peer)
+
+    async def _answers_others(self, peer: int) -> bool:
+        """SWIM's indirect probe: ask `indirect_probes` peers this node reached and knows ready
+        (its neighbours, when it meets only those) to Hello `peer` themselves; True if one of them
+        got an answer. A link down between two live nodes then evicts neither (the data goes
+        through relays); silence everywhere (a stall, a crash) still fails every probe."""
+        helpers = [p for p in self.ready_peers & self.reached if p != peer and self.liveness.alive(p)]
+        if not self.indirect_probes or not helpers:
+            return False
+        request = self.hello_request()
+        request.probe_for = peer
+        asked = random.sample(helpers, min(self.indirect_probes, len(helpers)))
+        replies = await asyncio.gather(*(self.greet(h, request, 2 * self.probe_timeout, wait_for_ready=False)
+                                         for h in asked), return_exceptions=True)
+        return any(isinstance(reply, pb.HelloReply) and reply.probed for reply in replies)
+
+    async def probe_for(self, caller: int, peer: int) -> bool:
+        """(A peer's indirect probe.) Whether `peer` answers our own Hello; nothing is marked here:
+        the caller judges. Only a known peer other than the caller and us is greeted."""
+        if not 0 <= peer < self.world_size or peer in (self.rank, caller) or not self.addresses[peer]:
+            return False
+        try:
+            await self.greet(peer, self.hello_request(), self.probe_timeout, wait_for_ready=False)
+            return True
+        except SendFailure:
+            return False
 
     async def check_gone(self, peer: int) -> None:
         """Declare `peer` dead if nothing listens at its address any more (a refused connect: its
