@@ -136,12 +136,14 @@ def churn_costs(plan: Plan, records: list[dict], joiners: list[dict], views: dic
     final = [r for r in records + joiners if not r["left"]]
     units = plan.nodes + math.fsum(j["minted"] for j in joiners) - math.fsum(r["retired"] for r in records + joiners)
     sum_w = math.fsum(r["final_w"] for r in final)
+    in_flight = math.fsum(r["in_flight"] for r in records + joiners)
     return {"events": events, "joined": len(joiners), "left": sum(r["left"] for r in records + joiners),
             "seconds": ended - began, "rate_per_minute": events / plan.nodes / ((ended - began) / 60), **cost,
             "views": len(spreads), "agreement_seconds_max": max((s for s, _ in spreads), default=None),
             "agreement_steps_max": max((k for _, k in spreads), default=None),
             "join_seconds_max": max((j["join_seconds"] for j in joiners), default=None),
-            "final_members": len(final), "units": units, "sum_w": sum_w, "sum_w_error": abs(sum_w - units)}
+            "final_members": len(final), "units": units, "sum_w": sum_w, "in_flight_w": in_flight,
+            "sum_w_error": abs(sum_w - units)}
 
 
 def view_spreads(views: dict) -> list[tuple[float, int]]:

@@ -184,6 +184,7 @@ def run_node(plan: Plan, comm: Communicator, progress: dict[int, int]) -> dict:
     record.setdefault("change_to", record["end"])
     record["final_w"] = 0.0 if record["left"] else algorithm.w
     record["retired"] = algorithm.mass.retired_w  # (units it retired for leavers whose mass it took)
+    record["in_flight"] = algorithm.stats().get("ps_in_flight", 0.0)  # (shares never acknowledged)
     return record
 
 
@@ -214,6 +215,7 @@ def run_joiner(plan: Plan, transport: Transport, progress: dict[int, int]) -> di
     record["final_w"] = 0.0 if record["left"] else algorithm.w
     record["minted"] = algorithm.stats().get("ps_minted", 0.0)
     record["retired"] = algorithm.mass.retired_w
+    record["in_flight"] = algorithm.stats().get("ps_in_flight", 0.0)
     return record
 
 
