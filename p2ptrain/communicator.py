@@ -14,6 +14,7 @@ import logging
 import torch
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
+from p2ptrain.addresses import split_address
 from p2ptrain.algorithms.base import Delivery
 from p2ptrain.comm_worker import CommWorker
 from p2ptrain.transport.message import Message
@@ -72,6 +73,15 @@ class Communicator:
 
     def set_step(self, step: int) -> None:
         self.membership.set_step(step)
+
+    def host(self, peer: int) -> str:
+        """The host `peer`'s address names ("" when unknown): nodes that name one host share its
+        CPUs and network (a state hand-out sends one stream per host)."""
+        address = split_address(self.transport.peers[peer]) if 0 <= peer < self.world_size else None
+        if address is None:
+            return ""
+        host = address[0].lower()
+        return "127.0.0.1" if host == "localhost" else host
 
     def make_room(self, peer: int, window: int) -> bool:
         """Before sending to `peer`: True once fewer than `window` of our messages to it await their

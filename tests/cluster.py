@@ -18,12 +18,13 @@ from p2ptrain.transport import Transport, TransportOptions
 def run_cluster(n: int, body: Callable[[int, Communicator], object], *, timeout: float = 120.0,
                 options: TransportOptions | None = None,
                 options_for: Callable[[int], TransportOptions] | None = None, metrics: bool = False,
-                device: str = "cpu") -> list:
+                device: str = "cpu", host_of: Callable[[int], str] | None = None) -> list:
     """Run body on n nodes concurrently; returns the per-rank results, re-raising the first failure.
     With `metrics` every transport gets its own NodeMetrics (comm.transport.metrics); `device` is the
-    communicators' training device (received tensors are staged onto it)."""
+    communicators' training device (received tensors are staged onto it); `host_of(rank)`: the
+    loopback address node `rank` listens on (default 127.0.0.1 for all: one host)."""
     ports = free_ports(n)
-    peers = [f"127.0.0.1:{port}" for port in ports]
+    peers = [f"{host_of(rank) if host_of else '127.0.0.1'}:{port}" for rank, port in enumerate(ports)]
     transports, comms = [], []
     try:
         for rank in range(n):

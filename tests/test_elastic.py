@@ -498,13 +498,19 @@ def test_a_switch_average_gives_nodes_that_took_a_donors_state_the_holders_mean_
 
 
 class Recording:
-    """A node's comm that notes the tensors registered as receive destinations (receive_into)."""
+    """A node's comm that notes the tensors registered as receive destinations (receive_into) and
+    the channels of the hand-out slices it sent."""
 
     def __init__(self, comm):
-        self.comm, self.destinations = comm, []
+        self.comm, self.destinations, self.sent = comm, [], []
 
     def __getattr__(self, name):
         return getattr(self.comm, name)
+
+    def send(self, peer, tensor, **header):
+        if not header.get("channel", "").endswith("taken"):
+            self.sent.append(header.get("channel"))
+        return self.comm.send(peer, tensor, **header)
 
     def receive_into(self, peer, kind, step, tensor, **kwargs):
         if tensor is not None:
@@ -512,13 +518,16 @@ class Recording:
         return self.comm.receive_into(peer, kind, step, tensor, **kwargs)
 
 
-def _hand_out_at_switch(entering, tamper=None):
+def _hand_out_at_switch(entering, tamper=None, host_of=None):
     """Nodes 0-3; a view switching at step 5 in which `entering` enter: each node's (params, state
     in, averaged model, averaged state, holds_state, bytes taken, whether the model it took is
-    the buffer it readied). `tamper(rank, comm)`: a stand-in for node `rank`'s hand-out sends
-    (None: the real comm)."""
+    the buffer it readied, the model slices it sent, the (node, step) it saw enter: the holders,
+    from a delivery or the node's word). `tamper(rank, comm)`: a stand-in for node
+    `rank`'s hand-out sends (None: the real comm); `host_of`: as run_cluster's."""
     numel, state_numel = 1001, 2003
-    options = TransportOptions(send_timeout=20.0, link_deadline=5.0)
+    # (each on its own loopback address, a node's calls still come from 127.0.0.1: not NAT here)
+    options = TransportOptions(send_timeout=20.0, link_deadline=5.0,
+                               reachability="public" if host_of else "auto")
 
     def body(rank, comm):
         ring = MemberRing(comm, numel, torch.float32, state=(state_numel, torch.float32),
@@ -528,26 +537,40 @@ def _hand_out_at_switch(entering, tamper=None):
         if tamper is not None and tamper(rank, comm) is not None:
             ring.handout.comm = tamper(rank, comm)
         recording = ring.handout.comm = Recording(ring.handout.comm)
+        entered, note_entered = [], comm.membership.entered
+        comm.membership.entered = lambda peer, step: (entered.append((peer, step)), note_entered(peer, step))
         params = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
         state = torch.randn(state_numel, generator=torch.Generator().manual_seed(100 + rank))
         averaged = ring.resync(params.clone(), step=5)
         averaged_state = ring.resync_state(state.clone(), step=5)
         readied = bool(recording.destinations) and averaged.data_ptr() == recording.destinations[0].data_ptr()
         return (params, state, averaged, averaged_state, ring.holds_state, ring.stats().get("state_received_mb", 0.0),
-                readied)
+                readied, recording.sent, entered)
 
-    return run_cluster(4, body, options=options, timeout=120)
+    return run_cluster(4, body, options=options, timeout=120, host_of=host_of)
 
 
+@pytest.mark.parametrize("hosts", ["one host", "a host each"])
 @pytest.mark.parametrize("entering", [(3,), (1, 3), (1, 2, 3)])
-def test_nodes_entering_at_a_switch_take_the_holders_mean_model_and_state_bit_for_bit(entering):
+def test_nodes_entering_at_a_switch_take_the_holders_mean_model_and_state_bit_for_bit(entering, hosts, caplog):
     """Issue 27 (streamed state): the members new in a view (View.entering) sit the switch average
-    out; the others average alone and each hands its slice of the result straight to them, so
-    every member continues with exactly the holders' mean model and optimizer state, and the
-    entering nodes took each byte once (model + state, 4 bytes a value), into the buffer each
-    registered for the slices to land in (receive_into), which becomes its model."""
-    results = _hand_out_at_switch(entering)
+    out; the others average alone and the first holder of each host hands its host's slice of the
+    result straight to them (so with a host each, every holder sends one, in parallel; on one host,
+    one holder sends it all while the others wait for the entering nodes' word). Every member
+    continues with exactly the holders' mean model and optimizer state, and the entering nodes took
+    each byte once (model + state, 4 bytes a value), into the buffer each registered for the slices
+    to land in (receive_into), which becomes its model."""
+    apart = hosts == "a host each"
+    results = _hand_out_at_switch(entering, host_of=(lambda rank: f"127.0.0.{rank + 1}") if apart else None)
     holders = [r for r in range(4) if r not in entering]
+    senders = holders if apart else holders[:1]
+    for r in range(4):  # (a model slice to each entering node: hand.<senders>.<index>)
+        wanted = [f"hand.{len(senders)}.{senders.index(r)}"] * len(entering) if r in senders else []
+        assert [c for c in results[r][7] if c.startswith("hand.")] == wanted, f"node {r} sent {results[r][7]}"
+        # every holder, sending or quiet, awaits each entering node from the switch on
+        assert sorted(results[r][8]) == ([] if r in entering else sorted([(e, 5) for e in entering] * 2))
+    # ... and heard that it took the model and the state (a quiet holder: from the node's word)
+    assert not [r.getMessage() for r in caplog.records if "state hand-out" in r.getMessage()]
     for value, mean in [(0, 2), (1, 3)]:
         expected = sum(results[r][value] for r in holders) / len(holders)
         for r in range(4):
@@ -604,7 +627,7 @@ def test_a_state_slice_that_fails_its_checksum_leaves_the_entering_node_with_its
             return self.comm.send(peer, flipped, **header)
 
     results = _hand_out_at_switch((3,), tamper=lambda rank, comm: Flipping(comm) if rank == 0 else None)
-    params, _, averaged, _, holds, _, _ = results[3]
+    params, _, averaged, _, holds, *_ = results[3]
     assert torch.equal(averaged, params) and not holds
     expected = sum(results[r][0] for r in range(3)) / 3
     torch.testing.assert_close(results[0][2], expected, rtol=0, atol=1e-6)
@@ -625,7 +648,7 @@ def test_a_slice_with_a_forged_divisor_leaves_the_entering_node_with_its_own_cop
             return self.comm.send(peer, tensor, codec_params=(averaged, 5.0, *checksum), **header)
 
     results = _hand_out_at_switch((3,), tamper=lambda rank, comm: Forging(comm) if rank == 0 else None)
-    params, _, averaged, _, holds, _, _ = results[3]
+    params, _, averaged, _, holds, *_ = results[3]
     assert torch.equal(averaged, params) and not holds
     torch.testing.assert_close(results[0][2], sum(results[r][0] for r in range(3)) / 3, rtol=0, atol=1e-6)
 

@@ -145,6 +145,9 @@ class Comm(Protocol):
 
     def set_step(self, step: int) -> None: ...
 
+    def host(self, peer: int) -> str:
+        """The host `peer`'s address names ("" when unknown): nodes naming one host share its CPUs and network."""
+
     def make_room(self, peer: int, window: int) -> bool:
         """True once fewer than `window` sends to `peer` await their acknowledgement (a stalled
         peer gets skipped instead of piling up messages)."""

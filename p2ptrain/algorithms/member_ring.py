@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from p2ptrain.algorithms.base import Comm
 from p2ptrain.algorithms.collectives import CollectiveIncomplete, RingAllReduce
-from p2ptrain.algorithms.state_handout import StateHandout
+from p2ptrain.algorithms.state_handout import Outgoing, StateHandout
 
 if TYPE_CHECKING:
     import torch
@@ -49,7 +49,7 @@ class MemberRing:
       towards its older copy. With every member holding the state the weights are all 1: the
       plain mean, as before.
     - Members new in the view (View.entering) sit that average out: the others average over their
-      own ring and hand them the result, a slice from each (StateHandout)."""
+      own ring and hand them the result, a slice from each host (StateHandout)."""
 
     def __init__(self, comm: Comm, numel: int, dtype: torch.dtype | None = None, *, codec=None,
                  resync_deadline: float = 30.0, chunk_bytes: int = 0,
@@ -83,19 +83,24 @@ class MemberRing:
         self._resynced_at: int | None = None  # the step whose model average completed (resync_state follows it)
         self._handed_at: int | None = None  # the step whose switch handed the model out (resync_state follows it)
         self._failures = 0  # rounds failed in a row
-        # (bytes, start, end on time.monotonic()) of each state this node took with w = 0 or was handed
-        self.received: list[tuple[float, float, float]] = []
+        # (bytes, start, end on time.monotonic(), switch step) of each state this node took with w = 0 or was handed
+        self.received: list[tuple[float, float, float, int]] = []
         # a holder's model hand-out of a switch, kept until the optimizer state's is averaged too:
-        # (step, values, averaged, holders, entering); both are then sent at once (resync_state)
-        self._model_handout: tuple[int, torch.Tensor, bool, tuple[int, ...], tuple[int, ...]] | None = None
+        # (step, its slice, the members); both are then sent at once (resync_state)
+        self._model_handout: tuple[int, Outgoing, tuple[int, ...], tuple[int, ...]] | None = None
 
     def stats(self) -> dict[str, float]:
         """Switch averages, and the state this node took with weight 0 (MB and seconds, model and
-        optimizer state together; bench heal divides them)."""
+        optimizer state together; bench heal divides them). A switch's seconds run from the first
+        byte it took to the last, the gap between its model and optimizer state included."""
         stats = {"ring_resyncs": float(self.resyncs)}
         if self.received:
-            stats.update(state_received_mb=sum(b for b, _, _ in self.received) / 1e6,
-                         state_received_seconds=covered_seconds([(a, b) for _, a, b in self.received]))
+            spans: dict[int, tuple[float, float]] = {}
+            for _, began, ended, step in self.received:
+                first, last = spans.get(step, (began, ended))
+                spans[step] = (min(first, began), max(last, ended))
+            stats.update(state_received_mb=sum(r[0] for r in self.received) / 1e6,
+                         state_received_seconds=covered_seconds(list(spans.values())))
         return stats
 
     # Rounds ------------------------------------------------------------------------------------
@@ -228,13 +233,16 @@ class MemberRing:
         if self.rank in entering:
             if with_state and self.state_handout is not None:
                 self.state_handout.ready(step, holders)
-            taken = handout.take(values, step, holders, self.switch_deadline(len(members)))
+            # (with the optimizer state's hand-out to follow, its word to the quiet holders covers both)
+            taken = handout.take(values, step, holders, self.switch_deadline(len(members)),
+                                 notify=not (with_state and self.state_handout is not None))
             if taken is None:
                 return values, False
             result, averaged, (began, ended) = taken
-            self.received.append((float(values.numel() * values.element_size()), began, ended))
-            log.info("node %d: members %s from step %d: took the %s from nodes %s%s", self.rank, list(members), step,
-                     what, list(holders), "" if averaged else " (they had not all averaged them)")
+            self.received.append((float(values.numel() * values.element_size()), began, ended, step))
+            log.info("node %d: members %s from step %d: took the %s of nodes %s from nodes %s%s", self.rank,
+                     list(members), step, what, list(holders), list(handout.senders(holders)),
+                     "" if averaged else " (they had not all averaged them)")
             return result, averaged
         if len(holders) == 1:  # (a copy: `values` may be the live model, and the sends read what they get)
             given, divisor, done = values.clone(), 1.0, self._weight > 0
@@ -245,16 +253,16 @@ class MemberRing:
         # nobody writes to `given` while the sends read it
         if with_state:  # (averaged now, off the transfer's path: the optimizer state's average comes first)
             averaged = given.div_(divisor) if divisor != 1.0 else given
-            self._model_handout = (step, averaged, done, holders, entering)
+            self._model_handout = (step, handout.outgoing(averaged, holders, done), holders, entering)
             return (averaged if done else values), done
         # sent as sums: the entering nodes divide as this node does, after the transfer, which so
         # starts as soon as the ring ends, on every holder alike
         deadline = self.switch_deadline(len(members))
+        outgoing = handout.outgoing(given, holders, done, divisor)  # (its checksum before any slice goes)
         sent = self._send_model_handout(before=step + 1)
-        sends = handout.send(given, step, holders, entering, done, divisor)
-        if sent is not None:
-            self.handout.settle(sent, step, deadline)
-        handout.settle(sends, step, deadline)
+        if sent is not None:  # (one after the other, as one stream: a second at once would wait for a new
+            self.handout.settle(sent, step, deadline, word=False)  # connection's handshake behind the first)
+        handout.settle(handout.send(outgoing, step, entering), step, deadline)
         averaged = given.div_(divisor) if divisor != 1.0 else given
         return (averaged if done else values), done
 
@@ -265,8 +273,8 @@ class MemberRing:
         if kept is None or kept[0] >= before:
             return None
         self._model_handout = None
-        step, values, averaged, holders, entering = kept
-        return self.handout.send(values, step, holders, entering, averaged)
+        step, outgoing, _, entering = kept
+        return self.handout.send(outgoing, step, entering)
 
     def _flush_model_handout(self, before: int) -> None:
         """In case no optimizer state's hand-out came after the model's (resync_state not called):
@@ -274,7 +282,7 @@ class MemberRing:
         kept = self._model_handout
         sent = self._send_model_handout(before)
         if sent is not None and kept is not None:
-            self.handout.settle(sent, kept[0], self.switch_deadline(len(kept[3]) + len(kept[4])))
+            self.handout.settle(sent, kept[0], self.switch_deadline(len(kept[2]) + len(kept[3])), word=False)
 
     def _note(self, step: int, done: bool) -> None:
         self._resynced_at = step if done else None
@@ -291,7 +299,7 @@ class MemberRing:
             return values, False
         averaged = summed[0].div_(summed[1])
         if weight == 0:
-            self.received.append((float(values.numel() * values.element_size()), began, time.monotonic()))
+            self.received.append((float(values.numel() * values.element_size()), began, time.monotonic(), step))
         return averaged, True
 
     def _sum_at_switch(self, ring: RingAllReduce, values: torch.Tensor, step: int, what: str, weight: float,

@@ -142,13 +142,15 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("step() after finish(): this optimizer's run is over")
         step, state, algorithm = self.local_step, self.state_vector, self.algorithm
         if self.comm is not None and self.comm.membership.switches_at(step):  # nodes joined or left: a ring re-forms
+            # both vectors first, both exchanges back to back, then both loads: a node handed the
+            # members' state waits idle while the two arrive, instead of copying between them
+            optimizer_state = self.optimizer_state.vector() if self.optimizer_state is not None else None
             changed = algorithm.members_changed(step, state.vector())
+            synced = algorithm.resync_optimizer_state(step, optimizer_state) if optimizer_state is not None else None
             if changed is not None:
                 state.load(changed)
-            if self.optimizer_state is not None:
-                synced = algorithm.resync_optimizer_state(step, self.optimizer_state.vector())
-                if synced is not None:
-                    self.optimizer_state.load(synced)
+            if synced is not None:
+                self.optimizer_state.load(synced)
         overflowed = self._unscale_for_grad_scaler()
         if algorithm.uses_gradients:
             vector = state.gradient_vector()
