@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
 FINISH_WAIT_SECONDS = 10.0  # finish(): how long to wait in all for shares that missed their deadline
+END_OF_TIME = 1 << 62  # a step past every step: close() takes the shares of any step
 PLAUSIBLE_SCALE = 1e4  # a share's de-biased values may exceed ours (or 1) by at most this factor
 SPARE_SHARES = 8  # share buffers kept for reuse once acknowledged (τ + 1 steps of k peers in flight fit)
 
@@ -320,6 +321,14 @@ class PushSum:
         if self.outbox:  # their receivers stalled or died and never settled: that mass is theirs now
             self.log.warning("node %d: %d share(s) (w %.4g in all) still unacknowledged at the end", self.rank,
                              len(self.outbox), sum(entry[2] for entry in self.outbox))
+
+    def close(self, now: int) -> None:
+        """The end of the run, after flush(): refuse shares from now on, then fold in every one
+        delivered before that, of any step. A sender that did not expect us to be done (a view
+        it held gave it an edge to us that ours did not) then re-absorbs its share, instead of
+        its share landing in an inbox nobody reads: that mass was lost under churn."""
+        self.comm.unexpect(self.kind, self.channel or None)
+        self.fold(self.comm.take(self.kind, END_OF_TIME, **self._on_channel()), now)
 
     def merge(self, state, now: int, x_share: torch.Tensor | None = None, *, new_unit: bool = False) -> torch.Tensor:
         """Merge a donor's half (x_d / 2, w_d / 2) into our own (x, w): sent as z_d with weight

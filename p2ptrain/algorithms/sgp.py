@@ -146,6 +146,7 @@ class SGP(Algorithm):
         """Receive the shares still in flight (the last τ steps, and earlier ones that missed their
         deadline) so no mass is left on the wire; wait for every ack (re-absorbing refusals)."""
         self._flush()
+        self.mass.close(self._last_step + 1)
         self.mass.fold_residual()
         self.mass.take_over(self._last_step + 1)
         self.mass.record("w", self._last_step + 1, self.mass.w)
