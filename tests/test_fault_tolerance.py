@@ -94,8 +94,9 @@ def test_sgp_reabsorbs_shares_for_a_dead_peer_and_trains_on(plane):
                 comm.transport.stop()  # a crash: no goodbye
                 return None
             z = sgp.after_step(step, z)
-        z = sgp.finish()
-        return sorted(comm.transport.membership.dead()), sgp.w, sgp.refused_shares, z
+        mixed = z.clone()
+        final = sgp.finish()
+        return sorted(comm.transport.membership.dead()), sgp.w, sgp.refused_shares, mixed, final
 
     options = TransportOptions(send_timeout=20.0, link_deadline=1.0, probe_timeout=1.0, data_plane=plane)
     started = time.monotonic()
@@ -104,8 +105,11 @@ def test_sgp_reabsorbs_shares_for_a_dead_peer_and_trains_on(plane):
     live = results[:3]
     assert all(dead == [3] for dead, *_ in live)
     assert sum(r[2] for r in live) >= 1  # someone re-absorbed a share meant for node 3
+    # The survivors agree after their last mixing step. (Not necessarily after finish(): a share
+    # node 3 sent just before it crashed may still arrive then, late, and is folded in unmixed.)
     zs = torch.stack([r[3] for r in live])
-    assert float((zs - zs.mean(0)).abs().max()) < 1.0  # the survivors agree
+    assert float((zs - zs.mean(0)).abs().max()) < 1.0
+    assert all(torch.isfinite(r[4]).all() for r in live)
 
 
 # Part 1: the other algorithms under dropped links --------------------------------------------------

@@ -293,8 +293,9 @@ class PushSum:
             self._spare.append(share_x)
 
     def finish(self, unmixed: Iterable[tuple[list[int], int]], last: int) -> torch.Tensor:
-        """flush(), then the de-biased model: the end of the run."""
+        """flush() and close(), then the de-biased model: the end of the run."""
         self.flush(unmixed, last)
+        self.close(last + 1)
         self.record("w", last + 1, self.w)
         return self.debias()
 
