@@ -4,14 +4,16 @@ node starts, and one node leaving has a measured cost. No timing asserts: the ma
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from p2ptrain.bench.consensus import consensus_distance, push_sum_trace
-from p2ptrain.bench.simulate import PLOT_NAME, RESULT_NAME, fit_exponent
+from p2ptrain.bench.simulate import HOST_GRACE_SECONDS, PLOT_NAME, RESULT_NAME, fit_exponent
 from p2ptrain.cli import main
 from p2ptrain.topology import build_topology
 from tests.conftest import ROOT, node_env
@@ -135,3 +137,45 @@ def test_churn_joins_and_leaves_keep_one_unit_of_mass_per_member_and_views_agree
     # a CPU hog makes a few steps (10 once seen): within twice DEFAULT_VIEW_MARGIN (8)
     assert churn["views"] >= 4 and churn["agreement_steps_max"] <= 16
     assert churn["control_messages_per_node_per_event"] > 0
+
+
+def test_a_run_past_its_timeout_ends_with_a_one_line_error(tmp_path, capsys):
+    """A run that cannot finish in --timeout (far more steps than it has seconds for) ends with exit 1
+    and says so, its processes killed, instead of waiting on its nodes."""
+    timeout = 6
+    started = time.monotonic()
+    assert main(["simulate", "--nodes", "4", "--processes", "2", "--steps", "2", "--dim", "4", "--window", "1000000",
+                 "--out", str(tmp_path), "--timeout", str(timeout)]) == 1
+    assert time.monotonic() - started < timeout + HOST_GRACE_SECONDS
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("p2ptrain simulate: ") and "unfinished" in error and "--timeout 6" in error
+    assert not (tmp_path / RESULT_NAME).exists()
+
+
+def test_sigint_ends_a_simulation_started_with_sigint_ignored(tmp_path):
+    """`p2ptrain simulate` as a background job of a non-interactive shell (SIGINT ignored from
+    birth): SIGINT ends it with 130, and no process of its session is left."""
+    proc = subprocess.Popen([sys.executable, "-m", "p2ptrain", "simulate", "--nodes", "4", "--processes", "2",
+                             "--steps", "2", "--dim", "4", "--window", "1000000", "--out", str(tmp_path),
+                             "--timeout", "600"], cwd=ROOT, env=node_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        seen = ""
+        while "node 0 ready" not in seen:
+            line = proc.stderr.readline()
+            assert line, f"simulate ended early: {seen}"
+            seen += line
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # it ignored SIGINT: take its session down
+            subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    deadline = time.monotonic() + 5  # (multiprocessing's resource tracker ends once it reads its pipe's end)
+    while (left := subprocess.run(["pgrep", "-a", "-s", str(proc.pid)], capture_output=True,
+                                  text=True).stdout.splitlines()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"processes left behind: {left}"

@@ -12,6 +12,7 @@ import itertools
 import json
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -152,6 +153,48 @@ def test_dpsgd_survives_a_stalled_peer_and_the_stalled_node_catches_up():
     spread = float((xs - xs.mean(0)).abs().max())
     assert spread < 1.0, spread  # from ~50 apart: mixing went on (and took node 1 back)
     assert results[1][1] >= 1
+
+
+def test_a_node_left_behind_after_the_others_finished_trains_on_to_its_end_without_waiting_on_them():
+    """Node 2 freezes at step 3 until the others (who declared it dead) have finished. It wakes far
+    behind; its state requests are refused as "finished its run", so it marks them finished and
+    trains on alone: no link deadline per step for shares that never come (35 of them would take
+    70 s here). Σ w is still exactly n."""
+    n, steps, deadline = 3, 40, 2.0
+    topology = build_topology("exponential", n, peers_per_step=1)
+    options = TransportOptions(send_timeout=30.0, link_deadline=deadline, probe_timeout=0.4, settle_interval=0.2)
+    done = threading.Event()  # the others finished: node 2 stays frozen until then
+
+    def frozen_until_done(comm):
+        comm.transport.loop.call_soon(done.wait, 60)
+        done.wait(60)
+
+    def body(rank, comm):
+        sgp = SGP(comm, topology, overlap=1)
+        trainer = averaging_trainer(rank, sgp, comm)
+
+        def data():
+            for step in itertools.count():
+                time.sleep(0.01)
+                if rank == 2 and step == 3:
+                    frozen_until_done(comm)
+                yield torch.zeros(1, DIM), torch.zeros(1)
+
+        began = time.monotonic()
+        trainer.fit(data(), steps)
+        if rank != 2:
+            finished.append(rank)
+            if len(finished) == n - 1:
+                time.sleep(0.5)  # (their finish() is over: they refuse state requests)
+                done.set()
+        return sgp.w, time.monotonic() - began, comm.transport.membership.liveness.finished()
+
+    finished: list[int] = []
+    results = run_cluster(n, body, options=options, timeout=120)
+    assert results[2][2] == {0, 1}
+    assert sum(r[0] for r in results) == pytest.approx(n, abs=1e-9)
+    woke = results[2][1] - max(r[1] for r in results[:2])
+    assert woke < 15 * deadline, f"node 2 took {woke:.0f}s after the others finished"
 
 
 # Real processes: SIGSTOP / SIGCONT through `launch --stall` -------------------------------------------

@@ -16,11 +16,12 @@ import math
 import multiprocessing
 import random
 import sys
-from concurrent.futures import ProcessPoolExecutor
+import time
 from pathlib import Path
 
 import torch
 
+from launcher.interrupts import sigint_interrupts
 from launcher.ports import free_ports
 from p2ptrain.bench.clusters import fmt, print_table
 from p2ptrain.bench.consensus import consensus_distance, initial_vector, push_sum_trace
@@ -35,6 +36,7 @@ FITTED = (("change_calls", ("change", "control_messages_per_node")),
           ("start_calls", ("startup", "control_messages_per_node")),
           ("channels", ("connections", "channels_per_node")))
 PLOT_NAME = "scale.png"
+HOST_GRACE_SECONDS = 60  # past --timeout, for a host to start (spawn, imports) and report its own timeout
 
 
 def simulate(nodes: int, processes: int, steps: int, dim: int, window: int, timeout: float,
@@ -49,9 +51,22 @@ def simulate(nodes: int, processes: int, steps: int, dim: int, window: int, time
                 members=nodes if churn else None, churn_steps=churn_steps if churn else 0)
     plan = dataclasses.replace(plan, churn=churn_schedule(plan, churn, seed))
     groups = [list(range(world))[p::processes] for p in range(processes)]
-    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(host, plan, group) for group in groups]
-        parts = [future.result(timeout=timeout + 60) for future in futures]
+    # A pool that can be killed: on a timeout, Ctrl-C or a failed host the others are stopped at
+    # once (a ProcessPoolExecutor waits for its workers on the way out, and a stuck node held it)
+    pool = multiprocessing.get_context("spawn").Pool(processes)
+    try:
+        pending = [pool.apply_async(host, (plan, group)) for group in groups]
+        end = time.monotonic() + timeout + HOST_GRACE_SECONDS  # (each host stops itself at `timeout`)
+        parts = []
+        for part in pending:
+            try:
+                parts.append(part.get(max(0.0, end - time.monotonic())))
+            except multiprocessing.TimeoutError:
+                raise TimeoutError(f"a process of {nodes} simulated nodes still ran {timeout:.0f}s + "
+                                   f"{HOST_GRACE_SECONDS}s after the start") from None
+    finally:
+        pool.terminate()
+        pool.join()
     return summarize(plan, parts)
 
 
@@ -278,10 +293,18 @@ def main(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = []
-    for n in sizes:
-        runs.append(simulate(n, args.processes, args.steps, args.dim, args.window, args.timeout, args.meet,
-                             args.churn, args.churn_steps, args.seed))
-        print(f"simulated {n} nodes", file=sys.stderr)
+    try:
+        with sigint_interrupts():  # (Ctrl-C, or SIGTERM, ends the run and its processes, also where SIGINT was ignored)
+            for n in sizes:
+                runs.append(simulate(n, args.processes, args.steps, args.dim, args.window, args.timeout, args.meet,
+                                     args.churn, args.churn_steps, args.seed))
+                print(f"simulated {n} nodes", file=sys.stderr)
+    except TimeoutError as exc:
+        print(f"p2ptrain simulate: {exc} (--timeout {args.timeout:g})", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("p2ptrain simulate: interrupted; every simulated node stopped", file=sys.stderr)
+        return 130
     result: dict = {"runs": runs}
     print_runs(runs)
     if len(runs) > 1 and all(run["change"] for run in runs):

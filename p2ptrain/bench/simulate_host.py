@@ -219,13 +219,30 @@ def run_joiner(plan: Plan, transport: Transport, progress: dict[int, int]) -> di
     return record
 
 
+def in_daemon_thread(name: str, fn, *args) -> concurrent.futures.Future:
+    """Run fn(*args) in a daemon thread; its result as a future. A node that never ends (waiting
+    on peers that are gone) then cannot keep its process alive past the run's timeout, as a
+    ThreadPoolExecutor's worker would: the interpreter joins those at exit."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # (handed to whoever waits on the future)
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
 class Churn:
     """Starts this process's joiners when its nodes reach their join steps (each joins as a member
     leaves: Plan.churn)."""
 
-    def __init__(self, plan: Plan, ranks: list[int], transports: list[Transport], progress: dict[int, int],
-                 pool: concurrent.futures.ThreadPoolExecutor):
-        self.plan, self.transports, self.progress, self.pool = plan, transports, progress, pool
+    def __init__(self, plan: Plan, ranks: list[int], transports: list[Transport], progress: dict[int, int]):
+        self.plan, self.transports, self.progress = plan, transports, progress
         self.due = sorted((step, joining) for step, _, joining in plan.churn if joining in ranks)
         self.futures: list[concurrent.futures.Future] = []
         self._done = threading.Event()
@@ -240,11 +257,18 @@ class Churn:
                 transport = Transport(rank, plan.world, list(plan.peers), listen=plan.peers[rank],
                                       options=plan.options(), metrics=NodeMetrics(rank, "sgp")).start()
                 self.transports.append(transport)
-                self.futures.append(self.pool.submit(run_joiner, plan, transport, self.progress))
+                self.futures.append(in_daemon_thread(f"node-{rank}", run_joiner, plan, transport, self.progress))
 
-    def results(self, timeout: float) -> list[dict]:
-        self._thread.join(timeout)
-        return [future.result(timeout) for future in self.futures]
+    def results(self, deadline: float) -> list[dict]:
+        """The joiners' records, waiting for them until `deadline` (time.monotonic()) in all."""
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        if self.due:
+            raise TimeoutError(f"joiners {[rank for _, rank in self.due]} never started: the members did not reach "
+                               f"their join steps in time")
+        done, waiting = concurrent.futures.wait(self.futures, max(0.0, deadline - time.monotonic()))
+        if waiting:
+            raise TimeoutError(f"{len(waiting)} joiner(s) unfinished at the timeout")
+        return [future.result() for future in self.futures]
 
     def stop(self) -> None:
         self._done.set()
@@ -261,28 +285,29 @@ def host(plan: Plan, ranks: list[int]) -> dict:
     gc.set_threshold(*GC_THRESHOLDS)
     torch.set_num_threads(1)
     began = time.time()
+    deadline = time.monotonic() + plan.timeout  # for the members and the joiners together
     transports: list[Transport] = []
     comms: list[Communicator] = []
     watcher = churn = None
     members = [rank for rank in ranks if rank < plan.nodes]
     progress: dict[int, int] = {}
-    pool = concurrent.futures.ThreadPoolExecutor(len(ranks), thread_name_prefix="node")
     try:
         for rank in members:
             transports.append(Transport(rank, plan.world, list(plan.peers), listen=plan.peers[rank],
                                         options=plan.options(), metrics=NodeMetrics(rank, "sgp")).start())
         comms = [Communicator(t, "cpu", peer_timeout=plan.timeout) for t in transports]
         watcher = ViewWatcher(transports, plan.leaver)
-        churn = Churn(plan, ranks, transports, progress, pool)
-        futures = [pool.submit(run_node, plan, comm, progress) for comm in comms]
-        done, _ = concurrent.futures.wait(futures, plan.timeout, return_when=concurrent.futures.FIRST_EXCEPTION)
+        churn = Churn(plan, ranks, transports, progress)
+        futures = [in_daemon_thread(f"node-{comm.rank}", run_node, plan, comm, progress) for comm in comms]
+        done, _ = concurrent.futures.wait(futures, max(0.0, deadline - time.monotonic()),
+                                          return_when=concurrent.futures.FIRST_EXCEPTION)
         for future in done:  # the first failure ends the run at once (the finally stops every node)
             if future.exception() is not None:
                 raise future.exception()
         if len(done) < len(futures):
             raise TimeoutError(f"{len(futures) - len(done)} nodes of {ranks[:3]}... unfinished after {plan.timeout}s")
         records = [future.result() for future in futures]
-        joiners = churn.results(plan.timeout)
+        joiners = churn.results(deadline)
         watcher.stop()
         print(f"nodes {ranks[0]}, {ranks[1] if len(ranks) > 1 else ''}...: done in {time.time() - began:.1f}s",
               file=sys.stderr, flush=True)
@@ -299,8 +324,7 @@ def host(plan: Plan, ranks: list[int]) -> dict:
             transport.stop()
         for comm in comms:
             comm.close()
-        pool.shutdown(wait=False, cancel_futures=True)
 
 
-__all__ = ["DATA_METHOD", "OPTIONS", "Churn", "Plan", "Vector", "counters", "host", "make_optimizer", "run_joiner",
-           "run_node"]
+__all__ = ["DATA_METHOD", "OPTIONS", "Churn", "Plan", "Vector", "counters", "host", "in_daemon_thread",
+           "make_optimizer", "run_joiner", "run_node"]

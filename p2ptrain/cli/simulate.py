@@ -41,7 +41,8 @@ def add_parser(subcommands) -> None:
                                "(overrides --nodes)")
     simulate.add_argument("--out", default="runs/simulate", help="where simulate.json goes (default runs/simulate)")
     simulate.add_argument("--timeout", type=float, default=600.0,
-                          help="seconds one simulation may take (default 600)")
+                          help="seconds one simulation may take; past them it stops every node and exits 1 "
+                               "(Ctrl-C or SIGTERM: 130) (default 600)")
     simulate.set_defaults(func=main_of("p2ptrain.bench.simulate"))
 
 

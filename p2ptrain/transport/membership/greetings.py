@@ -581,7 +581,9 @@ class Greetings:
             if reply.compatible and reply.ready and not reply.reason.endswith(FINISHED):
                 answers.ready[peer] = reply.step  # a member that would not donate (yet): it trains on
             else:
-                answers.gone.add(peer)  # starting or rejoining itself: it holds no state to give
+                answers.gone.add(peer)  # starting or rejoining itself, or finished: no state to give
+                if reply.compatible and reply.node_id == peer and reply.reason.endswith(FINISHED):
+                    self.liveness.note_finished(peer)
         return answers
 
     def survey(self, timeout: float = 2.0, everyone: bool = False) -> ClusterSurvey:

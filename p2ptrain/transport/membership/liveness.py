@@ -68,6 +68,7 @@ class Liveness:
         self._active: dict[int, int] = {}               # peer -> its incarnation last seen ready or training
         self._dead_incarnation: dict[int, int | None] = {}  # peer -> the incarnation that was declared dead
         self._excluded_by: frozenset[int] = frozenset()  # peers that told us they consider us dead
+        self._finished: frozenset[int] = frozenset()     # peers that said their run is over
         self._changed_at: dict[int, float] = {}
         self._listeners: list[Callable[[], None]] = []
         if metrics is not None:
@@ -106,16 +107,20 @@ class Liveness:
         return seen is not None and seen[1] - seen[0] > self.max_lag and self._is_member(peer)
 
     def live(self, peers: Iterable[int]) -> list[int]:
-        """The peers to send to: not dead, not lagging."""
-        dead = self._dead
-        return [p for p in peers if p not in dead and not self.lagging(p)]
+        """The peers to send to: not dead, not lagging, not finished."""
+        dead, finished = self._dead, self._finished
+        return [p for p in peers if p not in dead and p not in finished and not self.lagging(p)]
 
     def awaited(self, peers: Iterable[int], step: int, *, laggards: bool = False) -> list[int]:
-        """The peers whose step-`step` message is worth waiting for: alive, not lagging (unless
-        `laggards`), heard from since our own rejoin, and not rejoined after `step` themselves."""
-        dead, unconfirmed, since = self._dead, self._unconfirmed, self._alive_since
-        return [p for p in peers if p not in dead and p not in unconfirmed and step >= since.get(p, 0)
-                and (laggards or not self.lagging(p))]
+        """The peers whose step-`step` message is worth waiting for: alive, not finished, not lagging
+        (unless `laggards`), heard from since our own rejoin, and not rejoined after `step` themselves."""
+        dead, unconfirmed, since, finished = self._dead, self._unconfirmed, self._alive_since, self._finished
+        return [p for p in peers if p not in dead and p not in unconfirmed and p not in finished
+                and step >= since.get(p, 0) and (laggards or not self.lagging(p))]
+
+    def finished(self) -> frozenset[int]:
+        """The peers that said their run is over (note_finished)."""
+        return self._finished
 
     def runs_ahead(self) -> list[int]:
         """The live members last seen more than the lag limit behind this node, when they are most
@@ -204,9 +209,10 @@ class Liveness:
         if ready:
             self.note_ready(peer, incarnation)
         new = bool(incarnation) and incarnation != known
-        if new and known is not None:  # a fresh start: forget its steps
+        if new and known is not None:  # a fresh start: forget its steps, and that its run was over
             self._seen_at = {p: s for p, s in self._seen_at.items() if p != peer}
             self._sent_step = {key: s for key, s in self._sent_step.items() if key[0] != peer}
+            self._finished = self._finished - {peer}
         self.note_step(peer, current_step)
         if peer in self._dead:
             if new and ready and incarnation != self._dead_incarnation.get(peer):
@@ -217,6 +223,14 @@ class Liveness:
                 self.mark_alive(peer, since_step=resume_step or None)
             elif self._active.get(peer) == known:  # (a joiner's earlier self, never ready, held nothing)
                 self.mark_dead(peer, "restarted (a new incarnation asks for state)")
+
+    def note_finished(self, peer: int) -> None:
+        """`peer` said its run is over (it refused our state request so): it flushed what it sends
+        before it said so and sends nothing more, so it is neither sent to nor waited for. A node
+        left behind then trains on to its end alone instead of waiting a link deadline per step.
+        Only a new incarnation of it (a restart) takes it back (hello)."""
+        if peer not in self._finished:
+            self._finished = self._finished | {peer}
 
     def note_ready(self, peer: int, incarnation: int) -> None:
         """`peer` as `incarnation` is ready (its Hello or reply said so): a later incarnation asking
