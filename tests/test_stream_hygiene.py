@@ -22,6 +22,7 @@ from launcher.ports import free_ports
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.framing import encode_data, encode_header, iter_data_chunks, tensor_bytes
 from p2ptrain.transport.server import PUSH_METHOD
+from p2ptrain.transport.validation import peak_magnitude
 from tests.conftest import node_env
 from tests.test_transport import (
     KIND,
@@ -193,6 +194,19 @@ def test_non_finite_check_covers_half_precision_and_spares_integers():
 
             assert send(torch.tensor([1, 2, math.inf, 4], dtype=torch.bfloat16), "bf16").reason == "non_finite"
             assert send(torch.tensor([-1, 0, 127, -128], dtype=torch.int8), "i8").status == pb.Ack.STATUS_ACCEPTED
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_peak_magnitude_is_max_abs_and_inf_for_any_nan_or_inf(dtype):
+    """push-sum's plausibility check reads it: max |v|, and inf (refused) for a NaN or Inf anywhere."""
+    values = torch.tensor([0.5, -3.0, 2.0, 1.0], dtype=dtype)
+    assert peak_magnitude(values) == 3.0 and peak_magnitude(values.abs()) == 3.0 and peak_magnitude(-values) == 3.0
+    assert peak_magnitude(values[:0]) == 0.0
+    for bad in (math.nan, math.inf, -math.inf):
+        for at in (0, 3):
+            spoiled = values.clone()
+            spoiled[at] = bad
+            assert peak_magnitude(spoiled) == math.inf
 
 
 # -- half-open streams -----------------------------------------------------------------------------
