@@ -21,7 +21,7 @@ from p2ptrain.algorithms.dpsgd import DPSGD
 from p2ptrain.algorithms.gossip_diloco import GossipDiLoCo
 from p2ptrain.algorithms.member_ring import MemberRing, covered_seconds
 from p2ptrain.algorithms.pipesgd import PipeSGD
-from p2ptrain.algorithms.pushsum import PushSum
+from p2ptrain.algorithms.pushsum import Z_SCALE_EVERY, PushSum
 from p2ptrain.algorithms.sgp import SGP
 from p2ptrain.algorithms.state_handout import checksum, slice_bounds
 from p2ptrain.topology import member_graph, member_topology
@@ -267,6 +267,38 @@ def test_a_share_whose_sender_a_newer_view_drops_is_not_awaited_to_the_link_dead
 
     waited, missing, w = run_cluster(2, body, options=options)[0]
     assert waited < 30 and missing == set() and w == 1.0
+
+
+def test_a_share_of_absurd_values_is_dropped_and_the_honest_ones_are_mixed(caplog):
+    """A member sends push-sum shares whose de-biased values are 10^9 times ours (valid weights,
+    finite values): the receiver drops them with a one-line error and mixes the honest ones, over
+    more steps than the reference scale (ours) is re-measured in; its model stays finite."""
+    steps = 2 * Z_SCALE_EVERY + 3
+
+    def body(rank, comm):
+        mass = PushSum(comm, kind=Kind.PUSH_SUM)
+        mass.start(torch.full((4,), float(rank + 1), dtype=torch.float64), 1.0)
+        mass.expect(mass.x)
+        comm.ready()
+        for step in range(steps):
+            if rank == 1:
+                if step % 2:  # absurd: valid weight, values 10^9 times the model's
+                    comm.send(0, torch.full((4,), 1e9, dtype=torch.float64), kind=Kind.PUSH_SUM, step=step,
+                              ps_weight=0.01, reliable=True, settle=True).result(30)
+                else:
+                    mass.push([0], step)
+                mass.reabsorb_refused(step)
+            else:
+                mass.mix([1], step, step)
+                mass.debias()
+        return mass.dropped_shares, mass.dropped_w, mass.w, mass.x.clone()
+
+    (dropped, dropped_w, w0, x0), _ = run_cluster(2, body, options=TransportOptions(send_timeout=30.0,
+                                                                                   link_deadline=10.0))
+    assert dropped == steps // 2 and dropped_w == pytest.approx(0.01 * (steps // 2))
+    assert torch.isfinite(x0).all() and float((x0 / w0).abs().max()) <= 2.0  # honest values only: 1 and 2
+    assert w0 > 1.0  # the honest shares were mixed in
+    assert len([r for r in caplog.records if "dropped node 1's" in r.message]) == steps // 2
 
 
 def test_dpsgd_takes_a_joiner_and_lets_a_node_leave():

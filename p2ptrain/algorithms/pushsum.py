@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 FINISH_WAIT_SECONDS = 10.0  # finish(): how long to wait in all for shares that missed their deadline
 END_OF_TIME = 1 << 62  # a step past every step: close() takes the shares of any step
 PLAUSIBLE_SCALE = 1e4  # a share's de-biased values may exceed ours (or 1) by at most this factor
+# Ours is measured every this many steps, not every step (a pass over the model saved on 7 of 8): a
+# reference a few steps old is as good against absurd values 10^4 times larger, and honest models
+# do not change scale 10^4-fold in a few steps
+Z_SCALE_EVERY = 8
 SPARE_SHARES = 8  # share buffers kept for reuse once acknowledged (τ + 1 steps of k peers in flight fit)
 
 
@@ -70,7 +74,8 @@ class PushSum:
         self.outbox: deque = deque()  # (future of Delivery, x-share, w-share, receiver, step) until acknowledged
         self.refused_shares = 0
         self.dropped_shares = 0   # implausible shares refused at the fold (hostile or broken senders)
-        self._z_scale = 1.0       # max |z| of the last de-biased model, for the plausibility check
+        self._z_scale = 1.0       # max |z| of a recent de-biased model, for the plausibility check
+        self._debiased = 0        # debias() calls (the scale is measured every Z_SCALE_EVERY of them)
         self.min_w = 1.0          # the smallest w this node ever had (a drained node would show here)
         self.missing: set[tuple[int, int]] = set()  # (sender, step) shares awaited in vain so far
         self.ledger: list[tuple] | None = None  # set to [] to record every mass movement (tests)
@@ -450,7 +455,9 @@ class PushSum:
         import torch
         self.min_w = min(self.min_w, self.w)
         z = self.x / self.w if out is None else torch.div(self.x, self.w, out=out)
-        self._z_scale = _peak_magnitude(z)
+        if self._debiased % Z_SCALE_EVERY == 0:
+            self._z_scale = _peak_magnitude(z)
+        self._debiased += 1
         return z
 
     def _values(self, share) -> torch.Tensor:
@@ -470,4 +477,4 @@ def _peak_magnitude(values: torch.Tensor) -> float:
     return peak_magnitude(values)
 
 
-__all__ = ["FINISH_WAIT_SECONDS", "PLAUSIBLE_SCALE", "PushSum"]
+__all__ = ["FINISH_WAIT_SECONDS", "PLAUSIBLE_SCALE", "PushSum", "Z_SCALE_EVERY"]
