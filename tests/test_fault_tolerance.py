@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from p2ptrain.algorithms.allreduce import AllReduceSGD
+from p2ptrain.algorithms.base import Kind
 from p2ptrain.algorithms.dpsgd import DPSGD
 from p2ptrain.algorithms.relaysgd import RelaySGD
 from p2ptrain.algorithms.sgp import SGP
@@ -110,6 +111,34 @@ def test_sgp_reabsorbs_shares_for_a_dead_peer_and_trains_on(plane):
     zs = torch.stack([r[3] for r in live])
     assert float((zs - zs.mean(0)).abs().max()) < 1.0
     assert all(torch.isfinite(r[4]).all() for r in live)
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_a_peer_that_finished_is_not_waited_for_and_what_it_sent_arrives_first(plane):
+    """Node 0 sends its step-0 message and finishes at once (Membership.finish: once that message is
+    acknowledged, it tells its peers its run is over). Node 1, already waiting for node 0's step-1
+    message with a 30 s link deadline, stops waiting when it hears so, and still gets step 0."""
+    options = TransportOptions(send_timeout=30.0, link_deadline=30.0, data_plane=plane)
+    kind = Kind.PUSH_SUM
+
+    def body(rank, comm):
+        comm.expect(kind, torch.float32, 4)
+        comm.ready()
+        if rank == 0:
+            time.sleep(1.0)  # (node 1 is waiting by then)
+            comm.send(1, torch.full((4,), 7.0), kind=kind, step=0, reliable=True)
+            comm.membership.finish()
+            return None
+        began = time.monotonic()
+        late = comm.gather(kind, 1, [0])  # never sent
+        waited = time.monotonic() - began
+        first = comm.gather(kind, 0, [0])
+        return waited, late, first, comm.membership.liveness.finished()
+
+    _, (waited, late, first, finished) = run_cluster(2, body, options=options)
+    assert finished == {0} and late == {}
+    assert waited < 15, f"node 1 waited {waited:.1f}s for a peer whose run was over"
+    assert sorted(first) == [0] and torch.equal(first[0].tensor, torch.full((4,), 7.0))
 
 
 # Part 1: the other algorithms under dropped links --------------------------------------------------

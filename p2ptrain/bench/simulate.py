@@ -37,6 +37,7 @@ FITTED = (("change_calls", ("change", "control_messages_per_node")),
           ("channels", ("connections", "channels_per_node")))
 PLOT_NAME = "scale.png"
 HOST_GRACE_SECONDS = 60  # past --timeout, for a host to start (spawn, imports) and report its own timeout
+HOST_EXIT_SECONDS = 10  # for the processes to exit by themselves once their hosts returned
 
 
 def simulate(nodes: int, processes: int, steps: int, dim: int, window: int, timeout: float,
@@ -64,10 +65,26 @@ def simulate(nodes: int, processes: int, steps: int, dim: int, window: int, time
             except multiprocessing.TimeoutError:
                 raise TimeoutError(f"a process of {nodes} simulated nodes still ran {timeout:.0f}s + "
                                    f"{HOST_GRACE_SECONDS}s after the start") from None
-    finally:
-        pool.terminate()
-        pool.join()
+            except Exception:  # (a host's own error or timeout: the others end theirs, or are stopped)
+                end_processes(pool, HOST_EXIT_SECONDS)
+                raise
+    except BaseException:  # Ctrl-C, SIGTERM, a host that hangs: stop them all now
+        end_processes(pool, 0.0)
+        raise
+    end_processes(pool, HOST_EXIT_SECONDS)
     return summarize(plan, parts)
+
+
+def end_processes(pool, patience: float) -> None:
+    """Let the pool's processes exit by themselves for up to `patience` seconds, then terminate
+    the rest. A process killed while it holds the pool's locks makes multiprocessing's resource
+    tracker print tracebacks after our one-line error; one that returned from its host exits cleanly."""
+    pool.close()
+    deadline = time.monotonic() + patience
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pool.terminate()
+    pool.join()
 
 
 def churn_schedule(plan: Plan, events: int, seed: int) -> tuple[tuple[int, int, int], ...]:
@@ -317,5 +334,5 @@ def main(args) -> int:
     return 0
 
 
-__all__ = ["PLOT_NAME", "RESULT_NAME", "change", "consensus", "fit_exponent", "main", "plot",
+__all__ = ["PLOT_NAME", "RESULT_NAME", "change", "consensus", "end_processes", "fit_exponent", "main", "plot",
            "mixing_steps", "simulate", "summarize"]

@@ -152,7 +152,7 @@ def make_optimizer(plan: Plan, comm: Communicator) -> tuple[DecentralizedOptimiz
     return opt, algorithm, model
 
 
-def run_node(plan: Plan, comm: Communicator, progress: dict[int, int]) -> dict:
+def run_node(plan: Plan, comm: Communicator, progress: dict[int, int], halt: threading.Event) -> dict:
     """One node's run: set up (every node ready), `plan.steps` recorded steps, the baseline
     window, the change window (the leaver asks to leave at its start), the churn, finish."""
     rank, transport = comm.rank, comm.transport
@@ -165,6 +165,8 @@ def run_node(plan: Plan, comm: Communicator, progress: dict[int, int]) -> dict:
     leave_at = plan.leaves_at(rank)
     try:
         while opt.local_step < plan.end:
+            if halt.is_set():
+                raise TimeoutError(f"node {rank} halted at step {opt.local_step}: the run ended")
             step = progress[rank] = opt.local_step
             if step in marks:
                 record[marks[step]] = transport.run_on_loop(counters, transport)
@@ -188,7 +190,7 @@ def run_node(plan: Plan, comm: Communicator, progress: dict[int, int]) -> dict:
     return record
 
 
-def run_joiner(plan: Plan, transport: Transport, progress: dict[int, int]) -> dict:
+def run_joiner(plan: Plan, transport: Transport, progress: dict[int, int], halt: threading.Event) -> dict:
     """A node that joins the running cluster: it takes a member's state (and its share of mass),
     is admitted by a view, trains to the end (or leaves, if the churn says so)."""
     began = time.time()
@@ -200,6 +202,8 @@ def run_joiner(plan: Plan, transport: Transport, progress: dict[int, int]) -> di
     leave_at = plan.leaves_at(transport.rank)
     try:
         while opt.local_step < plan.end:
+            if halt.is_set():
+                raise TimeoutError(f"node {transport.rank} halted at step {opt.local_step}: the run ended")
             step = progress[transport.rank] = opt.local_step
             if step == leave_at:
                 opt.request_leave()
@@ -241,8 +245,9 @@ class Churn:
     """Starts this process's joiners when its nodes reach their join steps (each joins as a member
     leaves: Plan.churn)."""
 
-    def __init__(self, plan: Plan, ranks: list[int], transports: list[Transport], progress: dict[int, int]):
-        self.plan, self.transports, self.progress = plan, transports, progress
+    def __init__(self, plan: Plan, ranks: list[int], transports: list[Transport], progress: dict[int, int],
+                 halt: threading.Event):
+        self.plan, self.transports, self.progress, self.halt = plan, transports, progress, halt
         self.due = sorted((step, joining) for step, _, joining in plan.churn if joining in ranks)
         self.futures: list[concurrent.futures.Future] = []
         self._done = threading.Event()
@@ -257,7 +262,8 @@ class Churn:
                 transport = Transport(rank, plan.world, list(plan.peers), listen=plan.peers[rank],
                                       options=plan.options(), metrics=NodeMetrics(rank, "sgp")).start()
                 self.transports.append(transport)
-                self.futures.append(in_daemon_thread(f"node-{rank}", run_joiner, plan, transport, self.progress))
+                self.futures.append(in_daemon_thread(f"node-{rank}", run_joiner, plan, transport, self.progress,
+                                                     self.halt))
 
     def results(self, deadline: float) -> list[dict]:
         """The joiners' records, waiting for them until `deadline` (time.monotonic()) in all."""
@@ -291,14 +297,15 @@ def host(plan: Plan, ranks: list[int]) -> dict:
     watcher = churn = None
     members = [rank for rank in ranks if rank < plan.nodes]
     progress: dict[int, int] = {}
+    halt = threading.Event()  # set when the run ends early: every node thread stops at its next step
     try:
         for rank in members:
             transports.append(Transport(rank, plan.world, list(plan.peers), listen=plan.peers[rank],
                                         options=plan.options(), metrics=NodeMetrics(rank, "sgp")).start())
         comms = [Communicator(t, "cpu", peer_timeout=plan.timeout) for t in transports]
         watcher = ViewWatcher(transports, plan.leaver)
-        churn = Churn(plan, ranks, transports, progress)
-        futures = [in_daemon_thread(f"node-{comm.rank}", run_node, plan, comm, progress) for comm in comms]
+        churn = Churn(plan, ranks, transports, progress, halt)
+        futures = [in_daemon_thread(f"node-{comm.rank}", run_node, plan, comm, progress, halt) for comm in comms]
         done, _ = concurrent.futures.wait(futures, max(0.0, deadline - time.monotonic()),
                                           return_when=concurrent.futures.FIRST_EXCEPTION)
         for future in done:  # the first failure ends the run at once (the finally stops every node)
@@ -316,6 +323,7 @@ def host(plan: Plan, ranks: list[int]) -> dict:
         return {"began": began, "threads": watcher.peak_threads, "records": records, "joiners": joiners,
                 "views": {rank: seen for rank, seen in watcher.views.items()}}
     finally:
+        halt.set()
         if churn is not None:
             churn.stop()
         if watcher is not None:

@@ -127,6 +127,8 @@ class Senders(Protocol):
 
     def dead(self) -> frozenset[int]: ...
 
+    def finished(self) -> frozenset[int]: ...
+
     def heard_from(self, peer: int, step: int | None = None, kind: int | None = None) -> None: ...
 
 
@@ -399,13 +401,15 @@ class Inbox:
 
     async def wait_for(self, kind: int, step: int, senders: list[int], channel: str = "",
                        timeout: float | None = None, partial: bool = False) -> dict[int, Message]:
-        """Wait until every sender's step-`step` message is here (dead senders are not waited for);
-        pop and return them. After `timeout` raise TimeoutError, or with `partial` return the messages
-        that did arrive (the rest will be late)."""
+        """Wait until every sender's step-`step` message is here (dead senders are not waited for,
+        nor finished ones: what they sent was acknowledged before they said so); pop and return
+        them. After `timeout` raise TimeoutError, or with `partial` return the messages that did
+        arrive (the rest will be late)."""
         wanted = set(senders)
 
         def ready() -> bool:
-            return (wanted - self.senders.dead()).issubset(self._mail[(kind, channel)].get(step, {}))
+            return (wanted - self.senders.dead() - self.senders.finished()).issubset(
+                self._mail[(kind, channel)].get(step, {}))
 
         if not ready():
             waiter = (ready, asyncio.get_running_loop().create_future())

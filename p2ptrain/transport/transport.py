@@ -123,6 +123,7 @@ class Transport:
         self.router = Router(rank, paths, self.grpc, self.routes, links=self.links, metrics=metrics)
         self.sender = Sender(rank, world_size, options, self.loop, self.router, self.grpc, greetings, liveness,
                              metrics)
+        self.membership.outstanding = self.sender.outstanding  # (finish: acks before "finished")
 
     # Lifecycle ------------------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> "Transport":
@@ -321,21 +322,29 @@ class Transport:
 
         `laggards`: wait for lagging senders too (a ring, which cannot complete without them: not
         waiting would let this node race ahead alone, leaving them further behind)."""
-        awaited = self.membership.liveness.awaited(senders, step, laggards=laggards)
-        if not awaited:
+        liveness = self.membership.liveness
+        awaited = liveness.awaited(senders, step, laggards=laggards)
+        finished = liveness.finished()
+        over = [p for p in senders if p in finished and liveness.alive(p)]  # what they sent is here by now
+        if not awaited and not over:
             return {}
         timeout = self.options.link_deadline if deadline is None else deadline
-        return self.loop.submit(self._gather(kind, step, awaited, channel, timeout, abandon)).result()
+        return self.loop.submit(self._gather(kind, step, awaited, channel, timeout, abandon, over)).result()
 
     async def _gather(self, kind: int, step: int, senders: list[int], channel: str,
-                      timeout: float, abandon: Callable[[], str | None] | None = None) -> dict[int, Message]:
+                      timeout: float, abandon: Callable[[], str | None] | None = None,
+                      over: list[int] = ()) -> dict[int, Message]:
+        got = await self.inbox.wait_for(kind, step, list(over), channel, 0, partial=True) if over else {}
+        if not senders:
+            return got
         self.hangups.waiting(senders)
         if abandon is None and timeout <= self.options.link_deadline:
-            got = await self.inbox.wait_for(kind, step, senders, channel, timeout, partial=True)
+            got.update(await self.inbox.wait_for(kind, step, senders, channel, timeout, partial=True))
         else:
-            got = await self._watched_wait(kind, step, senders, channel, timeout, abandon)
+            got.update(await self._watched_wait(kind, step, senders, channel, timeout, abandon))
+        liveness = self.membership.liveness
         for peer in senders:
-            if peer not in got and self.membership.liveness.alive(peer):
+            if peer not in got and liveness.alive(peer) and peer not in liveness.finished():
                 if self.metrics is not None:
                     self.metrics.on_link_timeout(peer)
                 self.loop.spawn(self.membership.greetings.probe(peer))
@@ -356,6 +365,10 @@ class Transport:
             got.update(await self.inbox.wait_for(kind, step, missing, channel, max(0.0, min(WATCH_INTERVAL, left)),
                                                  partial=True))
             missing = [peer for peer in senders if peer not in got and liveness.alive(peer)]
+            done = [peer for peer in missing if peer in liveness.finished()]  # (said so meanwhile)
+            if done:  # everything they sent was acknowledged before they said it: here, or never sent
+                got.update(await self.inbox.wait_for(kind, step, done, channel, 0, partial=True))
+                missing = [peer for peer in missing if peer not in done]
             if not missing or left <= WATCH_INTERVAL or (abandon is not None and abandon() is not None):
                 return got
             if time.monotonic() - probed >= self.options.link_deadline:

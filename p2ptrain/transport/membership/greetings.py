@@ -15,6 +15,7 @@ import random
 import secrets
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
@@ -321,7 +322,7 @@ class Greetings:
                                step=self.resume_step, current_step=self.liveness.step,
                                incarnation=self.incarnation, lane_port=self.lane_port,
                                view=self.views.latest.to_proto(), address=self.addresses[self.rank],
-                               reachability=self.reachability)
+                               reachability=self.reachability, finished=self.finished)
 
     async def greet(self, peer: int, request: pb.HelloRequest, timeout: float,
                     wait_for_ready: bool = True) -> pb.HelloReply:
@@ -356,6 +357,8 @@ class Greetings:
                 if 0 <= other < self.world_size and other != self.rank and other not in self.peer_reachability:
                     self.routes.note_private(other, True)
             self.liveness.note_step(peer, reply.step)
+            if reply.finished:
+                self.liveness.note_finished(peer)
             if reply.caller_excluded:
                 self.liveness.excluded(by_peer=peer)
             if reply.HasField("view"):
@@ -471,7 +474,8 @@ class Greetings:
                              reachability=self.reachability, met=sorted(self.announced) if vouch else (),
                              private_peers=sorted(p for p, v in self.peer_reachability.items()
                                                   if v == pb.REACHABILITY_PRIVATE),
-                             ready_peers=sorted(self.ready_peers) if vouch else (), leaving=self.leaving)
+                             ready_peers=sorted(self.ready_peers) if vouch else (), leaving=self.leaving,
+                             finished=self.finished)
 
     def on_hello(self, request: pb.HelloRequest) -> str:
         """Membership news from a Hello; returns why a want_state request is refused ("" = served)."""
@@ -488,6 +492,8 @@ class Greetings:
         known_before = self.liveness.incarnation(peer)
         self.liveness.hello(peer, ready=request.ready, incarnation=request.incarnation,
                               current_step=request.current_step, resume_step=request.step)
+        if request.finished:
+            self.liveness.note_finished(peer)
         if was_dead and self.liveness.alive(peer):  # back from the dead: connect afresh, no backoff
             self.loop.spawn(self.grpc.reset(peer))
         if not request.want_state:
@@ -550,6 +556,21 @@ class Greetings:
         """A state transfer completed: a new incarnation, so peers that declared us dead take us back."""
         self.incarnation = new_incarnation()
         self.liveness.rejoined()
+
+    def announce_finished(self, outstanding: Callable[[int], list[concurrent.futures.Future]],
+                          timeout: float) -> None:
+        """This node's run is over: tell the peers it met, once each, so none waits a link deadline
+        for a message it will never send. To each only once every message it sent that peer was
+        acknowledged (`outstanding(peer)`: the Hello must not overtake one), all within `timeout`."""
+        deadline = time.monotonic() + timeout
+        request = self.hello_request()
+        futures = []
+        for peer in sorted((self.announced | self.reached) - {self.rank}):
+            if not self.liveness.alive(peer):
+                continue
+            concurrent.futures.wait(outstanding(peer), max(0.0, deadline - time.monotonic()))
+            futures.append(self._hello_once(peer, request, 2.0))
+        concurrent.futures.wait(futures, max(0.0, deadline - time.monotonic()))
 
     def _hello_once(self, peer: int, request: pb.HelloRequest, timeout: float) -> concurrent.futures.Future:
         """One Hello that does not wait for a connection, as a future for the training thread."""

@@ -225,12 +225,14 @@ class Liveness:
                 self.mark_dead(peer, "restarted (a new incarnation asks for state)")
 
     def note_finished(self, peer: int) -> None:
-        """`peer` said its run is over (it refused our state request so): it flushed what it sends
-        before it said so and sends nothing more, so it is neither sent to nor waited for. A node
-        left behind then trains on to its end alone instead of waiting a link deadline per step.
-        Only a new incarnation of it (a restart) takes it back (hello)."""
-        if peer not in self._finished:
+        """`peer` said its run is over (a Hello, or its refusal of our state request): every message
+        it sent us was acknowledged before it said so, and it sends nothing more, so it is neither
+        sent to nor waited for. A node left behind then trains on to its end alone instead of
+        waiting a link deadline per step. Only a new incarnation of it (a restart) takes it back."""
+        if peer not in self._finished and peer != self.rank:
             self._finished = self._finished | {peer}
+            for listener in self._listeners:  # (waits for it end)
+                listener()
 
     def note_ready(self, peer: int, incarnation: int) -> None:
         """`peer` as `incarnation` is ready (its Hello or reply said so): a later incarnation asking

@@ -12,10 +12,11 @@ concurrent one is made again on top of the winner, and nodes with opposite wishe
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.membership.greetings import ClusterSurvey, Greetings, StateAnswers
@@ -33,6 +34,7 @@ PLACEMENT_NOTICE = 0.1
 PLACEMENT_AFTER = 10  # steps into the run (a pace from the first two steps is no pace)
 PLACEMENT_TRIES = 100  # steps it waits for every member's reachability at most (a peer may never say)
 LAY_OUT_WAIT = 5.0  # seconds the lowest public node waits for every peer's reachability before step 0
+FINISH_ANNOUNCE_SECONDS = 5.0  # finish(): at most this long for acks, then the peers' "finished" Hellos
 
 
 class Membership:
@@ -57,6 +59,8 @@ class Membership:
         self.refused_leaves = 0
         self._rechecked_at = -(2 ** 62)  # the step of the last recheck_if_isolated Hellos
         self._placing = PLACEMENT_TRIES  # reconciles left to ask place_by_reachability (0: decided)
+        # peer -> futures of our sends to it not acknowledged yet (the transport's Sender.outstanding)
+        self.outstanding: Callable[[int], list[concurrent.futures.Future]] | None = None
 
     # Who trains together (views) ------------------------------------------------------------------
     @property
@@ -362,8 +366,11 @@ class Membership:
 
     def finish(self) -> None:
         """This node's training is over: it answers Hellos still, but serves no state request (a
-        joiner asking it would wait for a step boundary that never comes)."""
+        joiner asking it would wait for a step boundary that never comes), and it tells the peers
+        it met, so none waits for a message it will never send (Greetings.announce_finished)."""
         self.greetings.finished = True
+        if self.outstanding is not None:
+            self.greetings.announce_finished(self.outstanding, FINISH_ANNOUNCE_SECONDS)
 
     def rejoined(self, step: int) -> int:
         """A state transfer completed: resume at `step` or later as a new incarnation (so peers
