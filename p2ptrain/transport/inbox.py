@@ -438,14 +438,6 @@ class Inbox:
             taken.extend(self._pop(kind, channel, step, set(boxes[step])).values())
         return taken
 
-    def holds(self, kind: int, max_step: int, channel: str = "") -> bool:
-        """Whether a delivered message of `kind` with step <= max_step is waiting. Read from any
-        thread without a hop to the loop (the keys are copied in one GIL-held call): most steps
-        have no late message, and the hop cost more than the look. A message delivered meanwhile
-        is seen by the next look."""
-        boxes = self._mail.get((kind, channel))
-        return boxes is not None and any(step <= max_step for step in list(boxes))
-
     def _pop(self, kind: int, channel: str, step: int, senders: set[int]) -> dict[int, Message]:
         boxes = self._mail[(kind, channel)]
         box = boxes.get(step, {})

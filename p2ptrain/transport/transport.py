@@ -377,10 +377,7 @@ class Transport:
                     self.loop.spawn(self.membership.greetings.probe(peer))
 
     def take(self, kind: int, max_step: int, channel: str = "") -> list[Message]:
-        """Messages of `kind` with step <= max_step that already arrived (non-blocking; no hop to the
-        loop thread when none has)."""
-        if not self.inbox.holds(kind, max_step, channel):
-            return []
+        """Messages of `kind` with step <= max_step that already arrived (non-blocking)."""
         return self.loop.call(self.inbox.take, kind, max_step, channel)
 
     def recv_any(self, kind: int, timeout: float) -> list[Message]:
