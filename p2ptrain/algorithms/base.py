@@ -132,8 +132,9 @@ class Comm(Protocol):
     peer_timeout: float  # seconds before a silent peer counts as gone (a barrier waits this long)
 
     def expect(self, kind: Kind, dtype: "torch.dtype", numel: int, *, channel: str | None = None,
-               preallocate: int = 2, max_payload_bytes: int | None = None, codecs=None) -> None:
-        """Accept messages of `kind` (on `channel`) holding `numel` x `dtype`; call before ready()."""
+               preallocate: int = 2, max_payload_bytes: int | None = None, codecs=None, peak: bool = False) -> None:
+        """Accept messages of `kind` (on `channel`) holding `numel` x `dtype`; call before ready().
+        `peak`: each raw float message carries its max |v|, measured as it arrived (Message.peak)."""
 
     def unexpect(self, kind: Kind, channel: str | None = None) -> None:
         """Refuse `kind` messages from now on (a leaver takes no other leaver's mass)."""

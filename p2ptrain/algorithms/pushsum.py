@@ -98,7 +98,7 @@ class PushSum:
         codecs = None
         if self.codec is not None:
             codecs = {self.codec.wire_id: (self.codec.payload_bytes(like.numel(), like.dtype), self.codec.param_count)}
-        self.comm.expect(self.kind, like.dtype, like.numel(), channel=self.channel or None, codecs=codecs)
+        self.comm.expect(self.kind, like.dtype, like.numel(), channel=self.channel or None, codecs=codecs, peak=True)
 
     def start(self, z: torch.Tensor, weight: float, *, delivered: bool = False) -> torch.Tensor:
         """Hold the mass (weight z, weight) and return z; `delivered`: the weight came in a message
@@ -244,7 +244,8 @@ class PushSum:
             return f"weight {share.ps_weight!r} outside (0, {n}]"
         if self.w + share.ps_weight > n * (1 + 1e-9):
             return f"w would become {self.w + share.ps_weight:.6g} > n = {n} (push-sum mass never exceeds n)"
-        scale = _peak_magnitude(values) / share.ps_weight
+        peak = share.peak if share.peak is not None and values is share.tensor else _peak_magnitude(values)
+        scale = peak / share.ps_weight
         if not math.isfinite(scale) or scale > PLAUSIBLE_SCALE * max(1.0, self._z_scale):
             return f"de-biased values up to {scale:.3g}, ours up to {self._z_scale:.3g}"
         return ""

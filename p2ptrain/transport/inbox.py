@@ -11,6 +11,7 @@ never said of an id that is merely in flight (Inbox.deliver). Open receptions ar
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections import Counter, OrderedDict, defaultdict
@@ -27,6 +28,7 @@ from p2ptrain.transport.validation import (
     CodecLayout,
     Rejection,
     all_finite,
+    peak_magnitude,
     validate_header,
 )
 
@@ -81,6 +83,7 @@ class Reception:
         self.received = 0
         self.scanned = 0          # payload bytes already checked for NaN / Inf (Inbox.scan)
         self.finite = True        # ... and whether they were all finite
+        self.peak: float | None = None  # ... and their max |v|, where the channel measures it (ChannelSpec.peak)
         self._allocate = allocate
         self._view = memoryview(b"")
 
@@ -109,6 +112,16 @@ class Reception:
 
     def complete(self) -> bool:
         return self.received == self.header.payload_bytes
+
+    def check(self, values: torch.Tensor) -> None:
+        """Scan the next received `values` for NaN / Inf; where the peak is measured, that pass
+        (max |v|, inf for a NaN or Inf) is the check, done while the bytes are still in cache."""
+        if self.peak is None:
+            self.finite = self.finite and all_finite(values)
+            return
+        peak = peak_magnitude(values)
+        self.peak = max(self.peak, peak)
+        self.finite = self.finite and math.isfinite(peak)
 
     def payload(self) -> torch.Tensor:
         """The byte buffer (taken now if no data chunk came yet: an empty message)."""
@@ -184,19 +197,20 @@ class Inbox:
 
     # Configuration (thread-safe enough: plain attribute writes read on the loop thread) ---------
     def expect(self, kind: int, dtype: torch.dtype, numel: int, *, channel: str | None = None,
-               preallocate: int = 2, codecs: Mapping[int, CodecLayout] | None = None) -> None:
+               preallocate: int = 2, codecs: Mapping[int, CodecLayout] | None = None, peak: bool = False) -> None:
         """Accept messages of `kind` holding `numel` elements of `dtype`; preallocates buffers.
 
         With `channel` the spec holds only for that channel (e.g. one ring all-reduce segment,
         whose size differs per round); otherwise for every channel without a spec of its own.
         `codecs` are the encodings accepted, each with its exact layout (the declarer knows its
-        codec); by default raw tensors and FIXED_RATE_CODECS."""
+        codec); by default raw tensors and FIXED_RATE_CODECS. `peak`: measure each raw float
+        payload's max |v| as it arrives (Message.peak; push-sum's plausibility check reads it)."""
         if codecs is None:
             codecs = dict(ChannelSpec.uncompressed(dtype, numel).codecs)
             if dtype.is_floating_point:
                 codecs.update({codec: CodecLayout(per_element * numel, params)
                                for codec, (per_element, params) in FIXED_RATE_CODECS.items()})
-        self._specs[(kind, channel)] = ChannelSpec(dtype, numel, codecs)
+        self._specs[(kind, channel)] = ChannelSpec(dtype, numel, codecs, peak)
         self.pool.preallocate(numel * dtype.itemsize, preallocate)
 
     def unexpect(self, kind: int, channel: str | None = None) -> None:
@@ -234,7 +248,7 @@ class Inbox:
     def open(self, header: pb.TensorHeader) -> Reception:
         """Validate a header and start a reception (no buffer yet); raises Rejection, with reason
         `duplicate` for an id already delivered."""
-        self._validate(header)
+        spec = self._validate(header)
         sender = header.sender
         if header.message_id in self._voided[sender]:
             raise Rejection("voided", f"message {header.message_id} from {sender} was settled as never delivered")
@@ -248,6 +262,8 @@ class Inbox:
         if destination is not None and (header.codec != pb.CODEC_NONE or destination.numel() != header.payload_bytes):
             self._destinations[key], destination = destination, None  # not this one's size: a pooled buffer
         reception = Reception(header, self._hold if destination is None else lambda nbytes: destination)
+        if spec.peak:
+            reception.peak = 0.0
         if destination is not None:
             self._lent[reception] = key
         self._open.add(reception)
@@ -321,9 +337,11 @@ class Inbox:
             buffer = reception.payload()
             # Codec payloads stay raw bytes: the algorithm's codec decodes them (and checks them).
             tensor = buffer.view(torch_dtype(header.dtype)) if header.codec == pb.CODEC_NONE else buffer
-            if header.codec == pb.CODEC_NONE and tensor.is_floating_point() and not (
-                    reception.finite and all_finite(tensor[reception.scanned // tensor.element_size():])):
-                raise Rejection("non_finite", f"the payload from {header.sender} holds NaN or Inf")
+            if header.codec == pb.CODEC_NONE and tensor.is_floating_point():
+                if reception.finite:
+                    reception.check(tensor[reception.scanned // tensor.element_size():])
+                if not reception.finite:
+                    raise Rejection("non_finite", f"the payload from {header.sender} holds NaN or Inf")
         except Rejection:
             self.abort(reception)
             raise
@@ -339,6 +357,7 @@ class Inbox:
             codec=header.codec, codec_params=tuple(header.codec_params),
             shape=tuple(header.shape) or (header.numel,), message_id=header.message_id,
             arrived_since=reception.opened, landed=time.monotonic(),
+            peak=reception.peak if header.codec == pb.CODEC_NONE and tensor.is_floating_point() else None,
             _release=None if lent else lambda: self.pool.release(buffer))
         box[header.sender] = message
         if header.ps_weight > 0:
@@ -360,10 +379,10 @@ class Inbox:
         dtype = torch_dtype(header.dtype)
         end = reception.received - reception.received % dtype.itemsize
         if dtype.is_floating_point and end > reception.scanned:
-            reception.finite = all_finite(reception.buffer[reception.scanned:end].view(dtype))
+            reception.check(reception.buffer[reception.scanned:end].view(dtype))
             reception.scanned = end
 
-    def _validate(self, header: pb.TensorHeader) -> None:
+    def _validate(self, header: pb.TensorHeader) -> ChannelSpec:
         """The node's own checks (sender, receiver, route, kind, step window) around the shared
         header checks of validation.py."""
         if not 0 <= header.sender < self.world_size or header.sender == self.rank:
@@ -384,6 +403,7 @@ class Inbox:
             # leaver's mass is taken at any step, or it would leave with the leaver)
             raise Rejection("stale_step" if header.step < step else "future_step",
                             f"step {header.step} outside [{step - self.step_window}, {step + self.step_window}]")
+        return spec
 
     # Consumer side (loop thread; the training thread reaches it through the Transport) ----------
     def _wake_waiters(self) -> None:

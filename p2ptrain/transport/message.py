@@ -29,6 +29,9 @@ class Message:
     # time.monotonic() when its header arrived, the first of its bytes (transfer rates: state_handout.py)
     arrived_since: float = 0.0
     landed: float = 0.0  # time.monotonic() when its last byte was in and it was delivered
+    # max |v| of a raw float payload, measured as it arrived where its channel asked (Inbox.expect's
+    # `peak`); None where it was not
+    peak: float | None = None
     _release: object = field(default=None, repr=False)
 
     def release(self) -> None:

@@ -44,11 +44,13 @@ class CodecLayout:
 @dataclass(frozen=True)
 class ChannelSpec:
     """What a receiver accepts for one message kind: decoded dtype and element count, encoded by
-    one of `codecs` (wire codec id -> its layout for `numel` elements)."""
+    one of `codecs` (wire codec id -> its layout for `numel` elements). `peak`: measure the raw
+    payload's max |v| while it arrives (Message.peak), for a consumer that checks magnitudes."""
 
     dtype: torch.dtype
     numel: int
     codecs: Mapping[int, CodecLayout]
+    peak: bool = False
 
     @classmethod
     def uncompressed(cls, dtype: torch.dtype, numel: int) -> "ChannelSpec":
