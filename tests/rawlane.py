@@ -11,10 +11,12 @@ from p2ptrain.transport.laneframes import LANE_PROTOCOL, PREFIX, auth_proof, dec
 
 class RawLane:
     """One connection to the lane at 127.0.0.1:`port`; reads the challenge, and with `sender` given
-    authenticates as that node (with `token`, a correct proof; `proof` overrides it)."""
+    authenticates as that node (with `token`, a correct proof; `proof` overrides it), offering the
+    shared memory `offer` names (LaneAuth's shm_* fields) where given."""
 
     def __init__(self, port: int, sender: int | None = 0, receiver: int = 1, *, token: str | None = None,
-                 proof: bytes | None = None, tls: ssl.SSLContext | None = None, timeout: float = 10.0):
+                 proof: bytes | None = None, tls: ssl.SSLContext | None = None, timeout: float = 10.0,
+                 offer: dict | None = None):
         sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
         self.sock = tls.wrap_socket(sock, server_hostname="127.0.0.1") if tls is not None else sock
         self.challenge = decode(pb.LaneChallenge, self.frame())
@@ -23,7 +25,7 @@ class RawLane:
             if proof is None:
                 proof = auth_proof(token, self.challenge.nonce, sender, receiver) if token else b""
             self.send(encode(pb.LaneAuth(protocol_version=LANE_PROTOCOL, sender=sender, receiver=receiver,
-                                         proof=proof)))
+                                         proof=proof, **(offer or {}))))
             self.verdict = decode(pb.LaneAuthReply, self.frame())
 
     def send(self, *parts: bytes) -> None:

@@ -19,14 +19,14 @@ def test_bench_transport_json_reports_every_method_and_ratios():
                           timeout=230)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
-    assert set(report["methods"]) == {"grpc", "lane", "gloo", "tcp"}
+    assert set(report["methods"]) == {"grpc", "lane", "shm", "gloo", "tcp"}
     for result in report["methods"].values():
         assert result["mb_per_s"] > 0 and result["min_mb_per_s"] <= result["mb_per_s"] <= result["max_mb_per_s"]
         # CPU is measured (os.times has 10 ms resolution, so tiny runs may read 0)
         assert result["sender_cpu_s_per_gb"] >= 0 and result["receiver_cpu_s_per_gb"] >= 0
         assert result["cpu_s_per_gb"] == pytest.approx(result["sender_cpu_s_per_gb"] + result["receiver_cpu_s_per_gb"])
     methods = report["methods"]
-    for plane in ("grpc", "lane"):
+    for plane in ("grpc", "lane", "shm"):
         for base in ("gloo", "tcp"):
             expected = methods[plane]["mb_per_s"] / methods[base]["mb_per_s"]
             assert report["ratios"][f"{plane}/{base}"] == pytest.approx(expected)

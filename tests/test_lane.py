@@ -445,6 +445,146 @@ def test_payload_larger_than_a_scan_is_checked_whole(where):
             assert pending(t[1]) == 0 and buffered_bytes(t[1]) == 0
 
 
+@pytest.mark.parametrize("plane", ["lane", "grpc"])
+def test_a_channel_that_measures_peaks_gets_each_payloads_max_magnitude_and_still_refuses_nan(plane):
+    """Inbox.expect(peak=True): the NaN / Inf pass over a raw payload is max |v| (push-sum's
+    plausibility check reads Message.peak instead of two more passes on the training thread), over
+    every piece the lane scans and the tail; gRPC's whole-payload check gives the same."""
+    from p2ptrain.transport.lane_server import SCAN_BYTES
+
+    numel = 3 * SCAN_BYTES // 4 + 5  # three scans and a tail
+    values = torch.linspace(-1.0, 1.0, numel)
+    values[-1] = -7.5  # the peak, in the tail
+    values[SCAN_BYTES // 4 + 3] = 6.0  # second to it, in the second piece
+    nan_inside = values.clone()
+    nan_inside[SCAN_BYTES // 4 + 4] = math.nan
+    with nodes(2, options=options(plane)) as t:
+        t[1].expect(KIND, torch.float32, numel, peak=True)
+        t[1].expect(KIND + 1, torch.float32, numel)
+        for kind in (KIND, KIND + 1):
+            assert t[0].sender.send(1, values, kind=kind, step=0).result(20).status == pb.Ack.STATUS_ACCEPTED
+        (measured,) = t[1].recv(KIND, 0, [0], timeout=5).values()
+        (unmeasured,) = t[1].recv(KIND + 1, 0, [0], timeout=5).values()
+        assert measured.peak == 7.5 and torch.equal(measured.tensor, values)
+        assert unmeasured.peak is None
+        ack = t[0].sender.send(1, nan_inside, kind=KIND, step=1).result(20)
+        assert (ack.status, ack.reason) == (pb.Ack.STATUS_REJECTED, "non_finite"), ack
+        assert lane_messages(t[0], 1) == (3 if plane == "lane" else 0)
+
+
+@pytest.mark.parametrize("shared_memory", [True, False])
+def test_payloads_between_nodes_of_one_host_go_through_shared_memory_where_they_fit(shared_memory):
+    """A new lane connection offers a segment sized for its first payload (shared_segment.py); the
+    receiver, in the same network namespace, takes it, and every payload that fits travels through
+    it (one copy in, one out, checked as ever), a larger one over TCP. Off: all of them over TCP."""
+    from p2ptrain.transport.shared_segment import MIN_PAYLOAD_BYTES
+
+    small, large = torch.arange(1000, dtype=torch.float32), torch.ones(MIN_PAYLOAD_BYTES // 2 + 1)
+    nan = small.clone()
+    nan[999] = math.nan
+    with nodes(2, options=options("tcp", shared_memory=shared_memory)) as t:
+        t[1].expect(KIND, torch.float32, small.numel())
+        t[1].expect(KIND + 1, torch.float32, large.numel())
+        sends = [(KIND, 0, small), (KIND + 1, 0, large), (KIND, 1, small * 2), (KIND, 2, nan)]
+        acks = [t[0].sender.send(1, values, kind=kind, step=step).result(20) for kind, step, values in sends]
+        assert [a.status for a in acks[:3]] == [pb.Ack.STATUS_ACCEPTED] * 3
+        assert (acks[3].status, acks[3].reason) == (pb.Ack.STATUS_REJECTED, "non_finite")
+        for kind, step, values in sends[:3]:
+            (message,) = t[1].recv(kind, step, [0], timeout=5).values()
+            assert torch.equal(message.tensor, values)
+        assert t[0].lanes.shared_messages == (3 if shared_memory else 0)  # the NaN one too (refused)
+        assert lane_messages(t[0], 1) == 4
+
+
+def test_no_shared_memory_setting_turns_the_option_off():
+    from p2ptrain.settings import NodeConfig
+
+    cluster = {"P2PTRAIN_RANK": "0", "P2PTRAIN_WORLD_SIZE": "2", "P2PTRAIN_PEERS": "127.0.0.1:1,127.0.0.1:2"}
+    on = NodeConfig.from_sources(env=cluster)
+    off = NodeConfig.from_sources(env={**cluster, "P2PTRAIN_NO_SHARED_MEMORY": "1"})
+    assert TransportOptions.from_settings(on.transport).shared_memory
+    assert not TransportOptions.from_settings(off.transport).shared_memory
+
+
+def test_a_segment_is_sized_in_whole_mib_for_its_first_payload_and_bounded():
+    from p2ptrain.transport.shared_segment import MAX_PAYLOAD_BYTES, capacity_for
+
+    assert [capacity_for(n) for n in (1, 1 << 20, (1 << 20) + 1, 3_700_000)] == [1 << 20, 1 << 20, 2 << 20, 4 << 20]
+    assert capacity_for(1 << 40) == MAX_PAYLOAD_BYTES  # a bigger payload goes over TCP
+
+
+def test_a_shared_memory_offer_that_cannot_be_used_is_declined_and_payloads_travel_over_tcp():
+    """The receiver maps only a sealed segment of the announced size holding the announced nonce,
+    of a process in its own network namespace; otherwise it says no (the connection stays) and the
+    sender's payloads come over the socket."""
+    import mmap
+    import os
+
+    from p2ptrain.transport.shared_segment import HEADER_BYTES, OwnSegment
+
+    nonce = b"n" * 16
+    good = OwnSegment(1 << 20, nonce)
+    unsealed = os.memfd_create("unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(unsealed, HEADER_BYTES + (1 << 20))
+    with mmap.mmap(unsealed, HEADER_BYTES) as view:
+        view[:16] = nonce
+    offers = {
+        "unsealed (a sender could shrink it under the reader)": dict(shm_fd=unsealed),
+        "another nonce": dict(shm_fd=good.fd, shm_nonce=b"x" * 16),
+        "another size": dict(shm_fd=good.fd, shm_capacity=2 << 20),
+        "no such descriptor": dict(shm_fd=9999),
+        "no such process": dict(shm_pid=(1 << 22) + 1),
+        "a negative descriptor": dict(shm_fd=-1),
+    }
+    try:
+        with nodes(3, [1]) as t:
+            t[1].expect(KIND, torch.float32, NUMEL)
+            for step, (what, fields) in enumerate(offers.items()):
+                offer = {"shm_pid": os.getpid(), "shm_capacity": 1 << 20, "shm_nonce": nonce, **fields}
+                with RawLane(t[1].lane_port, offer=offer) as lane:
+                    assert lane.verdict.accepted and not lane.verdict.shared_memory, what
+                    ack = lane.push(header(step=step), PAYLOAD.numpy().tobytes())
+                    assert ack.status == pb.Ack.STATUS_ACCEPTED, (what, ack)
+                    assert torch.equal(t[1].take(KIND, step)[0].tensor, PAYLOAD)
+            with RawLane(t[1].lane_port, offer={"shm_pid": os.getpid(), "shm_fd": good.fd,
+                                                "shm_capacity": 1 << 20, "shm_nonce": nonce}) as lane:
+                assert lane.verdict.shared_memory  # the good one is taken: the payload is in it, not sent
+                good.write(memoryview(PAYLOAD.numpy()).cast("B"))
+                lane.send(encode(header(step=9)))
+                assert lane.ack().status == pb.Ack.STATUS_ACCEPTED
+                assert torch.equal(t[1].take(KIND, 9)[0].tensor, PAYLOAD)
+    finally:
+        good.close()
+        os.close(unsealed)
+
+
+def test_a_segment_of_a_process_in_another_network_namespace_is_not_taken():
+    """Network namespaces are hosts to the lane (the netns clusters, tc-shaped links, NAT): a
+    process of another one gets TCP, whatever memory it could share."""
+    import subprocess
+    import sys
+
+    from p2ptrain.transport.shared_segment import PeerSegment
+
+    script = ("from p2ptrain.transport.shared_segment import OwnSegment; import sys; "
+              "s = OwnSegment(1 << 20, b'n' * 16); print(s.pid, s.fd, flush=True); sys.stdin.read()")
+    try:
+        child = subprocess.Popen(["unshare", "--net", sys.executable, "-c", script], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    except FileNotFoundError:
+        pytest.skip("no unshare here")
+    try:
+        line = child.stdout.readline()
+        if not line:
+            pytest.skip(f"unshare --net is not allowed here: {child.stderr.read().strip()}")
+        pid, fd = map(int, line.split())
+        with pytest.raises(ValueError, match="another network namespace"):
+            PeerSegment.open(pid, fd, 1 << 20, b"n" * 16)
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_payload_is_read_into_the_buffer_the_message_views_and_scanned_as_it_arrives(monkeypatch):
     """One copy and one pass: the lane reads payload bytes straight into the pooled buffer the
     delivered tensor views (never through Reception.write, gRPC's copy-in), and checks what has

@@ -36,12 +36,14 @@ GO_CHANNEL = "go"  # the receiver's one-element message to the sender: its CPU c
 
 
 def push_endpoint(rank: int, peers: Sequence[str], size_bytes: int, reps: int, timeout: float,
-                  chunk_bytes: int | None = None, data_plane: str = "auto") -> dict:
+                  chunk_bytes: int | None = None, data_plane: str = "auto", shared_memory: bool = False) -> dict:
     """Run one end of the measurement here, listening on ``peers[rank]``; ``peers`` = [sender, receiver].
 
     Returns ``{"seconds": ..., "cpu": ...}`` on the sender (wall time of the ``reps`` timed pushes and
     the CPU seconds spent meanwhile) and ``{"cpu": ...}`` on the receiver (its CPU seconds from the go
     to the last of them). Raises if a push is refused or the peer does not show up within ``timeout``.
+    ``shared_memory``: lane payloads through shared memory where both ends share a host (off: the
+    TCP lane is measured as TCP).
     """
     if rank not in (SENDER, RECEIVER) or len(peers) != 2:
         raise ValueError(f"need rank 0 (sender) or 1 (receiver) and two peer addresses, got {rank}, {peers}")
@@ -54,7 +56,7 @@ def push_endpoint(rank: int, peers: Sequence[str], size_bytes: int, reps: int, t
     torch.set_num_threads(1)
     numel = size_bytes // 4
     options = TransportOptions(step_window=WARMUP + reps + 1, send_timeout=timeout, data_plane=data_plane,
-                               **({"chunk_bytes": chunk_bytes} if chunk_bytes else {}))
+                               shared_memory=shared_memory, **({"chunk_bytes": chunk_bytes} if chunk_bytes else {}))
     kind = pb.MESSAGE_KIND_BENCH
 
     def accepted(ack: pb.Ack, what: str) -> None:
@@ -83,13 +85,14 @@ def push_endpoint(rank: int, peers: Sequence[str], size_bytes: int, reps: int, t
                 transport.recv(kind, 0, [RECEIVER], timeout=timeout, channel=GO_CHANNEL)[RECEIVER].release()
                 cpu0, start = cpu_seconds(), time.perf_counter()
             accepted(transport.sender.send(RECEIVER, payload, kind=kind, step=step).result(timeout), f"push {step}")
-        return {"seconds": time.perf_counter() - start, "cpu": cpu_seconds() - cpu0}
+        shared = transport.lanes.shared_messages if transport.lanes is not None else 0
+        return {"seconds": time.perf_counter() - start, "cpu": cpu_seconds() - cpu0, "shared": shared}
 
 
 def bench_p2ptrain_between(peers: Sequence[str], size_bytes: int, reps: int, timeout: float = 300.0,
                            chunk_bytes: int | None = None,
                            argv_prefixes: Sequence[Sequence[str]] = ((), ()),
-                           data_plane: str = "auto") -> TransferResult:
+                           data_plane: str = "auto", shared_memory: bool = False) -> TransferResult:
     """Time ``reps`` pushes from ``peers[0]`` to ``peers[1]`` ("host:port" each, where that end listens).
 
     Each end runs as ``[*argv_prefixes[i], python, -m, p2ptrain.bench.push, ...]``; a prefix places
@@ -105,6 +108,8 @@ def bench_p2ptrain_between(peers: Sequence[str], size_bytes: int, reps: int, tim
             str(size_bytes), "--reps", str(reps), "--timeout", str(timeout), "--data-plane", data_plane]
     if chunk_bytes:
         argv += ["--chunk-bytes", str(chunk_bytes)]
+    if shared_memory:
+        argv.append("--shared-memory")
     package_root = str(Path(__file__).resolve().parents[2])  # finds p2ptrain even from a bare checkout
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
@@ -141,18 +146,22 @@ def bench_p2ptrain_between(peers: Sequence[str], size_bytes: int, reps: int, tim
                 out.close()
                 err.close()
     sender, receiver = results
-    return TransferResult(RESULT_NAMES.get(data_plane, "p2ptrain"), size_bytes, reps, sender["seconds"],
+    if shared_memory and sender.get("shared", 0) < reps:
+        raise RuntimeError(f"shared memory was asked for, but {sender.get('shared', 0)} of {WARMUP + reps} payloads "
+                           "went through it (another host or network namespace, TLS, or no memfd here)")
+    name = "shm" if shared_memory and data_plane != "grpc" else RESULT_NAMES.get(data_plane, "p2ptrain")
+    return TransferResult(name, size_bytes, reps, sender["seconds"],
                           sender_cpu_s=sender["cpu"], receiver_cpu_s=receiver["cpu"])
 
 
-def bench_p2ptrain(size_bytes: int, reps: int, timeout: float = 300.0,
-                   chunk_bytes: int | None = None, data_plane: str = "auto") -> TransferResult:
+def bench_p2ptrain(size_bytes: int, reps: int, timeout: float = 300.0, chunk_bytes: int | None = None,
+                   data_plane: str = "auto", shared_memory: bool = False) -> TransferResult:
     """Time ``reps`` pushes between two fresh processes on 127.0.0.1 (as bench_gloo / bench_tcp do)."""
     from launcher.ports import free_ports
 
     check_transfer_args(size_bytes, reps, timeout)
     return bench_p2ptrain_between([f"127.0.0.1:{port}" for port in free_ports(2)], size_bytes, reps, timeout,
-                                  chunk_bytes, data_plane=data_plane)
+                                  chunk_bytes, data_plane=data_plane, shared_memory=shared_memory)
 
 
 def _tail(stream, chars: int = 2000) -> str:
@@ -172,9 +181,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, required=True)
     parser.add_argument("--chunk-bytes", type=int, default=None)
     parser.add_argument("--data-plane", choices=("auto", "grpc", "tcp"), default="auto")
+    parser.add_argument("--shared-memory", action="store_true", help="lane payloads through shared memory")
     args = parser.parse_args(argv)
     result = push_endpoint(args.rank, args.peers.split(","), args.size_bytes, args.reps, args.timeout,
-                           args.chunk_bytes, args.data_plane)
+                           args.chunk_bytes, args.data_plane, args.shared_memory)
     print(json.dumps(result), flush=True)
     return 0
 

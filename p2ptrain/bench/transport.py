@@ -1,5 +1,6 @@
 """`p2ptrain bench transport`: p2ptrain's two data planes, gRPC streaming (`grpc`) and the TCP lane
-(`lane`), vs gloo send/recv vs a raw TCP socket.
+(`lane`; `shm`: the lane with its payloads through shared memory, as between nodes of one host),
+vs gloo send/recv vs a raw TCP socket.
 
 All four move the same float32 payload between two fresh processes on loopback, after untimed
 warm-up transfers (one; two for p2ptrain, whose receiver alternates two pooled buffers), in one
@@ -19,7 +20,8 @@ import sys
 from p2ptrain.bench.baselines import TransferResult, bench_gloo, bench_tcp
 from p2ptrain.bench.push import bench_p2ptrain
 
-METHODS = ("grpc", "lane", "gloo", "tcp")
+METHODS = ("grpc", "lane", "shm", "gloo", "tcp")
+OURS = ("grpc", "lane", "shm")
 ALIASES = {"p2ptrain": "grpc"}  # the method's name before the lane existed
 BASELINES = ("gloo", "tcp")
 
@@ -32,6 +34,7 @@ def run(size_mb: float, reps: int, methods=METHODS, chunk_mb: float | None = Non
     chunk_bytes = int(chunk_mb * 1024 * 1024) if chunk_mb else None
     runners = {"grpc": lambda: bench_p2ptrain(size_bytes, reps, chunk_bytes=chunk_bytes, data_plane="grpc"),
                "lane": lambda: bench_p2ptrain(size_bytes, reps, data_plane="tcp"),
+               "shm": lambda: bench_p2ptrain(size_bytes, reps, data_plane="tcp", shared_memory=True),
                "gloo": lambda: bench_gloo(size_bytes, reps), "tcp": lambda: bench_tcp(size_bytes, reps)}
     results: dict[str, list[TransferResult]] = {name: [] for name in methods}
     for round_index in range(rounds):
@@ -47,7 +50,7 @@ def run(size_mb: float, reps: int, methods=METHODS, chunk_mb: float | None = Non
                          "sender_cpu_s_per_gb": sender, "receiver_cpu_s_per_gb": receiver,
                          "cpu_s_per_gb": sender + receiver if sender is not None and receiver is not None else None}
     ratios = {f"{name}/{base}": summary[name]["mb_per_s"] / summary[base]["mb_per_s"]
-              for name in ("grpc", "lane") if name in summary for base in BASELINES if base in summary}
+              for name in OURS if name in summary for base in BASELINES if base in summary}
     return {"size_bytes": size_bytes, "reps": reps, "rounds": rounds, "chunk_bytes": chunk_bytes,
             "methods": summary, "ratios": ratios}
 

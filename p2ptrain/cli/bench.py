@@ -22,8 +22,9 @@ def add_parser(subcommands) -> None:
     transport.add_argument("--rounds", type=int, default=3,
                            help="interleaved rounds per method, medians reported (default 3)")
     transport.add_argument("--chunk-mb", type=float, default=None, help="gRPC streaming's chunk size in MiB")
-    transport.add_argument("--methods", default="grpc,lane,gloo,tcp",
-                           help="comma-separated subset of grpc,lane,gloo,tcp (default all; p2ptrain = grpc)")
+    transport.add_argument("--methods", default="grpc,lane,shm,gloo,tcp",
+                           help="comma-separated subset of grpc,lane,shm,gloo,tcp (default all; p2ptrain = grpc; "
+                                "shm = the lane through shared memory)")
     transport.add_argument("--json", action="store_true", help="print JSON instead of a table")
     transport.set_defaults(func=main_of("p2ptrain.bench.transport"))
 

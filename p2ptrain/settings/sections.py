@@ -309,6 +309,9 @@ class TransportSettings:
                 "lanes required (a peer without one is an error) (default {default})")
     lane_port: int = setting(0, "port of this node's TCP lane, on the host of --listen (default 0: a free port, "
                                 "advertised to peers in Hello)", metavar="PORT", per_node=True)
+    no_shared_memory: bool = setting(False, "lane payloads between processes of one host (one network namespace) go "
+                                            "over TCP too; by default they go through shared memory, which skips "
+                                            "the TCP stack (never under TLS)")
     reachability: Reachability = setting(
         "auto", "whether peers can dial this node at its address: auto = ask one or two peers to dial it back at "
                 "start; public / private = say so without asking (a node behind NAT or a firewall is private) "

@@ -40,6 +40,7 @@ from p2ptrain.transport.laneframes import (
 from p2ptrain.transport.peer_identity import IDENTITY, IdentityCheck
 from p2ptrain.transport.reception import Answers
 from p2ptrain.transport.security import Security
+from p2ptrain.transport.shared_segment import PeerSegment, supported
 from p2ptrain.transport.validation import Rejection
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class LaneServer:
     feeds what they carry into the Inbox through `answers`."""
 
     def __init__(self, answers: Answers, world_size: int, security: Security, identity: IdentityCheck | None = None,
-                 hangups: SenderConnections | None = None):
+                 hangups: SenderConnections | None = None, shared_memory: bool = True):
         self.answers = answers
         self.inbox = answers.inbox
         self.rank = answers.rank
@@ -106,6 +107,7 @@ class LaneServer:
         self.identity = identity  # under mTLS with identity certificates: LaneAuth.sender must be the peer's
         self.hangups = hangups
         self.ssl = security.lane_server_context()
+        self.shared_memory = shared_memory and self.ssl is None and supported()  # take senders' segments
         self.port = 0
         self.connections: set[LaneReceiver] = set()
         self.per_sender: Counter[int] = Counter()  # authenticated connections per sender
@@ -242,6 +244,7 @@ class LaneReceiver(asyncio.BufferedProtocol):
         self.sender: int | None = None  # authenticated peer: every header must name it
         self.reception: Reception | None = None
         self.closed = False
+        self.segment: PeerSegment | None = None  # the sender's shared memory, where it offered and we took it
         self._nonce = secrets.token_bytes(NONCE_BYTES)
         self._handshaking = False
         self._mode = _FRAME
@@ -329,6 +332,9 @@ class LaneReceiver(asyncio.BufferedProtocol):
                 if server.hangups is not None:
                     server.hangups.hung_up(self.sender)
         self._drop_reception("aborted_stream")
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
 
     # the parts of a connection ------------------------------------------------------------------
     def _low_water(self, remaining: int) -> None:
@@ -382,8 +388,19 @@ class LaneReceiver(asyncio.BufferedProtocol):
         server.per_sender[auth.sender] += 1
         if server.hangups is not None and server.per_sender[auth.sender] == 1:
             server.hangups.reconnected(auth.sender)
-        self.transport.write(encode(pb.LaneAuthReply(accepted=True)))
+        self.transport.write(encode(pb.LaneAuthReply(accepted=True, shared_memory=self._take_segment(auth))))
         self._next_message()
+
+    def _take_segment(self, auth: pb.LaneAuth) -> bool:
+        """Map the shared memory the sender offered, where it is of this host and usable."""
+        if not auth.shm_capacity or not self.server.shared_memory:
+            return False
+        try:
+            self.segment = PeerSegment.open(auth.shm_pid, auth.shm_fd, auth.shm_capacity, auth.shm_nonce)
+        except ValueError as exc:
+            log.debug("node %d: node %d's lane segment is not taken: %s", self.server.rank, auth.sender, exc)
+            return False
+        return True
 
     def _check_auth(self, auth: pb.LaneAuth) -> tuple[str, str] | None:
         server = self.server
@@ -410,6 +427,7 @@ class LaneReceiver(asyncio.BufferedProtocol):
 
     def _on_header(self, body: bytearray) -> None:
         header = decode(pb.TensorHeader, body)
+        shared = self.segment is not None and 0 < header.payload_bytes <= self.segment.capacity
         try:
             if header.sender != self.sender:
                 raise Rejection("wrong_sender", f"the lane connection of node {self.sender} carries a message "
@@ -422,8 +440,11 @@ class LaneReceiver(asyncio.BufferedProtocol):
         except Rejection as rejection:
             self._answer(self.answers.refuse(rejection, self.reception, sender=self.sender))
             self.reception = None
-            self._skip_payload(header.payload_bytes)
+            self._skip_payload(0 if shared else header.payload_bytes)
             return
+        if shared:  # the payload is in the sender's segment, not on the socket: one copy, then checked
+            self.segment.read_into(self.reception.space(), header.payload_bytes)
+            self.reception.filled(header.payload_bytes)
         if self.reception.complete():
             self._deliver()
         else:

@@ -118,7 +118,8 @@ class Transport:
         self.forwarder = Forwarder(rank, world_size, self.grpc, send_timeout=options.send_timeout, links=self.links,
                                    metrics=metrics)
         self.lanes = LanePath(rank, options.security, self.lane_ports, addresses, greetings,
-                              discovery_timeout=options.probe_timeout, metrics=metrics) if self.lane_ports else None
+                              discovery_timeout=options.probe_timeout, metrics=metrics,
+                              shared_memory=options.shared_memory) if self.lane_ports else None
         paths = [path for path in (self.lanes, self.grpc) if path is not None]  # tried in this order
         self.router = Router(rank, paths, self.grpc, self.routes, links=self.links, metrics=metrics)
         self.sender = Sender(rank, world_size, options, self.loop, self.router, self.grpc, greetings, liveness,
@@ -159,7 +160,7 @@ class Transport:
                                 f"{self.listen!r}")
             return 0
         self.lane_server = LaneServer(self.answers, self.world_size, self.options.security, identity=self.identity,
-                                      hangups=self.hangups)
+                                      hangups=self.hangups, shared_memory=self.options.shared_memory)
         peer_ports = frozenset(a[1] for a in map(split_address, self.grpc.addresses) if a is not None)
         return await self.lane_server.start(address[0], self.options.lane_port, avoid=peer_ports)
 

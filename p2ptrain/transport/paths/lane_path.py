@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import secrets
 import socket
 import time
 from collections import defaultdict, deque
@@ -35,6 +36,7 @@ from p2ptrain.transport.laneframes import (
 from p2ptrain.transport.paths import PathUnavailable
 from p2ptrain.transport.reception import RETRY_LATER
 from p2ptrain.transport.security import Security
+from p2ptrain.transport.shared_segment import OwnSegment, capacity_for, supported
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,7 @@ class LaneConnection(asyncio.Protocol):
         self.error: BaseException | None = None
         self.port = 0  # the peer's lane port it is connected to
         self.idle_since = 0.0
+        self.segment: OwnSegment | None = None  # shared memory the receiver took: payloads that fit go there
         self._reader = FrameReader()
         self._frames: deque[bytes] = deque()
         self._waiter: asyncio.Future | None = None
@@ -130,7 +133,13 @@ class LaneConnection(asyncio.Protocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closed = True
         self.error = self.error or exc or ConnectionResetError("the peer closed the lane connection")
+        self.close_segment()
         self._wake()
+
+    def close_segment(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -154,6 +163,7 @@ class LaneConnection(asyncio.Protocol):
     def abort(self) -> None:
         if self.transport is not None and not self.closed:
             self.transport.abort()
+        self.close_segment()
 
 
 def _refused_connect(exc: BaseException) -> bool:
@@ -163,12 +173,14 @@ def _refused_connect(exc: BaseException) -> bool:
 class LanePath:
     """Node `rank`'s lane path: connections pooled per peer (one message per connection at a time;
     the router bounds the messages in flight per peer). `addresses` are the peers' gRPC addresses
-    (a lane listens on the same host); `greeter` is asked where a peer's lane is when no Hello told."""
+    (a lane listens on the same host); `greeter` is asked where a peer's lane is when no Hello told.
+    `shared_memory`: offer each new connection a segment (shared_segment.py), which a receiver of
+    this host takes: its payloads then skip the TCP stack (never under TLS)."""
 
     name = "lane"
 
     def __init__(self, rank: int, security: Security, ports: LanePorts, addresses: list[str], greeter: Greeter, *,
-                 discovery_timeout: float = 2.0, metrics=None):
+                 discovery_timeout: float = 2.0, metrics=None, shared_memory: bool = True):
         self.rank = rank
         self.security = security
         self.ports = ports
@@ -178,6 +190,8 @@ class LanePath:
         self.metrics = metrics
         self.token = security.token
         self.ssl = security.lane_client_context()
+        self.shared_memory = shared_memory and self.ssl is None and supported()
+        self.shared_messages = 0  # messages whose payload went through shared memory
         self._idle: dict[int, list[LaneConnection]] = defaultdict(list)
         self._all: set[LaneConnection] = set()
         self._asking: dict[int, asyncio.Future] = {}  # per peer: the Hello that asks where its lane is
@@ -260,9 +274,15 @@ class LanePath:
 
     async def _exchange(self, peer: int, host: str, port: int, header: pb.TensorHeader,
                         payload: memoryview) -> pb.Ack:
-        connection = self._pooled(peer, port) or await self._connect(peer, host, port)
+        connection = self._pooled(peer, port) or await self._connect(peer, host, port, payload.nbytes)
+        segment = connection.segment
+        shared = segment is not None and 0 < payload.nbytes <= segment.capacity
         try:
-            connection.send(encode(header), payload)
+            if shared:  # the bytes in shared memory, the header on the socket: the receiver copies them out
+                segment.write(payload)
+                connection.send(encode(header))
+            else:
+                connection.send(encode(header), payload)
             ack = decode(pb.Ack, await connection.frame())
         except BaseException as exc:
             self._discard(connection)  # whatever was half-sent is dropped by the receiver
@@ -271,6 +291,7 @@ class LanePath:
             raise
         connection.idle_since = asyncio.get_running_loop().time()
         self._idle[peer].append(connection)
+        self.shared_messages += shared
         later = RETRY_LATER.get(ack.reason) if ack.status == pb.Ack.STATUS_REJECTED else None
         if later is not None:  # not the message's fault: the sender may retry it
             raise SendFailure(later, f"{ack.reason}: {ack.detail}")
@@ -292,7 +313,27 @@ class LanePath:
             self._discard(connection)
         return None
 
-    async def _connect(self, peer: int, host: str, port: int) -> LaneConnection:
+    async def _connect(self, peer: int, host: str, port: int, payload_bytes: int) -> LaneConnection:
+        offer = self._offer(payload_bytes)
+        try:
+            connection = await self._handshake(peer, host, port, offer)
+        except BaseException:
+            if offer is not None:
+                offer.close()
+            raise
+        return connection
+
+    def _offer(self, payload_bytes: int) -> OwnSegment | None:
+        """A segment for a new connection whose first payload has `payload_bytes`, or None."""
+        if not self.shared_memory:
+            return None
+        try:
+            return OwnSegment(capacity_for(payload_bytes), secrets.token_bytes(16))
+        except OSError as exc:  # (no memfd here, or no memory): TCP it is
+            log.debug("node %d: no shared memory for the lane: %s", self.rank, exc)
+            return None
+
+    async def _handshake(self, peer: int, host: str, port: int, offer: OwnSegment | None) -> LaneConnection:
         loop = asyncio.get_running_loop()
         where = f"node {self.rank}: lane of node {peer} at {host}:{port}"
         try:
@@ -309,8 +350,11 @@ class LanePath:
             if challenge.protocol_version != LANE_PROTOCOL:
                 raise LaneFrameError(f"lane protocol {challenge.protocol_version!r} != {LANE_PROTOCOL!r}")
             proof = auth_proof(self.token, challenge.nonce, self.rank, peer) if self.token else b""
-            connection.send(encode(pb.LaneAuth(protocol_version=LANE_PROTOCOL, sender=self.rank, receiver=peer,
-                                               proof=proof)))
+            auth = pb.LaneAuth(protocol_version=LANE_PROTOCOL, sender=self.rank, receiver=peer, proof=proof)
+            if offer is not None:
+                auth.shm_pid, auth.shm_fd, auth.shm_capacity, auth.shm_nonce = (offer.pid, offer.fd, offer.capacity,
+                                                                                 offer.nonce)
+            connection.send(encode(auth))
             verdict = decode(pb.LaneAuthReply, await asyncio.wait_for(connection.frame(), CONNECT_TIMEOUT))
         except (OSError, asyncio.TimeoutError, LaneFrameError) as exc:
             self._discard(connection)
@@ -326,6 +370,12 @@ class LanePath:
             if verdict.reason == "too_many_connections":
                 raise SendFailure(FailureKind.BUSY, detail)
             raise LaneUnavailable(detail)  # e.g. another node now listens on that port: ask again
+        if offer is not None:
+            offer.close_fd()  # (the receiver has its own mapping, or none)
+            if verdict.shared_memory and not connection.closed:
+                connection.segment = offer
+            else:
+                offer.close()
         return connection
 
     def _discard(self, connection: LaneConnection) -> None:
