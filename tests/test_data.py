@@ -364,3 +364,35 @@ def test_node_shard():
         idx = data.shard_indices(10, rank, 3, seed=5)
         assert torch.equal(part.tensors[0], x[idx]) and torch.equal(part.tensors[1], y[idx])
     assert sorted(torch.cat([p.tensors[1] for p in parts]).tolist()) == list(range(10))
+
+
+@pytest.mark.parametrize(("n", "batch_size", "drop_last"),
+                         [(100, 32, True), (100, 32, False), (96, 32, True), (96, 32, False), (10, 32, False)])
+def test_shuffled_batches_are_dataloaders_batches_and_leave_its_generator_where_it_would(n, batch_size, drop_last):
+    """The training loader (p2ptrain/train/batches.py) indexes the tensors instead of fetching and
+    stacking samples; every batch, and the generator's state after each epoch and after a partial
+    one (a reshard stops an epoch early), must be DataLoader(shuffle=True)'s."""
+    from torch.utils.data import DataLoader
+
+    from p2ptrain.train.batches import ShuffledBatches
+
+    shard = TensorDataset(torch.randn(n, 3, 2), torch.arange(n))
+    reference_generator, generator = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    reference = DataLoader(shard, batch_size=batch_size, shuffle=True, drop_last=drop_last,
+                           generator=reference_generator)
+    batches = ShuffledBatches(shard, batch_size, generator=generator, drop_last=drop_last)
+    assert len(batches) == len(reference)
+    for _ in range(3):
+        expected, got = list(reference), list(batches)
+        assert len(got) == len(expected) and len(got) >= 1
+        for (x, y), (x2, y2) in zip(expected, got):
+            assert torch.equal(x, x2) and torch.equal(y, y2) and x2.dtype == x.dtype
+        assert torch.equal(reference_generator.get_state(), generator.get_state())
+    next(iter(reference)), next(iter(batches))
+    assert torch.equal(reference_generator.get_state(), generator.get_state())
+    epoch_a, epoch_b = iter(reference), iter(batches)
+    for _ in range(len(reference)):  # all batches taken, the end not asked for yet
+        next(epoch_a), next(epoch_b)
+    assert torch.equal(reference_generator.get_state(), generator.get_state())
+    with pytest.raises(ValueError, match="batch_size"):
+        ShuffledBatches(shard, 0, generator=generator)

@@ -12,9 +12,9 @@ batches are exactly those of its fixed shard (the same loader, the same generato
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 from p2ptrain.train.data import node_shard
 
@@ -25,16 +25,17 @@ class MemberShards:
     this node is no member, e.g. a joiner being admitted, the part it had, at first
     `rank % world_size`'s). Each iteration is one epoch of the current part; it ends early when the
     members change, so the next one (`cycle`) is over the new part. `loader(shard)` makes a
-    shuffling DataLoader of a shard; `reshards` counts the changes."""
+    shuffling loader of a shard (an iterable of batches, one epoch per iteration: ShuffledBatches,
+    or a DataLoader); `reshards` counts the changes."""
 
     def __init__(self, dataset: TensorDataset, rank: int, world_size: int, *,
-                 members: Callable[[], Sequence[int]], loader: Callable[[TensorDataset], DataLoader],
+                 members: Callable[[], Sequence[int]], loader: Callable[[TensorDataset], Iterable],
                  seed: int = 0):
         self.dataset, self.rank, self.world_size, self.seed = dataset, rank, world_size, seed
         self.members, self.loader = members, loader
         self.part: tuple[int, int] | None = None  # (position, count) of the part in use
         self.reshards = 0
-        self._epochs: DataLoader | None = None
+        self._epochs: Iterable | None = None
 
     def current_part(self) -> tuple[int, int]:
         """(position, count): the part of the data set this node should train on now."""

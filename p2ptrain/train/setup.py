@@ -7,6 +7,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from p2ptrain.train.batches import ShuffledBatches
 from p2ptrain.train.data import build_dataset, node_shard
 from p2ptrain.train.device import pick_device
 from p2ptrain.train.member_shards import MemberShards
@@ -24,10 +25,9 @@ def training_setup(config, members: Callable[[], Sequence[int]] | None = None):
     device = pick_device(config.device)
     generator = torch.Generator().manual_seed(config.seed * 1_000_003 + config.rank)
 
-    def loader_of(shard) -> torch.utils.data.DataLoader:
-        return torch.utils.data.DataLoader(shard, batch_size=config.batch_size, shuffle=True,
-                                           drop_last=len(shard) >= config.batch_size, generator=generator,
-                                           pin_memory=device.type == "cuda")
+    def loader_of(shard) -> ShuffledBatches:  # (DataLoader(shuffle=True)'s batches, by indexing)
+        return ShuffledBatches(shard, config.batch_size, generator=generator, drop_last=len(shard) >= config.batch_size,
+                               pin_memory=device.type == "cuda")
 
     part = config.rank % config.world_size  # a node that joined an elastic run later: the shard of a starting
     if config.dirichlet_alpha is not None:  # rank, in its own order (the loader's seed is its own rank's)
