@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 import warnings
 
 import pytest
@@ -48,3 +49,37 @@ def test_a_stopped_loop_refuses_new_work_with_a_clear_error():
             thread.submit(_nothing())
         gc.collect()
     assert not [w for w in caught if "never awaited" in str(w.message)]
+
+
+def test_call_runs_on_the_loop_thread_and_fails_when_the_loop_stops_before_it_ran():
+    """call(): its result or exception comes back, it runs on the loop's thread, and a call made as
+    the loop stops runs or fails, never waits forever."""
+    thread = LoopThread("test-loop", "test loop")
+    thread.start(_nothing)
+    assert thread.call(threading.current_thread) is thread.thread
+    with pytest.raises(ZeroDivisionError):
+        thread.call(lambda: 1 / 0)
+    loop, gate, outcome = thread.loop, threading.Event(), []
+
+    def hold_then_stop() -> None:  # the loop stops while the call is queued behind this
+        gate.wait(10)
+        loop.stop()
+
+    thread.call_soon(hold_then_stop)
+
+    def caller() -> None:
+        try:
+            outcome.append(thread.call(lambda: "ran", timeout=10))
+        except RuntimeError as exc:
+            outcome.append(exc)
+
+    waiting = threading.Thread(target=caller)
+    waiting.start()
+    time.sleep(0.3)  # (the call is queued behind the held loop)
+    gate.set()
+    thread.stop(_nothing, grace=1)
+    waiting.join(10)
+    assert not waiting.is_alive()  # it ran (the loop finished the batch it was in) or failed: never left waiting
+    assert outcome == ["ran"] or ("test loop stopped" in str(outcome[0]) or "closed" in str(outcome[0])), outcome
+    with pytest.raises(RuntimeError):
+        thread.call(lambda: "too late")
