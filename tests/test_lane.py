@@ -496,12 +496,12 @@ def test_payloads_between_nodes_of_one_host_go_through_shared_memory_where_they_
         assert lane_messages(t[0], 1) == 4
 
 
-def test_no_shared_memory_setting_turns_the_option_off():
+def test_shared_memory_is_off_unless_the_setting_turns_it_on():
     from p2ptrain.settings import NodeConfig
 
     cluster = {"P2PTRAIN_RANK": "0", "P2PTRAIN_WORLD_SIZE": "2", "P2PTRAIN_PEERS": "127.0.0.1:1,127.0.0.1:2"}
-    on = NodeConfig.from_sources(env=cluster)
-    off = NodeConfig.from_sources(env={**cluster, "P2PTRAIN_NO_SHARED_MEMORY": "1"})
+    off = NodeConfig.from_sources(env=cluster)
+    on = NodeConfig.from_sources(env={**cluster, "P2PTRAIN_SHARED_MEMORY": "1"})
     assert TransportOptions.from_settings(on.transport).shared_memory
     assert not TransportOptions.from_settings(off.transport).shared_memory
 
@@ -537,7 +537,7 @@ def test_a_shared_memory_offer_that_cannot_be_used_is_declined_and_payloads_trav
         "a negative descriptor": dict(shm_fd=-1),
     }
     try:
-        with nodes(3, [1]) as t:
+        with nodes(3, [1], options=options("auto", shared_memory=True)) as t:
             t[1].expect(KIND, torch.float32, NUMEL)
             for step, (what, fields) in enumerate(offers.items()):
                 offer = {"shm_pid": os.getpid(), "shm_capacity": 1 << 20, "shm_nonce": nonce, **fields}

@@ -44,8 +44,8 @@ class TransportOptions:
     data_plane: DataPlane = "auto"     # tensor payloads over the peers' TCP lanes (auto: where offered),
                                        # or gRPC streaming only (paths/router.py)
     lane_port: int = 0                 # the TCP lane's port, on the gRPC listen host (0: one the OS picks)
-    shared_memory: bool = True         # lane payloads between processes of one host through shared memory
-                                       # (shared_segment.py), not the TCP stack; never under TLS
+    shared_memory: bool = False        # lane payloads between processes of one host through shared memory
+                                       # (shared_segment.py), not the TCP stack; never under TLS (experimental)
     reachability: Reachability = "auto"  # can peers dial this node: auto = ask them (reachability.py)
     initial_members: int | None = None  # elastic runs: ranks below this start as members, the others join
                                        # later (None: every rank of the world is a member from the start)
@@ -60,15 +60,13 @@ class TransportOptions:
     @classmethod
     def from_settings(cls, transport: "TransportSettings", **node: Any) -> "TransportOptions":
         """The options of a node's transport settings: a setting and an option of the same name are
-        one knob (a setting left None keeps the option's default); chunk_mb, peer_timeout and
-        no_shared_memory arrive as chunk_bytes, send_timeout and shared_memory. `node` adds what the
-        node derives or builds itself (links, security, pinned memory, the resolved max_lag, the
-        elastic membership) and wins."""
+        one knob (a setting left None keeps the option's default); chunk_mb and peer_timeout arrive
+        as chunk_bytes and send_timeout. `node` adds what the node derives or builds itself (links,
+        security, pinned memory, the resolved max_lag, the elastic membership) and wins."""
         names = {f.name for f in dataclasses.fields(cls)}
         same = {f.name: getattr(transport, f.name) for f in dataclasses.fields(transport)
                 if f.name in names and getattr(transport, f.name) is not None}
-        return cls(**{**same, "chunk_bytes": transport.chunk_bytes, "send_timeout": transport.peer_timeout,
-                      "shared_memory": not transport.no_shared_memory, **node})
+        return cls(**{**same, "chunk_bytes": transport.chunk_bytes, "send_timeout": transport.peer_timeout, **node})
 
     def channel_options(self) -> list[tuple[str, object]]:
         limit = self.chunk_bytes + (1 << 20)  # a data chunk plus framing; headers are tiny
