@@ -35,10 +35,11 @@ class ShuffledBatches:
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
-        return self._epoch(torch.empty((), dtype=torch.int64).random_(generator=self.generator))
+        # DataLoader's iterator draws its workers' base seed when it is made, also with no workers
+        torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+        return self._epoch()
 
-    def _epoch(self, _base_seed: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
-        # (DataLoader's iterator draws its workers' base seed first, also with no workers)
+    def _epoch(self) -> Iterator[tuple[torch.Tensor, ...]]:
         n, size = len(self.dataset), self.batch_size
         order = torch.randperm(n, generator=self.generator)
         for start in range(0, n, size):
