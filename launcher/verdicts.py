@@ -160,8 +160,9 @@ def _one_digest(states: dict[int, dict | None]) -> tuple[dict, str | None]:
 def mass(report: dict, faults: list[dict]) -> Verdict:
     """Push-sum: Σ w over the final members against the ledger. Units: the nodes that started, plus
     the new units fresh processes were given (joiners and restarted nodes: each incarnation's
-    `ps_minted`, or its mass record's at a kill; older runs: one per join), minus leaves (a
-    leaver hands its w over and one unit is retired). Lost: what each
+    `ps_minted`, or its mass record's at a kill; older runs: one per join), minus the units retired
+    for leavers (a leaver hands its w over and the member that takes it retires one unit, or less
+    where its w would fall under a quarter; older runs: one per leave). Lost: what each
     SIGKILLed node held (its mass record, read by the launcher after the kill: w held is lost for
     certain; shares it had sent and not seen acknowledged may have landed, and shares acknowledged to
     their senders but not folded in are lost unless the ack never left: `mass_uncertain`). Shares a
@@ -184,16 +185,18 @@ def mass(report: dict, faults: list[dict]) -> Verdict:
     leaves = sum(1 for n in nodes if n.get("left_at") is not None)
     kills = [f for f in fired if f["action"] == "kill"]
     minted = _minted(nodes, kills)
+    retired = _retired(nodes, kills)
     lost = sum(float(f.get("mass_lost") or 0.0) for f in kills)
     uncertain_with_kills = sum(float(f.get("mass_uncertain") or 0.0) for f in kills)
     unacknowledged = sum(float(n.get("ps_in_flight") or 0.0) for n in members)
     uncertain = uncertain_with_kills + unacknowledged
     unrecorded = [f["rank"] for f in kills if "mass_lost" not in f]
-    units = started + (joins if minted is None else minted) - leaves
+    units = started + (joins if minted is None else minted) - (leaves if retired is None else retired)
     actual = sum(float(n.get("ps_weight") or 0.0) for n in members)
     low, high = units - lost - uncertain, units - lost
     difference = actual - high if actual > high else (actual - low if actual < low else 0.0)
     figures = {"units": units, "started": started, "joins": joins, "minted": minted, "leaves": leaves,
+               "retired": retired,
                "kills": len(kills),
                "lost_with_kills": lost, "uncertain_with_kills": uncertain_with_kills,
                "unacknowledged_at_end": unacknowledged, "expected_low": low,
@@ -362,6 +365,18 @@ def _minted(nodes: list[dict], kills: list[dict]) -> float | None:
     if not ended and not killed:
         return None
     return sum(float(n["ps_minted"] or 0.0) for n in ended) + sum(float(f["mass_minted"] or 0.0) for f in killed)
+
+
+def _retired(nodes: list[dict], kills: list[dict]) -> float | None:
+    """The units taken out for leavers, as recorded: a member retires one unit per leaver, or less
+    where that would leave its w under a quarter (PushSum.take_over); None where some incarnation did
+    not record its flows (older runs: one unit per leave is assumed)."""
+    ended = [n for n in nodes if n.get("outcome", "done") == "done" and isinstance(n.get("steps"), int)]
+    killed = [f for f in kills if "mass_lost" in f]
+    if any(not n.get("ps_flows") for n in ended) or any("mass_flows" not in f for f in killed):
+        return None
+    return sum(float(n["ps_flows"].get("retired") or 0.0) for n in ended) + \
+        sum(float(f["mass_flows"].get("retired") or 0.0) for f in killed)
 
 
 def as_dicts(verdicts: list[Verdict]) -> list[dict]:

@@ -162,9 +162,31 @@ def test_mass_counts_the_new_units_of_joiners_and_restarted_nodes_from_their_rec
     assert not verdicts.mass(write_run(tmp_path, nodes, faults=faults, config={"world_size": 3}), faults).ok
 
 
-def _flows(started=0.0, minted=0.0, taken=0.0, sent=0.0, reabsorbed=0.0, received=0.0) -> dict:
+def _flows(started=0.0, minted=0.0, taken=0.0, sent=0.0, reabsorbed=0.0, received=0.0, retired=0.0) -> dict:
     return {"started": started, "minted": minted, "taken": taken, "sent": sent, "reabsorbed": reabsorbed,
-            "retired": 0.0, "dropped": 0.0, "received": received}
+            "retired": retired, "dropped": 0.0, "received": received}
+
+
+def test_mass_takes_out_the_units_actually_retired_for_a_leaver_not_one_per_leave(tmp_path):
+    """Node 1 sends 0.75 to node 2, node 2 sends 0.25 to node 0, node 0 sends 0.5 to node 2; node 1
+    leaves and hands its last 0.25 to node 0, whose w is then 1.0: it retires 0.75 (it keeps a
+    quarter), not a whole unit. Σ w of the final members is 3 - 0.75 = 2.25, and both the bracket and
+    the exact ledger say so; a bracket of one unit per leave would put its top at 2.0 and fail."""
+    faults = [{"action": "leave", "rank": 1, "cluster_step": 50, "time": T0 + 0.5}]
+    nodes = [{"rank": 0, "push_sum": True, "ps_weight": 0.25, "steps": 60,
+              "ps_flows": _flows(started=1.0, taken=0.5, sent=0.5, received=0.5, retired=0.75)},
+             {"rank": 1, "push_sum": True, "ps_weight": 0.0, "left_at": 52, "steps": 52,
+              "ps_flows": _flows(started=1.0, taken=0.0, sent=1.0, received=0.0)},
+             {"rank": 2, "push_sum": True, "ps_weight": 2.0, "steps": 60,
+              "ps_flows": _flows(started=1.0, taken=1.25, sent=0.25, received=1.25)}]
+    verdict = verdicts.mass(write_run(tmp_path, nodes, faults=faults, config={"world_size": 3}), faults)
+    figures = verdict.figures
+    assert verdict.ok, verdict.detail
+    assert (figures["retired"], figures["units"], figures["expected_high"]) == (0.75, 2.25, 2.25)
+    assert figures["exact"]["expected"] == figures["actual"] == 2.25
+    del nodes[1]["ps_flows"]  # (an older run: one unit per leave, and no exact ledger)
+    verdict = verdicts.mass(write_run(tmp_path, nodes, faults=faults, config={"world_size": 3}), faults)
+    assert verdict.figures["retired"] is None and verdict.figures["units"] == 2
 
 
 def test_mass_is_exact_where_every_incarnation_recorded_its_flows(tmp_path):
