@@ -496,14 +496,25 @@ def test_payloads_between_nodes_of_one_host_go_through_shared_memory_where_they_
         assert lane_messages(t[0], 1) == 4
 
 
-def test_shared_memory_is_off_unless_the_setting_turns_it_on():
+def test_shared_memory_is_on_unless_the_setting_or_the_flag_turns_it_off():
+    import argparse
+
+    from p2ptrain.cli.flags import add_node_arguments, config_from_args, node_flags_as_argv
     from p2ptrain.settings import NodeConfig
 
     cluster = {"P2PTRAIN_RANK": "0", "P2PTRAIN_WORLD_SIZE": "2", "P2PTRAIN_PEERS": "127.0.0.1:1,127.0.0.1:2"}
-    off = NodeConfig.from_sources(env=cluster)
-    on = NodeConfig.from_sources(env={**cluster, "P2PTRAIN_SHARED_MEMORY": "1"})
+    on = NodeConfig.from_sources(env=cluster)
+    off = NodeConfig.from_sources(env={**cluster, "P2PTRAIN_SHARED_MEMORY": "0"})
     assert TransportOptions.from_settings(on.transport).shared_memory
     assert not TransportOptions.from_settings(off.transport).shared_memory
+    parser = argparse.ArgumentParser()
+    add_node_arguments(parser)
+    cluster_flags = ["--rank", "0", "--world-size", "2", "--peers", "127.0.0.1:1,127.0.0.1:2"]
+    for given, expected, passed_on in ([], True, []), (["--no-shared-memory"], False, ["--no-shared-memory"]), \
+                                      (["--shared-memory"], True, ["--shared-memory"]):
+        args = parser.parse_args(cluster_flags + given)
+        assert config_from_args(args).transport.shared_memory is expected, given
+        assert [f for f in node_flags_as_argv(args) if "shared-memory" in f] == passed_on  # (to launched nodes)
 
 
 def test_a_segment_is_sized_in_whole_mib_for_its_first_payload_and_bounded():

@@ -47,6 +47,9 @@ def _add_flag(group, setting: Setting) -> argparse.Action:
     info, kind = setting.info, unwrap(setting.type)[1]
     spellings = info.flags or (f"--{setting.name.replace('_', '-')}",)
     text = info.help.format(default=setting.default) + _help_tail(setting.name)
+    if kind is bool and setting.default:  # on unless turned off: --X / --no-X, absent means not given
+        return group.add_argument(*spellings, dest=setting.name, action=argparse.BooleanOptionalAction, default=None,
+                                  help=text)
     if kind is bool:  # a switch: given means true, absent means not given
         return group.add_argument(*spellings, dest=setting.name, action="store_true", default=None, help=text)
     if kind is list and setting.name in LIST_SEPARATORS:  # repeatable, kept joined as in the environment
@@ -124,8 +127,11 @@ def node_flags_as_argv(args: argparse.Namespace) -> list[str]:
         value = getattr(args, action.dest, None)
         if value is None or action.dest == "auth_token":
             continue
-        if action.nargs == 0:  # a switch (store_true): the flag alone
-            argv += [action.option_strings[0]] if value else []
+        if action.nargs == 0:  # a switch: the flag alone (--no-X: a default-on switch turned off)
+            if value:
+                argv.append(action.option_strings[0])
+            elif isinstance(action, argparse.BooleanOptionalAction):
+                argv.append(action.option_strings[1])
         else:
             argv += [action.option_strings[0], str(value)]
     return argv

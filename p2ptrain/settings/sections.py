@@ -309,10 +309,9 @@ class TransportSettings:
                 "lanes required (a peer without one is an error) (default {default})")
     lane_port: int = setting(0, "port of this node's TCP lane, on the host of --listen (default 0: a free port, "
                                 "advertised to peers in Hello)", metavar="PORT", per_node=True)
-    shared_memory: bool = setting(False, "experimental: lane payloads between processes of one host (one network "
-                                         "namespace) go through shared memory, which skips the TCP stack (never "
-                                         "under TLS); off by default: chaos runs with kills saw more push-sum mass "
-                                         "than the ledger allows with it")
+    shared_memory: bool = setting(True, "lane payloads between processes of one host (one network namespace) go "
+                                        "through shared memory, which skips the TCP stack (never under TLS; "
+                                        "--no-shared-memory: over TCP) (default on)")
     reachability: Reachability = setting(
         "auto", "whether peers can dial this node at its address: auto = ask one or two peers to dial it back at "
                 "start; public / private = say so without asking (a node behind NAT or a firewall is private) "

@@ -44,7 +44,7 @@ class TransportOptions:
     data_plane: DataPlane = "auto"     # tensor payloads over the peers' TCP lanes (auto: where offered),
                                        # or gRPC streaming only (paths/router.py)
     lane_port: int = 0                 # the TCP lane's port, on the gRPC listen host (0: one the OS picks)
-    shared_memory: bool = False        # lane payloads between processes of one host through shared memory
+    shared_memory: bool = True         # lane payloads between processes of one host through shared memory
                                        # (shared_segment.py), not the TCP stack; never under TLS (experimental)
     reachability: Reachability = "auto"  # can peers dial this node: auto = ask them (reachability.py)
     initial_members: int | None = None  # elastic runs: ranks below this start as members, the others join
