@@ -762,3 +762,16 @@ def test_a_first_push_waiting_for_a_peer_to_come_up_ends_when_it_is_declared_dea
         with pytest.raises(PeerError):
             push.result(20)
         assert time.monotonic() - declared < 5.0  # not the 30 s send timeout
+
+
+def test_all_finite_checks_element_by_element_only_where_the_sum_is_not_finite():
+    """The one-sum check: a NaN or Inf anywhere is found; finite values whose float32 sum overflows
+    to Inf are still finite (looked at element by element); non-float and empty tensors pass."""
+    from p2ptrain.transport.validation import all_finite
+
+    values = torch.full((1000,), 3e38)  # each finite, their sum +Inf
+    assert all_finite(values)
+    for bad in (math.nan, math.inf, -math.inf):
+        values[617] = bad
+        assert not all_finite(values), bad
+    assert all_finite(torch.arange(10)) and all_finite(torch.empty(0)) and all_finite(torch.randn(3, 4))
