@@ -178,6 +178,30 @@ def test_several_senders_steps_and_channels(plane):
         assert sample(t[1], "p2ptrain_received_messages_total", node="1", peer="2") == 3
 
 
+def test_take_finds_nothing_without_a_trip_to_the_loop_and_still_takes_what_arrived():
+    """Inbox.holds, read from the training thread, is what take() asks first: a step past
+    max_step, another channel, or a box that was opened and left empty (a refused message) holds
+    nothing, and take() then returns [] without calling onto the loop; a delivered message is taken."""
+    with nodes(2) as t:
+        t[1].expect(KIND, torch.float32, 10)
+        assert t[0].sender.send(1, torch.ones(10), kind=KIND, step=3).result(30).status == pb.Ack.STATUS_ACCEPTED
+        nan = torch.full((10,), math.nan)
+        assert t[0].sender.send(1, nan, kind=KIND, step=1).result(30).status == pb.Ack.STATUS_REJECTED
+        inbox = t[1].inbox
+        assert not inbox.holds(KIND, 2) and not inbox.holds(KIND, 3, "other") and not inbox.holds(KIND + 1, 9)
+        assert inbox.holds(KIND, 3)
+        calls = []
+        real_call = t[1].loop.call
+        t[1].loop.call = lambda fn, *args, **kw: calls.append(fn) or real_call(fn, *args, **kw)
+        try:
+            assert t[1].take(KIND, max_step=2) == [] and calls == []
+            (message,) = t[1].take(KIND, max_step=3)
+            assert (message.sender, message.step, len(calls)) == (0, 3, 1)
+            assert not inbox.holds(KIND, 3)
+        finally:
+            t[1].loop.call = real_call
+
+
 @pytest.mark.parametrize("plane", PLANES)
 def test_second_message_for_an_occupied_slot_is_rejected(plane):
     with nodes(2, options=on_plane(FAST, plane)) as t:

@@ -458,6 +458,19 @@ class Inbox:
             taken.extend(self._pop(kind, channel, step, set(boxes[step])).values())
         return taken
 
+    def holds(self, kind: int, max_step: int, channel: str = "") -> bool:
+        """Whether a delivered message of `kind` with step <= max_step may be here: safe from any
+        thread (it only reads, and each read is atomic under the GIL), so a caller that finds none
+        skips the round trip to the loop. False: there was none an instant ago, as take() would
+        have found; a message delivered meanwhile is taken next time, as it would have been."""
+        boxes = self._mail.get((kind, channel))  # (get: the defaultdict grows only on the loop)
+        if not boxes:
+            return False
+        try:
+            return any(box and step <= max_step for step, box in list(boxes.items()))
+        except RuntimeError:  # (resized while copied: another thread's Python code ran; look properly)
+            return True
+
     def _pop(self, kind: int, channel: str, step: int, senders: set[int]) -> dict[int, Message]:
         boxes = self._mail[(kind, channel)]
         box = boxes.get(step, {})
