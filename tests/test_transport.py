@@ -181,7 +181,9 @@ def test_several_senders_steps_and_channels(plane):
 def test_take_finds_nothing_without_a_trip_to_the_loop_and_still_takes_what_arrived():
     """Inbox.holds, read from the training thread, is what take() asks first: a step past
     max_step, another channel, or a box that was opened and left empty (a refused message) holds
-    nothing, and take() then returns [] without calling onto the loop; a delivered message is taken."""
+    nothing, and take() then returns [] without calling onto the loop (it yields the GIL, so a loop
+    thread that has read a message can deliver it: take() still sees what arrived in time, which an
+    in-process cluster of tiny steps relies on); a delivered message is taken."""
     with nodes(2) as t:
         t[1].expect(KIND, torch.float32, 10)
         assert t[0].sender.send(1, torch.ones(10), kind=KIND, step=3).result(30).status == pb.Ack.STATUS_ACCEPTED

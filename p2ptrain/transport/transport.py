@@ -382,6 +382,7 @@ class Transport:
         find none (late shares, leavers' mass: twice a push-sum step), and learn so without a
         round trip to the loop thread (Inbox.holds)."""
         if not self.inbox.holds(kind, max_step, channel):
+            time.sleep(0)  # (lets the loop thread, if it waits for the GIL, deliver what it has read)
             return []
         return self.loop.call(self.inbox.take, kind, max_step, channel)
 
