@@ -129,6 +129,30 @@ def test_targets_are_ratios_to_ddp_of_the_same_run():
     assert [c[0] for c in check_targets(results, "netns, cap 200mbit")] == ["SGP tau=1 step vs DDP"]
 
 
+def test_rounds_combine_into_means_with_each_rounds_ratio_to_its_own_ddp_run():
+    """--rounds: per variant the means of the rounds (the slowest step: the max), time to target
+    only where every round reached it, a failed round in `error`; the ratios round by round."""
+    def result(name, seconds, p50, worst, reached, error=None):
+        return PeersResult(name, 4, 200, step_seconds=seconds, step_p50=p50, step_p95=2 * p50, step_max=worst,
+                           wall_per_step=seconds, cpu_seconds_per_step=seconds / 2, bytes_per_step=1e6,
+                           test_accuracy=0.9, time_to_target=reached, wall_seconds=10.0, error=error)
+
+    rounds = [[result(BASELINE, 0.020, 0.019, 0.05, 4.0), result("sgp-tau1", 0.012, 0.011, 0.04, 3.0)],
+              [result(BASELINE, 0.030, 0.028, 0.09, 6.0), result("sgp-tau1", 0.021, 0.019, 0.03, None)]]
+    ddp, sgp = peers.combine_rounds(rounds)
+    assert (ddp.step_seconds, ddp.step_p50, ddp.step_max, ddp.time_to_target) == \
+        (pytest.approx(0.025), pytest.approx(0.0235), 0.09, pytest.approx(5.0))
+    assert (sgp.step_seconds, sgp.step_max, sgp.time_to_target, sgp.wall_seconds) == \
+        (pytest.approx(0.0165), 0.04, None, 20.0)  # one round never reached the target
+    assert peers.ratios([ddp, sgp])["sgp-tau1"]["step"] == pytest.approx(0.66)
+    assert peers.round_ratios(rounds) == {BASELINE: [1.0, 1.0], "sgp-tau1": [pytest.approx(0.6), pytest.approx(0.7)]}
+    rounds[1][1] = result("sgp-tau1", math.nan, math.nan, math.nan, None, error="node 2 exited with 1")
+    sgp = peers.combine_rounds(rounds)[1]
+    assert sgp.step_seconds == pytest.approx(0.012) and sgp.error == "1 of 2 rounds failed: node 2 exited with 1"
+    assert peers.round_ratios(rounds)["sgp-tau1"] == [pytest.approx(0.6), None]
+    assert peers.combine_rounds(rounds[:1]) is rounds[0]
+
+
 def test_step_clock_leaves_work_off_the_clock_out():
     clock = StepClock()
     time.sleep(0.05)

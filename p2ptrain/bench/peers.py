@@ -105,8 +105,14 @@ def add_arguments(parser) -> None:
                         help="run every variant (DDP too) with each node in its own network namespace; needs root")
     parser.add_argument("--bandwidth", metavar="RATE",
                         help="with --netns: per-node upload and download cap (tc tbf), e.g. 200mbit")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every variant this many times, interleaved (DDP, the variants, DDP, ...), and "
+                             "report the means over the rounds, with each round's ratio to its own DDP run: "
+                             "interference that comes and goes on a shared machine then hits every variant alike "
+                             "(default 1)")
     parser.add_argument("--extra", default="", help="more node flags for every variant, one string")
-    parser.add_argument("--out", default="runs/bench-peers", help="run folders (default runs/bench-peers)")
+    parser.add_argument("--out", default="runs/bench-peers",
+                        help="run folders (default runs/bench-peers; with --rounds, one folder per round)")
     parser.add_argument("--timeout", type=float, default=900, help="per-variant timeout in seconds (default 900)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON on stdout (table on stderr)")
 
@@ -130,8 +136,8 @@ def main(args) -> int:
         print(f"p2ptrain bench peers: unknown algorithm variant(s) {unknown}; choose from {', '.join(VARIANTS)}",
               file=sys.stderr)
         return 2
-    if args.nodes < 2 or args.steps < 2:
-        print("p2ptrain bench peers: --nodes and --steps must be >= 2", file=sys.stderr)
+    if args.nodes < 2 or args.steps < 2 or args.rounds < 1:
+        print("p2ptrain bench peers: --nodes and --steps must be >= 2, --rounds >= 1", file=sys.stderr)
         return 2
     netns = None
     if args.netns:
@@ -163,25 +169,32 @@ def main(args) -> int:
     where = f"netns, {'cap ' + args.bandwidth if args.bandwidth else 'unshaped'}" if netns is not None else "loopback"
     log(f"bench peers: {args.nodes} nodes on {where}, {args.model} width {args.width}, batch {args.batch_size}, "
         f"{args.steps} steps, test accuracy every {eval_every} steps")
-    results = []
-    for name, flags, argv_factory in runs:
-        log(f"  running {name} ...")
-        result = run_variant(name, args.nodes, args.steps, [*flags, *common], Path(args.out), argv_factory,
-                             netns=netns, timeout=args.timeout, log=log)
-        if result.error:
-            log(f"  {name} failed: {result.error}")
-        results.append(result)
+    rounds: list[list[PeersResult]] = []
+    for k in range(args.rounds):
+        out = Path(args.out) if args.rounds == 1 else Path(args.out) / f"round{k + 1}"
+        rounds.append([])
+        for name, flags, argv_factory in runs:
+            log(f"  running {name}{f' (round {k + 1} of {args.rounds})' if args.rounds > 1 else ''} ...")
+            result = run_variant(name, args.nodes, args.steps, [*flags, *common], out, argv_factory,
+                                 netns=netns, timeout=args.timeout, log=log)
+            if result.error:
+                log(f"  {name} failed: {result.error}")
+            rounds[-1].append(result)
     target, source = args.target_accuracy, "given"
-    if target is None and math.isfinite(results[0].test_accuracy):
-        target = results[0].test_accuracy - TARGET_SLACK
+    baseline_accuracy = [r[0].test_accuracy for r in rounds if math.isfinite(r[0].test_accuracy)]
+    if target is None and baseline_accuracy:
+        target = statistics.fmean(baseline_accuracy) - TARGET_SLACK
         source = f"DDP's final test accuracy less {TARGET_SLACK}"
-    for result in results:
+    for result in (r for one in rounds for r in one):
         result.time_to_target = time_to_accuracy(result.accuracy_curve, target)
-    report(results, target, source, where, table)
+    results = combine_rounds(rounds)
+    report(results, target, source, where, table, per_round=round_ratios(rounds) if len(rounds) > 1 else None)
     if args.json:
         print(json.dumps({"nodes": args.nodes, "steps": args.steps, "model": args.model, "width": args.width,
                           "batch_size": args.batch_size, "network": where, "target_accuracy": target,
                           "baseline": BASELINE, "variants": [r.to_dict() for r in results],
+                          "rounds": [[r.to_dict() for r in one] for one in rounds] if len(rounds) > 1 else None,
+                          "round_ratios": round_ratios(rounds),
                           "ratios": ratios(results), "targets": [dict(zip(("check", "ratio", "limit", "ok"), c))
                                                                  for c in check_targets(results, where)]},
                          indent=2, default=str))
@@ -293,6 +306,44 @@ def time_to_accuracy(curve: list[list[float]], target: float | None) -> float | 
     return next((seconds for _, seconds, accuracy in curve if accuracy >= target - 1e-9), None)
 
 
+def combine_rounds(rounds: list[list[PeersResult]]) -> list[PeersResult]:
+    """One result per variant from interleaved rounds (each a list in the same variant order): the
+    means of the rounds' figures, the slowest step of any round, the first round's accuracy curve;
+    a round that failed makes the variant's `error`. One round: its results as they are."""
+    if len(rounds) == 1:
+        return rounds[0]
+    combined = []
+    for runs in zip(*rounds):
+        done = [r for r in runs if not r.error]
+        first = runs[0]
+        if not done:
+            combined.append(first)
+            continue
+
+        def mean(name: str) -> float:
+            return statistics.fmean(getattr(r, name) for r in done)
+
+        times = [r.time_to_target for r in done]
+        failed = [r.error for r in runs if r.error]
+        combined.append(PeersResult(
+            first.name, first.nodes, first.steps, step_seconds=mean("step_seconds"), step_p50=mean("step_p50"),
+            step_p95=mean("step_p95"), step_max=max(r.step_max for r in done), wall_per_step=mean("wall_per_step"),
+            cpu_seconds_per_step=mean("cpu_seconds_per_step"), bytes_per_step=mean("bytes_per_step"),
+            test_accuracy=mean("test_accuracy"),
+            time_to_target=None if None in times else statistics.fmean(times), accuracy_curve=done[0].accuracy_curve,
+            wall_seconds=sum(r.wall_seconds for r in done),
+            error=f"{len(failed)} of {len(runs)} rounds failed: {failed[0]}" if failed else None,
+            note="; ".join(dict.fromkeys(r.note for r in done if r.note)) or None))
+    return combined
+
+
+def round_ratios(rounds: list[list[PeersResult]]) -> dict[str, list[float | None]]:
+    """Each variant's mean step over its round's DDP mean step, round by round: the spread says
+    how far one run's ratio can be trusted on this machine."""
+    per_round = [ratios(one) for one in rounds]
+    return {r.name: [table.get(r.name, {}).get("step") for table in per_round] for r in rounds[0]}
+
+
 def ratios(results: list[PeersResult]) -> dict[str, dict[str, float | None]]:
     """Each variant's mean step time, time to target, CPU and bytes per step over DDP's, and its
     own mean step over its median ("tail"). Step ratios
@@ -329,7 +380,8 @@ def check_targets(results: list[PeersResult], network: str) -> list[tuple[str, f
     return checks
 
 
-def report(results: list[PeersResult], target: float | None, source: str, network: str, stream) -> None:
+def report(results: list[PeersResult], target: float | None, source: str, network: str, stream,
+           per_round: dict[str, list[float | None]] | None = None) -> None:
     table = ratios(results)
     rows = []
     for r in results:
@@ -349,6 +401,10 @@ def report(results: list[PeersResult], target: float | None, source: str, networ
     print_table(rows, ["variant", "mean step ms", "x DDP", "p50", "p95", "max", "wall/step",
                        f"s to {fmt(target, '{:.3f}')}", "x DDP", "CPU ms/step", "x DDP", "MB/step/node", "test acc",
                        "error / note"], stream)
+    if per_round:
+        print("x DDP's mean step, round by round: " + "; ".join(
+            f"{name} {', '.join(fmt(x, '{:.2f}') for x in values)}" for name, values in per_round.items()
+            if name != BASELINE), file=stream)
     checks = check_targets(results, network)
     if checks:
         print(file=stream)
