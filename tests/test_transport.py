@@ -4,7 +4,6 @@ Transport-level tests run on both data planes (PLANES: gRPC streaming and the TC
 lane client's tests are in tests/test_lane.py."""
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import itertools
 import math
@@ -203,50 +202,6 @@ def test_take_finds_nothing_without_a_trip_to_the_loop_and_still_takes_what_arri
             assert not inbox.holds(KIND, 3)
         finally:
             t[1].loop.call = real_call
-
-
-def test_pop_all_takes_a_steps_messages_only_when_all_are_here():
-    with nodes(3) as t:
-        t[2].expect(KIND, torch.float32, 10)
-        for sender in (0, 1):
-            assert t[sender].sender.send(2, torch.full((10,), float(sender)), kind=KIND, step=4).result(30).status == \
-                pb.Ack.STATUS_ACCEPTED
-        assert t[0].sender.send(2, torch.ones(10), kind=KIND, step=5).result(30).status == pb.Ack.STATUS_ACCEPTED
-        inbox = t[2].inbox
-        assert inbox.pop_all(KIND, 5, {0, 1}) is None and inbox.pop_all(KIND, 6, {0}) is None
-        assert inbox.pop_all(KIND, 4, {0, 1}, "other") is None
-        got = inbox.pop_all(KIND, 4, {0, 1})
-        assert sorted(got) == [0, 1] and all(torch.equal(m.tensor, torch.full((10,), float(s))) for s, m in got.items())
-        assert inbox.pop_all(KIND, 4, {0}) is None  # taken once
-        (late,) = t[2].take(KIND, max_step=5)  # the step-5 message was left where it was
-        assert (late.sender, late.step) == (0, 5)
-
-
-@pytest.mark.parametrize("plane", PLANES)
-def test_gathers_on_the_training_thread_lose_nothing_while_the_loop_delivers(plane):
-    """gather() pops a step's messages on the caller's thread when they are all here (no round
-    trip), while the loop thread puts the next ones in: 300 steps from two senders, sent without
-    waiting for the receiver, every message taken exactly once with its own values."""
-    steps = 300
-    with nodes(3, options=on_plane(dataclasses.replace(FAST, step_window=2 * steps), plane)) as t:
-        t[2].expect(KIND, torch.float32, 10)
-
-        def send(sender):
-            futures = [t[sender].sender.send(2, torch.full((10,), float(1000 * sender + step)), kind=KIND, step=step)
-                       for step in range(steps)]
-            return all(f.result(60).status == pb.Ack.STATUS_ACCEPTED for f in futures)
-
-        pool = concurrent.futures.ThreadPoolExecutor(2)
-        sent = [pool.submit(send, sender) for sender in (0, 1)]
-        for step in range(steps):
-            got = t[2].gather(KIND, step, [0, 1], deadline=30)
-            assert sorted(got) == [0, 1], step
-            for sender, message in got.items():
-                assert torch.equal(message.tensor, torch.full((10,), float(1000 * sender + step)))
-                message.release()
-        assert all(future.result(60) for future in sent)
-        pool.shutdown()
-        assert t[2].take(KIND, max_step=steps) == [] and pending(t[2]) == 0
 
 
 @pytest.mark.parametrize("plane", PLANES)

@@ -1,8 +1,6 @@
 """Receiving side of the transport: header validation, pooled receive buffers, mailboxes.
 
-Everything here except `BufferPool.release`, `holds` and `pop_all` runs on the node's event-loop
-thread; the mailboxes' contents change under a lock, so the training thread may take a step's
-messages that are all here without a round trip to the loop (`pop_all`). A tensor message
+Everything here except `BufferPool.release` runs on the node's event-loop thread. A tensor message
 goes through `open()` (validate the header, count the reception), `Reception.write()` per chunk
 (straight into a pooled buffer, taken at the first data chunk; the TCP lane reads into
 `Reception.space()` instead), then `deliver()`; any failure rejects the whole message and leaves
@@ -181,7 +179,6 @@ class Inbox:
         # (kind, channel) -> step -> sender -> Message
         self._mail: dict[tuple[int, str], dict[int, dict[int, Message]]] = defaultdict(
             lambda: defaultdict(dict))
-        self._mail_lock = threading.Lock()  # (the loop puts messages in, the loop or pop_all's caller takes them)
         self._delivered: dict[int, OrderedDict[int, None]] = defaultdict(OrderedDict)  # sender -> ids
         self._voided: dict[int, OrderedDict[int, None]] = defaultdict(OrderedDict)  # settled, never delivered
         self._open: set[Reception] = set()
@@ -333,7 +330,8 @@ class Inbox:
             if header.message_id in self._voided[header.sender]:  # settled while it was being received
                 raise Rejection("voided", f"message {header.message_id} from {header.sender} was settled as never "
                                           "delivered")
-            if header.sender in self._mail[(header.kind, header.channel)].get(header.step, ()):
+            box = self._mail[(header.kind, header.channel)][header.step]
+            if header.sender in box:
                 raise Rejection("duplicate_slot", f"already holding a step-{header.step} message of this "
                                                   f"kind/channel from {header.sender}")
             buffer = reception.payload()
@@ -361,8 +359,7 @@ class Inbox:
             arrived_since=reception.opened, landed=time.monotonic(),
             peak=reception.peak if header.codec == pb.CODEC_NONE and tensor.is_floating_point() else None,
             _release=None if lent else lambda: self.pool.release(buffer))
-        with self._mail_lock:  # (the box is fetched here: pop_all on another thread may just have removed it)
-            self._mail[(header.kind, header.channel)][header.step][header.sender] = message
+        box[header.sender] = message
         if header.ps_weight > 0:
             self.mass_delivered += header.ps_weight
             if self.on_mass is not None:
@@ -442,7 +439,7 @@ class Inbox:
                 await asyncio.wait_for(waiter[1], timeout)
             except asyncio.TimeoutError:
                 if not partial:
-                    have = set(self._mail[(kind, channel)].get(step, ()))
+                    have = set(self._mail[(kind, channel)].get(step, {}))
                     raise TimeoutError(f"node {self.rank}: step-{step} messages from {sorted(wanted - have)} "
                                        f"did not arrive within {timeout:.1f}s") from None
             finally:
@@ -451,27 +448,15 @@ class Inbox:
                 for sender in wanted:
                     if not self._awaited[sender]:
                         del self._awaited[sender]
-        with self._mail_lock:
-            return self._pop(kind, channel, step, wanted)
+        return self._pop(kind, channel, step, wanted)
 
     def take(self, kind: int, max_step: int, channel: str = "") -> list[Message]:
         """Pop every delivered message of `kind` with step <= max_step (late messages to fold in)."""
+        boxes = self._mail[(kind, channel)]
         taken: list[Message] = []
-        with self._mail_lock:
-            boxes = self._mail[(kind, channel)]
-            for step in sorted(s for s in boxes if s <= max_step):
-                taken.extend(self._pop(kind, channel, step, set(boxes[step])).values())
+        for step in sorted(s for s in boxes if s <= max_step):
+            taken.extend(self._pop(kind, channel, step, set(boxes[step])).values())
         return taken
-
-    def pop_all(self, kind: int, step: int, senders, channel: str = "") -> dict[int, Message] | None:
-        """The step-`step` messages of every one of `senders`, popped, if all of them are here;
-        else None and nothing taken. Safe from any thread: a gather whose messages came during
-        the step (a push-sum share, with τ >= 1) takes them without a round trip to the loop."""
-        with self._mail_lock:
-            box = self._mail.get((kind, channel), {}).get(step)
-            if box is None or any(sender not in box for sender in senders):
-                return None
-            return self._pop(kind, channel, step, set(senders))
 
     def holds(self, kind: int, max_step: int, channel: str = "") -> bool:
         """Whether a delivered message of `kind` with step <= max_step may be here: safe from any
@@ -487,7 +472,6 @@ class Inbox:
             return True
 
     def _pop(self, kind: int, channel: str, step: int, senders: set[int]) -> dict[int, Message]:
-        """(with _mail_lock held)"""
         boxes = self._mail[(kind, channel)]
         box = boxes.get(step, {})
         out = {s: box.pop(s) for s in sorted(senders) if s in box}
@@ -496,8 +480,7 @@ class Inbox:
         return out
 
     def pending(self) -> int:
-        with self._mail_lock:
-            return sum(len(box) for boxes in self._mail.values() for box in boxes.values())
+        return sum(len(box) for boxes in self._mail.values() for box in boxes.values())
 
 
 __all__ = ["Inbox", "Message", "Rejection", "Reception", "ChannelSpec", "BufferPool", "Senders"]

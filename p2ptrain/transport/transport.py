@@ -329,9 +329,6 @@ class Transport:
         over = [p for p in senders if p in finished and liveness.alive(p)]  # what they sent is here by now
         if not awaited and not over:
             return {}
-        here = self.inbox.pop_all(kind, step, {*awaited, *over}, channel)  # (all here: no trip to the loop)
-        if here is not None:
-            return here
         timeout = self.options.link_deadline if deadline is None else deadline
         return self.loop.submit(self._gather(kind, step, awaited, channel, timeout, abandon, over)).result()
 
