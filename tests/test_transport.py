@@ -4,6 +4,7 @@ Transport-level tests run on both data planes (PLANES: gRPC streaming and the TC
 lane client's tests are in tests/test_lane.py."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import math
@@ -202,6 +203,34 @@ def test_take_finds_nothing_without_a_trip_to_the_loop_and_still_takes_what_arri
             assert not inbox.holds(KIND, 3)
         finally:
             t[1].loop.call = real_call
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_gathers_on_the_training_thread_lose_nothing_while_the_loop_delivers(plane):
+    """300 steps from two senders, sent without waiting for the receiver, gathered step by step
+    (and take() looked at between them) while the loop thread puts the next ones in: every message
+    taken exactly once with its own values."""
+    steps = 300
+    with nodes(3, options=on_plane(dataclasses.replace(FAST, step_window=2 * steps), plane)) as t:
+        t[2].expect(KIND, torch.float32, 10)
+
+        def send(sender):
+            futures = [t[sender].sender.send(2, torch.full((10,), float(1000 * sender + step)), kind=KIND, step=step)
+                       for step in range(steps)]
+            return all(f.result(60).status == pb.Ack.STATUS_ACCEPTED for f in futures)
+
+        pool = concurrent.futures.ThreadPoolExecutor(2)
+        sent = [pool.submit(send, sender) for sender in (0, 1)]
+        for step in range(steps):
+            assert t[2].take(KIND, max_step=step - 1) == []  # (nothing of an earlier step is left)
+            got = t[2].gather(KIND, step, [0, 1], deadline=30)
+            assert sorted(got) == [0, 1], step
+            for sender, message in got.items():
+                assert torch.equal(message.tensor, torch.full((10,), float(1000 * sender + step)))
+                message.release()
+        assert all(future.result(60) for future in sent)
+        pool.shutdown()
+        assert t[2].take(KIND, max_step=steps) == [] and pending(t[2]) == 0
 
 
 @pytest.mark.parametrize("plane", PLANES)
