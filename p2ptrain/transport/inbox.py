@@ -1,12 +1,13 @@
 """Receiving side of the transport: header validation, pooled receive buffers, mailboxes.
 
-Everything here except `BufferPool.release` runs on the node's event-loop thread. A tensor message
-goes through `open()` (validate the header, count the reception), `Reception.write()` per chunk
-(straight into a pooled buffer, taken at the first data chunk; the TCP lane reads into
-`Reception.space()` instead), then `deliver()`; any failure rejects the whole message and leaves
-mailbox state untouched, so a broken or hostile stream can never half-apply. Exactly once: a
-message id counts as received only when `deliver()` has put it in the mailbox, and DUPLICATE is
-never said of an id that is merely in flight (Inbox.deliver). Open receptions are capped (Inbox).
+Everything here except `BufferPool.release` and `Inbox.holds` (a read-only look, from any thread)
+runs on the node's event-loop thread. A tensor message goes through `open()` (validate the
+header, count the reception), `Reception.write()` per chunk (straight into a pooled buffer,
+taken at the first data chunk; the TCP lane reads into `Reception.space()` instead), then
+`deliver()`; any failure rejects the whole message and leaves mailbox state untouched, so a
+broken or hostile stream can never half-apply. Exactly once: a message id counts as received only
+when `deliver()` has put it in the mailbox, and DUPLICATE is never said of an id that is merely in
+flight (Inbox.deliver). Open receptions are capped (Inbox).
 """
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ class TransportOptions:
                                        # or gRPC streaming only (paths/router.py)
     lane_port: int = 0                 # the TCP lane's port, on the gRPC listen host (0: one the OS picks)
     shared_memory: bool = True         # lane payloads between processes of one host through shared memory
-                                       # (shared_segment.py), not the TCP stack; never under TLS (experimental)
+                                       # (shared_segment.py), not the TCP stack; never under TLS
     reachability: Reachability = "auto"  # can peers dial this node: auto = ask them (reachability.py)
     initial_members: int | None = None  # elastic runs: ranks below this start as members, the others join
                                        # later (None: every rank of the world is a member from the start)
