@@ -187,14 +187,14 @@ def main(args) -> int:
         source = f"DDP's final test accuracy less {TARGET_SLACK}"
     for result in (r for one in rounds for r in one):
         result.time_to_target = time_to_accuracy(result.accuracy_curve, target)
-    results = combine_rounds(rounds)
-    report(results, target, source, where, table, per_round=round_ratios(rounds) if len(rounds) > 1 else None)
+    results, per_round = combine_rounds(rounds), round_ratios(rounds)
+    report(results, target, source, where, table, per_round=per_round if len(rounds) > 1 else None)
     if args.json:
         print(json.dumps({"nodes": args.nodes, "steps": args.steps, "model": args.model, "width": args.width,
                           "batch_size": args.batch_size, "network": where, "target_accuracy": target,
                           "baseline": BASELINE, "variants": [r.to_dict() for r in results],
                           "rounds": [[r.to_dict() for r in one] for one in rounds] if len(rounds) > 1 else None,
-                          "round_ratios": round_ratios(rounds),
+                          "round_ratios": per_round,
                           "ratios": ratios(results), "targets": [dict(zip(("check", "ratio", "limit", "ok"), c))
                                                                  for c in check_targets(results, where)]},
                          indent=2, default=str))
