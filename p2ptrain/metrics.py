@@ -23,6 +23,7 @@ class NodeMetrics:
 
     def __init__(self, node: int | str, algorithm: str = "", registry: CollectorRegistry | None = None):
         self.node = str(node)
+        self._peer_children: dict[tuple[int, int], object] = {}  # (id(family), peer) -> its labelled child
         self.algorithm = algorithm
         self.registry = registry or CollectorRegistry()
         r = self.registry
@@ -97,15 +98,24 @@ class NodeMetrics:
         self.link_timeouts_total = 0
 
     # Transport observations -------------------------------------------------------------------
+    def _of_peer(self, family, peer: int):
+        """`family`'s child for (this node, `peer`), looked up once: labels() takes a lock and builds
+        its key on every call, and every message pays for a few of these."""
+        key = (id(family), peer)
+        child = self._peer_children.get(key)
+        if child is None:
+            child = self._peer_children[key] = family.labels(self.node, str(peer))
+        return child
+
     def on_sent(self, peer: int, nbytes: int) -> None:
-        self.sent_bytes.labels(self.node, str(peer)).inc(nbytes)
-        self.sent_messages.labels(self.node, str(peer)).inc()
+        self._of_peer(self.sent_bytes, peer).inc(nbytes)
+        self._of_peer(self.sent_messages, peer).inc()
         self.messages_sent_total += 1
         self.bytes_sent_total += nbytes
 
     def on_received(self, peer: int, nbytes: int) -> None:
-        self.received_bytes.labels(self.node, str(peer)).inc(nbytes)
-        self.received_messages.labels(self.node, str(peer)).inc()
+        self._of_peer(self.received_bytes, peer).inc(nbytes)
+        self._of_peer(self.received_messages, peer).inc()
         self.bytes_received_total += nbytes
 
     def on_rejected(self, reason: str) -> None:
@@ -128,7 +138,7 @@ class NodeMetrics:
         totals[1] += nbytes
 
     def on_lane_message(self, peer: int) -> None:
-        self.lane_messages.labels(self.node, str(peer)).inc()
+        self._of_peer(self.lane_messages, peer).inc()
 
     def on_send_error(self, peer: int) -> None:
         self.send_errors.labels(self.node, str(peer)).inc()

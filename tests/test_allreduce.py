@@ -11,7 +11,14 @@ import torch
 
 from p2ptrain.algorithms.allreduce import AllReduceSGD
 from p2ptrain.algorithms.base import Delivery
-from p2ptrain.algorithms.collectives import CollectiveIncomplete, RingAllReduce, chunk_bounds, segment_bounds
+from p2ptrain.algorithms.collectives import (
+    DIRECT_GATHER_MAX,
+    CollectiveIncomplete,
+    RingAllReduce,
+    RingLayout,
+    chunk_bounds,
+    segment_bounds,
+)
 from p2ptrain.algorithms.dpsgd import DPSGD
 from p2ptrain.algorithms.pipesgd import PipeSGD
 from p2ptrain.topology.undirected import CompleteGraph, UndirectedRing
@@ -199,6 +206,52 @@ def test_pipelined_ring_is_bit_identical_to_the_unpipelined_ring(n, numel, chunk
         assert messages >= 2 * (n - 1) * max(1, chunks_per_segment)  # really cut into chunks
     expected = sum(vector(r, numel) for r in range(n))
     torch.testing.assert_close(results[0][0][0][1], expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("n,numel,chunk_bytes", [(2, 10, 0), (3, 1001, 400), (4, 4096, 0), (5, 3, 4), (4, 3000, 1000)])
+@pytest.mark.parametrize("elastic", [False, True])
+def test_direct_exchange_has_the_rings_bits_and_sends_each_segment_to_its_owner(n, numel, chunk_bytes, elastic):
+    """A small ring's reduce-scatter sends every segment straight to its owner, who adds the
+    contributions in the ring's order, and each owner sends its sum to everyone: the same bits as
+    the m-1 hops of the ring, the same messages, two hops. (The sends are watched, not replaced.)"""
+    def body(rank, comm):
+        ring = RingAllReduce(comm, numel, tag="r.", elastic=elastic, chunk_bytes=chunk_bytes, direct_gather=False)
+        direct = RingAllReduce(comm, numel, tag="d.", elastic=elastic, chunk_bytes=chunk_bytes)
+        comm.ready()
+        send, peers = comm.send, {"r.": set(), "d.": set()}
+
+        def watched(peer, tensor, **header):
+            peers[header["channel"][:2]].add(peer)
+            return send(peer, tensor, **header)
+
+        comm.send = watched
+        out = []
+        for step in range(2):
+            a = ring(vector(rank, numel, salt=step), step=step, average=step == 1)
+            b = direct(vector(rank, numel, salt=step), step=step, average=step == 1)
+            out.append((a, b))
+        return out, peers
+
+    results = run_cluster(n, body)
+    for rank, (out, peers) in enumerate(results):
+        for a, b in out:
+            assert torch.equal(a, b)
+        assert peers["r."] == {(rank + 1) % n}
+        assert peers["d."] == set(range(n)) - {rank}
+    torch.testing.assert_close(results[0][0][0][1], sum(vector(r, numel) for r in range(n)), atol=1e-5, rtol=0)
+
+
+def test_direct_exchange_is_for_small_rings_and_lossy_hops_stay_on_the_ring():
+    """Past DIRECT_GATHER_MAX members every node would hold a connection to every other: the ring
+    then takes its m-1 hops. A lossy codec keeps the ring's reduce-scatter (recompressed at every
+    hop, seed 004) and sends only the owners' sums directly."""
+    assert RingLayout(tuple(range(DIRECT_GATHER_MAX)), 0, 100, direct_gather=True).direct
+    assert not RingLayout(tuple(range(DIRECT_GATHER_MAX + 1)), 0, 100, direct_gather=True).direct
+    assert not RingLayout(tuple(range(4)), 0, 100, direct_gather=False).direct
+    ring = RingLayout((3, 0, 2, 1), 2, 100, direct_gather=True)
+    assert [ring.owner(s) for s in range(4)] == [1, 3, 0, 2]  # segment s is finished at position s - 1
+    assert ring.owner(ring.owned()) == 2
+    assert all(ring.ag_recv(ring.ag_round_at(2, s)) == s for s in range(4))
 
 
 def test_pipelined_ring_with_int8_keeps_error_feedback_exact():

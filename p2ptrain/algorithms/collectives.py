@@ -4,12 +4,12 @@
 The flat tensor is cut into n nearly equal segments. Reduce-scatter: in round r node i sends its
 running sum of segment (i - r) mod n to i+1 and adds what i-1 sends it, so after n-1 rounds node i
 owns the full sum of segment (i+1) mod n. All-gather: n-1 more rounds pass the finished segments
-around the ring. Each node sends 2(n-1)/n of the tensor, the bandwidth-optimal amount (seed 004).
+around the ring. Small rings take each phase in one hop (segments straight to and from their owner,
+summed in the ring's order). Each node sends 2(n-1)/n of the tensor, bandwidth-optimal (seed 004).
 
-Invariants: all nodes end with bit-identical results, with a lossy codec too; with error feedback
-the sum that comes out plus every node's residual is exactly the sum that went in (to float
-rounding). Never: a call completes on a ring its members disagree on, or the caller writes the
-tensor before the call returns (the sends read it in place: see RingAllReduce._ring).
+Invariants: all nodes end with bit-identical results, a lossy codec's too; with error feedback the
+sum out plus every node's residual is the sum in (to float rounding). Never: a call completes on a
+ring its members disagree on, or the caller writes the tensor before the call returns (see _ring).
 """
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ KIND = Kind.ALLREDUCE
 # ring; RingAllReduce(delay=) raises it, e.g. Streaming DiLoCo's τ)
 AHEAD_SLACK = 3
 DEFAULT_CHUNK_KB = 0  # measured in bench peers: see the README's pipelined-ring paragraph
+# Rings of at most this many members finish the all-gather in one round: each owner sends its finished
+# segment to every member at once (the bytes each node sends are the ring's; m-1 hops of latency fewer)
+DIRECT_GATHER_MAX = 8
 CHUNK_KB_HELP = ("pipeline the ring all-reduce: cut each segment into chunks of this many KiB, forwarded hop to "
                  "hop as each arrives; 0 = one message per segment")
 
@@ -70,12 +73,15 @@ class CollectiveIncomplete(TimeoutError):
     """A collective could not complete (a peer missed the link deadline, refused, or is dead)."""
 
 
-class _Ring:
+class RingLayout:
     """Who is where on one ring: `members` in ring order (ring_order), this node at `position`; segment k is
-    flat[bounds[k]], sent as the chunks chunks[k] (absolute [start, end) ranges)."""
+    flat[bounds[k]], sent as the chunks chunks[k] (absolute [start, end) ranges). `direct`: a ring of
+    at most DIRECT_GATHER_MAX members exchanges with owners in one hop (RingAllReduce)."""
 
-    def __init__(self, members: tuple[int, ...], rank: int, numel: int, chunk_numel: int = 0):
+    def __init__(self, members: tuple[int, ...], rank: int, numel: int, chunk_numel: int = 0,
+                 direct_gather: bool = False):
         self.members, self.m = members, len(members)
+        self.direct = direct_gather and self.m <= DIRECT_GATHER_MAX
         self.position = members.index(rank)
         self.bounds = segment_bounds(numel, self.m)
         self.chunks = [chunk_bounds(start, end, chunk_numel) for start, end in self.bounds]
@@ -100,6 +106,14 @@ class _Ring:
         """The segment this node finishes in reduce-scatter: (position + 1) mod m."""
         return (self.position + 1) % self.m
 
+    def owner(self, segment: int) -> int:
+        """The member that finishes `segment` in reduce-scatter (at position segment - 1)."""
+        return self.members[(segment - 1) % self.m]
+
+    def ag_round_at(self, member: int, segment: int) -> int:
+        """The all-gather round in which `member` receives `segment` (ag_recv at its position)."""
+        return (self.members.index(member) - segment) % self.m
+
 
 class RingAllReduce:
     """All-reduce of one fixed-size flat tensor on the ring i -> i+1; declare before comm.ready().
@@ -122,6 +136,13 @@ class RingAllReduce:
     times per phase instead of (m-1) segment times. Each element is summed in the same order either
     way, so without a lossy codec the result is bit-identical to the unpipelined ring's.
 
+    Small rings (`direct_gather`, the default, up to DIRECT_GATHER_MAX members) take each phase in
+    one hop. Reduce-scatter sends every segment this node does not own straight from the tensor to
+    its owner, who adds the contributions in the ring's order (so the sum has the ring's bits; a
+    lossy codec keeps the ring's recompressing hops); the all-gather sends each owner's finished
+    segment, compressed once, to every member. The same messages and bytes per node as the ring, two
+    hops of latency instead of 2(m-1); every member then talks to every other, hence the bound.
+
     Re-forming the ring (`elastic=True`): a call may name its `members` (the caller passes itself
     and `comm.membership.live(...)` peers): the ring is those ranks in the step's placement order
     (ring_order: rank order unless private peers were placed apart), cut into len(members)
@@ -134,8 +155,9 @@ class RingAllReduce:
 
     def __init__(self, comm: Comm, numel: int, dtype: torch.dtype | None = None, *,
                  codec: compression.Codec | str | None = None, tag: str = "", kind: int = KIND,
-                 elastic: bool = False, chunk_bytes: int = 0, delay: int = 0):
+                 elastic: bool = False, chunk_bytes: int = 0, delay: int = 0, direct_gather: bool = True):
         self.comm = comm
+        self.direct_gather = direct_gather
         # steps a node's other messages of this kind may run ahead of this ring's calls (Streaming
         # DiLoCo: the next fragment's versions while a sync still runs τ steps)
         self.delay = delay
@@ -148,9 +170,10 @@ class RingAllReduce:
         self._failed_at: int | None = None  # step of the last incomplete round
         self._backup: torch.Tensor | None = None  # the input, to restore on failure (one buffer, reused)
         self._forward: dict[tuple, torch.Tensor] = {}  # (members, round, chunk) -> compressed all-gather forward
+        self._sums: torch.Tensor | None = None  # an owner's partial sums (_scatter_to_owners)
         self.tag, self.kind = tag, kind
         self.elastic = elastic
-        self._full = _Ring(tuple(range(self.n)), self.rank, numel, self.chunk_numel)
+        self._full = RingLayout(tuple(range(self.n)), self.rank, numel, self.chunk_numel, direct_gather)
         self._last_members: tuple[int, ...] = self._full.members
         self.bounds = self._full.bounds
         self.next, self.prev = self._full.next, self._full.prev
@@ -259,7 +282,7 @@ class RingAllReduce:
             log.warning("%s; keeping the local value for this step", exc)
             return tensor
 
-    def _ring_of(self, members, step: int) -> _Ring:
+    def _ring_of(self, members, step: int) -> RingLayout:
         if members is None:
             return self._full
         members = ring_order(members, self.comm.membership.placed(step))
@@ -269,7 +292,7 @@ class RingAllReduce:
             raise ValueError("only an elastic ring (elastic=True) is re-formed over other members")
         if self.rank not in members or not all(0 <= m < self.n for m in members):
             raise ValueError(f"members {list(members)} must be ranks of this cluster, node {self.rank} among them")
-        return _Ring(members, self.rank, self.numel, self.chunk_numel)
+        return RingLayout(members, self.rank, self.numel, self.chunk_numel, self.direct_gather)
 
     def _discard_through(self, step: int) -> None:
         if self.elastic:
@@ -289,7 +312,7 @@ class RingAllReduce:
             return self.codec.encode(segment), None
         return compression.encode_with_feedback(self.codec, segment, residual)
 
-    def _ring(self, source: torch.Tensor, flat: torch.Tensor, step: int, average: bool, ring: _Ring,
+    def _ring(self, source: torch.Tensor, flat: torch.Tensor, step: int, average: bool, ring: RingLayout,
               residual: torch.Tensor | None, acks: list[concurrent.futures.Future], deadline: float | None = None,
               catching_up: bool = False) -> None:
         """The ring on flat views: `source` is read, the sums are built in `flat` (the same tensor
@@ -311,6 +334,9 @@ class RingAllReduce:
         - all-gather round r+1 forwards segment i-r from the tensor, written in round r; the
           all-gather writes each segment once, so nothing rewrites it. (A compressed chunk is
           forwarded as received, from a copy: the pooled buffer it arrived in goes back at once.)
+        - one hop each (RingLayout.direct): reduce-scatter sends only `source`, never written; in
+          place, a segment this node does not own is overwritten only by its owner's sum, which
+          needs this node's contribution to it, so that send was received first.
         A retried send may read a segment again after the peer has it: that copy is answered
         DUPLICATE and dropped. With `out=`, the sums are built in `out` and the input is only read:
         the same argument holds for `out`. Before a call returns, each send has been acknowledged
@@ -333,8 +359,10 @@ class RingAllReduce:
         def sent(future: concurrent.futures.Future) -> None:
             self.hops.watch(future, acks, failures)
 
-        def hopeless() -> str | None:
-            return self.hops.hopeless(ring.members, ring.prev, step, failures)
+        def hopeless_from(sender: int):
+            return lambda: self.hops.hopeless(ring.members, sender, step, failures)
+
+        hopeless = hopeless_from(ring.prev)
 
         coming = self.hops.approach(ring.members, ring.prev, step)
 
@@ -344,27 +372,37 @@ class RingAllReduce:
             encoded, _ = self._encode(values[a:b], lost(a, b))
             sent(self._send(ring, encoded.payload, encoded.codec, encoded.params, step, phase, r, segment, c))
 
-        first = ring.rs_send(0)
-        for c, (a, b) in enumerate(ring.chunks[first]):
-            push(source, "rs", 0, first, c, a, b)  # this node's own values, never written by the call
-        for r in range(ring.m - 1):  # reduce-scatter: decompress, sum, recompress at every hop
-            segment = ring.rs_recv(r)  # = rs_send(r + 1): each summed chunk goes on at once
-            for c, (a, b) in enumerate(ring.chunks[segment]):
-                received = self._recv(ring, step, "rs", r, segment, c, first_deadline if r == c == 0 else deadline,
-                                      hopeless, coming)
-                torch.add(source[a:b], self._decode(received, b - a), out=flat[a:b])
-                received.release()
-                if r < ring.m - 2:
-                    push(flat, "rs", r + 1, segment, c, a, b)
-                else:  # a chunk of the owned segment is final: it starts the all-gather
-                    self._finish_owned(flat, a, b, ring, average, lost(a, b), acks, step, c)
+        def finish(c: int, a: int, b: int) -> None:  # a chunk of the owned segment is final: it starts the all-gather
+            self._finish_owned(flat, a, b, ring, average, lost(a, b), acks, step, c)
 
-        for r in range(ring.m - 1):  # all-gather: finished chunks travel on, bytes untouched
+        if ring.direct and self.codec.wire_id == compression.UNCOMPRESSED:  # one hop: every segment to its owner
+            for c, a, b in self._scatter_to_owners(source, step, ring, sent, hopeless_from, coming,
+                                                   first_deadline, deadline, flat):
+                finish(c, a, b)
+        else:  # m-1 hops: decompress, sum, recompress at every hop
+            first = ring.rs_send(0)
+            for c, (a, b) in enumerate(ring.chunks[first]):
+                push(source, "rs", 0, first, c, a, b)  # this node's own values, never written by the call
+            for r in range(ring.m - 1):
+                segment = ring.rs_recv(r)  # = rs_send(r + 1): each summed chunk goes on at once
+                for c, (a, b) in enumerate(ring.chunks[segment]):
+                    received = self._recv(ring, step, "rs", r, segment, c,
+                                          first_deadline if r == c == 0 else deadline, hopeless, coming)
+                    torch.add(source[a:b], self._decode(received, b - a), out=flat[a:b])
+                    received.release()
+                    if r < ring.m - 2:
+                        push(flat, "rs", r + 1, segment, c, a, b)
+                    else:
+                        finish(c, a, b)
+
+        for r in range(ring.m - 1):  # all-gather: finished chunks travel on (or come from their owner), bytes untouched
             segment = ring.ag_recv(r)  # = ag_send(r + 1)
+            sender = ring.owner(segment) if ring.direct else ring.prev
             for c, (a, b) in enumerate(ring.chunks[segment]):
-                received = self._recv(ring, step, "ag", r, segment, c, deadline, hopeless, coming)
+                received = self._recv(ring, step, "ag", r, segment, c, deadline,
+                                      hopeless if sender == ring.prev else hopeless_from(sender), coming, sender)
                 flat[a:b].copy_(self._decode(received, b - a))
-                if r < ring.m - 2:  # forward: uncompressed from flat[a:b], which nothing writes again
+                if r < ring.m - 2 and not ring.direct:  # forward: uncompressed from flat[a:b], never written again
                     payload = flat[a:b] if received.codec == compression.UNCOMPRESSED else \
                         self._buffer(ring, r + 1, c, received.tensor).copy_(received.tensor)
                     sent(self._send(ring, payload, received.codec, received.codec_params, step, "ag",
@@ -372,7 +410,45 @@ class RingAllReduce:
                 received.release()
         self.hops.check(acks, ring.next)
 
-    def _finish_owned(self, flat: torch.Tensor, a: int, b: int, ring: _Ring, average: bool,
+    def _scatter_to_owners(self, source: torch.Tensor, step: int, ring: RingLayout, sent, hopeless_from, coming,
+                           first_deadline: float | None, deadline: float | None, flat: torch.Tensor):
+        """Reduce-scatter in one hop (lossless rings of at most DIRECT_GATHER_MAX): each segment this
+        node does not own goes from `source` straight to its owner, and the owner adds what comes in
+        in the ring's order (positions owned, owned + 1, ..., its own values last), so the sum has
+        the ring's bits. Yields (chunk, start, end) of the owned segment as each chunk is summed
+        into `flat`. The same messages and bytes as the ring's m-1 hops; one hop of latency."""
+        import torch
+
+        for segment in range(ring.m):
+            owner = ring.owner(segment)
+            if owner == self.rank:
+                continue
+            for c, (a, b) in enumerate(ring.chunks[segment]):
+                sent(self._send(ring, source[a:b], compression.UNCOMPRESSED, (), step, "rs", ring.m - 2, segment, c,
+                                to=owner))
+        owned = ring.owned()
+        senders = [ring.members[(owned + k) % ring.m] for k in range(ring.m - 1)]  # the ring's order of addition
+        for c, (a, b) in enumerate(ring.chunks[owned]):
+            partial = None
+            for k, sender in enumerate(senders):
+                received = self._recv(ring, step, "rs", ring.m - 2, owned, c,
+                                      first_deadline if k == c == 0 else deadline, hopeless_from(sender), coming,
+                                      sender)
+                values = received.tensor.view(-1)
+                partial = self._partial(b - a).copy_(values) if partial is None else partial.add_(values)
+                received.release()
+            torch.add(partial, source[a:b], out=flat[a:b])
+            yield c, a, b
+
+    def _partial(self, numel: int) -> torch.Tensor:
+        """Where an owner sums its segment's contributions before adding its own (one buffer, reused)."""
+        if self._sums is None or self._sums.numel() < numel:
+            import torch
+
+            self._sums = torch.empty(numel, dtype=self.dtype)
+        return self._sums[:numel]
+
+    def _finish_owned(self, flat: torch.Tensor, a: int, b: int, ring: RingLayout, average: bool,
                       lost: torch.Tensor | None, acks: list, step: int, c: int) -> None:
         """Chunk c of the owned segment holds the full sum: average it, compress it once, adopt the
         value everybody else will decode, and send it as the all-gather's first round."""
@@ -384,9 +460,12 @@ class RingAllReduce:
             if decoded is None:
                 decoded = self.codec.decode(encoded.payload, encoded.params, owned.shape, owned.dtype)
             owned.copy_(decoded)
-        acks.append(self._send(ring, encoded.payload, encoded.codec, encoded.params, step, "ag", 0, ring.owned(), c))
+        segment = ring.owned()
+        for peer in ring.members[ring.position + 1:] + ring.members[:ring.position] if ring.direct else (ring.next,):
+            acks.append(self._send(ring, encoded.payload, encoded.codec, encoded.params, step, "ag",
+                                   ring.ag_round_at(peer, segment), segment, c, to=peer))
 
-    def _buffer(self, ring: _Ring, r: int, c: int, like: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, ring: RingLayout, r: int, c: int, like: torch.Tensor) -> torch.Tensor:
         """The buffer a compressed all-gather chunk is forwarded from (round r, chunk c), reused
         from call to call (every send has settled when a call returns): its bytes must outlive the
         pooled receive buffer they came in, which goes back at once."""
@@ -396,16 +475,17 @@ class RingAllReduce:
             buffer = self._forward[key] = buffer_like(like.view(-1))
         return buffer
 
-    def _recv(self, ring: _Ring, step: int, phase: str, r: int, segment: int, c: int,
-              deadline: float | None = None, hopeless=None, coming=None):
-        return self.hops.receive(ring.prev, step, self._channel(ring.m, phase, r, segment, c),
+    def _recv(self, ring: RingLayout, step: int, phase: str, r: int, segment: int, c: int,
+              deadline: float | None = None, hopeless=None, coming=None, sender: int | None = None):
+        return self.hops.receive(ring.prev if sender is None else sender, step,
+                                 self._channel(ring.m, phase, r, segment, c),
                                  f"all-reduce segment ({phase} round {r})", deadline, hopeless, coming)
 
-    def _send(self, ring: _Ring, payload: torch.Tensor, codec_id: int, params: tuple[float, ...], step: int,
-              phase: str, r: int, segment: int, c: int) -> concurrent.futures.Future:
+    def _send(self, ring: RingLayout, payload: torch.Tensor, codec_id: int, params: tuple[float, ...], step: int,
+              phase: str, r: int, segment: int, c: int, to: int | None = None) -> concurrent.futures.Future:
         a, b = ring.chunks[segment][c]
         numel = b - a
-        return self.comm.send(ring.next, payload, kind=self.kind, step=step,
+        return self.comm.send(ring.next if to is None else to, payload, kind=self.kind, step=step,
                               channel=self._channel(ring.m, phase, r, segment, c), codec=codec_id, codec_params=params,
                               dtype=self.dtype, numel=numel, shape=(numel,), reliable=True)
 
