@@ -654,3 +654,23 @@ def test_a_restarted_peer_on_the_same_lane_port_gets_its_lane_tried_at_once():
     assert ports.port_of(1) == 0
     ports.learn(1, 5000, incarnation=12)  # a new process on the same port
     assert ports.port_of(1) == 5000
+
+
+def test_a_lane_message_without_an_ack_fails_at_its_timeout_and_the_lane_carries_on():
+    """A receiver whose event loop is frozen (a GC pause, swap) reads nothing and Acks nothing: the
+    send fails as a timeout at send_timeout, not later, and once the receiver is back the next
+    message goes through."""
+    with nodes(2, options=TransportOptions(shutdown_grace=0.2, send_timeout=1.0, data_plane="tcp",
+                                           shared_memory=False)) as t:
+        t[1].expect(KIND, torch.float32, NUMEL)
+        assert t[0].sender.send(1, PAYLOAD, kind=KIND, step=0).result(20).status == pb.Ack.STATUS_ACCEPTED
+        frozen, thawed = threading.Event(), threading.Event()
+        t[1].loop.call_soon(lambda: (frozen.set(), time.sleep(5.0), thawed.set()))
+        assert frozen.wait(5)
+        began = time.monotonic()
+        with pytest.raises(SendFailure) as failure:
+            t[0].sender.send(1, PAYLOAD, kind=KIND, step=1).result(20)
+        assert failure.value.kind == FailureKind.TIMEOUT and "no Ack within" in str(failure.value)
+        assert time.monotonic() - began > 0.9 and not thawed.is_set()  # (the thaw did not end the wait)
+        assert thawed.wait(10)
+        assert t[0].sender.send(1, PAYLOAD, kind=KIND, step=2).result(20).status == pb.Ack.STATUS_ACCEPTED

@@ -40,6 +40,7 @@ from p2ptrain.transport.shared_segment import OwnSegment, capacity_for, supporte
 
 log = logging.getLogger(__name__)
 
+_timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
 CLIENT_IDLE = KEEPALIVE / 2  # a pooled connection idle this long is retired: before the server's keepalive cuts it
 CONNECT_TIMEOUT = 3.0        # connect + handshake; longer means the lane is unusable (auto falls back to gRPC)
 
@@ -268,7 +269,10 @@ class LanePath:
         """Header + payload to the lane at host:port, and its Ack. LaneUnavailable when no
         connection could be made (nothing was sent), else SendFailure."""
         try:
-            return await asyncio.wait_for(self._exchange(peer, host, port, header, payload), timeout)
+            if _timeout is None:  # (Python 3.10)
+                return await asyncio.wait_for(self._exchange(peer, host, port, header, payload), timeout)
+            async with _timeout(timeout):  # no task per message, as wait_for makes (a tenth of a send's CPU)
+                return await self._exchange(peer, host, port, header, payload)
         except asyncio.TimeoutError:
             raise SendFailure(FailureKind.TIMEOUT, f"lane to node {peer}: no Ack within {timeout:.3g} s") from None
 
