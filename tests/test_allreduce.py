@@ -241,6 +241,22 @@ def test_direct_exchange_has_the_rings_bits_and_sends_each_segment_to_its_owner(
     torch.testing.assert_close(results[0][0][0][1], sum(vector(r, numel) for r in range(n)), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_lossless_sum_leaves_a_zero_residual_on_every_node(direct):
+    """Error feedback without a lossy codec: nothing is lost, whatever the residual held before."""
+    n, numel = 3, 100
+
+    def body(rank, comm):
+        reduce = RingAllReduce(comm, numel, direct_gather=direct)
+        comm.ready()
+        residual = torch.ones(numel)
+        return reduce(vector(rank, numel), step=0, average=False, residual=residual), residual
+
+    for out, residual in run_cluster(n, body):
+        assert torch.equal(residual, torch.zeros(numel))
+        torch.testing.assert_close(out, sum(vector(r, numel) for r in range(n)), atol=1e-5, rtol=0)
+
+
 def test_direct_exchange_is_for_small_rings_and_lossy_hops_stay_on_the_ring():
     """Past DIRECT_GATHER_MAX members every node would hold a connection to every other: the ring
     then takes its m-1 hops. A lossy codec keeps the ring's reduce-scatter (recompressed at every

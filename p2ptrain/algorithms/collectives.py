@@ -376,6 +376,8 @@ class RingAllReduce:
             self._finish_owned(flat, a, b, ring, average, lost(a, b), acks, step, c)
 
         if ring.direct and self.codec.wire_id == compression.UNCOMPRESSED:  # one hop: every segment to its owner
+            if residual is not None:
+                residual.zero_()  # (a lossless codec loses nothing: as each hop of the ring writes)
             for c, a, b in self._scatter_to_owners(source, step, ring, sent, hopeless_from, coming,
                                                    first_deadline, deadline, flat):
                 finish(c, a, b)
