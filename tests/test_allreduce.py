@@ -89,7 +89,7 @@ def test_a_predecessor_heard_at_a_view_switch_is_not_awaited_for_the_steps_befor
     from p2ptrain.transport import TransportOptions
 
     numel, deadline = 12, 60.0
-    behind_done = threading.Event()
+    behind_done = {1: threading.Event(), 2: threading.Event()}
 
     def body(rank, comm):
         reduce = RingAllReduce(comm, numel, elastic=True)
@@ -102,7 +102,8 @@ def test_a_predecessor_heard_at_a_view_switch_is_not_awaited_for_the_steps_befor
         if rank == 0:
             comm.set_step(switch)
             assert comm.membership.probe(1)  # (a Hello: node 1 hears where node 0 is)
-            behind_done.wait(4 * deadline)  # its first segment of S would tell node 1 too
+            for done in behind_done.values():  # its first segment of S would tell them too
+                done.wait(4 * deadline)
         else:
             wait_for(lambda: comm.membership.peer_step(0) == switch or rank == 2, 30, "Hello from node 0")
             for step in range(switch - 3, switch):
@@ -113,8 +114,7 @@ def test_a_predecessor_heard_at_a_view_switch_is_not_awaited_for_the_steps_befor
                 except CollectiveIncomplete as exc:
                     given_up.append((step, time.monotonic() - started, str(exc)))
             comm.set_step(switch)
-            if rank == 2:
-                behind_done.set()
+            behind_done[rank].set()
         return switch, given_up, reduce(vector(rank, numel, salt=99), step=switch, average=False).clone()
 
     results = run_cluster(3, body, options=TransportOptions(send_timeout=30.0, link_deadline=deadline))
