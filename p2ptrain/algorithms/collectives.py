@@ -401,8 +401,8 @@ class RingAllReduce:
             segment = ring.ag_recv(r)  # = ag_send(r + 1)
             sender = ring.owner(segment) if ring.direct else ring.prev
             for c, (a, b) in enumerate(ring.chunks[segment]):
-                received = self._recv(ring, step, "ag", r, segment, c, deadline,
-                                      hopeless if sender == ring.prev else hopeless_from(sender), coming, sender)
+                received = self._recv(ring, step, "ag", r, segment, c, deadline, hopeless_from(sender), coming,
+                                      sender)
                 flat[a:b].copy_(self._decode(received, b - a))
                 if r < ring.m - 2 and not ring.direct:  # forward: uncompressed from flat[a:b], never written again
                     payload = flat[a:b] if received.codec == compression.UNCOMPRESSED else \

@@ -271,7 +271,7 @@ class LanePath:
         try:
             if _timeout is None:  # (Python 3.10)
                 return await asyncio.wait_for(self._exchange(peer, host, port, header, payload), timeout)
-            async with _timeout(timeout):  # no task per message, as wait_for makes (a tenth of a send's CPU)
+            async with _timeout(timeout):  # (wait_for would make a task per message)
                 return await self._exchange(peer, host, port, header, payload)
         except asyncio.TimeoutError:
             raise SendFailure(FailureKind.TIMEOUT, f"lane to node {peer}: no Ack within {timeout:.3g} s") from None
