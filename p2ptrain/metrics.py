@@ -13,6 +13,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+def serve_registry(registry: CollectorRegistry, port: int, addr: str):
+    """Serve `registry` on http://addr:port/metrics (0 picks a free port); returns (server, thread).
+    A port already taken is a one-line error that names it, not a socketserver traceback."""
+    try:
+        return start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot serve /metrics on {addr}:{port}: {exc.strerror or exc} "
+                                 "(pick another --metrics-port, or 0 for any free one)") from None
+
+
 def counter_total(registry: CollectorRegistry, sample: str) -> int:
     """A counter summed over its labels (e.g. what a node relayed, to every next hop)."""
     return int(sum(s.value for m in registry.collect() for s in m.samples if s.name == sample))
@@ -188,7 +198,7 @@ class NodeMetrics:
 
     def serve(self, port: int, addr: str = "0.0.0.0"):
         """Serve /metrics on `port` (0 picks a free one); returns (server, thread)."""
-        return start_http_server(port, addr=addr, registry=self.registry)
+        return serve_registry(self.registry, port, addr)
 
 
 # Parameter server (GEM, seed 001) ------------------------------------------------------------------
@@ -235,7 +245,7 @@ class PsMetrics:
         self.workers_done.set(workers_done)
 
     def serve(self, port: int, addr: str = "0.0.0.0"):
-        return start_http_server(port, addr=addr, registry=self.registry)
+        return serve_registry(self.registry, port, addr)
 
 
 class WorkerMetrics(NodeMetrics):

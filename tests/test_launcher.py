@@ -438,6 +438,21 @@ def test_free_ports_are_distinct_and_bindable():
     assert free_ports(0) == []
 
 
+def test_free_ports_stay_out_of_the_kernels_ephemeral_range_and_skip_excluded_and_taken_ports():
+    """Outgoing connections and binds to port 0 draw from the ephemeral range: a port picked there
+    could be taken by any of them before the node binds it (a real CI failure: Prometheus, started
+    on such a port, took a node's /metrics port)."""
+    from launcher.ports import LOWEST_PORT, ephemeral_range
+    low, high = ephemeral_range()
+    assert 0 < low <= high < 65536
+    ports = free_ports(64)
+    assert all(LOWEST_PORT <= p < low for p in ports), (ports, low)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", ports[0]))
+        again = free_ports(200, exclude=ports[1:10])
+        assert ports[0] not in again and not set(ports[1:10]) & set(again)
+
+
 # --- report --------------------------------------------------------------------------------------
 
 def test_consensus_distance():

@@ -241,3 +241,11 @@ def test_the_model_projection_is_drawn_at_attach_and_only_for_a_served_endpoint(
         after_step = projection(node)
     assert len(at_attach) == (4 if served else 0)
     assert len(after_step) == len(at_attach) and (not served or after_step != at_attach)
+
+
+def test_a_metrics_port_in_use_is_a_one_line_error_naming_it(served):
+    _, port = served
+    with pytest.raises(OSError) as caught:
+        NodeMetrics(1, "sgp").serve(port, addr="127.0.0.1")
+    message = str(caught.value)
+    assert f"127.0.0.1:{port}" in message and "--metrics-port" in message and "\n" not in message

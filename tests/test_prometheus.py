@@ -105,7 +105,8 @@ def test_real_prometheus_scrapes_a_local_cluster(tmp_path):
         assert sorted(targets) == [f"node{i}" for i in range(NODES)]
         assert all(t.startswith("127.0.0.1:") for t in targets.values())
 
-        (port,) = free_ports(1)
+        # the nodes may not have bound their /metrics ports yet: Prometheus must not take one
+        (port,) = free_ports(1, exclude=[int(t.rsplit(":", 1)[1]) for t in targets.values()])
         base = f"http://127.0.0.1:{port}"
         prom = subprocess.Popen(
             [PROMETHEUS, f"--config.file={config_path}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
