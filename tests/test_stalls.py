@@ -19,7 +19,9 @@ import pytest
 import torch
 from torch import nn
 
+from p2ptrain.algorithms.base import Kind
 from p2ptrain.algorithms.dpsgd import DPSGD
+from p2ptrain.algorithms.pushsum import PushSum
 from p2ptrain.algorithms.sgp import SGP
 from p2ptrain.topology import build_topology
 from p2ptrain.topology.undirected import UndirectedRing
@@ -195,6 +197,44 @@ def test_a_node_left_behind_after_the_others_finished_trains_on_to_its_end_witho
     assert sum(r[0] for r in results) == pytest.approx(n, abs=1e-9)
     woke = results[2][1] - max(r[1] for r in results[:2])
     assert woke < 15 * deadline, f"node 2 took {woke:.0f}s after the others finished"
+
+
+
+def test_a_share_voided_after_its_senders_end_goes_to_its_receiver_again(caplog):
+    """Node 1 freezes (loop and training thread, as under SIGSTOP) before node 0 pushes its step-0
+    share; node 0 gives up waiting for the Ack, declares node 1 dead, settles the share "when the
+    peer answers" and ends its run with it unacknowledged. Node 1 wakes up with no copy of it (the
+    timed-out attempts were cancelled), so it voids it when node 0 settles. Node 0 can no longer
+    re-absorb it: it sends it to node 1 again as a new message, which node 1 folds in. Σ w = 2 and
+    Σ x = Σ x_0 exactly. Without the second send that mass was lost (Σ w = 2.74 of 3 in a CI run)."""
+    options = TransportOptions(send_timeout=1.0, link_deadline=0.5, probe_timeout=0.3, settle_interval=0.1)
+    frozen, sender_ended = threading.Event(), threading.Event()
+
+    def body(rank, comm):
+        mass = PushSum(comm, kind=Kind.PUSH_SUM)
+        mass.start(initial(rank).double(), 1.0)
+        mass.expect(mass.x)
+        comm.ready()
+        if rank == 1:
+            comm.transport.loop.call_soon(sender_ended.wait, 60)
+            frozen.set()
+            sender_ended.wait(60)
+            mass.finish([([0], 0)], 0)  # waits for node 0's step-0 share (up to FINISH_WAIT_SECONDS)
+        else:
+            frozen.wait(60)
+            time.sleep(0.2)  # (node 1's loop is blocked by now)
+            mass.push([1], 0)
+            mass.finish([], 0)
+            assert len(mass.outbox) == 1, "the share was settled before our end: nothing left to test"
+            sender_ended.set()
+        return mass.w, mass.x.clone()
+
+    results = run_cluster(2, body, options=options, timeout=4)  # (the peer timeout bounds both finish waits)
+    assert sum(r[0] for r in results) == pytest.approx(2.0, abs=1e-12), [r[0] for r in results]
+    x0 = initial(0).double() + initial(1).double()
+    assert torch.equal(results[0][1] + results[1][1], x0)
+    assert results[1][0] == pytest.approx(1.5, abs=1e-12)
+    assert any("refused after our end" in r.message for r in caplog.records)
 
 
 # Real processes: SIGSTOP / SIGCONT through `launch --stall` -------------------------------------------

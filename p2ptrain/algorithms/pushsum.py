@@ -13,6 +13,7 @@ decides what x means and never touches the model the engine trains.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import math
 import time
@@ -96,8 +97,9 @@ class PushSum:
     def expect(self, like: torch.Tensor) -> None:
         """Declare the shares' size (and codec layout); call before comm.ready()."""
         codecs = None
-        if self.codec is not None:
-            codecs = {self.codec.wire_id: (self.codec.payload_bytes(like.numel(), like.dtype), self.codec.param_count)}
+        if self.codec is not None:  # and raw: a share handed on after its sender's end goes as it was decoded
+            codecs = {self.codec.wire_id: (self.codec.payload_bytes(like.numel(), like.dtype), self.codec.param_count),
+                      compression.UNCOMPRESSED: (like.numel() * like.element_size(), 0)}
         self.comm.expect(self.kind, like.dtype, like.numel(), channel=self.channel or None, codecs=codecs, peak=True)
 
     def start(self, z: torch.Tensor, weight: float, *, delivered: bool = False) -> torch.Tensor:
@@ -267,12 +269,10 @@ class PushSum:
                 self.log.warning("node %d: step-%d share for node %d: outcome unknown (send cancelled)", self.rank,
                                  sent, peer)
                 continue
-            exc = future.exception()
-            if exc is None and future.result().delivered:
+            if future.exception() is None and future.result().delivered:
                 self._reuse(share_x)
                 continue  # accepted, or a duplicate of a retransmission that was accepted
-            why = f"{type(exc).__name__}: {exc}" if exc is not None else \
-                f"{future.result().reason}: {future.result().detail}"
+            why = _outcome(future)
             self.log.warning("node %d: step-%d share for node %d not delivered (%s); re-absorbing it", self.rank,
                              sent, peer, why)
             self.x.add_(share_x)
@@ -302,8 +302,36 @@ class PushSum:
         """flush() and close(), then the de-biased model: the end of the run."""
         self.flush(unmixed, last)
         self.close(last + 1)
+        for entry in self.outbox:  # unacknowledged at the end: the receiver's, unless it voids them
+            entry[0].add_done_callback(functools.partial(self._hand_on_if_refused, entry))
         self.record("w", last + 1, self.w)
         return self.debias()
+
+    def _hand_on_if_refused(self, entry: tuple, future: concurrent.futures.Future) -> None:
+        """A share still unacknowledged at our end whose receiver then refused it or voided it when
+        settling (it had stalled: its wake-up can answer a Settle before the stuck copy arrives). Our
+        run is over, so we cannot re-absorb it: it goes to the same receiver again, as a new message,
+        which that receiver, alive since it answered, folds in like any late share. Without it that
+        mass was lost. Runs in the thread that completes `future` (the transport's loop)."""
+        _, share_x, share_w, peer, sent = entry
+        if future.cancelled() or (future.exception() is None and future.result().delivered):
+            return
+        why = _outcome(future)
+        if future.exception() is not None:  # our transport stopped first: its outcome stays unknown
+            self.log.error("node %d: step-%d share for node %d (w %.4g) unsettled at our end (%s)", self.rank,
+                           sent, peer, share_w, why)
+            return
+        self.log.warning("node %d: step-%d share for node %d (w %.4g) refused after our end (%s); sending it "
+                         "again as a new message", self.rank, sent, peer, share_w, why)
+        again = self.comm.send(peer, share_x, kind=self.kind, step=sent, ps_weight=share_w, reliable=True,
+                               even_if_dead=True, **self._on_channel())
+        again.add_done_callback(functools.partial(self._report_lost, share_w, peer, sent))
+
+    def _report_lost(self, share_w: float, peer: int, sent: int, future: concurrent.futures.Future) -> None:
+        if not future.cancelled() and future.exception() is None and future.result().delivered:
+            return
+        self.log.error("node %d: step-%d share for node %d lost after our end: w %.4g (%s)", self.rank, sent, peer,
+                       share_w, _outcome(future))
 
     def flush(self, unmixed: Iterable[tuple[list[int], int]], last: int) -> None:
         """Receive the shares still in flight (`unmixed`: (senders, step) not mixed yet, and earlier
@@ -478,4 +506,15 @@ def _peak_magnitude(values: torch.Tensor) -> float:
     return peak_magnitude(values)
 
 
+def _outcome(future: concurrent.futures.Future) -> str:
+    """Why a finished send did not deliver: its error, or the receiver's refusal reason."""
+    if future.cancelled():
+        return "cancelled"
+    exc = future.exception()
+    if exc is not None:
+        return f"{type(exc).__name__}: {exc}"
+    return f"{future.result().reason}: {future.result().detail}"
+
+
 __all__ = ["FINISH_WAIT_SECONDS", "PLAUSIBLE_SCALE", "PushSum", "Z_SCALE_EVERY"]
+

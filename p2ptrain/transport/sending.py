@@ -64,7 +64,7 @@ class Sender:
              relay_count: float = 0.0, channel: str = "", codec: int = pb.CODEC_NONE,
              codec_params: tuple[float, ...] = (), dtype: torch.dtype | None = None,
              numel: int | None = None, shape: tuple[int, ...] | None = None,
-             reliable: bool = False, settle: bool = False) -> concurrent.futures.Future:
+             reliable: bool = False, settle: bool = False, even_if_dead: bool = False) -> concurrent.futures.Future:
         """Push `tensor` (CPU; ownership passes to the transport until the future is done).
 
         Returns a future of the peer's Ack. For codec payloads `tensor` holds the encoded bytes and
@@ -77,6 +77,9 @@ class Sender:
         an Ack ACCEPTED if it had delivered the message, REJECTED with reason "voided" if not (it
         then refuses any late copy). The future fails with PeerUnreachable only when nothing was
         sent (the peer was already dead) or the transport stops first.
+
+        `even_if_dead`: send although liveness holds the peer dead, because it has answered us since
+        (a Settle reply: a stalled peer that woke up and has not rejoined yet).
         """
         if not 0 <= peer < self.world_size or peer == self.rank:
             raise ValueError(f"node {self.rank} cannot send to {peer}")
@@ -87,7 +90,7 @@ class Sender:
             shape=list(shape if shape is not None else tensor.shape), payload_bytes=len(payload),
             codec=codec, codec_params=list(codec_params), ps_weight=ps_weight, relay_count=relay_count,
             message_id=next(self.message_ids), channel=channel)
-        future = self.loop.submit(self._send(peer, header, payload, tensor, reliable, settle))
+        future = self.loop.submit(self._send(peer, header, payload, tensor, reliable, settle, even_if_dead))
         outstanding = self._outstanding[peer]
         outstanding[header.message_id] = future
         future.add_done_callback(lambda _: outstanding.pop(header.message_id, None))
@@ -128,11 +131,12 @@ class Sender:
         return list(self._outstanding[peer].values())
 
     async def _send(self, peer: int, header: pb.TensorHeader, payload: memoryview, keepalive,
-                    reliable: bool = False, settle: bool = False) -> pb.Ack:
+                    reliable: bool = False, settle: bool = False, even_if_dead: bool = False) -> pb.Ack:
         deadline = time.monotonic() + self.options.send_timeout
         attempted = False  # once bytes may have left, only the receiver knows whether it delivered
         while True:
-            if not self.liveness.alive(peer) and header.kind != pb.MESSAGE_KIND_STATE:  # (a joiner asked)
+            # (a joiner asks for a state transfer while we hold it dead)
+            if not (even_if_dead or self.liveness.alive(peer) or header.kind == pb.MESSAGE_KIND_STATE):
                 failure = PeerUnreachable(f"node {self.rank}: peer {peer} is considered dead")
                 if settle and attempted:
                     return await self._settle_later(peer, header.message_id, failure)
