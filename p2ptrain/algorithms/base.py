@@ -320,4 +320,14 @@ def send_failure(future: concurrent.futures.Future) -> BaseException | None:
     return future.exception()
 
 
-__all__ = ["Algorithm", "Comm", "Delivery", "Kind", "MassSink", "Members", "Received", "buffer_like", "send_failure"]
+def delivery_failure(future: concurrent.futures.Future) -> str | None:
+    """How a finished send of Delivery failed ("failed: …" or "refused: …"), None if delivered."""
+    exc = send_failure(future)
+    if exc is not None:
+        return f"failed: {exc}"
+    outcome = future.result()
+    return None if outcome.delivered else f"refused: {outcome.reason}: {outcome.detail}"
+
+
+__all__ = ["Algorithm", "Comm", "Delivery", "Kind", "MassSink", "Members", "Received", "buffer_like",
+           "delivery_failure", "send_failure"]

@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING
 
 from p2ptrain import compression
-from p2ptrain.algorithms.base import Comm, Kind, buffer_like, send_failure
+from p2ptrain.algorithms.base import Comm, Kind, buffer_like, delivery_failure
 
 if TYPE_CHECKING:
     import torch
@@ -539,19 +539,10 @@ class Approach:
         return self.membership.peer_step(peer, heard_since=self.step - 1)
 
 
-def delivery_failure(future: concurrent.futures.Future) -> str | None:
-    """How a finished send of Delivery failed ("failed: …" or "refused: …"), None if delivered."""
-    exc = send_failure(future)
-    if exc is not None:
-        return f"failed: {exc}"
-    outcome = future.result()
-    return None if outcome.delivered else f"refused: {outcome.reason}: {outcome.detail}"
-
-
 def note_failure(future: concurrent.futures.Future, failures: list[str]) -> None:
     failure = delivery_failure(future)
     if failure is not None:
-        failures.append(f"a message to the next node {failure}")
+        failures.append(f"a message of this call {failure}")  # (to its successor, or an owner)
 
 
 class RingHops:

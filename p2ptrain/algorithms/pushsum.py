@@ -21,7 +21,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from p2ptrain import compression
-from p2ptrain.algorithms.base import Comm, Kind, buffer_like
+from p2ptrain.algorithms.base import Comm, Kind, buffer_like, delivery_failure
 
 if TYPE_CHECKING:
     import torch
@@ -272,7 +272,7 @@ class PushSum:
             if future.exception() is None and future.result().delivered:
                 self._reuse(share_x)
                 continue  # accepted, or a duplicate of a retransmission that was accepted
-            why = _outcome(future)
+            why = delivery_failure(future)
             self.log.warning("node %d: step-%d share for node %d not delivered (%s); re-absorbing it", self.rank,
                              sent, peer, why)
             self.x.add_(share_x)
@@ -316,7 +316,7 @@ class PushSum:
         _, share_x, share_w, peer, sent = entry
         if future.cancelled() or (future.exception() is None and future.result().delivered):
             return
-        why = _outcome(future)
+        why = delivery_failure(future)
         if future.exception() is not None:  # our transport stopped first: its outcome stays unknown
             self.log.error("node %d: step-%d share for node %d (w %.4g) unsettled at our end (%s)", self.rank,
                            sent, peer, share_w, why)
@@ -331,7 +331,7 @@ class PushSum:
         if not future.cancelled() and future.exception() is None and future.result().delivered:
             return
         self.log.error("node %d: step-%d share for node %d lost after our end: w %.4g (%s)", self.rank, sent, peer,
-                       share_w, _outcome(future))
+                       share_w, delivery_failure(future))
 
     def flush(self, unmixed: Iterable[tuple[list[int], int]], last: int) -> None:
         """Receive the shares still in flight (`unmixed`: (senders, step) not mixed yet, and earlier
@@ -504,16 +504,6 @@ def _peak_magnitude(values: torch.Tensor) -> float:
     from p2ptrain.transport.validation import peak_magnitude  # (imports torch: not at module level)
 
     return peak_magnitude(values)
-
-
-def _outcome(future: concurrent.futures.Future) -> str:
-    """Why a finished send did not deliver: its error, or the receiver's refusal reason."""
-    if future.cancelled():
-        return "cancelled"
-    exc = future.exception()
-    if exc is not None:
-        return f"{type(exc).__name__}: {exc}"
-    return f"{future.result().reason}: {future.result().detail}"
 
 
 __all__ = ["FINISH_WAIT_SECONDS", "PLAUSIBLE_SCALE", "PushSum", "Z_SCALE_EVERY"]

@@ -18,7 +18,8 @@ import time
 from typing import TYPE_CHECKING, NamedTuple
 
 from p2ptrain import compression
-from p2ptrain.algorithms.collectives import KIND, CollectiveIncomplete, RingHops, delivery_failure
+from p2ptrain.algorithms.base import delivery_failure
+from p2ptrain.algorithms.collectives import KIND, CollectiveIncomplete, RingHops
 
 if TYPE_CHECKING:
     import torch
