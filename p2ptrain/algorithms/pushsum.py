@@ -507,4 +507,3 @@ def _peak_magnitude(values: torch.Tensor) -> float:
 
 
 __all__ = ["FINISH_WAIT_SECONDS", "PLAUSIBLE_SCALE", "PushSum", "Z_SCALE_EVERY"]
-
