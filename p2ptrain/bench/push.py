@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from p2ptrain.bench.baselines import TransferResult, check_transfer_args, cpu_seconds
+from p2ptrain.large_pages import with_torch_switch
 
 SENDER, RECEIVER = 0, 1
 RESULT_NAMES = {"grpc": "grpc", "tcp": "lane"}  # TransferResult.name per data plane ("p2ptrain" for auto)
@@ -111,7 +112,7 @@ def bench_p2ptrain_between(peers: Sequence[str], size_bytes: int, reps: int, tim
     if shared_memory:
         argv.append("--shared-memory")
     package_root = str(Path(__file__).resolve().parents[2])  # finds p2ptrain even from a bare checkout
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
+    env = {**with_torch_switch(os.environ), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
     roles = ("sender", "receiver")
     with tempfile.TemporaryDirectory(prefix="p2ptrain-push-") as logs:
