@@ -18,7 +18,6 @@ from pathlib import Path
 import yaml
 
 from p2ptrain.algorithms import registry
-from p2ptrain.large_pages import TORCH_SWITCH
 
 from . import certificates, prometheus
 
@@ -31,8 +30,7 @@ PROMETHEUS_IMAGE = "prom/prometheus:v2.55.1"
 GRAFANA_IMAGE = "grafana/grafana:11.3.0"
 RUNS = "/runs"                      # named volume `runs`: every process writes its files here
 PS_PROFILE = "ps"
-NODE_ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HOME": "/tmp",
-            TORCH_SWITCH: "1"}  # large tensors on 2 MiB pages (p2ptrain/large_pages.py)
+NODE_ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HOME": "/tmp"}
 # p2ptrain containers cannot gain privileges or capabilities, nor write outside `runs` and a /tmp
 # tmpfs (also HOME: libraries' caches); the image's user is uid 1000.
 LOCKED_DOWN = {"read_only": True, "tmpfs": ["/tmp"], "cap_drop": ["ALL"], "security_opt": ["no-new-privileges:true"]}

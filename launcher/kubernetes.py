@@ -28,7 +28,6 @@ import yaml
 from launcher import certificates
 from p2ptrain.addresses import join_address
 from p2ptrain.algorithms import registry
-from p2ptrain.large_pages import TORCH_SWITCH
 
 IMAGE = "p2ptrain:latest"
 DEFAULT_PORT = 50051
@@ -49,8 +48,7 @@ CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem
                       "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
 RUNS = "/runs"
 IMAGE_UID = 1000  # the Dockerfile's user p2ptrain
-NODE_ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-            TORCH_SWITCH: "1"}  # large tensors on 2 MiB pages (p2ptrain/large_pages.py)
+NODE_ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 # HOME on the emptyDir too: the image's home is on the read-only root, and libraries keep caches there
 # (torch, CUDA's JIT cache ~/.nv); the node itself writes only its run folder.
 POD_ENV = {**NODE_ENV, "HOME": TMP_DIR}

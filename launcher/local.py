@@ -20,7 +20,6 @@ from typing import Callable, Sequence, TextIO
 from launcher.chaos import MIN_ALIVE
 from p2ptrain.addresses import join_address
 from p2ptrain.exit_codes import EXIT_NO_CLUSTER
-from p2ptrain.large_pages import with_torch_switch
 from p2ptrain.settings.parsers import AtStep, LinkBurst, SlowWindow
 from p2ptrain.train.mass_record import mass_path, read_mass_record
 
@@ -81,9 +80,8 @@ def node_argv(rank: int, world_size: int, peers: list[str], metrics_port: int | 
 
 
 def node_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """The launcher's environment plus NODE_ENV, with torch's large tensors on 2 MiB pages unless
-    that environment says otherwise (large_pages.py)."""
-    return with_torch_switch({**(os.environ if base is None else base), **NODE_ENV})
+    """The launcher's environment plus NODE_ENV."""
+    return {**(os.environ if base is None else base), **NODE_ENV}
 
 
 def script_cluster(script: list[str], settings_env: dict[str, str]) -> dict:

@@ -1,24 +1,22 @@
-"""Large host tensors on 2 MiB pages (Linux transparent huge pages), where the kernel offers them.
+"""Long-lived host buffers on 2 MiB pages (Linux transparent huge pages), where the kernel offers them.
 
 A socket that reads 64 MB into a tensor on 4 KiB pages walks 16k page-table entries per message
 (dear in a VM), where 2 MiB pages need 32: `bench transport` measured the lane's receiving side at
-0.21-0.25 CPU-s/GB on 4 KiB pages and 0.12-0.14 on 2 MiB ones (raw TCP on NumPy's, which NumPy
-madvises itself: 0.14-0.16). Two switches: `host_buffer` (the Inbox's receive buffers, whoever
-imported torch first), and torch's own allocator switch `TORCH_SWITCH`, which processes that
-p2ptrain starts (launch, bench, simulate) get on by default: every large tensor of theirs, the
-model and the shares it sends included, then sits on 2 MiB pages as well.
+0.21-0.23 CPU-s/GB on 4 KiB pages and 0.16-0.18 on 2 MiB ones. So the buffers that sockets copy
+into and out of every step come from here: the Inbox's receive buffers and the algorithms' send
+buffers (`buffer_like`, the flat gradients the rings reduce). torch's own switch for every large tensor of a process
+(THP_MEM_ALLOC_ENABLE=1) did not pay in `bench peers` (docs/benchmarks.md): a step's temporaries
+are freed and faulted in again each step.
 """
 from __future__ import annotations
 
 import mmap
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 PAGE_BYTES = 2 << 20  # one transparent huge page on x86-64 and arm64 (4 KiB base pages)
-TORCH_SWITCH = "THP_MEM_ALLOC_ENABLE"  # read once per process, by torch's CPU allocator
-MODE_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")  # "always [madvise] never"
+MODE_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")  # e.g. "always [madvise] never"
 
 
 def available(mode_file: Path = MODE_FILE) -> bool:
@@ -52,9 +50,26 @@ def host_buffer(nbytes: int) -> torch.Tensor:
     return whole[start:start + nbytes]
 
 
-def with_torch_switch(env: Mapping[str, str]) -> dict[str, str]:
-    """`env` for a child process, with torch's huge-page allocator on unless `env` sets it."""
-    return {TORCH_SWITCH: "1", **env}
+def empty(numel: int, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
+    """torch.empty(numel, dtype=dtype, device=device), on 2 MiB pages where it is a large CPU tensor."""
+    if device is not None and torch.device(device).type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if numel * itemsize < PAGE_BYTES or not _AVAILABLE:
+        return torch.empty(numel, dtype=dtype)
+    return host_buffer(numel * itemsize).view(dtype)
 
 
-__all__ = ["PAGE_BYTES", "TORCH_SWITCH", "available", "host_buffer", "with_torch_switch"]
+def zeros(numel: int, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
+    """torch.zeros(numel, ...), on 2 MiB pages where it is a large CPU tensor."""
+    return empty(numel, dtype, device).zero_()
+
+
+def empty_like(tensor: torch.Tensor) -> torch.Tensor:
+    """torch.empty_like(tensor), contiguous, on 2 MiB pages where it is a large CPU tensor."""
+    if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_quantized:
+        return torch.empty_like(tensor)
+    return empty(tensor.numel(), tensor.dtype).view(tensor.shape)
+
+
+__all__ = ["MODE_FILE", "PAGE_BYTES", "available", "empty", "empty_like", "host_buffer", "zeros"]

@@ -1,5 +1,5 @@
 """Large host tensors on 2 MiB pages (p2ptrain/large_pages.py): the receive buffers the lane reads
-into, and torch's allocator switch that node processes get."""
+into and the algorithms send from."""
 from __future__ import annotations
 
 import gc
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from launcher import compose, kubernetes, local
-from p2ptrain.large_pages import PAGE_BYTES, TORCH_SWITCH, available, host_buffer, with_torch_switch
+from p2ptrain.algorithms.base import buffer_like
+from p2ptrain.large_pages import PAGE_BYTES, available, empty, host_buffer, zeros
 from p2ptrain.transport.inbox import BufferPool
 
 THP = pytest.mark.skipif(not available(), reason="transparent huge pages are off on this machine")
@@ -63,12 +63,18 @@ def test_the_inboxs_pool_hands_out_receive_buffers_on_huge_pages_and_takes_them_
     assert pool.acquire(3 * PAGE_BYTES) is buffer
 
 
-def test_processes_p2ptrain_starts_get_torchs_switch_unless_their_environment_sets_it():
-    assert with_torch_switch({"A": "1"}) == {TORCH_SWITCH: "1", "A": "1"}
-    assert with_torch_switch({TORCH_SWITCH: "0"})[TORCH_SWITCH] == "0"
-    assert local.node_env({})[TORCH_SWITCH] == "1"
-    assert local.node_env({TORCH_SWITCH: "0"})[TORCH_SWITCH] == "0"
-    assert compose.NODE_ENV[TORCH_SWITCH] == "1" and kubernetes.NODE_ENV[TORCH_SWITCH] == "1"
+@THP
+def test_algorithm_send_buffers_and_flat_gradients_are_on_huge_pages_and_small_ones_are_plain():
+    model = torch.zeros(3, PAGE_BYTES // 4)  # float32: 3 pages
+    share = buffer_like(model)
+    assert share.shape == model.shape and share.dtype == model.dtype and share.data_ptr() % PAGE_BYTES == 0
+    grads = zeros(PAGE_BYTES, torch.float64)
+    assert grads.data_ptr() % PAGE_BYTES == 0 and grads.numel() == PAGE_BYTES and not grads.any()
+    small = buffer_like(torch.zeros(5, 7, dtype=torch.float16))
+    assert small.shape == (5, 7) and small.dtype == torch.float16
+    assert empty(10, torch.int64).dtype == torch.int64 and empty(10, torch.int64, "cpu").numel() == 10
+    non_contiguous = buffer_like(model.t())
+    assert non_contiguous.shape == (PAGE_BYTES // 4, 3) and non_contiguous.is_contiguous()
 
 
 def test_a_mode_file_that_is_missing_or_says_never_means_no_huge_pages(tmp_path):

@@ -306,10 +306,11 @@ class Algorithm(ABC):
 
 def buffer_like(tensor: "torch.Tensor") -> "torch.Tensor":
     """An uninitialized tensor shaped like `tensor`, for buffers an algorithm reuses from step to
-    step (torch is imported here, not at module level: the registry loads without it)."""
-    import torch
+    step, the ones it sends from among them: on 2 MiB pages where large (large_pages.py; imported
+    here, not at module level: the registry loads without torch)."""
+    from p2ptrain.large_pages import empty_like
 
-    return torch.empty_like(tensor)
+    return empty_like(tensor)
 
 
 def send_failure(future: concurrent.futures.Future) -> BaseException | None:

@@ -50,6 +50,8 @@ class BucketedGradients:
                  bucket_bytes: int, codec=None):
         import torch
 
+        from p2ptrain import large_pages
+
         self.comm, self.ring, self.next_step = comm, ring, next_step
         self.params = list(params)
         self.num_params = sum(p.numel() for p in self.params)
@@ -59,7 +61,7 @@ class BucketedGradients:
         self.why_off = "" if self.enabled else "parameters of several dtypes"
         # on the parameters' device: the gradient hooks copy into it and the rings sum into it there
         device = self.params[0].device if self.params else None
-        self.flat = torch.zeros(self.num_params, dtype=self.dtype or torch.float32, device=device)
+        self.flat = large_pages.zeros(self.num_params, self.dtype or torch.float32, device)
         self.buckets = self._cut(bucket_bytes)
         for bucket in self.buckets:
             bucket.ring = RingAllReduce(comm, bucket.end - bucket.start, self.flat.dtype, codec=codec,

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Sequence
 
 from p2ptrain.bench.baselines import TransferResult, check_transfer_args, cpu_seconds
-from p2ptrain.large_pages import with_torch_switch
 
 SENDER, RECEIVER = 0, 1
 RESULT_NAMES = {"grpc": "grpc", "tcp": "lane"}  # TransferResult.name per data plane ("p2ptrain" for auto)
@@ -51,6 +50,7 @@ def push_endpoint(rank: int, peers: Sequence[str], size_bytes: int, reps: int, t
     check_transfer_args(size_bytes, reps, timeout)
     import torch
 
+    from p2ptrain import large_pages
     from p2ptrain._proto import p2ptrain_pb2 as pb
     from p2ptrain.transport import Transport, TransportOptions
 
@@ -79,7 +79,9 @@ def push_endpoint(rank: int, peers: Sequence[str], size_bytes: int, reps: int, t
             for step in range(WARMUP, WARMUP + reps):
                 transport.recv(kind, step, [SENDER], timeout=timeout)[SENDER].release()
             return {"cpu": cpu_seconds() - start_cpu}
-        payload = torch.rand(numel, generator=torch.Generator().manual_seed(0))
+        # sent from a buffer of the kind the algorithms send from (buffer_like: on 2 MiB pages)
+        payload = large_pages.empty(numel, torch.float32)
+        payload.copy_(torch.rand(numel, generator=torch.Generator().manual_seed(0)))
         start = cpu0 = 0.0
         for step in range(WARMUP + reps):
             if step == WARMUP:
@@ -112,7 +114,7 @@ def bench_p2ptrain_between(peers: Sequence[str], size_bytes: int, reps: int, tim
     if shared_memory:
         argv.append("--shared-memory")
     package_root = str(Path(__file__).resolve().parents[2])  # finds p2ptrain even from a bare checkout
-    env = {**with_torch_switch(os.environ), "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
     roles = ("sender", "receiver")
     with tempfile.TemporaryDirectory(prefix="p2ptrain-push-") as logs:

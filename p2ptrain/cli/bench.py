@@ -3,10 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 from typing import Callable
-
-from p2ptrain.large_pages import TORCH_SWITCH
 
 
 def add_parser(subcommands) -> None:
@@ -54,10 +51,8 @@ def add_parser(subcommands) -> None:
 
 def main_of(module: str) -> Callable[[argparse.Namespace], int]:
     """The run(args) of a benchmark or experiment: `module`.main(args), its module (and torch)
-    imported only when it runs. Every process it starts, p2ptrain's and the baselines' alike,
-    inherits torch's 2 MiB-page switch (p2ptrain/large_pages.py), as `launch` gives its nodes."""
+    imported only when it runs."""
     def run(args: argparse.Namespace) -> int:
-        os.environ.setdefault(TORCH_SWITCH, "1")
         return importlib.import_module(module).main(args)
 
     return run

@@ -14,6 +14,8 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from p2ptrain import large_pages
+
 _COMMUNICATION_DTYPE = torch.float32  # mixed-dtype models exchange a float32 vector
 
 
@@ -110,7 +112,7 @@ class ModelState:
                      for p in self.params]
             return torch.cat(grads + [b.detach().reshape(-1).to(self.dtype) for b in self.buffers])
         if self._grads is None:
-            self._grads = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+            self._grads = large_pages.zeros(self.numel, self.dtype, self.device)  # (the ring sends from it)
         offset = 0
         for p in self.params:
             view = self._grads[offset:offset + p.numel()].view_as(p)
