@@ -51,12 +51,13 @@ def host_buffer(nbytes: int) -> torch.Tensor:
 
 
 def empty(numel: int, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
-    """torch.empty(numel, dtype=dtype, device=device), on 2 MiB pages where it is a large CPU tensor."""
+    """torch.empty(numel, dtype=dtype, device=device), on 2 MiB pages where it is a large CPU tensor
+    (device None: the CPU)."""
     if device is not None and torch.device(device).type != "cpu":
         return torch.empty(numel, dtype=dtype, device=device)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    itemsize = torch.empty(0, dtype=dtype, device="cpu").element_size()
     if numel * itemsize < PAGE_BYTES or not _AVAILABLE:
-        return torch.empty(numel, dtype=dtype)
+        return torch.empty(numel, dtype=dtype, device="cpu")
     return host_buffer(numel * itemsize).view(dtype)
 
 
