@@ -3,10 +3,10 @@
 A socket that reads 64 MB into a tensor on 4 KiB pages walks 16k page-table entries per message
 (dear in a VM), where 2 MiB pages need 32: `bench transport` measured the lane's receiving side at
 0.21-0.23 CPU-s/GB on 4 KiB pages and 0.16-0.18 on 2 MiB ones. So the buffers that sockets copy
-into and out of every step come from here: the Inbox's receive buffers and the algorithms' send
-buffers (`buffer_like`, the flat gradients the rings reduce). torch's own switch for every large tensor of a process
-(THP_MEM_ALLOC_ENABLE=1) did not pay in `bench peers` (docs/benchmarks.md): a step's temporaries
-are freed and faulted in again each step.
+into and out of every step come from here: the Inbox's receive buffers, the algorithms' send
+buffers (`buffer_like`) and the flat gradients the rings reduce. torch's own switch for every large
+tensor of a process (THP_MEM_ALLOC_ENABLE=1) did not pay in `bench peers` (docs/benchmarks.md): a
+step's temporaries are freed and faulted in again each step.
 """
 from __future__ import annotations
 
@@ -55,10 +55,7 @@ def empty(numel: int, dtype: torch.dtype, device: torch.device | str | None = No
     (device None: the CPU)."""
     if device is not None and torch.device(device).type != "cpu":
         return torch.empty(numel, dtype=dtype, device=device)
-    itemsize = torch.empty(0, dtype=dtype, device="cpu").element_size()
-    if numel * itemsize < PAGE_BYTES or not _AVAILABLE:
-        return torch.empty(numel, dtype=dtype, device="cpu")
-    return host_buffer(numel * itemsize).view(dtype)
+    return host_buffer(numel * dtype.itemsize).view(dtype)
 
 
 def zeros(numel: int, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
