@@ -3,6 +3,8 @@ submitted when it stops is failed (no waiter is left hanging) and, if it never r
 never reports a coroutine that was never awaited)."""
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import gc
 import threading
 import time
@@ -83,3 +85,36 @@ def test_call_runs_on_the_loop_thread_and_fails_when_the_loop_stops_before_it_ra
     assert outcome == ["ran"] or ("test loop stopped" in str(outcome[0]) or "closed" in str(outcome[0])), outcome
     with pytest.raises(RuntimeError):
         thread.call(lambda: "too late")
+
+
+def test_shares_run_on_one_loop_and_stop_alone():
+    """LoopThread.share(): owners on one loop (a simulation's nodes). Each share runs its setup
+    there; stopping one fails what still waits on it, cancels its own tasks and refuses new work,
+    while the loop and the other shares go on."""
+    host = LoopThread("test-host", "host loop")
+    first, second = host.share("first node"), host.share("second node")
+    first.start(_nothing)
+    second.start(_nothing)
+    assert first.call(threading.current_thread) is second.call(threading.current_thread) is host.thread
+    gate = threading.Event()
+
+    async def held() -> str:  # on the loop, waiting for a thread (not blocking the loop)
+        while not gate.is_set():
+            await asyncio.sleep(0.01)
+        return "done"
+
+    waiting = first.submit(held())
+    spawned = first.call(lambda: first.spawn(held()))
+    first.stop(_nothing, grace=1)
+    with pytest.raises((RuntimeError, concurrent.futures.CancelledError)):
+        waiting.result(5)
+    assert second.call(lambda: spawned.cancelled() or spawned.done())  # its own task is over
+    with pytest.raises(RuntimeError, match="first node not started"):
+        first.submit(_nothing())
+    assert second.call(lambda: "still serving") == "still serving"
+    second.stop(_nothing, grace=1)
+    assert host.loop.is_running()  # (the host's own stop ends the loop)
+    host.stop(_nothing, grace=1)
+    assert not host.thread.is_alive()
+    gate.set()
+

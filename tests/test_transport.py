@@ -4,6 +4,7 @@ Transport-level tests run on both data planes (PLANES: gRPC streaming and the TC
 lane client's tests are in tests/test_lane.py."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import itertools
@@ -21,6 +22,7 @@ from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.metrics import NodeMetrics
 from p2ptrain.transport import FailureKind, PeerError, SendFailure, Transport, TransportOptions
 from p2ptrain.transport.framing import encode_data, encode_header, iter_data_chunks, tensor_bytes
+from p2ptrain.transport.loop_thread import LoopThread
 from p2ptrain.transport.server import PROTOCOL_VERSION, SERVICE_NAME
 
 torch.set_num_threads(1)
@@ -830,3 +832,32 @@ def test_all_finite_checks_element_by_element_only_where_the_sum_is_not_finite()
         values[617] = bad
         assert not all_finite(values), bad
     assert all_finite(torch.arange(10)) and all_finite(torch.empty(0)) and all_finite(torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_transports_sharing_one_loop_exchange_tensors_and_stop_alone(plane):
+    """Transport(loop=...): nodes on one LoopThread's loop (p2ptrain simulate hosts hundreds so).
+    A tensor goes both ways exactly; one node stops and the loop serves the other on."""
+    host = LoopThread("test-nodes", "nodes' loop")
+    peers = loopback_addresses(2)
+    options = on_plane(FAST, plane)
+    started = [Transport(rank, 2, peers, listen=peers[rank], options=options, loop=host).start() for rank in range(2)]
+    try:
+        assert started[0].loop.thread is started[1].loop.thread is host.thread
+        for rank, transport in enumerate(started):
+            transport.expect(KIND, torch.float32, 6)
+        for sender, receiver in ((0, 1), (1, 0)):
+            tensor = torch.arange(6, dtype=torch.float32) + sender
+            ack = started[sender].sender.send(receiver, tensor, kind=KIND, step=3).result(30)
+            assert ack.status == pb.Ack.STATUS_ACCEPTED, ack
+            message = started[receiver].recv(KIND, 3, [sender], timeout=10)[sender]
+            assert torch.equal(message.tensor, tensor)
+            message.release()
+        started[0].stop()
+        assert host.loop.is_running()
+        assert started[1].run_on_loop(lambda: "served") == "served"
+    finally:
+        for transport in started:
+            transport.stop()
+        host.stop(lambda: asyncio.sleep(0), grace=0)
+    assert not host.thread.is_alive()

@@ -1,11 +1,13 @@
 """One process of a simulation (bench/simulate.py): k logical nodes, each a real Transport (its own
-port, identity and loop thread) with its Communicator, driving a vector of `dim` floats through the
-real algorithm, membership and engine (DecentralizedOptimizer with lr 0: no model, no data).
+port and identity; all on the process's one event loop unless Plan.shared_loop is off) with its
+Communicator, driving a vector of `dim` floats through the real algorithm, membership and engine
+(DecentralizedOptimizer with lr 0: no model, no data).
 What it measures is protocol cost: gRPC calls by method (NodeMetrics.on_rpc), tensor messages,
 open channels and lane connections, when each node was ready, and when each adopted the view
 without the leaver (a watcher thread reads every node's latest view)."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import faulthandler
@@ -28,12 +30,15 @@ from p2ptrain.topology import member_topology
 from p2ptrain.train.errors import LeftCluster
 from p2ptrain.train.optimizer import DecentralizedOptimizer
 from p2ptrain.transport import Transport, TransportOptions
+from p2ptrain.transport.loop_thread import LoopThread
 
 DATA_METHOD = "PushTensor"  # every other gRPC method is membership or control
 # Python's cyclic GC: with dozens of nodes a process holds millions of objects, and full collections
 # took a third of its CPU at 64 nodes per process (perf), starving the loops. Collected rarely here.
 GC_THRESHOLDS = (100_000, 50, 1000)
 WATCH_SECONDS = 0.005       # how often the watcher reads the nodes' views (the agreement time's resolution)
+PROGRESS_SECONDS = 30.0     # how often each process says how far its nodes are
+WATCH_SHARE = 10            # ... or, when a pass over them takes longer, pauses of this many passes
 # A busy 2-core machine hosting a hundred nodes: long deadlines, so a slow peer is waited for, not
 # declared dead (that would be a membership change of its own, and lost mass against the theory);
 # and public by construction (on loopback), where a dial-back that times out would say private.
@@ -56,6 +61,9 @@ class Plan:
     members: int | None = None  # the initial members (None: every rank of peers)
     churn: tuple[tuple[int, int, int], ...] = ()
     churn_steps: int = 0
+    # One event loop for every node of a process (False: a loop thread per node, as real nodes have).
+    # Hundreds of loop threads starved each other on 2 cores: probes waited past their timeout.
+    shared_loop: bool = True
 
     @property
     def nodes(self) -> int:
@@ -125,7 +133,9 @@ class ViewWatcher:
         self._thread.start()
 
     def _watch(self) -> None:
-        while not self._done.wait(WATCH_SECONDS):
+        pause = WATCH_SECONDS
+        while not self._done.wait(pause):
+            began = time.monotonic()
             self.peak_threads = max(self.peak_threads, threading.active_count())
             for transport in list(self.transports):
                 membership = transport.membership
@@ -136,6 +146,8 @@ class ViewWatcher:
                 if transport.rank not in self.adopted and self.leaver is not None \
                         and self.leaver not in latest.members:
                     self.adopted[transport.rank] = time.time()
+            # (a tenth of a core at most: with hundreds of nodes one pass takes milliseconds)
+            pause = max(WATCH_SECONDS, WATCH_SHARE * (time.monotonic() - began))
 
     def stop(self) -> None:
         self._done.set()
@@ -177,6 +189,9 @@ def run_node(plan: Plan, comm: Communicator, progress: dict[int, int], halt: thr
             if step < plan.steps:  # (τ = 0: every share of this step is mixed in, nothing is in flight)
                 record["z"].append(model.x.detach().tolist())
                 record["w"].append(algorithm.w)
+        if "change_to" not in record:  # (the window ends with the run: before finish()'s "finished" Hellos)
+            record["change_to"] = transport.run_on_loop(counters, transport)
+            record["change_to_time"] = time.time()
         opt.finish()
     except LeftCluster:
         record["left"] = True
@@ -246,8 +261,8 @@ class Churn:
     leaves: Plan.churn)."""
 
     def __init__(self, plan: Plan, ranks: list[int], transports: list[Transport], progress: dict[int, int],
-                 halt: threading.Event):
-        self.plan, self.transports, self.progress, self.halt = plan, transports, progress, halt
+                 halt: threading.Event, loop: LoopThread | None):
+        self.plan, self.transports, self.progress, self.halt, self.loop = plan, transports, progress, halt, loop
         self.due = sorted((step, joining) for step, _, joining in plan.churn if joining in ranks)
         self.futures: list[concurrent.futures.Future] = []
         self._done = threading.Event()
@@ -260,7 +275,8 @@ class Churn:
                 _, rank = self.due.pop(0)
                 plan = self.plan
                 transport = Transport(rank, plan.world, list(plan.peers), listen=plan.peers[rank],
-                                      options=plan.options(), metrics=NodeMetrics(rank, "sgp")).start()
+                                      options=plan.options(), metrics=NodeMetrics(rank, "sgp"),
+                                      loop=self.loop).start()
                 self.transports.append(transport)
                 self.futures.append(in_daemon_thread(f"node-{rank}", run_joiner, plan, transport, self.progress,
                                                      self.halt))
@@ -278,6 +294,17 @@ class Churn:
 
     def stop(self) -> None:
         self._done.set()
+
+
+def report_progress(ranks: list[int], progress: dict[int, int], end: int, halt: threading.Event) -> None:
+    """Every PROGRESS_SECONDS until the run ends, one line on stderr: how many of this process's
+    nodes are stepping and their slowest and fastest step (a long simulation shows it is moving)."""
+    began = time.monotonic()
+    while not halt.wait(PROGRESS_SECONDS):
+        steps = list(progress.values())
+        where = f"steps {min(steps)}..{max(steps)} of {end}" if steps else "setting up"
+        print(f"[{time.monotonic() - began:.0f}s] nodes {ranks[0]}, {ranks[1] if len(ranks) > 1 else ''}...: "
+              f"{len(steps)} of {len(ranks)} stepping, {where}", file=sys.stderr, flush=True)
 
 
 def host(plan: Plan, ranks: list[int]) -> dict:
@@ -298,13 +325,16 @@ def host(plan: Plan, ranks: list[int]) -> dict:
     members = [rank for rank in ranks if rank < plan.nodes]
     progress: dict[int, int] = {}
     halt = threading.Event()  # set when the run ends early: every node thread stops at its next step
+    loop = LoopThread("p2ptrain-nodes", "simulated nodes' loop") if plan.shared_loop else None
     try:
         for rank in members:
             transports.append(Transport(rank, plan.world, list(plan.peers), listen=plan.peers[rank],
-                                        options=plan.options(), metrics=NodeMetrics(rank, "sgp")).start())
+                                        options=plan.options(), metrics=NodeMetrics(rank, "sgp"), loop=loop).start())
         comms = [Communicator(t, "cpu", peer_timeout=plan.timeout) for t in transports]
         watcher = ViewWatcher(transports, plan.leaver)
-        churn = Churn(plan, ranks, transports, progress, halt)
+        threading.Thread(target=report_progress, args=(ranks, progress, plan.end, halt), name="progress",
+                         daemon=True).start()
+        churn = Churn(plan, ranks, transports, progress, halt, loop)
         futures = [in_daemon_thread(f"node-{comm.rank}", run_node, plan, comm, progress, halt) for comm in comms]
         done, _ = concurrent.futures.wait(futures, max(0.0, deadline - time.monotonic()),
                                           return_when=concurrent.futures.FIRST_EXCEPTION)
@@ -332,7 +362,9 @@ def host(plan: Plan, ranks: list[int]) -> dict:
             transport.stop()
         for comm in comms:
             comm.close()
+        if loop is not None:
+            loop.stop(lambda: asyncio.sleep(0), grace=0.0)
 
 
 __all__ = ["DATA_METHOD", "OPTIONS", "Churn", "Plan", "Vector", "counters", "host", "in_daemon_thread",
-           "make_optimizer", "run_joiner", "run_node"]
+           "make_optimizer", "report_progress", "run_joiner", "run_node"]

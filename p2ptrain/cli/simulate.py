@@ -35,6 +35,9 @@ def add_parser(subcommands) -> None:
     simulate.add_argument("--churn-steps", type=int, default=0, metavar="STEPS",
                           help="steps the churn lasts (default 0; at least --churn)")
     simulate.add_argument("--seed", type=int, default=0, help="which members the churn takes (default 0)")
+    simulate.add_argument("--loop-per-node", action="store_true",
+                          help="give every node its own event loop thread, as real nodes have (default: one loop per "
+                               "process for all its nodes; hundreds of loop threads starve each other on few cores)")
     simulate.add_argument("--sweep", metavar="N1,N2,...",
                           help="run each node count in turn, fit the exponents in n of the control calls and bytes "
                                "per node per change, the calls at start and the channels, and plot OUT/scale.png "

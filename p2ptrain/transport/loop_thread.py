@@ -5,7 +5,9 @@ use theirs on one LoopThread (uvloop when available, installed before any aio ob
 other thread reaches that loop only through `submit`, `call` and `call_soon` here, i.e. through
 run_coroutine_threadsafe / call_soon_threadsafe and concurrent.futures.Future.
 
-This module knows nothing of gRPC, tensors or peers; it must never block the loop it owns.
+A `share()` of a LoopThread runs its owner's setup and shutdown on that loop without a thread of its
+own (a simulation hosts hundreds of nodes per process on one loop). This module knows nothing of
+gRPC, tensors or peers; it must never block the loop it owns.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class LoopThread:
         # submitted from other threads, not yet settled: future -> its coroutine
         self._waited: dict[concurrent.futures.Future, Coroutine] = {}
         self._waited_lock = threading.Lock()
+        self._start_lock = threading.Lock()
 
     @property
     def started(self) -> bool:
@@ -80,7 +83,15 @@ class LoopThread:
         loop = self.loop
         if loop is None:
             return
+        if loop.is_running():
+            self._close(shutdown, grace)
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                loop.call_soon_threadsafe(loop.stop)
+        if self.thread is not None:
+            self.thread.join(10)
 
+    def _close(self, shutdown: Callable[[], Awaitable[None]], grace: float) -> None:
+        """Run `shutdown()` on the loop (given `grace` + 10 s), then cancel this owner's spawned tasks."""
         async def close() -> None:
             try:
                 await shutdown()
@@ -88,15 +99,10 @@ class LoopThread:
                 for task in list(self._tasks):
                     task.cancel()
 
-        if loop.is_running():
-            try:
-                self.submit(close()).result(grace + 10)
-            except Exception as exc:  # noqa: BLE001 - shutting down anyway (or it stopped meanwhile)
-                log.warning("unclean %s shutdown: %s", self.what, exc)
-            with contextlib.suppress(RuntimeError):  # closed meanwhile
-                loop.call_soon_threadsafe(loop.stop)
-        if self.thread is not None:
-            self.thread.join(10)
+        try:
+            self.submit(close()).result(grace + 10)
+        except Exception as exc:  # noqa: BLE001 - shutting down anyway (or it stopped meanwhile)
+            log.warning("unclean %s shutdown: %s", self.what, exc)
 
     def _settle_stranded(self, loop: asyncio.AbstractEventLoop) -> None:
         """Fail what other threads still wait on: the stopped loop will never settle it (a ring
@@ -105,15 +111,9 @@ class LoopThread:
         would otherwise report as never awaited."""
         with self._waited_lock:
             stranded, self._waited = self._waited, {}
-        never_run = list(stranded.values()) + [task.get_coro() for task in asyncio.all_tasks(loop)]
-        for coro in never_run:
-            if inspect.iscoroutine(coro) and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
-                coro.close()
+        _close_unstarted(list(stranded.values()) + [task.get_coro() for task in asyncio.all_tasks(loop)])
         for future in stranded:
-            try:
-                future.set_exception(RuntimeError(f"{self.what} stopped"))
-            except concurrent.futures.InvalidStateError:  # settled meanwhile
-                pass
+            _fail(future, self.what)
 
     # From any thread ----------------------------------------------------------------------------
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
@@ -148,6 +148,17 @@ class LoopThread:
             raise RuntimeError(f"{self.what} not started")
         self.loop.call_soon_threadsafe(fn, *args)
 
+    def ensure_running(self, timeout: float = 30.0) -> None:
+        """Start the loop, with nothing to set up, unless it runs already (a host of shares)."""
+        with self._start_lock:
+            if not self.started:
+                self.start(_nothing, timeout)
+
+    def share(self, what: str) -> "LoopShare":
+        """A handle for another owner (`what`) on this loop: its own tasks and waiters, started and
+        stopped on its own, while the loop and its thread stay this LoopThread's."""
+        return LoopShare(self, what)
+
     # On the loop thread -------------------------------------------------------------------------
     def spawn(self, coro: Coroutine) -> asyncio.Task:
         """Run `coro` in the background; stop() cancels it if it is still running then."""
@@ -157,8 +168,58 @@ class LoopThread:
         return task
 
 
+class LoopShare(LoopThread):
+    """One owner's part of a host LoopThread's loop (LoopThread.share). start() starts the host if
+    it is not running yet and runs `setup` there; stop() runs `shutdown`, cancels this share's tasks
+    and fails what still waits on it, and leaves the loop running for the other shares."""
+
+    def __init__(self, host: LoopThread, what: str):
+        super().__init__(host.name, what)
+        self.host = host
+
+    def start(self, setup: Callable[[], Awaitable[None]], timeout: float = 30.0) -> None:
+        self.host.ensure_running(timeout)
+        self.loop, self.thread = self.host.loop, self.host.thread
+        try:
+            self.submit(setup()).result(timeout)
+        except BaseException:
+            self.loop = self.thread = None
+            raise
+
+    def stop(self, shutdown: Callable[[], Awaitable[None]], grace: float) -> None:
+        loop = self.loop
+        if loop is None:
+            return
+        if loop.is_running():
+            self._close(shutdown, grace)
+        self.loop = self.thread = None  # submit() refuses from here on
+        with self._waited_lock:
+            stranded, self._waited = self._waited, {}
+        _close_unstarted(list(stranded.values()))
+        for future in stranded:  # (cancelling the future cancels its task on the loop)
+            future.cancel() or _fail(future, self.what)
+
+
+def _close_unstarted(coros: list) -> None:
+    """Close the coroutines a loop never started (Python would report them as never awaited)."""
+    for coro in coros:
+        if inspect.iscoroutine(coro) and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+            coro.close()
+
+
+def _fail(future: concurrent.futures.Future, what: str) -> None:
+    try:
+        future.set_exception(RuntimeError(f"{what} stopped"))
+    except concurrent.futures.InvalidStateError:  # settled meanwhile
+        pass
+
+
+async def _nothing() -> None:
+    return None
+
+
 async def _invoke(fn: Callable[..., T], *args) -> T:
     return fn(*args)
 
 
-__all__ = ["LoopThread", "new_event_loop"]
+__all__ = ["LoopShare", "LoopThread", "new_event_loop"]

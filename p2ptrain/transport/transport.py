@@ -56,10 +56,12 @@ INDIRECT_PROBES = 2  # meeting neighbours: peers asked to probe one that does no
 
 class Transport:
     """Tensor push/receive for node `rank` of `world_size`; peers[i] is node i's address. peers=None:
-    addresses learned after start (`set_peer_addresses`, from a rendezvous); `listen` is then required."""
+    addresses learned after start (`set_peer_addresses`, from a rendezvous); `listen` is then required.
+    `loop`: run on that LoopThread's loop, shared with other nodes (a simulation), not on a thread of its own."""
 
     def __init__(self, rank: int, world_size: int, peers: list[str] | None, *, listen: str | None = None,
-                 options: TransportOptions | None = None, metrics=None, config_fingerprint: str = ""):
+                 options: TransportOptions | None = None, metrics=None, config_fingerprint: str = "",
+                 loop: LoopThread | None = None):
         if peers is None and not listen:
             raise ValueError("without peer addresses (learned after start) give the listen address")
         if peers is not None and len(peers) != world_size:
@@ -71,7 +73,8 @@ class Transport:
         self.options = options = options or TransportOptions()
         check_chunk_bytes(options.chunk_bytes)
         self.metrics = metrics
-        self.loop = LoopThread(f"p2ptrain-comm-{rank}", f"node {rank} transport")
+        what = f"node {rank} transport"  # (`loop`: run on that loop, shared with others: a simulation's nodes)
+        self.loop = loop.share(what) if loop is not None else LoopThread(f"p2ptrain-comm-{rank}", what)
         addresses = list(peers) if peers is not None else [""] * world_size
         self.listen = listen or f"[::]:{addresses[rank].rsplit(':', 1)[1]}"
         self.port: int | None = None
