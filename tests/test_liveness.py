@@ -2,6 +2,8 @@
 who is dead, who lags, who comes back (only a new incarnation), who gets our state."""
 from __future__ import annotations
 
+import time
+
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.membership.liveness import Liveness
 from p2ptrain.transport.membership.views import Views
@@ -156,3 +158,27 @@ def test_a_peer_is_known_by_the_steps_of_its_messages_per_kind_and_by_fresh_news
     m.hello(1, ready=True, incarnation=8, current_step=3, resume_step=3)  # a new process
     assert m.sent_step(1, pb.MESSAGE_KIND_ALLREDUCE) is None
     assert m.peer_step(1) == 10  # (a rejoined peer is taken to be at our step: not lagging)
+
+
+def test_start_up_hellos_wait_longer_after_each_failure_and_never_past_the_deadline():
+    """HelloAttempts: 1 s, then twice as long after each failed attempt, up to 16 s, never longer
+    than what is left (fixed 1 s attempts all timed out on a crowded machine, and their retries
+    kept it crowded). NotReadyBackoff.next_due: when the earliest "not ready" peer is asked again."""
+    from p2ptrain.transport.membership.greetings import HelloAttempts, NotReadyBackoff
+
+    attempts = HelloAttempts()
+    assert attempts.length(3, remaining=60.0) == 1.0
+    lengths = []
+    for _ in range(6):
+        attempts.failed(3)
+        lengths.append(attempts.length(3, remaining=60.0))
+    assert lengths == [2.0, 4.0, 8.0, 16.0, 16.0, 16.0]
+    assert attempts.length(3, remaining=5.0) == 5.0 and attempts.length(4, remaining=60.0) == 1.0
+    backoff = NotReadyBackoff()
+    assert backoff.next_due([1, 2]) == 0.0  # never answered "not ready": ask now
+    before = time.monotonic()
+    backoff.note(1)
+    backoff.note(2)
+    backoff.note(2)  # (asked again: its pause doubled)
+    assert before + 0.05 <= backoff.next_due([1, 2]) <= time.monotonic() + 0.05
+    assert backoff.next_due([2]) >= before + 0.05 and backoff.next_due([]) == 0.0

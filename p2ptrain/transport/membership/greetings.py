@@ -93,6 +93,7 @@ def new_incarnation() -> int:
 FINISHED = "finished its run"  # a want_state refusal that means: this member will never serve one
 
 # A Hello that got no answer (TimeoutError: ours; CancelledError: the loop cancelled it, e.g. at a stop).
+WAIT_ROUND = 0.25  # seconds wait_for_peers lets pass at most between two looks at its peers
 FAILED = (SendFailure, concurrent.futures.TimeoutError, concurrent.futures.CancelledError)
 
 
@@ -114,6 +115,29 @@ class NotReadyBackoff:
     def note(self, peer: int) -> None:
         pause = self._next.get(peer, (0.0, self.FIRST))[1]
         self._next[peer] = (time.monotonic() + pause, min(self.LONGEST, 2 * pause))
+
+    def next_due(self, peers) -> float:
+        """The earliest time.monotonic() at which one of `peers` is to be asked again (0: now)."""
+        return min((self._next.get(peer, (0.0, 0.0))[0] for peer in peers), default=0.0)
+
+
+class HelloAttempts:
+    """How long a start-up Hello may wait for its answer: 1 s, then twice as long after each that
+    failed, up to 16 s. On a crowded machine answers take longer than a second: with fixed 1 s
+    attempts, every Hello timed out and was sent again at once, and the retries alone kept the
+    loops saturated (512 simulated nodes on 2 cores: no Hello answered after the first seconds).
+    A longer attempt loses nothing: a Hello waits for its peer to come up and returns when it does."""
+
+    FIRST, LONGEST = 1.0, 16.0
+
+    def __init__(self) -> None:
+        self._length: dict[int, float] = {}
+
+    def length(self, peer: int, remaining: float) -> float:
+        return min(remaining, self._length.get(peer, self.FIRST))
+
+    def failed(self, peer: int) -> None:
+        self._length[peer] = min(self.LONGEST, 2 * self._length.get(peer, self.FIRST))
 
 
 class Greetings:
@@ -739,6 +763,7 @@ class Greetings:
         cannot_connect: set[int] = set()  # peers whose last Hello failed
         inflight: dict[int, concurrent.futures.Future] = {}  # Hellos asked and not yet taken
         not_ready = NotReadyBackoff()  # (a peer that becomes ready says so itself: see answer())
+        attempts = HelloAttempts()
         while waiting:
             if require_ready:
                 waiting -= self.ready_peers  # a peer that said so in its own Hello may be gone by now
@@ -756,22 +781,20 @@ class Greetings:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            attempt = min(remaining, 1.0)  # short attempts: notice peers that announce themselves
             private = self.reachability == pb.REACHABILITY_PRIVATE
             asked = waiting | (self.reached if private else set())
             for peer in asked:
                 if peer not in inflight and not_ready.due(peer):
-                    inflight[peer] = self.loop.submit(self.hello(peer, attempt))
+                    inflight[peer] = self.loop.submit(self.hello(peer, attempts.length(peer, remaining)))
             for peer in asked:
                 future = inflight.get(peer)
-                if future is None:
-                    continue  # (said it was not ready: asked again later)
-                if private and peer in self.routes.private and not future.done():
-                    continue  # (behind another NAT its Hello waits out the attempt: taken when it ends)
+                if future is None or not future.done():
+                    continue  # (said it was not ready: asked again later; or on its way: taken when it ends)
                 del inflight[peer]
                 try:
-                    reply = future.result(attempt + 5)
+                    reply = future.result()
                 except FAILED as exc:
+                    attempts.failed(peer)
                     last_problem[peer] = f"unreachable: {describe(exc)}"
                     cannot_connect.add(peer)
                     continue
@@ -796,11 +819,25 @@ class Greetings:
                 self.routes.mark_reached(peer)  # a relay candidate from now on
                 waiting.discard(peer)
             if waiting:
-                time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+                self._pause(inflight, not_ready.next_due(waiting - inflight.keys()), deadline)
         if waiting:
             problems = "; ".join(f"node {p} at {self.addresses[p]} {last_problem.get(p, 'did not answer')}"
                                  for p in sorted(waiting))
             raise PeerError(f"node {self.rank}: after {timeout:.0f}s: {problems}")
+
+    @staticmethod
+    def _pause(inflight: dict[int, concurrent.futures.Future], due: float, deadline: float) -> None:
+        """Between two rounds of wait_for_peers: until a Hello in flight is answered, a peer is due
+        to be asked again, or at most WAIT_ROUND (a peer may say it is ready in a Hello of its own),
+        but at least NotReadyBackoff.FIRST. Hundreds of nodes in one process, each polling every
+        50 ms, used two thirds of its CPU and starved the loop that answers the Hellos."""
+        now = time.monotonic()
+        pause = min(max(due - now, NotReadyBackoff.FIRST), WAIT_ROUND, max(0.0, deadline - now))
+        pending = [future for future in inflight.values() if not future.done()]
+        if pending:
+            concurrent.futures.wait(pending, pause, return_when=concurrent.futures.FIRST_COMPLETED)
+        else:
+            time.sleep(pause)
 
 
 __all__ = ["ClusterSurvey", "FAILED", "FINISHED", "Greetings", "StateAnswers", "StepPace", "new_incarnation"]

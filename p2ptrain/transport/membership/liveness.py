@@ -72,8 +72,9 @@ class Liveness:
         self._changed_at: dict[int, float] = {}
         self._listeners: list[Callable[[], None]] = []
         if metrics is not None:
-            for peer in self.peers:
-                metrics.set_peer_up(peer, True, len(self.peers))
+            peers = self.peers  # (a list made afresh: once, not once per peer)
+            for peer in peers:
+                metrics.set_peer_up(peer, True, len(peers))
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         """Call `listener()` whenever a peer is declared dead or alive (e.g. the Inbox re-checks
