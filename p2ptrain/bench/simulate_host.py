@@ -183,8 +183,9 @@ def run_node(plan: Plan, comm: Communicator, progress: dict[int, int], halt: thr
             if step in marks:
                 record[marks[step]] = transport.run_on_loop(counters, transport)
                 record[marks[step] + "_time"] = time.time()
-            if step == leave_at:
-                opt.request_leave()
+            if leave_at is not None and step >= leave_at:
+                opt.request_leave()  # (>=: a node that caught up may have jumped over its step)
+                leave_at = None
             opt.step()
             if step < plan.steps:  # (τ = 0: every share of this step is mixed in, nothing is in flight)
                 record["z"].append(model.x.detach().tolist())
@@ -220,8 +221,9 @@ def run_joiner(plan: Plan, transport: Transport, progress: dict[int, int], halt:
             if halt.is_set():
                 raise TimeoutError(f"node {transport.rank} halted at step {opt.local_step}: the run ended")
             step = progress[transport.rank] = opt.local_step
-            if step == leave_at:
-                opt.request_leave()
+            if leave_at is not None and step >= leave_at:
+                opt.request_leave()  # (>=: a node that caught up may have jumped over its step)
+                leave_at = None
             opt.step()
         opt.finish()
     except LeftCluster:
