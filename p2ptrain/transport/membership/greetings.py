@@ -92,9 +92,23 @@ def new_incarnation() -> int:
 
 FINISHED = "finished its run"  # a want_state refusal that means: this member will never serve one
 
-# A Hello that got no answer (TimeoutError: ours; CancelledError: the loop cancelled it, e.g. at a stop).
 WAIT_ROUND = 0.25  # seconds wait_for_peers lets pass at most between two looks at its peers
+# A Hello that got no answer (TimeoutError: ours; CancelledError: the loop cancelled it, e.g. at a stop).
 FAILED = (SendFailure, concurrent.futures.TimeoutError, concurrent.futures.CancelledError)
+
+
+class PerPeerDoubling:
+    """A length per peer: `first`, then twice as long after each double(), up to `longest`."""
+
+    def __init__(self, first: float = 1.0, longest: float = 16.0) -> None:
+        self.first, self.longest = first, longest
+        self._length: dict[int, float] = {}
+
+    def current(self, peer: int) -> float:
+        return self._length.get(peer, self.first)
+
+    def double(self, peer: int) -> None:
+        self._length[peer] = min(self.longest, 2 * self.current(peer))
 
 
 class NotReadyBackoff:
@@ -107,37 +121,32 @@ class NotReadyBackoff:
     FIRST, LONGEST = 0.05, 5.0
 
     def __init__(self) -> None:
-        self._next: dict[int, tuple[float, float]] = {}  # peer -> (when to ask again, the pause after that)
+        self._pause = PerPeerDoubling(self.FIRST, self.LONGEST)
+        self._due: dict[int, float] = {}  # peer -> when to ask it again
 
     def due(self, peer: int) -> bool:
-        return time.monotonic() >= self._next.get(peer, (0.0, 0.0))[0]
+        return time.monotonic() >= self._due.get(peer, 0.0)
 
     def note(self, peer: int) -> None:
-        pause = self._next.get(peer, (0.0, self.FIRST))[1]
-        self._next[peer] = (time.monotonic() + pause, min(self.LONGEST, 2 * pause))
+        self._due[peer] = time.monotonic() + self._pause.current(peer)
+        self._pause.double(peer)
 
     def next_due(self, peers) -> float:
         """The earliest time.monotonic() at which one of `peers` is to be asked again (0: now)."""
-        return min((self._next.get(peer, (0.0, 0.0))[0] for peer in peers), default=0.0)
+        return min((self._due.get(peer, 0.0) for peer in peers), default=0.0)
 
 
-class HelloAttempts:
+class HelloAttempts(PerPeerDoubling):
     """How long a start-up Hello may wait for its answer: 1 s, then twice as long after each that
     failed, up to 16 s. On a crowded machine answers take longer than a second: with fixed 1 s
     attempts, every Hello timed out and was sent again at once, and the retries alone kept the
     loops saturated (512 simulated nodes on 2 cores: no Hello answered after the first seconds).
     A longer attempt loses nothing: a Hello waits for its peer to come up and returns when it does."""
 
-    FIRST, LONGEST = 1.0, 16.0
-
-    def __init__(self) -> None:
-        self._length: dict[int, float] = {}
-
     def length(self, peer: int, remaining: float) -> float:
-        return min(remaining, self._length.get(peer, self.FIRST))
+        return min(remaining, self.current(peer))
 
-    def failed(self, peer: int) -> None:
-        self._length[peer] = min(self.LONGEST, 2 * self._length.get(peer, self.FIRST))
+    failed = PerPeerDoubling.double
 
 
 class Greetings:
