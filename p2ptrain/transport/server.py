@@ -16,6 +16,7 @@ import grpc
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.framing import deserialize_chunk
+from p2ptrain.transport.grpc_wakeups import never_block_the_poller
 from p2ptrain.transport.health import ServingStatus, add_standard_services
 from p2ptrain.transport.membership.identity import PROTOCOL_VERSION
 from p2ptrain.transport.paths.grpc_path import DIAL_BACK_METHOD, HELLO_METHOD, PUSH_METHOD, SERVICE_NAME, SETTLE_METHOD
@@ -171,6 +172,7 @@ async def serve(handler: grpc.GenericRpcHandler, service_name: str, *, listen: s
     the server was not started. `name`: the server's name in callers' auth proofs (rank, "ps").
     Call on the loop thread that will own the server."""
     server = grpc.aio.server(options=options, interceptors=security.server_interceptors(metrics, name))
+    never_block_the_poller()  # (grpc.aio is in use now: grpc_wakeups.py)
     server.add_generic_rpc_handlers((handler,))
     health = await add_standard_services(server, service_name, serving=serving)
     port = security.add_port(server, listen)
