@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,7 @@ WATCH_SHARE = 10            # ... or, when a pass over them takes longer, pauses
 # A busy 2-core machine hosting a hundred nodes: long deadlines, so a slow peer is waited for, not
 # declared dead (that would be a membership change of its own, and lost mass against the theory);
 # and public by construction (on loopback), where a dial-back that times out would say private.
+STOPPERS = 64  # transports stopped at once when a process ends
 OPTIONS = TransportOptions(send_timeout=120.0, link_deadline=60.0, probe_timeout=20.0, reachability="public")
 
 
@@ -309,6 +311,14 @@ def report_progress(ranks: list[int], progress: dict[int, int], end: int, halt: 
               f"{len(steps)} of {len(ranks)} stepping, {where}", file=sys.stderr, flush=True)
 
 
+def stop_all(transports: list[Transport]) -> None:
+    """Stop the transports together: each waits out its grace period (and, on a loop busy with
+    hundreds of nodes, its shutdown's timeout), so one after another took hours at 512 nodes."""
+    if transports:
+        with concurrent.futures.ThreadPoolExecutor(min(len(transports), STOPPERS), "stop") as pool:
+            list(pool.map(Transport.stop, transports))
+
+
 def host(plan: Plan, ranks: list[int]) -> dict:
     """Run the nodes `ranks` of `plan` in this process (joiners among them start when the churn
     says); their records, the joiners', the views each node held, the process's start time and
@@ -342,6 +352,8 @@ def host(plan: Plan, ranks: list[int]) -> dict:
                                           return_when=concurrent.futures.FIRST_EXCEPTION)
         for future in done:  # the first failure ends the run at once (the finally stops every node)
             if future.exception() is not None:
+                failure = "".join(traceback.format_exception(future.exception())[-4:]).rstrip()
+                print(f"nodes {ranks[0]}...: a node failed; stopping them all:\n{failure}", file=sys.stderr, flush=True)
                 raise future.exception()
         if len(done) < len(futures):
             raise TimeoutError(f"{len(futures) - len(done)} nodes of {ranks[:3]}... unfinished after {plan.timeout}s")
@@ -360,13 +372,12 @@ def host(plan: Plan, ranks: list[int]) -> dict:
             churn.stop()
         if watcher is not None:
             watcher.stop()
-        for transport in transports:
-            transport.stop()
+        stop_all(transports)
         for comm in comms:
             comm.close()
         if loop is not None:
             loop.stop(lambda: asyncio.sleep(0), grace=0.0)
 
 
-__all__ = ["DATA_METHOD", "OPTIONS", "Churn", "Plan", "Vector", "counters", "host", "in_daemon_thread",
+__all__ = ["DATA_METHOD", "OPTIONS", "Churn", "Plan", "Vector", "counters", "host", "stop_all", "in_daemon_thread",
            "make_optimizer", "report_progress", "run_joiner", "run_node"]

@@ -14,6 +14,7 @@ servicer is the official grpcio-health-checking one, never imported at module le
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from typing import TYPE_CHECKING
 
 import grpc
@@ -28,6 +29,7 @@ OVERALL = ""  # the service name that stands for the whole server
 SERVING = "SERVING"
 NOT_SERVING = "NOT_SERVING"
 SERVICE_UNKNOWN = "SERVICE_UNKNOWN"
+LOOP_CHECK_SECONDS = 1.0  # while waiting for the loop to apply a status: how often to check it still runs
 
 
 class ServingStatus:
@@ -49,8 +51,10 @@ class ServingStatus:
         for service in (OVERALL, self.service_name):
             await self._servicer.set(service, status)
 
-    def set_serving(self, serving: bool, timeout: float = 10.0) -> None:
-        """SERVING or NOT_SERVING from now on (ignored once draining, or when the loop is gone)."""
+    def set_serving(self, serving: bool) -> None:
+        """SERVING or NOT_SERVING from now on (ignored once draining, or when the loop is gone).
+        From another thread it waits until the loop has applied it, however busy the loop is
+        (hundreds of simulated nodes share one), unless the loop stops meanwhile."""
         if self._loop.is_closed() or not self._loop.is_running():
             return
         try:
@@ -60,7 +64,13 @@ class ServingStatus:
         if on_loop:
             self._loop.create_task(self._apply(serving))
         else:
-            asyncio.run_coroutine_threadsafe(self._apply(serving), self._loop).result(timeout)
+            applied = asyncio.run_coroutine_threadsafe(self._apply(serving), self._loop)
+            while self._loop.is_running():
+                try:
+                    return applied.result(LOOP_CHECK_SECONDS)
+                except concurrent.futures.TimeoutError:
+                    continue
+            applied.cancel()
 
     async def drain(self) -> None:
         """NOT_SERVING for good; open Watch streams hear it before the server stops."""
