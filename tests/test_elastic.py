@@ -55,6 +55,18 @@ def test_views_switch_at_the_agreed_step_and_the_greater_view_wins():
     assert View.from_proto(proposed.to_proto(), capacity=6) == proposed
 
 
+def test_a_hello_carries_the_initial_view_as_its_digest_and_a_later_view_whole_built_once():
+    """Every node builds the initial view from the same configuration, and a receiver ignores a
+    view whose order is not above its own: Hellos at start carry its digest (O(1) bytes, not
+    O(n)). A later view travels whole, and its message is built once for all Hellos."""
+    initial = Views(rank=0, initial=tuple(range(1024)), capacity=1024).latest
+    assert initial.epoch == 0 and initial.wire == initial.digest() and not initial.wire.members
+    assert initial.wire.ByteSize() < 8 < initial.to_proto().ByteSize()
+    later = View(3, 1, 40, tuple(range(0, 1024, 2)))
+    assert later.wire == later.to_proto() and later.wire is later.wire
+    assert View.from_proto(later.wire, capacity=1024) == later
+
+
 def test_adopters_pass_a_view_on_as_gossip_reaching_every_member_in_log_hops():
     """Issue 28: an adopter passes a view on to the members at offsets 1, 2, 4, ... after it
     (⌈log2 m⌉ calls, not m - 1): from any node every member has it within ⌈log2 m⌉ hops."""

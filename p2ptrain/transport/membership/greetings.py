@@ -354,7 +354,7 @@ class Greetings:
                                protocol_version=me.protocol_version, config_fingerprint=me.config_fingerprint,
                                step=self.resume_step, current_step=self.liveness.step,
                                incarnation=self.incarnation, lane_port=self.lane_port,
-                               view=self.views.latest.to_proto(), address=self.addresses[self.rank],
+                               view=self.views.latest.wire, address=self.addresses[self.rank],
                                reachability=self.reachability, finished=self.finished)
 
     async def greet(self, peer: int, request: pb.HelloRequest, timeout: float,
@@ -503,7 +503,7 @@ class Greetings:
                              config_fingerprint=me.config_fingerprint, step=self.liveness.step,
                              compatible=not reason or known, reason=reason, ready=ready,
                              caller_excluded=known and self.liveness.excludes(peer), incarnation=self.incarnation,
-                             lane_port=self.lane_port, view=latest.digest() if same else latest.to_proto(),
+                             lane_port=self.lane_port, view=latest.digest() if same else latest.wire,
                              reachability=self.reachability, met=sorted(self.announced) if vouch else (),
                              private_peers=sorted(p for p, v in self.peer_reachability.items()
                                                   if v == pb.REACHABILITY_PRIVATE),

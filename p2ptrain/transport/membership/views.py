@@ -11,6 +11,7 @@ who is alive (a dead member stays a member until a view without it takes effect)
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -75,6 +76,14 @@ class View:
         return pb.View(epoch=self.epoch, proposer=self.proposer, switch_step=self.switch_step,
                        members=list(self.members), addresses=list(self.addresses), placement=list(self.placement),
                        entering=list(self.entering))
+
+    @functools.cached_property
+    def wire(self) -> pb.View:
+        """What a Hello carries of this view (built once: at 1,024 members, building it for every
+        Hello was most of a start-up loop's time). The initial view only as its digest: every node
+        builds it from the same configuration, and a receiver ignores a view whose order is not
+        above its own, so the full one never said more. Callers copy it, never change it."""
+        return self.digest() if self.epoch == 0 else self.to_proto()
 
     def digest(self) -> pb.View:
         """The view's order alone, for a peer known to hold it (a Hello's view is O(members))."""
