@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from p2ptrain.algorithms.pushsum import Z_SCALE_EVERY, PushSum
 from p2ptrain.algorithms.sgp import SGP
 from p2ptrain.algorithms.state_handout import checksum, slice_bounds
 from p2ptrain.topology import member_graph, member_topology
+from p2ptrain.train.elastic import HOLD_BACK_POLL, Lifecycle
 from p2ptrain.train.optimizer import DecentralizedOptimizer, LeftCluster
 from p2ptrain.transport import TransportOptions
 from p2ptrain.transport.membership.views import View, Views, gossip_targets
@@ -470,6 +472,60 @@ def test_a_node_that_finds_most_members_far_behind_holds_back_instead_of_racing_
     lead = max(step - min(step_at(1, t), step_at(2, t)) for t, step in progress[0])
     assert results[0][1] >= 1 and lead <= 12, (lead, results[0][1])
     assert sum(w for w, _ in results) == pytest.approx(3.0, abs=1e-9)
+
+
+class _PacedMembership:
+    """Just what Lifecycle.keep_pace reads, for node 3 that a view admits at step `switch`:
+    members 0-2 at `steps`, each greeting moving the greeted member one step on (`moves`)."""
+
+    def __init__(self, steps: dict[int, int], switch: int, moves: bool = True, finished=()):
+        self.steps, self.switch, self.moves, self.greeted = dict(steps), switch, moves, []
+        self.joining = False
+        self.liveness = SimpleNamespace(finished=lambda: frozenset(finished), peer_step=self.steps.get)
+
+    def members(self, step):
+        return (0, 1, 2, 3) if step >= self.switch else (0, 1, 2)
+
+    def live(self, peers):
+        return list(peers)
+
+    def refresh(self, peers):
+        self.greeted += list(peers)
+        for peer in peers:
+            self.steps[peer] += self.moves
+
+    def reconcile(self):
+        return self.switch
+
+    def take_state_requests(self):
+        return []
+
+
+def test_a_joiner_outside_the_members_steps_no_further_than_one_step_past_the_furthest_member():
+    """A node no view has admitted yet (a joiner whose own proposal lost to a concurrent leave)
+    waits for nobody's shares: on the simulation's light workload it ran hundreds of steps ahead
+    of the members, past every switch proposed to admit it (joins of a minute at 64 simulated
+    nodes). Lifecycle.keep_pace holds it until a member is at its step, greeting the furthest one;
+    a member, or a node whose members all finished, never waits; and it waits a bounded time."""
+    def lifecycle(membership, link_deadline=2.0):
+        return Lifecycle(SimpleNamespace(membership=membership, rank=3, link_deadline=link_deadline), None, None)
+
+    paced = _PacedMembership({0: 5, 1: 4, 2: 6}, switch=40)
+    lifecycle(paced).keep_pace(9)
+    assert paced.greeted == [2, 2, 2] and paced.steps[2] == 9  # the furthest member, until it is at step 9
+    paced.greeted.clear()
+    lifecycle(paced).keep_pace(9)  # (level now: on at once)
+    assert paced.greeted == []
+    member = _PacedMembership({0: 0, 1: 0, 2: 0}, switch=10)
+    lifecycle(member).keep_pace(9)  # a member from step 10 on: it waits for shares instead
+    assert member.greeted == []
+    alone = _PacedMembership({0: 0, 1: 0, 2: 0}, switch=40, finished=(0, 1, 2))
+    lifecycle(alone).keep_pace(9)
+    assert alone.greeted == []
+    stuck = _PacedMembership({0: 0, 1: 0, 2: 0}, switch=40, moves=False)
+    began = time.monotonic()
+    lifecycle(stuck, link_deadline=0.05).keep_pace(9)  # members that stopped moving: on after three link deadlines
+    assert stuck.greeted and time.monotonic() - began < 3 * 0.05 + 2 * HOLD_BACK_POLL + 1.0
 
 
 def test_a_switch_resync_gives_up_within_link_deadlines_when_a_member_of_its_ring_dies():

@@ -183,6 +183,31 @@ class Lifecycle:
                 self.metrics.on_state_transfer(peer)
             log.info("step %d: sent this node's state to rejoining peer %d", step, peer)
 
+    def keep_pace(self, step: int) -> None:
+        """After `step`: a node that is no member at the next step (a joiner before the switch of
+        the view that admits it) waits for nobody's shares, so on a light workload it ran far ahead
+        of the members, past every switch proposed to admit it (joins of a minute at 64 simulated
+        nodes). It steps no further ahead than the furthest live member it knows of, greeting that
+        member for its step meanwhile, at most three link deadlines per step. Never active for a
+        member."""
+        membership, liveness = self.membership, self.membership.liveness
+        deadline = time.monotonic() + 3 * self.comm.link_deadline
+        greeted = False
+        while self.rank not in membership.members(step + 1):
+            finished = liveness.finished()
+            members = [m for m in membership.live(membership.members(step + 1)) if m not in finished]
+            if not members:
+                return
+            known = {m: liveness.peer_step(m) for m in members}
+            furthest = max(members, key=lambda m: -1 if known[m] is None else known[m])
+            if (known[furthest] is not None and known[furthest] >= step) or time.monotonic() >= deadline:
+                return
+            if greeted:
+                time.sleep(HOLD_BACK_POLL)
+            self.serve_joiners(step)
+            membership.refresh([furthest])
+            greeted = True
+
     def hold_back(self, step: int) -> None:
         """After `step`: a node that finds most live members over the lag limit behind it waits for
         them, serving their state requests and greeting them for their steps, instead of racing on

@@ -172,6 +172,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             leave_at = lifecycle.leave_due(step)
             if leave_at is not None:
                 self._leave(step, leave_at)
+            lifecycle.keep_pace(step)
             lifecycle.hold_back(step)
             next_step = lifecycle.catch_up(step)
             lifecycle.step_done()
