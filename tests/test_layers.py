@@ -16,7 +16,7 @@ PACKAGE = ROOT / "p2ptrain"
 GRPC_PATH = {"p2ptrain/transport/paths/grpc_path.py", "p2ptrain/transport/server.py",
              "p2ptrain/transport/forwarding.py", "p2ptrain/transport/health.py", "p2ptrain/transport/security.py",
              "p2ptrain/transport/streams.py", "p2ptrain/transport/paths/reverse.py", "p2ptrain/ps/server.py",
-             "p2ptrain/ps/client.py"}
+             "p2ptrain/ps/client.py", "p2ptrain/transport/grpc_wakeups.py"}
 
 
 def sources(*folders: str) -> list[Path]:
