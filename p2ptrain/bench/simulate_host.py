@@ -379,5 +379,5 @@ def host(plan: Plan, ranks: list[int]) -> dict:
             loop.stop(lambda: asyncio.sleep(0), grace=0.0)
 
 
-__all__ = ["DATA_METHOD", "OPTIONS", "Churn", "Plan", "Vector", "counters", "host", "stop_all", "in_daemon_thread",
-           "make_optimizer", "report_progress", "run_joiner", "run_node"]
+__all__ = ["DATA_METHOD", "OPTIONS", "Churn", "Plan", "Vector", "counters", "host", "in_daemon_thread",
+           "make_optimizer", "report_progress", "run_joiner", "run_node", "stop_all"]

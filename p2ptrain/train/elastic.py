@@ -191,22 +191,18 @@ class Lifecycle:
         member for its step meanwhile, at most three link deadlines per step. Never active for a
         member."""
         membership, liveness = self.membership, self.membership.liveness
-        deadline = time.monotonic() + 3 * self.comm.link_deadline
-        greeted = False
-        while self.rank not in membership.members(step + 1):
+
+        def ahead_of() -> list[int]:
+            """[the furthest member], while this node is outside the members and ahead of it."""
+            if self.rank in membership.members(step + 1):
+                return []
             finished = liveness.finished()
             members = [m for m in membership.live(membership.members(step + 1)) if m not in finished]
-            if not members:
-                return
-            known = {m: liveness.peer_step(m) for m in members}
-            furthest = max(members, key=lambda m: -1 if known[m] is None else known[m])
-            if (known[furthest] is not None and known[furthest] >= step) or time.monotonic() >= deadline:
-                return
-            if greeted:
-                time.sleep(HOLD_BACK_POLL)
-            self.serve_joiners(step)
-            membership.refresh([furthest])
-            greeted = True
+            known = {m: -1 if liveness.peer_step(m) is None else liveness.peer_step(m) for m in members}
+            furthest = max(members, key=known.__getitem__, default=None)
+            return [furthest] if furthest is not None and known[furthest] < step else []
+
+        self._greet_while(step, ahead_of, 3 * self.comm.link_deadline)
 
     def hold_back(self, step: int) -> None:
         """After `step`: a node that finds most live members over the lag limit behind it waits for
@@ -222,15 +218,24 @@ class Lifecycle:
         patience = max(3 * self.comm.link_deadline, membership.seconds_for_lag(2))
         log.info("node %d: at step %d, most members (%s) are over the lag limit behind; waiting up to %.0fs for "
                  "them", self.rank, step, behind, patience)
-        deadline = time.monotonic() + patience
-        while behind and time.monotonic() < deadline:
-            self.serve_joiners(step)
-            membership.refresh(behind)
-            time.sleep(HOLD_BACK_POLL)
-            behind = membership.runs_ahead()
+        behind = self._greet_while(step, membership.runs_ahead, patience)
         if behind:
             log.warning("node %d: members %s still over the lag limit behind after %.0fs; training on", self.rank,
                         behind, patience)
+
+    def _greet_while(self, step: int, waiting_on, patience: float) -> list[int]:
+        """While `waiting_on()` names peers (for at most `patience` seconds), serve state requests
+        at this boundary and greet those peers for their steps, every HOLD_BACK_POLL; the peers
+        still named at the end ([] once none is)."""
+        deadline = time.monotonic() + patience
+        peers = waiting_on()
+        while peers and time.monotonic() < deadline:
+            self.serve_joiners(step)
+            self.membership.refresh(peers)
+            peers = waiting_on()
+            if peers:
+                time.sleep(HOLD_BACK_POLL)
+        return peers
 
     def catch_up(self, step: int) -> int:
         """After `step`: if this node stalled (a peer excluded it, or it trails the cluster by more

@@ -80,7 +80,7 @@ class View:
     @functools.cached_property
     def wire(self) -> pb.View:
         """What a Hello carries of this view (built once: at 1,024 members, building it for every
-        Hello was most of a start-up loop's time). The initial view only as its digest: every node
+        Hello was 7 of 12 samples of a start-up loop). The initial view only as its digest: every node
         builds it from the same configuration, and a receiver ignores a view whose order is not
         above its own, so the full one never said more. Callers copy it, never change it."""
         return self.digest() if self.epoch == 0 else self.to_proto()
