@@ -18,6 +18,7 @@ from torch import nn
 
 import p2ptrain
 from p2ptrain.algorithms.allreduce import AllReduceSGD
+from p2ptrain.algorithms.base import Algorithm
 from p2ptrain.algorithms.sgp import SGP
 from p2ptrain.topology import build_topology
 from p2ptrain.transport import TransportOptions
@@ -364,3 +365,52 @@ def test_gradient_algorithms_apply_the_exact_mean_through_the_engines_gradient_b
     expected = torch.ones(dim) - lr * sum(mean(step) for step in applied)
     for weights in results:
         torch.testing.assert_close(weights, expected, rtol=0, atol=1e-5)
+
+
+class _KeepModel(Algorithm):
+    """No peers: the model after the local step is the next step's (what checks see, isolated)."""
+    name = "keep"
+
+    def setup(self, params):
+        return params
+
+    def after_step(self, step, params):
+        return params
+
+
+def test_the_trainer_sums_the_model_once_a_step_and_still_catches_a_nan_put_in_between(monkeypatch):
+    """The loss check before backward skips the model pass step() made at the end of the step
+    before (the same model): one pass over the model per step, not two. A NaN put into the model
+    between steps, or loaded with a checkpoint, is still caught."""
+    import p2ptrain.train.optimizer as optimizer_module
+    from p2ptrain.train.errors import NonFiniteError
+    from p2ptrain.train.trainer import DecentralizedTrainer
+
+    passes = []
+    real = optimizer_module.all_finite
+    monkeypatch.setattr(optimizer_module, "all_finite", lambda values: passes.append(1) or real(values))
+    model = net()
+    trainer = DecentralizedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.01), _KeepModel(),
+                                   loss_fn=F.mse_loss)
+    for step in range(5):
+        trainer.train_step(*batch(0, step))
+    assert len(passes) == 5 + 1  # step() every step, the loss check only at the first step
+
+    checkpoint = trainer.optimizer.state_dict()
+    trainer.optimizer.load_state_dict(checkpoint)
+    passes.clear()
+    trainer.train_step(*batch(0, 5))
+    assert len(passes) == 2  # a loaded model is checked at its first loss check again
+
+    with torch.no_grad():
+        model[3].bias.fill_(float("nan"))  # the loss turns NaN: caught at once
+    with pytest.raises(NonFiniteError, match="loss"):
+        trainer.train_step(*batch(0, 6))
+    model = net()
+    trainer = DecentralizedTrainer(model, torch.optim.SGD(model.parameters(), lr=0.0), _KeepModel(),
+                                   loss_fn=F.mse_loss)
+    trainer.train_step(*batch(0, 0))
+    with torch.no_grad():
+        model[1].running_var[0] = float("inf")  # (train mode normalizes by the batch: the loss stays finite)
+    with pytest.raises(NonFiniteError, match="model"):
+        trainer.train_step(*batch(0, 1))  # step()'s check at the end of this step

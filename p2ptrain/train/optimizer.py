@@ -85,6 +85,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         self.start_step = 0           # where this process started (a restarted node resumes a peer's step)
         self.skipped_steps = 0        # local updates skipped on a GradScaler overflow
         self._finished = False
+        self._finite_at: int | None = None  # the step whose model check_finite already proved finite
         self._step_listeners: list = []
         # joins, leaves, rejoins and catch-ups (train/elastic.py); None without a communicator
         self.lifecycle = Lifecycle(self.comm, self.algorithm, self.state_vector, self.metrics) \
@@ -174,9 +175,9 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                 self._leave(step, leave_at)
             lifecycle.keep_pace(step)
             lifecycle.hold_back(step)
-            next_step = lifecycle.catch_up(step)
+            next_step = lifecycle.catch_up(step)  # (a state it loads, it checks)
             lifecycle.step_done()
-        self.local_step = next_step
+        self.local_step = self._finite_at = next_step
         self._step_done()
         return None
 
@@ -239,6 +240,7 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"the checkpoint is of algorithm {name}, this node runs {self.algorithm.name}")
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.local_step = self.start_step = int(state_dict["step"])
+        self._finite_at = None
         params = self.algorithm.load_state_dict(algorithm_state, self.local_step)
         if params is not None:
             self.state_vector.load(params)
@@ -249,9 +251,13 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
 
     # Around the algorithm ----------------------------------------------------------------------
     def check_finite(self, step: int, what: str, loss: float | None = None) -> None:
-        """Raise NonFiniteError (the run has failed) for a NaN/Inf loss or model."""
+        """Raise NonFiniteError (the run has failed) for a NaN/Inf loss or model. The model check
+        (a pass over it) is skipped at a step's loss check when step() proved that very model
+        finite at the end of the step before: the trainer checks the loss every step."""
         if loss is not None and not math.isfinite(loss):
             raise NonFiniteError(self.rank, step, "loss")
+        if loss is not None and step == self._finite_at:
+            return
         if not all_finite(self.state_vector.vector()):  # one sum, not a boolean tensor of the model
             raise NonFiniteError(self.rank, step, what)
 
