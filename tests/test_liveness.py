@@ -142,6 +142,21 @@ def test_a_node_catches_up_when_excluded_or_far_behind_and_forgets_old_news_afte
     assert not m.must_catch_up()
 
 
+def test_a_node_behind_only_finished_peers_does_not_try_to_catch_up():
+    """Peers whose run is over give no state: trailing them is no reason to ask for one (a
+    64-node churn run's last joiner waited 120 s for a donor at its last step). Behind the peers
+    still training, it does catch up."""
+    m = membership(rank=2)
+    m.step = 10
+    for peer, step in ((0, 200), (1, 210), (3, 205)):
+        m.note_step(peer, step)
+    for peer in (0, 1):
+        m.note_finished(peer)
+    assert m.behind() == 195 and m.must_catch_up()  # node 3 still trains
+    m.note_finished(3)
+    assert m.behind() == 0 and not m.must_catch_up()
+
+
 def test_a_peer_is_known_by_the_steps_of_its_messages_per_kind_and_by_fresh_news_of_its_step():
     """Rings tell from a predecessor's messages that it gave a call up (sent_step: a message's own
     step, per kind, never an Ack's current step), and judge whether members are coming only from

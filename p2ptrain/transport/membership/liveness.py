@@ -145,9 +145,12 @@ class Liveness:
         return self._excluded_by
 
     def behind(self) -> int:
-        """By how many steps the median live peer was ahead of this node when last seen (<= 0: not behind)."""
-        dead = self._dead
-        gaps = [theirs - ours for p, (theirs, ours) in self._seen_at.items() if p not in dead and self._is_member(p)]
+        """By how many steps the median live peer was ahead of this node when last seen (<= 0: not
+        behind). A peer whose run is over does not count: it gives no state, so a node that trails
+        only finished peers would wait for a donor in vain (a link deadline or two, each time)."""
+        dead, finished = self._dead, self._finished
+        gaps = [theirs - ours for p, (theirs, ours) in self._seen_at.items()
+                if p not in dead and p not in finished and self._is_member(p)]
         return int(statistics.median(gaps)) if gaps else 0
 
     def must_catch_up(self) -> bool:
