@@ -249,6 +249,44 @@ def test_a_concurrent_proposal_that_never_heard_of_a_joiner_does_not_drop_it():
                           live=list).dropped_live == {3}
 
 
+def test_a_concurrent_admission_of_another_epoch_is_no_eviction_but_a_named_drop_still_is():
+    """Node 1 holds node 3's own admission (epoch 1). Node 4's lineage never heard of node 3: its
+    base is node 2's epoch-1 view, and node 4 proposes itself in on top of it (epoch 2). Compared
+    with node 1's own epoch-1 view, it drops node 3: a live member, so every node refused it, the
+    proposer kept it, and a 64-node churn run crawled a link deadline a step. The view names its
+    base and what it drops: node 1 does not hold that base, so only a named drop is an eviction."""
+    views = Views(rank=1, initial=(0, 1, 2), capacity=6)
+    assert views.adopt(View(1, 3, 20, (0, 1, 2, 3), entering=(3,)))
+    other_lineage = Views(rank=4, initial=(0, 1, 2), capacity=6)
+    assert other_lineage.adopt(View(1, 2, 18, (0, 1, 2)))
+    proposed = other_lineage.propose((0, 1, 2, 4), switch_step=30)
+    assert (proposed.epoch, proposed.base_proposer, proposed.dropping, proposed.entering) == (2, 2, (), (4,))
+    assert View.from_proto(proposed.to_proto(), 6) == proposed  # (what travels)
+
+    assert views.named_base(proposed) is None  # node 1 holds another epoch-1 view
+    found = vetting.doubts(proposed, 4, views.base_of(proposed), rank=1, announced={4}, live=list, exact=False)
+    assert not found, found
+    assert vetting.doubts(proposed, 4, views.base_of(proposed), rank=1, announced={4},
+                          live=list).dropped_live == {3}  # (judged against our own base: the old refusal)
+    evicting = View(2, 4, 30, (0, 1, 2, 4), entering=(4,), base_proposer=2, dropping=(3,))
+    assert vetting.doubts(evicting, 4, views.base_of(evicting), rank=1, announced={4}, live=list,
+                          exact=False).dropped_live == {3}
+    # on top of a base node 1 holds, what is missing is judged exactly, named or not
+    on_ours = View(2, 4, 30, (0, 1, 2, 4), entering=(4,), base_proposer=3)
+    assert views.named_base(on_ours) == views.latest
+    assert vetting.doubts(on_ours, 4, views.named_base(on_ours), rank=1, announced={4},
+                          live=list).dropped_live == {3}
+    # an epoch-1 view's base is the initial view, whatever it names
+    assert views.named_base(View(1, 4, 9, (0, 1), base_proposer=5)) == View(0, 0, 0, (0, 1, 2))
+
+
+@pytest.mark.parametrize("dropping", [[3, 2], [1], [7]])
+def test_a_view_whose_dropped_members_are_not_sorted_outsiders_is_refused_as_malformed(dropping):
+    message = pb.View(epoch=2, proposer=0, switch_step=5, members=[0, 1, 2], dropping=dropping)
+    with pytest.raises(ValueError, match="dropping"):
+        View.from_proto(message, 6)
+
+
 def test_a_passed_on_view_of_a_proposer_that_is_gone_needs_another_member_holding_it():
     """Node 0 proposes a view and dies before node 1 heard of it; node 2 passes it on. Node 1 cannot
     ask node 0, so it asks another member: node 3 holds the view, so node 1 adopts it. A view

@@ -234,8 +234,9 @@ class Greetings:
         if reason:
             self._refuse_view(sender, reason, view)
             return False
-        doubts = vetting.doubts(view, sender, self.views.base_of(view), rank=self.rank, announced=self.announced,
-                                live=self._live_members)
+        base = self.views.named_base(view)
+        doubts = vetting.doubts(view, sender, base or self.views.base_of(view), rank=self.rank,
+                                announced=self.announced, live=self._live_members, exact=base is not None)
         if doubts:
             if view.order not in self._vetting:
                 self._vetting.add(view.order)

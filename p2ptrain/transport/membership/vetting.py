@@ -41,13 +41,18 @@ class Doubts:
         return self.passed_on or bool(self.newcomers) or bool(self.dropped_live)
 
 
-def doubts(view: View, sender: int, base: View, *, rank: int, announced, live) -> Doubts:
+def doubts(view: View, sender: int, base: View, *, rank: int, announced, live, exact: bool = True) -> Doubts:
     """What `view` (from `sender`) asserts that this node has not seen for itself, against `base`,
-    the view it was proposed on top of (Views.base_of: a concurrent proposal that never heard of a
-    node another view admitted does not drop it). `announced`: ranks that greeted this node;
-    `live(ranks)`: those it considers alive and in step."""
+    the view it was proposed on top of (Views.named_base, or where this node does not hold that
+    one, `exact` False, its own latest view of an earlier epoch: Views.base_of). A concurrent
+    proposal that never heard of a node another view admitted does not drop it: against a base
+    that is not the proposer's, only the members the view says it drops (View.dropping) are
+    dropped. (Compared with our own base, a concurrent admission read as an eviction whenever the
+    two lineages differed in epoch; the proposer kept its view, every other node refused it, and
+    a 64-node churn run crawled a link deadline a step.) `announced`: ranks that greeted this
+    node; `live(ranks)`: those it considers alive and in step."""
     newcomers = set(view.members) - set(base.members) - set(announced) - {rank, view.proposer}
-    dropped = set(base.members) - set(view.members) - {view.proposer, rank}
+    dropped = (set(base.members) - set(view.members) if exact else set(view.dropping)) - {view.proposer, rank}
     return Doubts(passed_on=view.proposer not in (sender, rank), newcomers=frozenset(newcomers),
                   dropped_live=frozenset(live(sorted(dropped))))
 

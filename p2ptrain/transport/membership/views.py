@@ -62,6 +62,11 @@ class View:
     # members that were not in the proposer's latest view: they enter with a donor's copy, and the
     # holders hand them the members' state at the switch (algorithms/state_handout.py)
     entering: tuple[int, ...] = ()
+    # the view it was proposed on top of, (epoch - 1, base_proposer), and the members of that base
+    # it leaves out: a receiver that does not hold the base tells a left-out member the proposer
+    # never heard of (a concurrent admission) from one it drops (vetting.py)
+    base_proposer: int = 0
+    dropping: tuple[int, ...] = ()
 
     @property
     def placed(self) -> tuple[int, ...]:
@@ -75,7 +80,8 @@ class View:
     def to_proto(self) -> pb.View:
         return pb.View(epoch=self.epoch, proposer=self.proposer, switch_step=self.switch_step,
                        members=list(self.members), addresses=list(self.addresses), placement=list(self.placement),
-                       entering=list(self.entering))
+                       entering=list(self.entering), base_proposer=self.base_proposer,
+                       dropping=list(self.dropping))
 
     @functools.cached_property
     def wire(self) -> pb.View:
@@ -113,8 +119,14 @@ class View:
         entering = tuple(message.entering)
         if list(entering) != sorted(set(entering)) or not set(entering) <= set(members):
             raise ValueError(f"view entering {brief(entering)} must be distinct sorted members")
+        dropping = tuple(message.dropping)
+        if list(dropping) != sorted(set(dropping)) or (dropping and dropping[-1] >= capacity) \
+                or set(dropping) & set(members):
+            raise ValueError(f"view dropping {brief(dropping)} must be distinct sorted ranks outside its members")
+        if message.base_proposer >= capacity:
+            raise ValueError(f"view base proposer {message.base_proposer} is no rank below {capacity}")
         return cls(message.epoch, message.proposer, message.switch_step, members, tuple(message.addresses),
-                   placement, entering)
+                   placement, entering, message.base_proposer, dropping)
 
 
 class Views:
@@ -196,6 +208,17 @@ class Views:
         earlier epoch (a concurrent proposal of the same epoch is no base)."""
         return next(v for v in reversed(self._history) if v.epoch < view.epoch or v.epoch == 0)
 
+    def named_base(self, view: View) -> View | None:
+        """The very view `view` was proposed on top of, (epoch - 1, base_proposer), if held here
+        (every node holds the same initial view); None where this node holds another view of that
+        epoch, or none: the proposer's lineage then differs from ours."""
+        if view.epoch == 0:
+            return None
+        if view.epoch == 1:
+            return self._history[0]
+        wanted = (view.epoch - 1, view.base_proposer)
+        return next((v for v in self._history if v.order == wanted), None)
+
     def dropping_view(self, rank: int) -> View | None:
         """The view that ended `rank`'s latest time as a member (the current or a pending one); None
         while the latest view holds it, or if it never was a member."""
@@ -221,9 +244,11 @@ class Views:
             placement = ()  # (rank order: said by no placement)
         elif placement and sorted(placement) != list(members):
             raise ValueError(f"placement {list(placement)} is not an order of the members {list(members)}")
-        view = View(self.latest.epoch + 1, self.rank, switch_step, members,
+        base = self.latest
+        view = View(base.epoch + 1, self.rank, switch_step, members,
                     tuple(addresses.get(m, "") for m in members) if addresses else (), placement,
-                    tuple(m for m in members if m not in self.latest.members))
+                    tuple(m for m in members if m not in base.members), base.proposer,
+                    tuple(m for m in base.members if m not in members))
         self.adopt(view)
         return view
 
