@@ -528,6 +528,25 @@ def test_a_joiner_outside_the_members_steps_no_further_than_one_step_past_the_fu
     assert stuck.greeted and time.monotonic() - began < 3 * 0.05 + 2 * HOLD_BACK_POLL + 1.0
 
 
+def test_a_restart_whose_cluster_finishes_while_it_asks_for_state_ends_as_finished_not_failed():
+    """A chaos run's restarted node found the cluster training, asked for a state, and saw every
+    peer go (their ports closed: the run ended). Gone peers are given two link deadlines (a peer
+    may be restarting too), but the peer timeout without a step came first: PeerError, and the
+    node counted as failed. With every peer gone at either deadline, the run is over."""
+    from p2ptrain.transport.errors import NoClusterToRejoin
+    from p2ptrain.transport.membership.greetings import StateAnswers
+
+    gone = StateAnswers(gone={0, 1, 2}, problems={p: "gone: nothing listens" for p in range(3)})
+    comm = SimpleNamespace(rank=3, link_deadline=5.0, peer_timeout=0.3, expect=lambda *a, **k: None,
+                           transport=SimpleNamespace(unexpect=lambda kind: None),
+                           membership=SimpleNamespace(ask_for_state=lambda: gone, joining=False))
+    lifecycle = Lifecycle(comm, None, SimpleNamespace(dtype=torch.float32, numel=4))
+    began = time.monotonic()
+    with pytest.raises(NoClusterToRejoin, match="the cluster has finished"):
+        lifecycle.fetch_state()
+    assert time.monotonic() - began < 5.0  # the peer timeout, not two link deadlines
+
+
 def test_a_switch_resync_gives_up_within_link_deadlines_when_a_member_of_its_ring_dies():
     """The model average at a view switch may wait the peer timeout for a slow member, but not for
     a dead one. Node 2 of 4 crashes before the average: node 3, waiting on it, probes it within a

@@ -126,6 +126,9 @@ class Lifecycle:
                     raise NoClusterToRejoin(f"node {self.rank}: no live member has a state to give (the cluster has "
                                             f"finished): {answers.problems}")
                 if now - moved_at >= comm.peer_timeout or (timeout is not None and now - started >= timeout):
+                    if not answers.live:  # (every peer still gone at the end: the run is over, as above)
+                        raise NoClusterToRejoin(f"node {self.rank}: no live member has a state to give (the "
+                                                f"cluster has finished): {answers.problems}")
                     raise PeerError(f"node {self.rank}: no state from any peer within "
                                     f"{min(comm.peer_timeout, timeout or comm.peer_timeout):.0f}s: {answers.problems}")
                 if answers.donor is None:
