@@ -280,10 +280,10 @@ def test_a_concurrent_admission_of_another_epoch_is_no_eviction_but_a_named_drop
     assert views.named_base(View(1, 4, 9, (0, 1), base_proposer=5)) == View(0, 0, 0, (0, 1, 2))
 
 
-@pytest.mark.parametrize("dropping", [[3, 2], [1], [7]])
+@pytest.mark.parametrize("dropping", [[3, 2], [1], [7], list(range(10 ** 6))])
 def test_a_view_whose_dropped_members_are_not_sorted_outsiders_is_refused_as_malformed(dropping):
     message = pb.View(epoch=2, proposer=0, switch_step=5, members=[0, 1, 2], dropping=dropping)
-    with pytest.raises(ValueError, match="dropping"):
+    with pytest.raises(ValueError, match="dropping|drops"):
         View.from_proto(message, 6)
 
 

@@ -122,13 +122,12 @@ class Lifecycle:
                     empty_since = None
                 elif empty_since is None:
                     empty_since = now
-                elif now - empty_since >= 2 * wait:
+                waited_out = now - moved_at >= comm.peer_timeout or (timeout is not None and now - started >= timeout)
+                # every peer gone for two slices (one may be restarting too), or still gone when we give up
+                if empty_since is not None and (waited_out or now - empty_since >= 2 * wait):
                     raise NoClusterToRejoin(f"node {self.rank}: no live member has a state to give (the cluster has "
                                             f"finished): {answers.problems}")
-                if now - moved_at >= comm.peer_timeout or (timeout is not None and now - started >= timeout):
-                    if not answers.live:  # (every peer still gone at the end: the run is over, as above)
-                        raise NoClusterToRejoin(f"node {self.rank}: no live member has a state to give (the "
-                                                f"cluster has finished): {answers.problems}")
+                if waited_out:
                     raise PeerError(f"node {self.rank}: no state from any peer within "
                                     f"{min(comm.peer_timeout, timeout or comm.peer_timeout):.0f}s: {answers.problems}")
                 if answers.donor is None:

@@ -119,6 +119,8 @@ class View:
         entering = tuple(message.entering)
         if list(entering) != sorted(set(entering)) or not set(entering) <= set(members):
             raise ValueError(f"view entering {brief(entering)} must be distinct sorted members")
+        if len(message.dropping) > capacity:
+            raise ValueError(f"view drops {len(message.dropping)} members, more than the {capacity} ranks there are")
         dropping = tuple(message.dropping)
         if list(dropping) != sorted(set(dropping)) or (dropping and dropping[-1] >= capacity) \
                 or set(dropping) & set(members):
