@@ -83,21 +83,22 @@ def test_sgp_reabsorbs_shares_for_a_dead_peer_and_trains_on(plane):
     """Node 3 dies after 5 steps: the others detect it (refused connects + probes), stop sending
     to and waiting for it, re-absorb what they could not deliver, and finish without stalling
     (on the TCP lane too: its refused connects count as the peer's process being gone)."""
-    n, steps = 4, 30
+    n, steps, settle = 4, 40, 10
     topology = build_topology("exponential", n, peers_per_step=1)
 
     def body(rank, comm):
         sgp = SGP(comm, topology, overlap=1)
         sgp.ledger = []
         z = sgp.setup(initial(rank))
+        trace = []
         for step in range(steps):
             if rank == 3 and step == 5:
                 comm.transport.stop()  # a crash: no goodbye
                 return None
             z = sgp.after_step(step, z)
-        mixed = z.clone()
+            trace.append(z.clone())
         final = sgp.finish()
-        return sorted(comm.transport.membership.dead()), sgp.w, sgp.refused_shares, mixed, final
+        return sorted(comm.transport.membership.dead()), sgp.w, sgp.refused_shares, trace, final, sgp.ledger
 
     options = TransportOptions(send_timeout=20.0, link_deadline=1.0, probe_timeout=1.0, data_plane=plane)
     started = time.monotonic()
@@ -106,10 +107,14 @@ def test_sgp_reabsorbs_shares_for_a_dead_peer_and_trains_on(plane):
     live = results[:3]
     assert all(dead == [3] for dead, *_ in live)
     assert sum(r[2] for r in live) >= 1  # someone re-absorbed a share meant for node 3
-    # The survivors agree after their last mixing step. (Not necessarily after finish(): a share
-    # node 3 sent just before it crashed may still arrive then, late, and is folded in unmixed.)
-    zs = torch.stack([r[3] for r in live])
-    assert float((zs - zs.mean(0)).abs().max()) < 1.0
+    # Mass from or for node 3 folded in (a share it sent, one re-absorbed) pulls its node off the
+    # average; on a busy machine that can come late, when the survivors race through their last
+    # steps. They agree once they have mixed `settle` steps past the last such fold.
+    folds = [e[1] for r in live for e in r[5] if e[0] in ("mix", "reabsorb") and e[3] == 3]
+    checked = max(k for k in range(steps) if all(k - d >= settle or d > k for d in folds))
+    assert checked >= 20, f"mass of node 3 kept being folded in, at steps {sorted(folds)}"
+    zs = torch.stack([r[3][checked] for r in live])
+    assert float((zs - zs.mean(0)).abs().max()) < 1.0, f"no agreement at step {checked} (folds at {sorted(folds)})"
     assert all(torch.isfinite(r[4]).all() for r in live)
 
 
