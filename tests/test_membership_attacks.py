@@ -110,7 +110,7 @@ def test_a_view_proposed_while_another_is_pending_switches_with_it_so_a_refuser_
     every step in between.)"""
     transports, _ = trio
     before = _refused(transports[1])
-    dropping = transports[0].membership.propose([0, 1])
+    dropping = transports[0].membership.propose(out={2})
     _expect_refusal(transports[1], before)
     wait_until(lambda: transports[2].membership.latest.epoch == 1, 30, "node 2 taking the view that drops it")
     # node 1 knows that the nodes holding the refused view train without node 2 from its switch on:

@@ -145,7 +145,7 @@ class GossipDiLoCo(Algorithm):
             self._outer_step(last + 1, (last + 1) // self.H, params)
             last += 1
         self.mass.finish([], last)
-        self.mass.take_over(last + 1)
+        self.mass.take_over_at_end(last + 1)
         return params
 
     def donate_state(self, peer: int, step: int, params: torch.Tensor) -> None:

@@ -148,7 +148,7 @@ class SGP(Algorithm):
         self._flush()
         self.mass.close(self._last_step + 1)
         self.mass.fold_residual()
-        self.mass.take_over(self._last_step + 1)
+        self.mass.take_over_at_end(self._last_step + 1)
         self.mass.record("w", self._last_step + 1, self.mass.w)
         return self.mass.debias()
 

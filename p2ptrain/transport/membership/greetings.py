@@ -84,6 +84,7 @@ class ClusterSurvey:
     running: bool   # one of them is ready and past step 0
     furthest: int = 0  # the furthest step a compatible peer is at
     silent: int = 0    # peers that did not answer in time but may be alive (frozen, busy, partitioned)
+    answered_in: float = 0.0  # seconds until the last answer came (the Hellos all went out at once)
 
 
 def new_incarnation() -> int:
@@ -93,6 +94,7 @@ def new_incarnation() -> int:
 FINISHED = "finished its run"  # a want_state refusal that means: this member will never serve one
 
 WAIT_ROUND = 0.25  # seconds wait_for_peers lets pass at most between two looks at its peers
+SPREAD_FACTOR = 2  # a view's switch lies at least this many survey round trips ahead (propose_view)
 # A Hello that got no answer (TimeoutError: ours; CancelledError: the loop cancelled it, e.g. at a stop).
 FAILED = (SendFailure, concurrent.futures.TimeoutError, concurrent.futures.CancelledError)
 
@@ -655,18 +657,25 @@ class Greetings:
                              furthest=max(found.furthest, extra.furthest), silent=found.silent + extra.silent)
 
     def _survey(self, peers: list[int], timeout: float) -> ClusterSurvey:
+        began = time.monotonic()
         futures = [self._hello_once(peer, self.hello_request(), timeout) for peer in peers]
-        reachable, running, furthest, silent = 0, False, 0, 0
+        answered: dict[concurrent.futures.Future, float] = {}
+        for future in futures:
+            future.add_done_callback(lambda done: answered.setdefault(done, time.monotonic()))
+        reachable, running, furthest, silent, answered_in = 0, False, 0, 0, 0.0
         for future in futures:
             try:
                 reply = future.result(timeout + 5)
             except FAILED as exc:
                 silent += not (isinstance(exc, SendFailure) and exc.kind in (FailureKind.GONE, FailureKind.DENIED))
                 continue
+            # (when the answer came, not when it was looked at; a gone or silent peer's wait is no spread)
+            answered_in = max(answered_in, answered.get(future, time.monotonic()) - began)
             reachable += 1
             running |= bool(reply.compatible and reply.ready and reply.step > 0)
             furthest = max(furthest, reply.step if reply.compatible else 0)
-        return ClusterSurvey(reachable=reachable, running=running, furthest=furthest, silent=silent)
+        return ClusterSurvey(reachable=reachable, running=running, furthest=furthest, silent=silent,
+                             answered_in=answered_in)
 
     def announce_ready(self) -> list[int]:
         """Tell every peer (one Hello each, failures ignored) that this node is ready again and
@@ -698,34 +707,41 @@ class Greetings:
             self.liveness.confirmed(peer, since_step=since)
         return reply
 
-    def propose_view(self, members, margin: int, notice: float = 0.0, placement: tuple[int, ...] | None = None) -> int:
-        """Propose that `members` train together from `margin` steps past the furthest step this
-        node knows of any old or new member (and `notice` seconds at this node's pace), or from the
-        switch of a view still pending if that comes sooner and at least half the margin ahead, and
-        Hello the view to each of them (failures ignored: a node that misses it hears of it in its
-        next Hello). A reply from a node already at the switch step means it may have gone past it
-        with the old members: propose again further on. Returns the switch step of the latest view
-        (another proposer's, if its view won). `placement`: the members' ring order (None: keep)."""
-        members = sorted(set(members))
-        margin = max(margin, self.pace.steps_in(notice))  # fast steps: `notice` seconds ahead too
+    def propose_view(self, margin: int, notice: float = 0.0, *, into=(), out=(),
+                     placement: tuple[int, ...] | None = None) -> int:
+        """Propose that the latest view's members with `into` and without `out` train together from
+        `margin` steps past the furthest step any old or new member is at (asked of them first: the
+        steps known here may be stale, a joiner's above all), and at least `notice` seconds and
+        SPREAD_FACTOR times that survey's round trip ahead at this node's pace, or from the switch
+        of a view still pending if that comes sooner and at least half the margin ahead; and Hello
+        the view to each of them (failures ignored: a node that misses it hears of it in its next
+        Hello). A reply from a node already at the switch step means it may have gone past it
+        with the old members: propose again further on. The change applies to the latest view
+        when the view is made (on the loop thread): a concurrent view adopted meanwhile (a joiner
+        admitted during the survey) is kept, and a change one made already is not proposed again.
+        Returns the switch step of the latest view (another proposer's, if its view won).
+        `placement`: the members' ring order (None: keep; without a change, what is proposed)."""
+        into, out = frozenset(into), frozenset(out)
         for attempt in range(3):
-            targets = [p for p in sorted((self.views.members_ever | set(members)) - {self.rank})
-                       if self.addresses[p]]
+            if self._changed_members(into, out, placement) is None:
+                break
+            targets = self._view_targets(into)
+            spread = self._survey(targets, 2.0).answered_in  # (each reply notes the peer's step)
+            ahead = max(margin, self.pace.steps_in(max(notice, SPREAD_FACTOR * spread)))
             known = [self.liveness.step] + [s for s in map(self.liveness.peer_step, targets) if s is not None]
-            switch = max(known) + margin
+            switch = max(known) + ahead
             pending = self.views.latest.switch_step
-            if attempt == 0 and max(known) + max(1, margin // 2) <= pending < switch:
+            if attempt == 0 and max(known) + max(1, ahead // 2) <= pending < switch:
                 # A view not in force yet switches early enough: switch with it, replacing it there.
                 # Nodes that never took it (a concurrent proposal's loser, or a node that refused
                 # it: it dropped a node alive there) then hold the same members for every step.
                 switch = pending
-            # (the addresses nodes may lack: every node of a run is configured with the same list,
-            # so those of the joiners, learned since, and our own; O(n) bytes less per Hello)
-            told = {m: self.addresses[m] for m in members if m in self.grpc.learned or m == self.rank}
-            view = self.loop.call(self.views.propose, members, switch, told, placement)
-            margin *= 2  # (if a node was past it, the next try goes further)
+            view = self.loop.call(self._propose, into, out, switch, placement)
+            if view is None:
+                break
+            margin = 2 * ahead  # (if a node was past it, the next try goes further)
             request = self.hello_request()  # (it carries the view)
-            futures = {peer: self._hello_once(peer, request, 2.0) for peer in targets}
+            futures = {peer: self._hello_once(peer, request, 2.0) for peer in self._view_targets(into)}
             past = []
             for peer, future in futures.items():
                 try:
@@ -739,6 +755,30 @@ class Greetings:
             log.warning("node %d: node(s) %s already at step %d when view %d arrived; proposing again", self.rank,
                         past, view.switch_step, view.epoch)
         return self.views.latest.switch_step
+
+    def _changed_members(self, into, out, placement) -> list[int] | None:
+        """The latest view's members with `into` and without `out`; None when there is nothing to
+        propose (no member left, a change made already, a layout that is no order of them)."""
+        latest = self.views.latest
+        members = sorted((set(latest.members) | into) - out)
+        if not members or (into or out) and members == list(latest.members) \
+                or placement is not None and sorted(placement) != members:
+            return None
+        return members
+
+    def _view_targets(self, into) -> list[int]:
+        """Whom a view is told to: every member it has had, and the new ones."""
+        return [p for p in sorted((self.views.members_ever | into) - {self.rank}) if self.addresses[p]]
+
+    def _propose(self, into, out, switch: int, placement) -> View | None:
+        """(Loop thread: no view is adopted between reading the latest and proposing on it.)"""
+        members = self._changed_members(into, out, placement)
+        if members is None:
+            return None
+        # (the addresses nodes may lack: every node of a run is configured with the same list,
+        # so those of the joiners, learned since, and our own; O(n) bytes less per Hello)
+        told = {m: self.addresses[m] for m in members if m in self.grpc.learned or m == self.rank}
+        return self.views.propose(members, switch, told, placement)
 
     def wait_for_step(self, step: int, timeout: float) -> None:
         """Hello every live peer until it reports a current step >= `step` (the cluster resumed

@@ -228,7 +228,7 @@ class Membership:
         into = {self.rank} if self.wants_in and not self.leaving and not self.liveness.must_catch_up() else set()
         target = (latest | into) - out
         if target and target != latest:  # (the last member cannot leave: it trains on)
-            self.propose(target)
+            self.propose(into=into - latest, out=out & latest)
         elif self._placing and self.liveness.step >= PLACEMENT_AFTER and self.greetings.pace.steps_in(PLACEMENT_NOTICE):
             self._placing -= 1  # (once decided, never again: later views keep the layout)
             if self.place_by_reachability() is not None:
@@ -253,7 +253,7 @@ class Membership:
         brings nodes that fell out of step (rounds failing forever) back together."""
         if self.views.latest.switch_step <= self.liveness.step:
             log.warning("node %d: the ring keeps failing; proposing to re-form it", self.rank)
-            self.propose(self.views.latest.members)
+            self.propose()
 
     def lay_out(self, timeout: float) -> None:
         """Before this node says it is ready (the others wait for that): if it may be the lowest
@@ -298,15 +298,15 @@ class Membership:
             return False
         log.info("node %d: laying the members out as %s (private behind NATs: %s)", self.rank, list(order),
                  {m: nat_of[m] for m in sorted(nat_of)})
-        greetings.propose_view(latest.members, self.view_margin, max(self.view_notice, PLACEMENT_NOTICE),
-                               placement=order)
+        greetings.propose_view(self.view_margin, max(self.view_notice, PLACEMENT_NOTICE), placement=order)
         return True
 
-    def propose(self, members) -> int:
-        """Propose that `members` train together from `view_margin` steps past the furthest step
-        known of any member (and `view_notice` seconds at this node's pace), and tell every old and
-        new member; returns the switch step in force."""
-        return self.greetings.propose_view(members, self.view_margin, self.view_notice)
+    def propose(self, into=(), out=()) -> int:
+        """Propose that the members with `into` and without `out` (applied to the latest view when
+        it is proposed; neither: the same members again) train together from `view_margin` steps
+        past the furthest step any member is at (and `view_notice` seconds at the pace of the
+        steps), and tell every old and new member; returns the switch step in force."""
+        return self.greetings.propose_view(self.view_margin, self.view_notice, into=into, out=out)
 
     # Steps, start-up and rejoining -----------------------------------------------------------------
     @property

@@ -1,0 +1,104 @@
+"""How a membership change is proposed (issue 28): where its switch lies, what it is made on, and
+who takes a leaver's mass at the end of a run. At 64 simulated nodes with churn, views came after
+their switch (the proposer's steps of the others were stale, a joiner's above all), a retry dropped
+a joiner admitted meanwhile, and a member that had just finished acknowledged a leaver's mass it
+never absorbed (Σ w one short). Real Transports on loopback, as tests/test_membership_attacks.py.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from launcher.ports import free_ports
+from p2ptrain.algorithms.sgp import SGP
+from p2ptrain.metrics import NodeMetrics
+from p2ptrain.topology import member_topology
+from p2ptrain.transport import Transport, TransportOptions
+from p2ptrain.transport.membership.views import DEFAULT_VIEW_MARGIN
+from tests.cluster import run_cluster
+from tests.test_transport import wait_until
+
+WORLD = 4
+
+
+@pytest.fixture
+def cluster():
+    """Nodes 0-2 are the initial members of a world of 4; rank 3 can join."""
+    peers = [f"127.0.0.1:{p}" for p in free_ports(WORLD)]
+    options = TransportOptions(probe_timeout=2.0, initial_members=3, send_timeout=5.0)
+    transports = []
+
+    def start(rank: int) -> Transport:
+        transports.append(Transport(rank, WORLD, peers, listen=peers[rank], metrics=NodeMetrics(rank),
+                                    options=options).start())
+        return transports[-1]
+
+    for rank in range(3):
+        start(rank)
+    yield transports, start
+    for transport in transports:
+        transport.stop()
+
+
+def test_a_proposal_asks_the_members_their_steps_so_its_switch_lies_past_one_it_had_not_heard_of(cluster):
+    """Node 1 is at step 40, which node 2 never heard of (no message between them): node 2's leave
+    used to switch a margin past the steps it knew (8), 32 steps behind node 1, which then trained
+    on past the switch with the old members (and only its reply to the view said so: the first
+    view stayed, and a second went further). Now it asks first: its one view switches past 40."""
+    transports, _ = cluster
+    transports[1].membership.set_step(40)
+    assert transports[2].membership.liveness.peer_step(1) in (None, 0)
+    transports[2].membership.leave()
+    wait_until(lambda: all(t.membership.latest.members == (0, 1) for t in transports), 30, "node 2's leave")
+    latest = transports[0].membership.latest
+    assert latest.epoch == 1 and latest.switch_step >= 40 + DEFAULT_VIEW_MARGIN
+
+
+def test_a_change_made_already_is_not_proposed_again_and_a_change_keeps_what_came_meanwhile(cluster):
+    """A change applies to the latest view when it is proposed: one that a view made already is no
+    new view, and it keeps a member admitted meanwhile (a retry used to propose its first list
+    again, and dropped the joiner: every node refused it as an eviction)."""
+    transports, _ = cluster
+    transports[2].membership.leave()
+    wait_until(lambda: all(t.membership.latest.members == (0, 1) for t in transports), 30, "node 2's leave")
+    held = transports[0].membership.latest
+    transports[0].membership.propose(out={2})  # (node 2 is out already)
+    assert transports[0].membership.latest == held
+    transports[1].membership.propose(into={2}, out={0})
+    wait_until(lambda: transports[0].membership.latest.members == (1, 2), 30, "node 1's change")
+    assert transports[1].membership.latest.members == (1, 2)  # made on (0, 1): 2 in, 0 out
+
+
+def test_a_member_that_finished_refuses_a_leavers_mass_so_a_member_still_training_takes_it():
+    """Node 0 finishes its run; node 2 then leaves and tries node 0 first. Node 0 used to accept the
+    LEAVE and never absorb it (Σ w one unit short of the member count); now it refuses, node 1
+    takes the mass over and retires one unit: w0 + w1 is 2, exactly."""
+    finished, handed = threading.Event(), threading.Event()
+
+    def body(rank, comm):
+        sgp = SGP(comm, member_topology("exponential", comm.world_size, comm.membership.members), overlap=0)
+        z = sgp.setup(torch.full((4,), float(rank), dtype=torch.float64))
+        for step in range(4):
+            z = sgp.after_step(step, z)
+        if rank == 0:
+            sgp.finish()
+            finished.set()
+            handed.wait(60)
+            return sgp.w, sgp.mass.retired_w, None
+        if rank == 2:
+            finished.wait(60)
+            comm.membership.leave()
+            took = sgp.mass.hand_over([0, 1], 4)
+            handed.set()
+            return 0.0, 0.0, took
+        handed.wait(60)
+        sgp.mass.take_over(4)
+        sgp.finish()
+        return sgp.w, sgp.mass.retired_w, None
+
+    results = run_cluster(3, body, options=TransportOptions(send_timeout=30.0, initial_members=3), timeout=60)
+    assert results[2][2] is True
+    assert results[0][1] == 0.0 and results[1][1] == 1.0
+    assert results[0][0] + results[1][0] == pytest.approx(2.0, abs=1e-12)
