@@ -7,6 +7,7 @@ never absorbed (Σ w one short). Real Transports on loopback, as tests/test_memb
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -101,4 +102,38 @@ def test_a_member_that_finished_refuses_a_leavers_mass_so_a_member_still_trainin
     results = run_cluster(3, body, options=TransportOptions(send_timeout=30.0, initial_members=3), timeout=60)
     assert results[2][2] is True
     assert results[0][1] == 0.0 and results[1][1] == 1.0
+    assert results[0][0] + results[1][0] == pytest.approx(2.0, abs=1e-12)
+
+
+def test_the_member_a_late_leaver_tries_first_waits_for_its_mass_at_the_end():
+    """Node 2's leave switches at the last step: nodes 0 and 1 train up to it and finish while node 2
+    is still handing over (a second late here). Every member refused its LEAVE once it had finished,
+    so the leaver left with its unit. Node 0, the member its hand-over tries first, now waits for
+    that mass at its finish (until it has it, or hears the leaver finished): it takes it, and node
+    1, which is not tried first, does not wait."""
+    proposed = threading.Event()
+
+    def body(rank, comm):
+        sgp = SGP(comm, member_topology("exponential", comm.world_size, comm.membership.members), overlap=0)
+        z = sgp.setup(torch.full((4,), float(rank), dtype=torch.float64))
+        if rank == 2:
+            comm.membership.leave()
+            proposed.set()
+        proposed.wait(60)
+        switch = comm.membership.latest.switch_step
+        for step in range(switch if rank == 2 else switch + 1):
+            z = sgp.after_step(step, z)
+        if rank == 2:
+            sgp.finish()
+            time.sleep(1.0)  # (a slow hand-over: the members have finished by now)
+            took = sgp.mass.hand_over([0, 1], switch)
+            comm.membership.finish()
+            return 0.0, 0.0, took
+        sgp.finish()
+        return sgp.w, sgp.mass.retired_w, None
+
+    results = run_cluster(3, body, options=TransportOptions(send_timeout=30.0, initial_members=3,
+                                                            link_deadline=30.0), timeout=90)
+    assert results[2][2] is True, "no member took the leaver's mass"
+    assert results[0][1] == 1.0 and results[1][1] == 0.0
     assert results[0][0] + results[1][0] == pytest.approx(2.0, abs=1e-12)

@@ -26,6 +26,7 @@ from p2ptrain.algorithms.base import Comm, Kind, buffer_like, delivery_failure
 if TYPE_CHECKING:
     import torch
 
+LEAVE_POLL_SECONDS = 0.02  # take_over_at_end: how often it looks for a due leaver's mass
 FINISH_WAIT_SECONDS = 10.0  # finish(): how long to wait in all for shares that missed their deadline
 END_OF_TIME = 1 << 62  # a step past every step: close() takes the shares of any step
 PLAUSIBLE_SCALE = 1e4  # a share's de-biased values may exceed ours (or 1) by at most this factor
@@ -448,10 +449,18 @@ class PushSum:
         return False
 
     def take_over_at_end(self, now: int) -> None:
-        """The run is over here: refuse LEAVE messages from now on, then absorb those that came. A
-        leaver that picked this node then hands its mass to a member still training (its mass sat
-        in an inbox nobody read once: a member that finished a few steps ahead of a leaver
-        acknowledged it, and Σ w of a 64-node churn run came out one short)."""
+        """The run is over here: wait (at most the link deadline) for the mass of the leavers whose
+        hand-over tries this node first (Membership.leaves_due: a leave that switched a few steps
+        before the end found every member finished), then refuse LEAVE messages from now on and
+        absorb those that came. A leaver that picks this node later hands its mass to a member
+        still training (its mass sat in an inbox nobody read once: Σ w of a 64-node churn run came
+        out one short)."""
+        membership = self.comm.membership
+        end = time.monotonic() + self.comm.link_deadline
+        self.take_over(now)
+        while membership.leaves_due(now) and time.monotonic() < end:
+            time.sleep(LEAVE_POLL_SECONDS)
+            self.take_over(now)
         self.comm.unexpect(Kind.LEAVE)
         self.take_over(now)
 

@@ -205,6 +205,10 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         models once more if a round failed anywhere; nothing changes in a fault-free run)."""
         if self._finished:
             return
+        self._end_training()
+        self._say_finished()
+
+    def _end_training(self) -> None:
         final = self.algorithm.finish()
         if final is not None:
             self.state_vector.load(final)
@@ -217,6 +221,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
                     if synced is not None:
                         self.optimizer_state.load(synced)
         self._finished = True
+
+    def _say_finished(self) -> None:
         if self.comm is not None:
             self.comm.membership.finish()  # no state to give from here on
         self.check_finite(self.local_step, "final model")
@@ -281,8 +287,12 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         """After the last step as a member: finish the algorithm, hand over to a member that stays,
         and raise LeftCluster."""
         log.info("node %d: leaving the cluster after step %d; the others go on without it", self.rank, step)
-        self.finish()
+        if not self._finished:
+            self._end_training()
+        # (it says it finished once its mass is handed over: the member it tries first waits for
+        # that mass at its own finish until it has it or hears so, Membership.leaves_due)
         self.lifecycle.hand_over(leave_at)
+        self._say_finished()
         self.local_step = step + 1
         self._step_done()
         raise LeftCluster(self.rank, step + 1)

@@ -112,6 +112,22 @@ class Membership:
                 return view.members
         return None
 
+    def leaves_due(self, step: int) -> list[int]:
+        """The leavers whose mass this node is offered first and has not taken: live, unfinished
+        nodes that a view in force by `step` dropped, whose first live member at that switch (the
+        one their hand-over tries first, Lifecycle.hand_over) is this node. A member that finished
+        refuses a LEAVE, so this one waits for those at its finish (PushSum.take_over_at_end)."""
+        latest, liveness, due = self.views.latest, self.liveness, []
+        for peer in sorted(self.views.members_ever - set(latest.members) - {self.rank}):
+            dropping = self.views.dropping_view(peer)
+            if dropping is None or dropping.switch_step > step or (peer, dropping.epoch) in self._leaves_taken \
+                    or not liveness.alive(peer) or peer in liveness.finished():
+                continue
+            first = next(iter(self.live(m for m in self.members(dropping.switch_step) if m != peer)), None)
+            if first == self.rank:
+                due.append(peer)
+        return due
+
     def accept_leave(self, peer: int, weight: float) -> str:
         """Whether to absorb push-sum mass `weight` that `peer` hands over as it leaves: "" (yes,
         once) or why not. Only a member that the current or a pending view drops may hand over,
