@@ -47,8 +47,6 @@ from p2ptrain.transport.server import PeerService, serve
 from p2ptrain.transport.tuning import tune_process_for_transfer
 
 WATCH_INTERVAL = 0.05  # seconds between re-checks of a gather that may be abandoned
-MOVED_ON_STEPS = 4     # a sender this many steps past a gather's step is not waited for (its message is late)
-MOVED_ON_CHECK = 4     # ... asked of the missing senders once a wait lasted this many of our steps (doubling)
 
 
 log = logging.getLogger(__name__)
@@ -327,8 +325,7 @@ class Transport:
         deadline: a dead one is noticed then, not at the end.
 
         `laggards`: wait for lagging senders too (a ring, which cannot complete without them: not
-        waiting would let this node race ahead alone, leaving them further behind). Without it, a
-        sender that has moved on is not waited for (_wait_unless_moved_on)."""
+        waiting would let this node race ahead alone, leaving them further behind)."""
         liveness = self.membership.liveness
         awaited = liveness.awaited(senders, step, laggards=laggards)
         finished = liveness.finished()
@@ -336,20 +333,17 @@ class Transport:
         if not awaited and not over:
             return {}
         timeout = self.options.link_deadline if deadline is None else deadline
-        return self.loop.submit(self._gather(kind, step, awaited, channel, timeout, abandon, over,
-                                             laggards)).result()
+        return self.loop.submit(self._gather(kind, step, awaited, channel, timeout, abandon, over)).result()
 
     async def _gather(self, kind: int, step: int, senders: list[int], channel: str,
                       timeout: float, abandon: Callable[[], str | None] | None = None,
-                      over: list[int] = (), laggards: bool = False) -> dict[int, Message]:
+                      over: list[int] = ()) -> dict[int, Message]:
         got = await self.inbox.wait_for(kind, step, list(over), channel, 0, partial=True) if over else {}
         if not senders:
             return got
         self.hangups.waiting(senders)
-        if abandon is None and timeout <= self.options.link_deadline and laggards:
+        if abandon is None and timeout <= self.options.link_deadline:
             got.update(await self.inbox.wait_for(kind, step, senders, channel, timeout, partial=True))
-        elif abandon is None and timeout <= self.options.link_deadline:
-            got.update(await self._wait_unless_moved_on(kind, step, senders, channel, timeout))
         else:
             got.update(await self._watched_wait(kind, step, senders, channel, timeout, abandon))
         liveness = self.membership.liveness
@@ -359,37 +353,6 @@ class Transport:
                     self.metrics.on_link_timeout(peer)
                 self.loop.spawn(self.membership.greetings.probe(peer))
         return got
-
-    async def _wait_unless_moved_on(self, kind: int, step: int, senders: list[int], channel: str,
-                                    timeout: float) -> dict[int, Message]:
-        """Inbox.wait_for, except that a sender MOVED_ON_STEPS past `step` is not waited for: what it
-        sent of that step is late, or it never sent one (its members at that step differed from
-        ours: a view that reached it after its switch), and a late one is folded in later. Asked of
-        the missing senders in a Hello (its reply says its step) once the wait has lasted
-        MOVED_ON_CHECK of this node's steps at its pace, then after twice as long each time; never
-        before this node has a pace. Without it, such a wait lasted the link deadline (60 s at 64
-        simulated nodes), and the nodes waiting on this one waited with it."""
-        greetings, liveness = self.membership.greetings, self.membership.liveness
-        began = time.monotonic()
-        check = greetings.pace.seconds_for(MOVED_ON_CHECK)
-        got: dict[int, Message] = {}
-        waiting = list(senders)
-        while True:
-            left = began + timeout - time.monotonic()
-            got.update(await self.inbox.wait_for(kind, step, waiting, channel, max(0.0, min(left, check or left)),
-                                                 partial=True))
-            waiting = [peer for peer in waiting if peer not in got]
-            left = began + timeout - time.monotonic()
-            if not waiting or not check or left <= 0:
-                return got
-            await greetings.ask_steps(waiting, min(left, greetings.probe_timeout))
-            moved_on = [peer for peer in waiting if (liveness.peer_step(peer) or -1) >= step + MOVED_ON_STEPS]
-            if moved_on:
-                log.debug("node %d: not waiting for the step-%d messages of %s: they moved on", self.rank, step,
-                          moved_on)
-                got.update(await self.inbox.wait_for(kind, step, moved_on, channel, 0, partial=True))
-                waiting = [peer for peer in waiting if peer not in moved_on]
-            check *= 2
 
     async def _watched_wait(self, kind: int, step: int, senders: list[int], channel: str, timeout: float,
                             abandon: Callable[[], str | None] | None) -> dict[int, Message]:

@@ -405,13 +405,6 @@ class Greetings:
         """Hello `peer`, waiting up to `timeout` for it to come up (with wait_for_ready)."""
         return await self.greet(peer, self.hello_request(), timeout, wait_for_ready)
 
-    async def ask_steps(self, peers: list[int], timeout: float) -> None:
-        """Hello `peers` together: their replies note their steps (and views). Nobody is declared
-        dead here: a peer that does not answer is left to the waits' deadlines and the probes."""
-        request = self.hello_request()
-        await asyncio.gather(*(self.greet(peer, request, timeout, wait_for_ready=False) for peer in peers),
-                             return_exceptions=True)
-
     async def probe(self, peer: int) -> bool:
         """Hello `peer` without waiting for a connection; declare it dead if it does not answer.
         Two private nodes cannot greet each other (their messages go through relays): no probe."""
