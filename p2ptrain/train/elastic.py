@@ -288,16 +288,14 @@ class Lifecycle:
         return self.leave_at
 
     def hand_over(self, leave_at: int) -> None:
-        """Give what this node holds that the others need to a live member that stays: one in step
-        first, then one that lags (alive, it takes the mass over when it gets there), never one that
-        died or finished its run (it would not take it over)."""
+        """Give what this node holds that the others need to a live member that stays, in the order
+        Membership.hand_over_order gives (the first one waits for it at its own finish)."""
         membership, liveness = self.membership, self.membership.liveness
-        candidates = [m for m in membership.members(leave_at) if m != self.rank]
-        stays = membership.live(candidates)
-        stays += [m for m in candidates if m not in stays and liveness.alive(m) and m not in liveness.finished()]
+        stays = membership.hand_over_order(self.rank, leave_at)
         if not stays:
             log.warning("node %d: no member to hand over to at step %d: members %s, dead %s, finished %s", self.rank,
-                        leave_at, candidates, sorted(liveness.dead()), sorted(liveness.finished()))
+                        leave_at, list(membership.members(leave_at)), sorted(liveness.dead()),
+                        sorted(liveness.finished()))
         self.algorithm.hand_over(stays, leave_at)
         self.phase = Phase.LEFT
 

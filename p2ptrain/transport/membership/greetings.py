@@ -711,7 +711,8 @@ class Greetings:
                      placement: tuple[int, ...] | None = None) -> int:
         """Propose that the latest view's members with `into` and without `out` train together from
         `margin` steps past the furthest step any old or new member is at (asked of them first: the
-        steps known here may be stale, a joiner's above all), and at least `notice` seconds and
+        steps known here may be stale, a joiner's above all; a retry goes by the replies to the view
+        it retries), and at least `notice` seconds and
         SPREAD_FACTOR times that survey's round trip ahead at this node's pace, or from the switch
         of a view still pending if that comes sooner and at least half the margin ahead; and Hello
         the view to each of them (failures ignored: a node that misses it hears of it in its next
@@ -726,7 +727,8 @@ class Greetings:
             if self._changed_members(into, out, placement) is None:
                 break
             targets = self._view_targets(into)
-            spread = self._survey(targets, 2.0).answered_in  # (each reply notes the peer's step)
+            if attempt == 0:  # (a retry knows the steps from the replies to the view it retries)
+                spread = self._survey(targets, 2.0).answered_in  # (each reply notes the peer's step)
             ahead = max(margin, self.pace.steps_in(max(notice, SPREAD_FACTOR * spread)))
             known = [self.liveness.step] + [s for s in map(self.liveness.peer_step, targets) if s is not None]
             switch = max(known) + ahead

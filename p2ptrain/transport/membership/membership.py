@@ -114,8 +114,8 @@ class Membership:
 
     def leaves_due(self, step: int) -> list[int]:
         """The leavers whose mass this node is offered first and has not taken: live, unfinished
-        nodes that a view in force by `step` dropped, whose first live member at that switch (the
-        one their hand-over tries first, Lifecycle.hand_over) is this node. A member that finished
+        nodes that a view in force by `step` dropped, whose hand-over tries this node first
+        (hand_over_order at that switch). A member that finished
         refuses a LEAVE, so this one waits for those at its finish (PushSum.take_over_at_end)."""
         latest, liveness, due = self.views.latest, self.liveness, []
         for peer in sorted(self.views.members_ever - set(latest.members) - {self.rank}):
@@ -123,10 +123,18 @@ class Membership:
             if dropping is None or dropping.switch_step > step or (peer, dropping.epoch) in self._leaves_taken \
                     or not liveness.alive(peer) or peer in liveness.finished():
                 continue
-            first = next(iter(self.live(m for m in self.members(dropping.switch_step) if m != peer)), None)
-            if first == self.rank:
+            if self.hand_over_order(peer, dropping.switch_step)[:1] == [self.rank]:
                 due.append(peer)
         return due
+
+    def hand_over_order(self, leaver: int, step: int) -> list[int]:
+        """The members at `step` that `leaver` offers its mass to, in turn: those in step first, then
+        those that lag (alive, they take it over when they get there), never one that died or
+        finished its run (it would not take it over)."""
+        candidates = [m for m in self.members(step) if m != leaver]
+        liveness = self.liveness
+        stays = self.live(candidates)
+        return stays + [m for m in candidates if m not in stays and liveness.alive(m) and m not in liveness.finished()]
 
     def accept_leave(self, peer: int, weight: float) -> str:
         """Whether to absorb push-sum mass `weight` that `peer` hands over as it leaves: "" (yes,
