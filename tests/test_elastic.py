@@ -25,7 +25,7 @@ from p2ptrain.algorithms.pipesgd import PipeSGD
 from p2ptrain.algorithms.pushsum import Z_SCALE_EVERY, PushSum
 from p2ptrain.algorithms.sgp import SGP
 from p2ptrain.algorithms.state_handout import checksum, slice_bounds
-from p2ptrain.topology import member_graph, member_topology
+from p2ptrain.topology import Topology, member_graph, member_topology
 from p2ptrain.train.elastic import HOLD_BACK_POLL, Lifecycle
 from p2ptrain.train.optimizer import DecentralizedOptimizer, LeftCluster
 from p2ptrain.transport import TransportOptions
@@ -281,6 +281,85 @@ def test_a_share_whose_sender_a_newer_view_drops_is_not_awaited_to_the_link_dead
 
     waited, missing, w = run_cluster(2, body, options=options)[0]
     assert waited < 30 and missing == set() and w == 1.0
+
+
+def test_a_void_notice_ends_the_wait_for_a_share_and_moves_no_mass():
+    """A zero-weight message of the push-sum kind says "my step-k share went elsewhere"
+    (PushSum.void): the receiver's wait ends when it comes, nothing is added to x or w, and the
+    share is not booked as missing."""
+    options = TransportOptions(send_timeout=30.0, link_deadline=60.0)
+
+    def body(rank, comm):
+        mass = PushSum(comm, kind=Kind.PUSH_SUM)
+        mass.start(torch.full((4,), float(rank + 2), dtype=torch.float64), 1.0)
+        mass.expect(mass.x)
+        comm.ready()
+        if rank == 1:
+            mass.void([0], 0)
+            return mass.voids_sent, mass.w
+        began = time.monotonic()
+        mass.mix([1], 0, 0)
+        return time.monotonic() - began, set(mass.missing), mass.w, mass.x.clone(), mass.dropped_shares
+
+    (waited, missing, w, x, dropped), (voids, w1) = run_cluster(2, body, options=options)
+    assert waited < 30 and missing == set() and dropped == 0
+    assert w == 1.0 and torch.equal(x, torch.full((4,), 2.0, dtype=torch.float64))
+    assert voids == 1 and w1 == 1.0
+
+
+class _LateRing(Topology):
+    """Ring A (i -> i + 1) before `switch`; from it ring B (i -> i - 1), for a node that has
+    `learned` of the switch (its view came), ring A still for one that has not."""
+
+    name = "late-ring"
+
+    def __init__(self, world_size: int, switch: int, learned: threading.Event):
+        super().__init__(world_size)
+        self.switch, self.learned = switch, learned
+
+    def out_peers(self, rank: int, step: int) -> list[int]:
+        turn = -1 if step >= self.switch and self.learned.is_set() else 1
+        return [(rank + turn) % self.world_size]
+
+    def in_peers(self, rank: int, step: int) -> list[int]:  # (uncached: `learned` changes the graph)
+        return [r for r in range(self.world_size) if rank in self.out_peers(r, step)]
+
+
+def test_a_node_whose_view_came_after_its_switch_tells_its_new_out_peer_that_no_share_comes():
+    """Nodes 0 and 2 hold a view that turns the ring round at step 3; node 1 learns of it only while
+    it waits at step 3, having pushed that step's share by the old ring (to node 2). Node 0 waits
+    for node 1's step-3 share, which went to node 2. Node 1 tells it at once that none comes (one
+    void notice), so node 0 does not wait out its 60 s link deadline; node 2 folds the share in
+    late, and Σ w stays exactly 3."""
+    steps, switch = 8, 3
+    options = TransportOptions(send_timeout=30.0, link_deadline=60.0)
+
+    def body(rank, comm):
+        learned = threading.Event()
+        if rank != 1:
+            learned.set()
+        sgp = SGP(comm, _LateRing(comm.world_size, switch, learned), overlap=0)
+        sgp.ledger = []
+        z = sgp.setup(torch.full((DIM,), float(rank), dtype=torch.float64))
+        began = time.monotonic()
+        for step in range(steps):
+            if rank == 1 and step == switch:
+                def learn():  # the view arrives while node 1 waits for node 0's step-3 share
+                    comm.membership.views.adopt(View(1, 0, switch, (0, 1, 2)))
+                    learned.set()
+                threading.Timer(1.0, learn).start()
+            z = sgp.after_step(step, z)
+        sgp.finish()
+        return time.monotonic() - began, sgp.w, sgp.stats(), sgp.ledger
+
+    results = run_cluster(3, body, options=options, timeout=120)
+    assert max(r[0] for r in results) < 30, [r[0] for r in results]
+    assert sum(r[1] for r in results) == pytest.approx(3.0, abs=1e-12)
+    assert [r[2]["voided_shares"] for r in results] == [0.0, 1.0, 0.0]
+    assert [(e[1], e[3]) for e in results[1][3] if e[0] == "void"] == [(switch, 0)]
+    assert all(r[2]["dropped_shares"] == 0 for r in results)
+    late = [e for e in results[2][3] if e[0] == "mix" and e[3] == 1 and e[4] == switch]
+    assert len(late) == 1  # node 1's share of the switch step, by the old ring, folded in by node 2
 
 
 def test_a_share_of_absurd_values_is_dropped_and_the_honest_ones_are_mixed(caplog):

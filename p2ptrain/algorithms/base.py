@@ -59,6 +59,9 @@ class Received(Protocol):
 class Members(Protocol):
     """Who trains together and who is alive, as an algorithm sees it (the transport's Membership)."""
 
+    def view_order(self) -> tuple[int, int]:
+        """The latest view's order (epoch, proposer): it changes exactly when a view is adopted."""
+
     def members(self, step: int) -> tuple[int, ...]:
         """The ranks training together at `step` (all of them, unless nodes joined or left)."""
 

@@ -94,6 +94,8 @@ class PushSum:
         self.retired_w = 0.0    # units retired for leavers (take_over)
         self.dropped_w = 0.0    # taken from the inbox and thrown away (implausible shares, refused leaves)
         self._spare: list[torch.Tensor] = []  # x-sized buffers of acknowledged shares, for the next push
+        self._zeros: torch.Tensor | None = None  # the payload of a void notice (void)
+        self.voids_sent = 0  # notices that a share went elsewhere (a view reached us after its switch)
 
     def expect(self, like: torch.Tensor) -> None:
         """Declare the shares' size (and codec layout); call before comm.ready()."""
@@ -218,9 +220,25 @@ class PushSum:
         self.fold(arrived.values(), now)
         self.fold(self.comm.take(self.kind, step, **self._on_channel()), now)  # shares of earlier steps that came late
 
+    def void(self, peers: Iterable[int], step: int) -> None:
+        """Tell `peers` that no step-`step` share of ours is coming: a zero-weight message, which
+        ends a receiver's wait for it and is folded in as nothing (see fold). No mass moves."""
+        import torch
+        if self._zeros is None or self._zeros.shape != self.x.shape or self._zeros.dtype != self.x.dtype:
+            self._zeros = torch.zeros_like(self.x)  # (never written: every notice may send the one tensor)
+        for peer in peers:
+            self.comm.send(peer, self._zeros, kind=self.kind, step=step, ps_weight=0.0, reliable=True,
+                           **self._on_channel())
+            self.voids_sent += 1
+            self.record("void", step, 0.0, peer)
+
     def fold(self, shares, now: int) -> None:
         taken = self.taken_w
         for share in shares:
+            if share.ps_weight == 0.0:  # no mass: the sender's notice that its share went elsewhere (void)
+                self.missing.discard((share.sender, share.step))
+                share.release()
+                continue
             self.taken_w += share.ps_weight
             values = self._values(share)
             problem = self.implausible(share, values)

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 KIND = Kind.PUSH_SUM
 DRAINED = 1e-3  # w below this fraction of ψ: push nothing until in-shares refill it (see SGP)
+VOID_REACH = 64  # steps back whose out-peers are remembered, for peers a late view names (SGP._tell_skipped)
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,8 @@ class SGP(Algorithm):
         self._last_step = -1
         self._mixed_through = -1  # shares of steps up to this one were all folded in (a checkpoint's flush)
         self.drained_steps = 0    # steps this node pushed nothing because its w had drained (DRAINED)
+        self._scheduled: dict[int, frozenset[int]] = {}  # step -> our out-peers then, as our views had it
+        self._views_seen: tuple[int, int] | None = None  # the latest view's order when those were last checked
 
     # The push-sum state, as tests and stats read it
     x = property(lambda self: self.mass.x)
@@ -133,6 +136,7 @@ class SGP(Algorithm):
         models diverged). Without a fault w = ψ_i and the factor is exactly 1 on every graph: the
         seed's update."""
         self.comm.set_step(step)
+        self._tell_skipped(step)
         # x^{k+1/2} = x^k + (z' - z), scaled by min(1, w / ψ) (1 unless mass is missing), then pushed
         self._push(step, update=(params, self.fault_free.scale(self.mass.w, self.rank, step)))
         self.mass.reabsorb_refused(step)
@@ -201,7 +205,8 @@ class SGP(Algorithm):
         self.mass.sink = sink
 
     def stats(self) -> dict[str, float]:
-        return {**self.mass.stats(), "drained_steps": float(self.drained_steps)}
+        return {**self.mass.stats(), "drained_steps": float(self.drained_steps),
+                "voided_shares": float(self.mass.voids_sent)}
 
     def mass_flows(self) -> dict[str, float]:
         return self.mass.flow_totals()
@@ -215,11 +220,30 @@ class SGP(Algorithm):
         everyone else's towards 0, and z = x / w with it)."""
         self._last_step = step
         window = self.tau + 1  # a share per step of the bounded delay may be on its way
-        peers = [peer for peer in self.comm.membership.live(self.topology.out_peers(self.rank, step))
-                 if self.comm.make_room(peer, window)]
+        scheduled = self.topology.out_peers(self.rank, step)
+        peers = [peer for peer in self.comm.membership.live(scheduled) if self.comm.make_room(peer, window)]
         if peers and self._drained(step):
             peers = []
         self.mass.push(peers, step, update=update)
+        self._scheduled[step] = frozenset(scheduled)
+        self._scheduled.pop(step - VOID_REACH, None)
+
+    def _tell_skipped(self, step: int) -> None:
+        """A view that reached us after its switch can make peers our out-peers at steps we already
+        pushed by the view before it: they would wait a link deadline for a share that went to
+        another node (which folds it in late: no mass is lost). Tell them at once that none comes
+        (PushSum.void). Only a newly adopted view sets this off, and one that came in time leaves
+        every past step's out-peers as they were: without a late view no notice is ever sent."""
+        order = self.comm.membership.view_order()
+        if order == self._views_seen:
+            return
+        self._views_seen = order
+        live = self.comm.membership.live
+        for past, scheduled in list(self._scheduled.items()):
+            owed = [peer for peer in live(self.topology.out_peers(self.rank, past)) if peer not in scheduled]
+            if owed and past < step:
+                self.mass.void(owed, past)
+                self._scheduled[past] = scheduled | frozenset(owed)
 
     def _drained(self, step: int) -> bool:
         """w < DRAINED ψ_i (ψ = 1 for a node outside the schedule's members): keep all mass this step."""

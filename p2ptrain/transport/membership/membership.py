@@ -67,6 +67,10 @@ class Membership:
     def latest(self) -> View:
         return self.views.latest
 
+    def view_order(self) -> tuple[int, int]:
+        """The latest view's (epoch, proposer): it changes exactly when a view is adopted."""
+        return self.views.latest.order
+
     def members(self, step: int) -> tuple[int, ...]:
         """The ranks that train together at `step` (the topology or the ring is built over them)."""
         return self.views.members_at(step)
