@@ -6,6 +6,7 @@ never absorbed (Σ w one short). Real Transports on loopback, as tests/test_memb
 """
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -70,6 +71,31 @@ def test_a_change_made_already_is_not_proposed_again_and_a_change_keeps_what_cam
     transports[1].membership.propose(into={2}, out={0})
     wait_until(lambda: transports[0].membership.latest.members == (1, 2), 30, "node 1's change")
     assert transports[1].membership.latest.members == (1, 2)  # made on (0, 1): 2 in, 0 out
+
+
+def test_a_joiner_proposes_on_the_views_its_survey_brought_once_they_are_vetted(cluster):
+    """Node 2 left (view 1: members 0, 1) and is gone. Node 3 starts later holding the initial
+    view; the replies to its survey carry view 1, passed on by nodes 0 and 1, which it vets (is it
+    really node 2's?) before adopting it, slowly here. It used to propose on the initial view
+    meanwhile: (0, 1, 2, 3) at epoch 1, a lineage the members do not hold, and it was never
+    admitted. Now it waits for the vetting and admits itself on view 1: (0, 1, 3) at epoch 2."""
+    transports, start = cluster
+    transports[2].membership.leave()
+    wait_until(lambda: all(t.membership.latest.members == (0, 1) for t in transports), 30, "node 2's leave")
+    transports[2].stop()  # (gone: the view reaches node 3 only passed on by nodes 0 and 1, so it is vetted)
+    joiner = start(3)
+    greetings = joiner.membership.greetings
+    holds = greetings._holds
+
+    async def slow_witness(peer, view):  # (a witness that takes a while to answer)
+        await asyncio.sleep(1.0)
+        return await holds(peer, view)
+
+    greetings._holds = slow_witness
+    joiner.membership.propose(into={3})
+    wait_until(lambda: all(t.membership.latest.members == (0, 1, 3) for t in transports[:2] + [joiner]), 30,
+               "node 3's admission")
+    assert joiner.membership.latest.epoch == 2 and joiner.membership.latest.proposer == 3
 
 
 def test_a_member_that_finished_refuses_a_leavers_mass_so_a_member_still_training_takes_it():

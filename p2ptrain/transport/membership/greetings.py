@@ -95,6 +95,7 @@ FINISHED = "finished its run"  # a want_state refusal that means: this member wi
 
 WAIT_ROUND = 0.25  # seconds wait_for_peers lets pass at most between two looks at its peers
 SPREAD_FACTOR = 2  # a view's switch lies at least this many survey round trips ahead (propose_view)
+VETTING_WAIT_PROBES = 3  # a proposal waits at most this many probe timeouts for views being vetted
 # A Hello that got no answer (TimeoutError: ours; CancelledError: the loop cancelled it, e.g. at a stop).
 FAILED = (SendFailure, concurrent.futures.TimeoutError, concurrent.futures.CancelledError)
 
@@ -184,7 +185,7 @@ class Greetings:
         self.pace = StepPace()
         self.metrics = metrics
         self.announced: set[int] = set()      # peers that greeted us, or answered our Hello as themselves
-        self._vetting: set[tuple[int, int]] = set()  # views whose claims are being confirmed
+        self._vetting: dict[tuple[int, int], asyncio.Task] = {}  # views whose claims are being confirmed
         self.refused_views = 0
         self.views_held: dict[int, tuple[int, tuple[int, int]]] = {}  # peer -> (its incarnation, the latest
         # view order it showed us it holds)
@@ -241,8 +242,7 @@ class Greetings:
                                 announced=self.announced, live=self._live_members, exact=base is not None)
         if doubts:
             if view.order not in self._vetting:
-                self._vetting.add(view.order)
-                self.loop.spawn(self._confirm(view, sender, doubts))
+                self._vetting[view.order] = self.loop.spawn(self._confirm(view, sender, doubts))
             return False
         return self._adopt(view, sender)
 
@@ -283,7 +283,12 @@ class Greetings:
             elif view.order > self.views.latest.order:
                 self._adopt(view, sender)
         finally:
-            self._vetting.discard(view.order)
+            self._vetting.pop(view.order, None)
+
+    async def _vetted(self, timeout: float) -> None:
+        """Wait (at most `timeout`) until the views being vetted now are adopted or refused."""
+        if self._vetting:
+            await asyncio.wait(list(self._vetting.values()), timeout=timeout)
 
     async def _holds(self, peer: int, view: View) -> bool | None:
         """Whether `peer`'s latest view is `view` or a later one (greet adopts a later one); None
@@ -729,6 +734,10 @@ class Greetings:
             targets = self._view_targets(into)
             if attempt == 0:  # (a retry knows the steps from the replies to the view it retries)
                 spread = self._survey(targets, 2.0).answered_in  # (each reply notes the peer's step)
+                # Views the replies carried that are still being vetted (a joiner's first survey
+                # brings every change since the initial view): wait for them, so the change is
+                # made on the latest view, not on one the members have long left behind.
+                self.loop.submit(self._vetted(VETTING_WAIT_PROBES * self.probe_timeout)).result()
             ahead = max(margin, self.pace.steps_in(max(notice, SPREAD_FACTOR * spread)))
             known = [self.liveness.step] + [s for s in map(self.liveness.peer_step, targets) if s is not None]
             switch = max(known) + ahead
