@@ -626,6 +626,25 @@ def test_a_restart_whose_cluster_finishes_while_it_asks_for_state_ends_as_finish
     assert time.monotonic() - began < 5.0  # the peer timeout, not two link deadlines
 
 
+def test_a_joiner_that_finds_the_members_finished_and_gone_concludes_at_once_that_the_run_is_over():
+    """Every peer is gone or has finished its run (a simulated joiner that asked after the end):
+    with a member saying it finished, nobody is left who could serve, so the joiner stops at once
+    instead of giving gone peers two link deadlines (120 s in the simulation)."""
+    from p2ptrain.transport.errors import NoClusterToRejoin
+    from p2ptrain.transport.membership.greetings import FINISHED, StateAnswers
+
+    answers = StateAnswers(gone={0, 1, 2}, finished={1},
+                           problems={0: "gone: nothing listens", 1: FINISHED, 2: "gone: nothing listens"})
+    comm = SimpleNamespace(rank=3, link_deadline=60.0, peer_timeout=600.0, expect=lambda *a, **k: None,
+                           transport=SimpleNamespace(unexpect=lambda kind: None),
+                           membership=SimpleNamespace(ask_for_state=lambda: answers, joining=False))
+    lifecycle = Lifecycle(comm, None, SimpleNamespace(dtype=torch.float32, numel=4))
+    began = time.monotonic()
+    with pytest.raises(NoClusterToRejoin, match="the cluster has finished"):
+        lifecycle.fetch_state()
+    assert time.monotonic() - began < 5.0
+
+
 def test_a_switch_resync_gives_up_within_link_deadlines_when_a_member_of_its_ring_dies():
     """The model average at a view switch may wait the peer timeout for a slow member, but not for
     a dead one. Node 2 of 4 crashes before the average: node 3, waiting on it, probes it within a

@@ -123,8 +123,9 @@ class Lifecycle:
                 elif empty_since is None:
                     empty_since = now
                 waited_out = now - moved_at >= comm.peer_timeout or (timeout is not None and now - started >= timeout)
-                # every peer gone for two slices (one may be restarting too), or still gone when we give up
-                if empty_since is not None and (waited_out or now - empty_since >= 2 * wait):
+                # every peer gone for two slices (one may be restarting too), or still gone when we give up,
+                # or gone with one of them saying it finished the run (a restarting one would find nobody either)
+                if empty_since is not None and (waited_out or now - empty_since >= 2 * wait or answers.finished):
                     raise NoClusterToRejoin(f"node {self.rank}: no live member has a state to give (the cluster has "
                                             f"finished): {answers.problems}")
                 if waited_out:

@@ -70,6 +70,7 @@ class StateAnswers:
     ready: dict[int, int] = field(default_factory=dict)   # ready members that answered -> their step
     silent: set[int] = field(default_factory=set)         # no answer in time: stalled, slow, or partitioned
     gone: set[int] = field(default_factory=set)           # nothing listens, or no state to give (not ready)
+    finished: set[int] = field(default_factory=set)       # ... of them, members that finished the run
     problems: dict[int, str] = field(default_factory=dict)
 
     @property
@@ -646,6 +647,7 @@ class Greetings:
                 answers.gone.add(peer)  # starting or rejoining itself, or finished: no state to give
                 if reply.compatible and reply.node_id == peer and reply.reason.endswith(FINISHED):
                     self.liveness.note_finished(peer)
+                    answers.finished.add(peer)
         return answers
 
     def survey(self, timeout: float = 2.0, everyone: bool = False) -> ClusterSurvey:
