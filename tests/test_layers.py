@@ -12,11 +12,12 @@ from tests.conftest import ROOT
 
 PACKAGE = ROOT / "p2ptrain"
 # The gRPC path: the client channels, the servers (node, forwarding, health, parameter server),
-# credentials and stream reading. Everything else sees the transport's own SendFailure.
+# credentials, stream reading and the in-process stand-in for a call. Everything else sees the
+# transport's own SendFailure.
 GRPC_PATH = {"p2ptrain/transport/paths/grpc_path.py", "p2ptrain/transport/server.py",
              "p2ptrain/transport/forwarding.py", "p2ptrain/transport/health.py", "p2ptrain/transport/security.py",
              "p2ptrain/transport/streams.py", "p2ptrain/transport/paths/reverse.py", "p2ptrain/ps/server.py",
-             "p2ptrain/ps/client.py", "p2ptrain/transport/grpc_wakeups.py"}
+             "p2ptrain/ps/client.py", "p2ptrain/transport/grpc_wakeups.py", "p2ptrain/transport/paths/local_calls.py"}
 
 
 def sources(*folders: str) -> list[Path]:

@@ -76,22 +76,23 @@ def test_a_change_made_already_is_not_proposed_again_and_a_change_keeps_what_cam
 def test_a_joiner_proposes_on_the_views_its_survey_brought_once_they_are_vetted(cluster):
     """Node 2 left (view 1: members 0, 1) and is gone. Node 3 starts later holding the initial
     view; the replies to its survey carry view 1, passed on by nodes 0 and 1, which it vets (is it
-    really node 2's?) before adopting it, slowly here. It used to propose on the initial view
-    meanwhile: (0, 1, 2, 3) at epoch 1, a lineage the members do not hold, and it was never
-    admitted. Now it waits for the vetting and admits itself on view 1: (0, 1, 3) at epoch 2."""
+    really node 2's?) before adopting it, with answers that come late here. It used to propose on
+    the initial view meanwhile: (0, 1, 2, 3) at epoch 1, a lineage the members do not hold, and it
+    was never admitted. Now it waits for the vetting and admits itself on view 1: (0, 1, 3) at
+    epoch 2."""
     transports, start = cluster
     transports[2].membership.leave()
     wait_until(lambda: all(t.membership.latest.members == (0, 1) for t in transports), 30, "node 2's leave")
     transports[2].stop()  # (gone: the view reaches node 3 only passed on by nodes 0 and 1, so it is vetted)
     joiner = start(3)
     greetings = joiner.membership.greetings
-    holds = greetings._holds
+    greet = greetings.greet
 
-    async def slow_witness(peer, view):  # (a witness that takes a while to answer)
-        await asyncio.sleep(1.0)
-        return await holds(peer, view)
+    async def slowly(peer, request, timeout, wait_for_ready=True):  # (every answer takes a second to come, so
+        await asyncio.sleep(1.0)                                   # the vetting's outlasts the survey's)
+        return await greet(peer, request, timeout, wait_for_ready)
 
-    greetings._holds = slow_witness
+    greetings.greet = slowly
     joiner.membership.propose(into={3})
     wait_until(lambda: all(t.membership.latest.members == (0, 1, 3) for t in transports[:2] + [joiner]), 30,
                "node 3's admission")

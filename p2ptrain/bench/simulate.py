@@ -42,16 +42,18 @@ HOST_EXIT_SECONDS = 10  # for the processes to exit by themselves once their hos
 
 def simulate(nodes: int, processes: int, steps: int, dim: int, window: int, timeout: float,
              meet: str = "neighbours", churn: int = 0, churn_steps: int = 0, seed: int = 0,
-             shared_loop: bool = True) -> dict:
+             shared_loop: bool = True, grpc_calls: bool = False) -> dict:
     """One simulation of `nodes` nodes in `processes` processes, meeting `meet` at start
     (TransportOptions.meet), with `churn` leaves and as many joins over `churn_steps` steps at
     the end; its summary (see summarize). `shared_loop`: one event loop per process for all its
-    nodes (False: a loop thread per node)."""
+    nodes (False: a loop thread per node). `grpc_calls`: the nodes of a process call each other by
+    gRPC (False: on a shared loop, in-process: paths/local_calls.py)."""
     processes = max(1, min(processes, nodes))
     world = nodes + churn
     plan = Plan(tuple(f"127.0.0.1:{port}" for port in free_ports(world)), steps, dim, window,
                 leaver=nodes - 1 if nodes > 2 else None, timeout=timeout, meet=meet,
-                members=nodes if churn else None, churn_steps=churn_steps if churn else 0, shared_loop=shared_loop)
+                members=nodes if churn else None, churn_steps=churn_steps if churn else 0, shared_loop=shared_loop,
+                grpc_calls=grpc_calls)
     plan = dataclasses.replace(plan, churn=churn_schedule(plan, churn, seed))
     groups = [list(range(world))[p::processes] for p in range(processes)]
     # A pool that can be killed: on a timeout, Ctrl-C or a failed host the others are stopped at
@@ -316,7 +318,8 @@ def main(args) -> int:
         with sigint_interrupts():  # (Ctrl-C, or SIGTERM, ends the run and its processes, also where SIGINT was ignored)
             for n in sizes:
                 runs.append(simulate(n, args.processes, args.steps, args.dim, args.window, args.timeout, args.meet,
-                                     args.churn, args.churn_steps, args.seed, not args.loop_per_node))
+                                     args.churn, args.churn_steps, args.seed, not args.loop_per_node,
+                                     args.grpc_calls))
                 print(f"simulated {n} nodes", file=sys.stderr)
     except TimeoutError as exc:
         print(f"p2ptrain simulate: {exc} (--timeout {args.timeout:g})", file=sys.stderr)

@@ -2,7 +2,8 @@
 port and identity; all on the process's one event loop unless Plan.shared_loop is off) with its
 Communicator, driving a vector of `dim` floats through the real algorithm, membership and engine
 (DecentralizedOptimizer with lr 0: no model, no data).
-What it measures is protocol cost: gRPC calls by method (NodeMetrics.on_rpc), tensor messages,
+Calls between nodes of a process go in-process (paths/local_calls.py) unless Plan.grpc_calls.
+What it measures is protocol cost: calls by method (NodeMetrics.on_rpc), tensor messages,
 open channels and lane connections, when each node was ready, and when each adopted the view
 without the leaver (a watcher thread reads every node's latest view)."""
 from __future__ import annotations
@@ -32,6 +33,7 @@ from p2ptrain.train.errors import LeftCluster
 from p2ptrain.train.optimizer import DecentralizedOptimizer
 from p2ptrain.transport import Transport, TransportOptions
 from p2ptrain.transport.loop_thread import LoopThread
+from p2ptrain.transport.paths.local_calls import LocalServices
 
 DATA_METHOD = "PushTensor"  # every other gRPC method is membership or control
 # Python's cyclic GC: with dozens of nodes a process holds millions of objects, and full collections
@@ -66,6 +68,9 @@ class Plan:
     # One event loop for every node of a process (False: a loop thread per node, as real nodes have).
     # Hundreds of loop threads starved each other on 2 cores: probes waited past their timeout.
     shared_loop: bool = True
+    # Calls between the nodes of a process (Hello, Settle) by gRPC, as real nodes make them (False: on a
+    # shared loop they go straight to the callee's service: paths/local_calls.py)
+    grpc_calls: bool = False
 
     @property
     def nodes(self) -> int:
@@ -265,8 +270,9 @@ class Churn:
     leaves: Plan.churn)."""
 
     def __init__(self, plan: Plan, ranks: list[int], transports: list[Transport], progress: dict[int, int],
-                 halt: threading.Event, loop: LoopThread | None):
+                 halt: threading.Event, loop: LoopThread | None, local: LocalServices | None = None):
         self.plan, self.transports, self.progress, self.halt, self.loop = plan, transports, progress, halt, loop
+        self.local = local
         self.due = sorted((step, joining) for step, _, joining in plan.churn if joining in ranks)
         self.futures: list[concurrent.futures.Future] = []
         self._done = threading.Event()
@@ -280,7 +286,7 @@ class Churn:
                 plan = self.plan
                 transport = Transport(rank, plan.world, list(plan.peers), listen=plan.peers[rank],
                                       options=plan.options(), metrics=NodeMetrics(rank, "sgp"),
-                                      loop=self.loop).start()
+                                      loop=self.loop, local=self.local).start()
                 self.transports.append(transport)
                 self.futures.append(in_daemon_thread(f"node-{rank}", run_joiner, plan, transport, self.progress,
                                                      self.halt))
@@ -338,15 +344,17 @@ def host(plan: Plan, ranks: list[int]) -> dict:
     progress: dict[int, int] = {}
     halt = threading.Event()  # set when the run ends early: every node thread stops at its next step
     loop = LoopThread("p2ptrain-nodes", "simulated nodes' loop") if plan.shared_loop else None
+    local = LocalServices() if loop is not None and not plan.grpc_calls else None
     try:
         for rank in members:
             transports.append(Transport(rank, plan.world, list(plan.peers), listen=plan.peers[rank],
-                                        options=plan.options(), metrics=NodeMetrics(rank, "sgp"), loop=loop).start())
+                                        options=plan.options(), metrics=NodeMetrics(rank, "sgp"), loop=loop,
+                                        local=local).start())
         comms = [Communicator(t, "cpu", peer_timeout=plan.timeout) for t in transports]
         watcher = ViewWatcher(transports, plan.leaver)
         threading.Thread(target=report_progress, args=(ranks, progress, plan.end, halt), name="progress",
                          daemon=True).start()
-        churn = Churn(plan, ranks, transports, progress, halt, loop)
+        churn = Churn(plan, ranks, transports, progress, halt, loop, local)
         futures = [in_daemon_thread(f"node-{comm.rank}", run_node, plan, comm, progress, halt) for comm in comms]
         done, _ = concurrent.futures.wait(futures, max(0.0, deadline - time.monotonic()),
                                           return_when=concurrent.futures.FIRST_EXCEPTION)

@@ -38,6 +38,10 @@ def add_parser(subcommands) -> None:
     simulate.add_argument("--loop-per-node", action="store_true",
                           help="give every node its own event loop thread, as real nodes have (default: one loop per "
                                "process for all its nodes; hundreds of loop threads starve each other on few cores)")
+    simulate.add_argument("--grpc-calls", action="store_true",
+                          help="the nodes of a process call each other (Hello, Settle) by gRPC, as real nodes do "
+                               "(default: on a shared loop they call each other's service in-process, serialized as "
+                               "gRPC would; counted alike)")
     simulate.add_argument("--sweep", metavar="N1,N2,...",
                           help="run each node count in turn, fit the exponents in n of the control calls and bytes "
                                "per node per change, the calls at start and the channels, and plot OUT/scale.png "

@@ -57,11 +57,12 @@ INDIRECT_PROBES = 2  # meeting neighbours: peers asked to probe one that does no
 class Transport:
     """Tensor push/receive for node `rank` of `world_size`; peers[i] is node i's address. peers=None:
     addresses learned after start (`set_peer_addresses`, from a rendezvous); `listen` is then required.
-    `loop`: run on that LoopThread's loop, shared with other nodes (a simulation), not on a thread of its own."""
+    `loop`: run on that LoopThread's loop, shared with other nodes (a simulation), not on a thread of its own;
+    `local`: those nodes' services (paths/local_calls.LocalServices), called in-process instead of by gRPC."""
 
     def __init__(self, rank: int, world_size: int, peers: list[str] | None, *, listen: str | None = None,
                  options: TransportOptions | None = None, metrics=None, config_fingerprint: str = "",
-                 loop: LoopThread | None = None):
+                 loop: LoopThread | None = None, local=None):
         if peers is None and not listen:
             raise ValueError("without peer addresses (learned after start) give the listen address")
         if peers is not None and len(peers) != world_size:
@@ -93,6 +94,9 @@ class Transport:
         self.links = EmulatedLinks(links, rank, metrics) if links is not None else None
         self.grpc = GrpcPath(addresses, options.channel_options(), options.chunk_bytes, options.security, rank,
                             metrics=metrics)
+        # (only where no token or node identity is to be checked: those need the real call)
+        self.local = local if loop is not None and self.identity is None and not options.security.token else None
+        self.grpc.local = self.local
         self.lane_ports = LanePorts(rank, required=options.data_plane == "tcp", retry_after=options.relay_retry_after) \
             if options.data_plane != "grpc" else None
         self.routes = RouteTable(rank, world_size, parse_relay_routes(options.relay_routes, world_size),
@@ -153,6 +157,8 @@ class Transport:
                 await self.lane_server.stop()
             raise
         self.port = port
+        if self.local is not None and self.grpc.addresses[self.rank]:
+            self.local.register(self.grpc.addresses[self.rank], service)
 
     async def _start_lane(self) -> int:
         """Listen for lane connections on the gRPC listen host; the port (0: no lane here)."""
@@ -252,6 +258,8 @@ class Transport:
     def stop(self) -> None:
         """Graceful: in-flight RPCs get `shutdown_grace` seconds, then channels close."""
         async def shutdown() -> None:
+            if self.local is not None and self.service is not None:  # (calls to it go by gRPC from now on)
+                self.local.unregister(self.grpc.addresses[self.rank], self.service)
             for link in self.reverse_links.values():
                 await link.stop()
             await self.router.close()

@@ -258,6 +258,9 @@ class GrpcPath:
         self.security = security
         self._clients: dict[int, PeerClient] = {}
         self.reverse_clients: dict = {}  # private peer -> its reverse.ReverseClient (while its stream is open)
+        # the Peer services of nodes on this loop (a simulation; local_calls.py), called in-process
+        self.local = None
+        self._local: dict[int, tuple[object, object]] = {}  # peer -> (its service, our LocalClient of it)
         self.learned: set[int] = set()  # peers whose address was not configured but learned (joiners)
 
     def set_addresses(self, addresses: list[str]) -> None:
@@ -281,7 +284,21 @@ class GrpcPath:
         reverse = self.reverse_clients.get(peer)
         if reverse is not None and not reverse.closed:
             return reverse
+        if self.local is not None:
+            service = self.local.service(self.addresses[peer])
+            if service is not None:
+                return self._local_client(peer, service)
         return self.direct_client(peer)
+
+    def _local_client(self, peer: int, service):
+        from p2ptrain.transport.paths.local_calls import LocalClient  # (a simulation's: not imported otherwise)
+
+        held = self._local.get(peer)
+        if held is None or held[0] is not service:  # (a restarted node registers a new service)
+            host = (split_address(self.addresses[self.rank]) or ("127.0.0.1", 0))[0]
+            held = self._local[peer] = (service, LocalClient(service, lambda: self.direct_client(peer), host,
+                                                             metrics=self.metrics))
+        return held[1]
 
     def direct_client(self, peer: int) -> PeerClient:
         if not self.addresses[peer]:
@@ -311,7 +328,13 @@ class GrpcPath:
 
     @property
     def channels(self) -> int:
-        """Channels this node holds open to its peers (one per peer it ever called directly)."""
+        """Channels this node holds open to its peers (one per peer it ever called directly), and
+        in-process links to nodes of its process (a simulation's: local_calls.py)."""
+        return len(self._clients.keys() | self._local.keys())
+
+    @property
+    def grpc_channels(self) -> int:
+        """Of them, the gRPC channels."""
         return len(self._clients)
 
     async def push(self, peer: int, header: pb.TensorHeader, payload: memoryview, timeout: float,
