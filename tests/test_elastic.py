@@ -283,6 +283,30 @@ def test_a_share_whose_sender_a_newer_view_drops_is_not_awaited_to_the_link_dead
     assert waited < 30 and missing == set() and w == 1.0
 
 
+def test_a_sender_that_says_during_the_wait_that_it_resumes_past_the_step_is_not_awaited_further():
+    """Node 0 waits for node 1's step-5 share. Node 1 fell behind and rejoined from a donor's state
+    of a later step: it resumes at step 7 and sends nothing for step 5. Its announce reaches node
+    0 during the wait, which then ends (it used to run to the link deadline, 60 s in the
+    simulation, with every node downstream waiting too)."""
+    options = TransportOptions(send_timeout=30.0, link_deadline=60.0)
+
+    def body(rank, comm):
+        mass = PushSum(comm, kind=Kind.PUSH_SUM)
+        mass.start(torch.ones(4, dtype=torch.float64), 1.0)
+        mass.expect(mass.x)
+        comm.ready()
+        if rank == 1:
+            return None
+        liveness = comm.membership.liveness
+        threading.Timer(0.5, lambda: comm.transport.run_on_loop(liveness.mark_alive, 1, 7)).start()
+        began = time.monotonic()
+        mass.mix([1], 5, 5, senders_now=lambda: [1])
+        return time.monotonic() - began, mass.w
+
+    waited, w = run_cluster(2, body, options=options)[0]
+    assert waited < 30 and w == 1.0
+
+
 def test_a_void_notice_ends_the_wait_for_a_share_and_moves_no_mass():
     """A zero-weight message of the push-sum kind says "my step-k share went elsewhere"
     (PushSum.void): the receiver's wait ends when it comes, nothing is added to x or w, and the

@@ -6,7 +6,7 @@ import time
 
 from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.transport.membership.liveness import Liveness
-from p2ptrain.transport.membership.views import Views
+from p2ptrain.transport.membership.views import View, Views
 
 
 def membership(rank: int = 0, world_size: int = 4, max_lag: int = 5) -> Liveness:
@@ -155,6 +155,29 @@ def test_a_node_behind_only_finished_peers_does_not_try_to_catch_up():
     assert m.behind() == 195 and m.must_catch_up()  # node 3 still trains
     m.note_finished(3)
     assert m.behind() == 0 and not m.must_catch_up()
+
+
+def test_a_joiner_judges_whether_it_is_behind_only_by_what_it_saw_since_a_view_admitted_it():
+    """Node 4 joins at step 30 (view 1). Before that it waited for nobody and ran from the state's
+    step to the members' while they moved a few steps: what it saw then (members 20 steps ahead
+    of it) says nothing about where it stands once admitted. It used to take itself for a laggard
+    and leave to catch up (a link deadline lost by every member waiting for its share)."""
+    views = Views(4, (0, 1, 2, 3), 5)
+    m = Liveness(4, 5, views, max_lag=5)
+    m.step = 8
+    for peer in (0, 1, 2, 3):
+        m.note_step(peer, 28)  # seen from step 8 of its run to the members' step
+    views.adopt(View(1, 0, 30, (0, 1, 2, 3, 4), entering=(4,)))
+    m.step = 31
+    assert m.behind() == 0 and not m.must_catch_up()
+    for peer in (0, 1, 2):
+        m.note_step(peer, 45)  # seen since: far ahead now, and that counts
+    assert m.behind() == 14 and m.must_catch_up()
+    initial = membership(rank=2)  # (an initial member counts everything it saw, as before)
+    initial.step = 8
+    for peer in (0, 1, 3):
+        initial.note_step(peer, 28)
+    assert initial.behind() == 20 and initial.must_catch_up()
 
 
 def test_a_peer_is_known_by_the_steps_of_its_messages_per_kind_and_by_fresh_news_of_its_step():

@@ -366,8 +366,9 @@ class Transport:
                             abandon: Callable[[], str | None] | None) -> dict[int, Message]:
         """Inbox.wait_for in slices of WATCH_INTERVAL (an arrival still ends a slice at once): between
         them `abandon` is asked (it reads state that changes without an arrival: views, send
-        outcomes) and, every link deadline, the live senders still missing are probed (a dead one
-        is then declared dead, which ends the wait for it)."""
+        outcomes), senders no longer awaited for `step` are dropped (dead, finished, or rejoined
+        from a state past it: Liveness.awaited) and, every link deadline, the live senders still
+        missing are probed (a dead one is then declared dead, which ends the wait for it)."""
         liveness = self.membership.liveness
         began = probed = time.monotonic()
         got: dict[int, Message] = {}
@@ -376,11 +377,12 @@ class Transport:
             left = began + timeout - time.monotonic()
             got.update(await self.inbox.wait_for(kind, step, missing, channel, max(0.0, min(WATCH_INTERVAL, left)),
                                                  partial=True))
-            missing = [peer for peer in senders if peer not in got and liveness.alive(peer)]
-            done = [peer for peer in missing if peer in liveness.finished()]  # (said so meanwhile)
+            unanswered = [peer for peer in senders if peer not in got and liveness.alive(peer)]
+            done = [peer for peer in unanswered if peer in liveness.finished()]  # (said so meanwhile)
             if done:  # everything they sent was acknowledged before they said it: here, or never sent
                 got.update(await self.inbox.wait_for(kind, step, done, channel, 0, partial=True))
-                missing = [peer for peer in missing if peer not in done]
+            # (nor is one that said meanwhile that it resumes past `step`, from another's state)
+            missing = liveness.awaited([peer for peer in unanswered if peer not in done], step, laggards=True)
             if not missing or left <= WATCH_INTERVAL or (abandon is not None and abandon() is not None):
                 return got
             if time.monotonic() - probed >= self.options.link_deadline:

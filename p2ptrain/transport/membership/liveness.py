@@ -147,10 +147,13 @@ class Liveness:
     def behind(self) -> int:
         """By how many steps the median live peer was ahead of this node when last seen (<= 0: not
         behind). A peer whose run is over does not count: it gives no state, so a node that trails
-        only finished peers would wait for a donor in vain (a link deadline or two, each time)."""
-        dead, finished = self._dead, self._finished
+        only finished peers would wait for a donor in vain (a link deadline or two, each time).
+        Nor does what a joiner saw before the view that admitted it: it waited for nobody then, and
+        ran to the members' step far faster than they move (one that had seen them 22 steps ahead
+        while it ran took itself for a laggard once admitted, and left to catch up: 60 s lost)."""
+        dead, finished, since = self._dead, self._finished, self.views.member_since(self.rank)
         gaps = [theirs - ours for p, (theirs, ours) in self._seen_at.items()
-                if p not in dead and p not in finished and self._is_member(p)]
+                if ours >= since and p not in dead and p not in finished and self._is_member(p)]
         return int(statistics.median(gaps)) if gaps else 0
 
     def must_catch_up(self) -> bool:
