@@ -180,6 +180,23 @@ def test_a_joiner_judges_whether_it_is_behind_only_by_what_it_saw_since_a_view_a
     assert initial.behind() == 20 and initial.must_catch_up()
 
 
+def test_a_joiner_is_judged_lagging_only_by_what_it_was_seen_at_since_a_view_admitted_it():
+    """The members' side of the same: node 0 saw joiner 4 at step 8 of its run to the members'
+    step, while it was at step 28 itself. Once a view admits node 4 at step 30, that old sighting
+    does not make it a laggard (it was neither sent to nor awaited, and waited a link deadline for
+    node 0's share); one since does."""
+    views = Views(0, (0, 1, 2, 3), 5)
+    m = Liveness(0, 5, views, max_lag=5)
+    m.step = 28
+    m.note_step(4, 8)
+    views.adopt(View(1, 0, 30, (0, 1, 2, 3, 4), entering=(4,)))
+    m.step = 31
+    assert not m.lagging(4) and m.live([1, 4]) == [1, 4]
+    m.step = 50
+    m.note_step(4, 31)
+    assert m.lagging(4) and m.live([1, 4]) == [1]
+
+
 def test_a_peer_is_known_by_the_steps_of_its_messages_per_kind_and_by_fresh_news_of_its_step():
     """Rings tell from a predecessor's messages that it gave a call up (sent_step: a message's own
     step, per kind, never an Ack's current step), and judge whether members are coming only from

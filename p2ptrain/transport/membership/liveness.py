@@ -103,9 +103,13 @@ class Liveness:
         return self._dead
 
     def lagging(self, peer: int) -> bool:
-        """`peer` was last seen more than max_lag steps behind us."""
+        """`peer` was last seen more than max_lag steps behind us, as a member: where it was before
+        the view that admitted it says nothing (a joiner runs to the members' step waiting for
+        nobody; seen early in that run, it was taken for a laggard once admitted, sent nothing, and
+        waited a link deadline for shares that did not come)."""
         seen = self._seen_at.get(peer)
-        return seen is not None and seen[1] - seen[0] > self.max_lag and self._is_member(peer)
+        return seen is not None and seen[1] - seen[0] > self.max_lag and self._is_member(peer) \
+            and seen[0] >= self.views.member_since(peer)
 
     def live(self, peers: Iterable[int]) -> list[int]:
         """The peers to send to: not dead, not lagging, not finished."""

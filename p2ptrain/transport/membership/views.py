@@ -138,6 +138,7 @@ class Views:
         self.rank = rank
         self.capacity = capacity
         self._history: tuple[View, ...] = (View(0, 0, 0, tuple(sorted(initial))),)
+        self._member_since: tuple[tuple, dict[int, int]] = ((), {})  # (the views, member_since's answers for them)
         self.members_ever: frozenset[int] = frozenset(initial)  # every rank that was a member once
 
     @property
@@ -186,11 +187,20 @@ class Views:
 
     def member_since(self, rank: int) -> int:
         """The step since which `rank` is a member without a break (0: from the start)."""
-        steps = sorted({v.switch_step for v in self._history if v.switch_step > 0}, reverse=True)
-        for step in steps:
-            if rank not in self.members_at(step - 1) and rank in self.members_at(step):
-                return step
-        return 0
+        history = self._history  # (asked per peer and step: the answers are kept for the views held now)
+        held, answers = self._member_since
+        if held is not history:
+            answers = {}
+            self._member_since = (history, answers)
+        since = answers.get(rank)
+        if since is None:
+            def members_at(step: int) -> tuple[int, ...]:
+                return next((v for v in reversed(history) if v.switch_step <= step), history[0]).members
+
+            steps = sorted({v.switch_step for v in history if v.switch_step > 0}, reverse=True)
+            since = answers[rank] = next((step for step in steps
+                                          if rank not in members_at(step - 1) and rank in members_at(step)), 0)
+        return since
 
     def first_step_as_member(self, rank: int, from_step: int) -> int | None:
         """The first step >= from_step at which `rank` is a member (None: it is not in any view
