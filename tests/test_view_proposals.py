@@ -99,6 +99,24 @@ def test_a_joiner_proposes_on_the_views_its_survey_brought_once_they_are_vetted(
     assert joiner.membership.latest.epoch == 2 and joiner.membership.latest.proposer == 3
 
 
+def test_a_proposal_on_a_pending_view_never_switches_before_it_and_keeps_its_newcomers_entering(cluster):
+    """Node 0 admits node 3 from step S (a view not in force yet). Node 2 then proposes its own
+    leave with a shorter lead, which would switch before S: node 3 would be a member at steps it
+    never trained as one (a 64-node run waited a link deadline for such a joiner's share). It
+    switches at S instead, replacing the pending view there, and node 3 still enters there."""
+    transports, start = cluster
+    start(3)
+    transports[0].membership.propose(into={3})
+    wait_until(lambda: all(t.membership.latest.members == (0, 1, 2, 3) for t in transports), 30, "node 3's admission")
+    admitted = transports[1].membership.latest
+    assert admitted.switch_step >= DEFAULT_VIEW_MARGIN and admitted.entering == (3,)
+    transports[2].membership.greetings.propose_view(2, out={2})
+    wait_until(lambda: all(t.membership.latest.members == (0, 1, 3) for t in transports), 30, "node 2's leave")
+    left = transports[2].membership.latest
+    assert left.switch_step == admitted.switch_step and left.entering == (3,) and left.dropping == (2,)
+    assert transports[0].membership.members(admitted.switch_step - 1) == (0, 1, 2)
+
+
 def test_a_member_that_finished_refuses_a_leavers_mass_so_a_member_still_training_takes_it():
     """Node 0 finishes its run; node 2 then leaves and tries node 0 first. Node 0 used to accept the
     LEAVE and never absorb it (Σ w one unit short of the member count); now it refuses, node 1

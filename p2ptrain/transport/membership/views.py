@@ -244,8 +244,8 @@ class Views:
     def propose(self, members, switch_step: int, addresses: dict[int, str] | None = None,
                 placement: tuple[int, ...] | None = None) -> View:
         """A new view of this node's (adopted here first): `members` from `switch_step` on, laid out
-        by `placement` (None: the latest view's order, newcomers after it); those not in the latest
-        view enter (View.entering)."""
+        by `placement` (None: the latest view's order, newcomers after it); those not in the view in
+        force just before `switch_step` enter (View.entering)."""
         members = tuple(sorted(set(members)))
         addresses = addresses or {}
         if placement is None:
@@ -257,9 +257,10 @@ class Views:
         elif placement and sorted(placement) != list(members):
             raise ValueError(f"placement {list(placement)} is not an order of the members {list(members)}")
         base = self.latest
+        before = self.view_at(switch_step - 1).members  # (a pending base replaced at its switch: its newcomers too)
         view = View(base.epoch + 1, self.rank, switch_step, members,
                     tuple(addresses.get(m, "") for m in members) if addresses else (), placement,
-                    tuple(m for m in members if m not in base.members), base.proposer,
+                    tuple(m for m in members if m not in before), base.proposer,
                     tuple(m for m in base.members if m not in members))
         self.adopt(view)
         return view
