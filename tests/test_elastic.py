@@ -258,36 +258,10 @@ def test_sgp_four_nodes_two_join_two_leave_conserving_one_unit_of_mass_per_membe
         assert float((r["weight"] - mean).abs().max()) < 0.1 * float(mean.abs().max())
 
 
-def test_a_share_whose_sender_a_newer_view_drops_is_not_awaited_to_the_link_deadline():
-    """Push-sum waits for the step-k shares of the in-peers of step k. A view adopted during the wait
-    that drops the sender (a joiner whose proposal lost to a concurrent one is no member at step k
-    after all, so nobody sends to it) ends the wait at once, and the share is not booked as missing
-    (finish() would wait for it again). It used to cost the joiner a whole link deadline, in which a
-    fast cluster finished its run without it."""
-    options = TransportOptions(send_timeout=30.0, link_deadline=60.0)
-
-    def body(rank, comm):
-        mass = PushSum(comm, kind=Kind.PUSH_SUM)
-        mass.start(torch.ones(4, dtype=torch.float64), 1.0)
-        mass.expect(mass.x)
-        comm.ready()
-        if rank == 1:
-            return None  # it sends nothing: the views it holds do not make node 0 its out-peer
-        senders = [1]
-        threading.Timer(0.5, senders.clear).start()  # the newer view arrives
-        began = time.monotonic()
-        mass.mix([1], 0, 0, senders_now=lambda: list(senders))
-        return time.monotonic() - began, set(mass.missing), mass.w
-
-    waited, missing, w = run_cluster(2, body, options=options)[0]
-    assert waited < 30 and missing == set() and w == 1.0
-
-
-def test_a_sender_that_says_during_the_wait_that_it_resumes_past_the_step_is_not_awaited_further():
-    """Node 0 waits for node 1's step-5 share. Node 1 fell behind and rejoined from a donor's state
-    of a later step: it resumes at step 7 and sends nothing for step 5. Its announce reaches node
-    0 during the wait, which then ends (it used to run to the link deadline, 60 s in the
-    simulation, with every node downstream waiting too)."""
+def _wait_for_one_share(step: int, meanwhile) -> tuple[float, set, float]:
+    """Node 0 waits (link deadline 60 s) for node 1's step-`step` push-sum share, which node 1 never
+    sends; 0.5 s in, `meanwhile(comm, senders)` runs (`senders`: who node 0's views say send at that
+    step). How long node 0 waited, what it booked as missing, and its w."""
     options = TransportOptions(send_timeout=30.0, link_deadline=60.0)
 
     def body(rank, comm):
@@ -297,13 +271,34 @@ def test_a_sender_that_says_during_the_wait_that_it_resumes_past_the_step_is_not
         comm.ready()
         if rank == 1:
             return None
-        liveness = comm.membership.liveness
-        threading.Timer(0.5, lambda: comm.transport.run_on_loop(liveness.mark_alive, 1, 7)).start()
+        senders = [1]
+        threading.Timer(0.5, meanwhile, (comm, senders)).start()
         began = time.monotonic()
-        mass.mix([1], 5, 5, senders_now=lambda: [1])
-        return time.monotonic() - began, mass.w
+        mass.mix([1], step, step, senders_now=lambda: list(senders))
+        return time.monotonic() - began, set(mass.missing), mass.w
 
-    waited, w = run_cluster(2, body, options=options)[0]
+    return run_cluster(2, body, options=options)[0]
+
+
+def test_a_share_whose_sender_a_newer_view_drops_is_not_awaited_to_the_link_deadline():
+    """Push-sum waits for the step-k shares of the in-peers of step k. A view adopted during the wait
+    that drops the sender (a joiner whose proposal lost to a concurrent one is no member at step k
+    after all, so nobody sends to it) ends the wait at once, and the share is not booked as missing
+    (finish() would wait for it again). It used to cost the joiner a whole link deadline, in which a
+    fast cluster finished its run without it."""
+    waited, missing, w = _wait_for_one_share(0, lambda comm, senders: senders.clear())  # (the newer view)
+    assert waited < 30 and missing == set() and w == 1.0
+
+
+def test_a_sender_that_says_during_the_wait_that_it_resumes_past_the_step_is_not_awaited_further():
+    """Node 0 waits for node 1's step-5 share. Node 1 fell behind and rejoined from a donor's state
+    of a later step: it resumes at step 7 and sends nothing for step 5. Its announce reaches node
+    0 during the wait, which then ends (it used to run to the link deadline, 60 s in the
+    simulation, with every node downstream waiting too)."""
+    def announce(comm, senders):
+        comm.transport.run_on_loop(comm.membership.liveness.mark_alive, 1, 7)
+
+    waited, _, w = _wait_for_one_share(5, announce)
     assert waited < 30 and w == 1.0
 
 
