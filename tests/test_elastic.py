@@ -626,42 +626,41 @@ def test_a_joiner_outside_the_members_steps_no_further_than_one_step_past_the_fu
     assert stuck.greeted and time.monotonic() - began < 3 * 0.05 + 2 * HOLD_BACK_POLL + 1.0
 
 
+def _seconds_to_conclude_the_run_is_over(answers, link_deadline: float, peer_timeout: float) -> float:
+    """A joiner's fetch_state that gets `answers` to every round: it must raise NoClusterToRejoin;
+    how long it took."""
+    from p2ptrain.transport.errors import NoClusterToRejoin
+
+    comm = SimpleNamespace(rank=3, link_deadline=link_deadline, peer_timeout=peer_timeout,
+                           expect=lambda *a, **k: None, transport=SimpleNamespace(unexpect=lambda kind: None),
+                           membership=SimpleNamespace(ask_for_state=lambda: answers, joining=False))
+    lifecycle = Lifecycle(comm, None, SimpleNamespace(dtype=torch.float32, numel=4))
+    began = time.monotonic()
+    with pytest.raises(NoClusterToRejoin, match="the cluster has finished"):
+        lifecycle.fetch_state()
+    return time.monotonic() - began
+
+
 def test_a_restart_whose_cluster_finishes_while_it_asks_for_state_ends_as_finished_not_failed():
     """A chaos run's restarted node found the cluster training, asked for a state, and saw every
     peer go (their ports closed: the run ended). Gone peers are given two link deadlines (a peer
     may be restarting too), but the peer timeout without a step came first: PeerError, and the
     node counted as failed. With every peer gone at either deadline, the run is over."""
-    from p2ptrain.transport.errors import NoClusterToRejoin
     from p2ptrain.transport.membership.greetings import StateAnswers
 
     gone = StateAnswers(gone={0, 1, 2}, problems={p: "gone: nothing listens" for p in range(3)})
-    comm = SimpleNamespace(rank=3, link_deadline=5.0, peer_timeout=0.3, expect=lambda *a, **k: None,
-                           transport=SimpleNamespace(unexpect=lambda kind: None),
-                           membership=SimpleNamespace(ask_for_state=lambda: gone, joining=False))
-    lifecycle = Lifecycle(comm, None, SimpleNamespace(dtype=torch.float32, numel=4))
-    began = time.monotonic()
-    with pytest.raises(NoClusterToRejoin, match="the cluster has finished"):
-        lifecycle.fetch_state()
-    assert time.monotonic() - began < 5.0  # the peer timeout, not two link deadlines
+    assert _seconds_to_conclude_the_run_is_over(gone, 5.0, 0.3) < 5.0  # the peer timeout, not two link deadlines
 
 
 def test_a_joiner_that_finds_the_members_finished_and_gone_concludes_at_once_that_the_run_is_over():
     """Every peer is gone or has finished its run (a simulated joiner that asked after the end):
     with a member saying it finished, nobody is left who could serve, so the joiner stops at once
     instead of giving gone peers two link deadlines (120 s in the simulation)."""
-    from p2ptrain.transport.errors import NoClusterToRejoin
     from p2ptrain.transport.membership.greetings import FINISHED, StateAnswers
 
     answers = StateAnswers(gone={0, 1, 2}, finished={1},
                            problems={0: "gone: nothing listens", 1: FINISHED, 2: "gone: nothing listens"})
-    comm = SimpleNamespace(rank=3, link_deadline=60.0, peer_timeout=600.0, expect=lambda *a, **k: None,
-                           transport=SimpleNamespace(unexpect=lambda kind: None),
-                           membership=SimpleNamespace(ask_for_state=lambda: answers, joining=False))
-    lifecycle = Lifecycle(comm, None, SimpleNamespace(dtype=torch.float32, numel=4))
-    began = time.monotonic()
-    with pytest.raises(NoClusterToRejoin, match="the cluster has finished"):
-        lifecycle.fetch_state()
-    assert time.monotonic() - began < 5.0
+    assert _seconds_to_conclude_the_run_is_over(answers, 60.0, 600.0) < 5.0
 
 
 def test_a_switch_resync_gives_up_within_link_deadlines_when_a_member_of_its_ring_dies():
