@@ -744,7 +744,7 @@ class Greetings:
             known = [self.liveness.step] + [s for s in map(self.liveness.peer_step, targets) if s is not None]
             switch = max(known) + ahead
             pending = self.views.latest.switch_step
-            if attempt == 0 and max(known) + max(1, ahead // 2) <= pending < switch or pending > switch:
+            if (attempt == 0 and max(known) + max(1, ahead // 2) <= pending < switch) or pending > switch:
                 # A view not in force yet switches early enough: switch with it, replacing it there.
                 # Nodes that never took it (a concurrent proposal's loser, or a node that refused
                 # it: it dropped a node alive there) then hold the same members for every step.
