@@ -721,7 +721,8 @@ class Greetings:
         steps known here may be stale, a joiner's above all; a retry goes by the replies to the view
         it retries), and at least `notice` seconds and
         SPREAD_FACTOR times that survey's round trip ahead at this node's pace, or from the switch
-        of a view still pending if that comes sooner and at least half the margin ahead; and Hello
+        of a view still pending if that comes sooner and at least half the margin ahead, and never
+        before a pending view's switch (it is replaced there); and Hello
         the view to each of them (failures ignored: a node that misses it hears of it in its next
         Hello). A reply from a node already at the switch step means it may have gone past it
         with the old members: propose again further on. The change applies to the latest view

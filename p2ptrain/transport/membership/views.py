@@ -131,6 +131,11 @@ class View:
                    placement, entering, message.base_proposer, dropping)
 
 
+def _in_force(history: tuple[View, ...], step: int) -> View:
+    """The view of `history` (oldest first) in force at `step`."""
+    return next((view for view in reversed(history) if view.switch_step <= step), history[0])
+
+
 class Views:
     """The views node `rank` holds, oldest first (epochs increase), starting with `initial`."""
 
@@ -160,10 +165,7 @@ class Views:
 
     def view_at(self, step: int) -> View:
         """The view in force at `step`."""
-        for view in reversed(self._history):
-            if view.switch_step <= step:
-                return view
-        return self._history[0]
+        return _in_force(self._history, step)
 
     def supersedes(self, view: View, step: int) -> bool:
         """A view greater than `view` held here is in force by `step` (a node holding both would
@@ -194,12 +196,9 @@ class Views:
             self._member_since = (history, answers)
         since = answers.get(rank)
         if since is None:
-            def members_at(step: int) -> tuple[int, ...]:
-                return next((v for v in reversed(history) if v.switch_step <= step), history[0]).members
-
             steps = sorted({v.switch_step for v in history if v.switch_step > 0}, reverse=True)
-            since = answers[rank] = next((step for step in steps
-                                          if rank not in members_at(step - 1) and rank in members_at(step)), 0)
+            since = answers[rank] = next((step for step in steps if rank not in _in_force(history, step - 1).members
+                                          and rank in _in_force(history, step).members), 0)
         return since
 
     def first_step_as_member(self, rank: int, from_step: int) -> int | None:
