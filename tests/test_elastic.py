@@ -302,10 +302,12 @@ def test_a_sender_that_says_during_the_wait_that_it_resumes_past_the_step_is_not
     assert waited < 30 and w == 1.0
 
 
-def test_a_void_notice_ends_the_wait_for_a_share_and_moves_no_mass():
+@pytest.mark.parametrize("hostile", [False, True])
+def test_a_void_notice_ends_the_wait_for_a_share_and_moves_no_mass(hostile):
     """A zero-weight message of the push-sum kind says "my step-k share went elsewhere"
     (PushSum.void): the receiver's wait ends when it comes, nothing is added to x or w, and the
-    share is not booked as missing."""
+    share is not booked as missing. A broken or hostile peer's zero-weight share of absurd values
+    is the same: its values are never read."""
     options = TransportOptions(send_timeout=30.0, link_deadline=60.0)
 
     def body(rank, comm):
@@ -313,6 +315,10 @@ def test_a_void_notice_ends_the_wait_for_a_share_and_moves_no_mass():
         mass.start(torch.full((4,), float(rank + 2), dtype=torch.float64), 1.0)
         mass.expect(mass.x)
         comm.ready()
+        if rank == 1 and hostile:
+            comm.send(0, torch.full((4,), 1e300, dtype=torch.float64), kind=Kind.PUSH_SUM, step=0, ps_weight=0.0,
+                      reliable=True).result(30)
+            return 1, mass.w  # (one notice, as void sends)
         if rank == 1:
             mass.void([0], 0)
             return mass.voids_sent, mass.w

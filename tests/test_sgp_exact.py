@@ -82,6 +82,7 @@ def run_sgp(topology: Topology, n: int, tau: int, steps: int = STEPS):
             ws.append(sgp.w)
             zs.append(z.clone())
         sgp.finish()
+        assert sgp.stats()["voided_shares"] == 0  # (no view comes late without faults: no notice)
         return ws, torch.stack(zs)
 
     results = run_cluster(n, body)
