@@ -343,8 +343,9 @@ def test_codec_names_and_codecs_stay_in_step():
     assert CODEC_NAMES == tuple(CODECS)
     assert all(CODECS[name].name == name for name in CODEC_NAMES)
     assert len({codec.wire_id for codec in CODECS.values()}) == len(CODECS)
-    # (+ the halves of gossip-DiLoCo's shares, which the algorithm builds from two of them)
-    assert set(pb.Codec.values()) == {codec.wire_id for codec in CODECS.values()} | {pb.CODEC_HALVES}
+    # (+ the halves of gossip-DiLoCo's shares, which the algorithm builds from two of them, and
+    # push-sum's header-only void notices, which carry no tensor)
+    assert set(pb.Codec.values()) == {codec.wire_id for codec in CODECS.values()} | {pb.CODEC_HALVES, pb.CODEC_VOID}
 
 
 # -- bf16 rounding ---------------------------------------------------------------------------------

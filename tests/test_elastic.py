@@ -324,10 +324,12 @@ def test_a_void_notice_ends_the_wait_for_a_share_and_moves_no_mass(hostile):
             return mass.voids_sent, mass.w
         began = time.monotonic()
         mass.mix([1], 0, 0)
-        return time.monotonic() - began, set(mass.missing), mass.w, mass.x.clone(), mass.dropped_shares
+        return (time.monotonic() - began, set(mass.missing), mass.w, mass.x.clone(), mass.dropped_shares,
+                comm.transport.metrics.bytes_received_total)
 
-    (waited, missing, w, x, dropped), (voids, w1) = run_cluster(2, body, options=options)
+    (waited, missing, w, x, dropped, payload), (voids, w1) = run_cluster(2, body, options=options, metrics=True)
     assert waited < 30 and missing == set() and dropped == 0
+    assert payload == (32 if hostile else 0)  # (a notice is a header: CODEC_VOID)
     assert w == 1.0 and torch.equal(x, torch.full((4,), 2.0, dtype=torch.float64))
     assert voids == 1 and w1 == 1.0
 

@@ -190,6 +190,7 @@ LANE_REJECTIONS = {
     "wrong_numel": (header(numel=NUMEL - 1, shape=[NUMEL - 1], payload_bytes=4 * (NUMEL - 1)), "bad_size"),
     "shape": (header(shape=[10, 10]), "bad_shape"),
     "codec": (header(codec=7), "bad_codec"),
+    "void_where_not_declared": (header(codec=pb.CODEC_VOID, payload_bytes=0, ps_weight=0.0), "bad_codec"),
     "another_sender": (header(sender=2), "wrong_sender"),  # the connection authenticated as node 0
     "wrong_receiver": (header(receiver=2), "wrong_receiver"),
     "route": (header(route=[1]), "bad_route"),
@@ -210,6 +211,18 @@ def test_bad_header_is_rejected_and_the_connection_stays_in_step(receiver, lane,
     assert pending(receiver) == 0 and in_progress(receiver) == set() and buffered_bytes(receiver) == 0
     ack = lane.push(header(step=1), PAYLOAD_BYTES)
     assert ack.status == pb.Ack.STATUS_ACCEPTED, ack
+    assert torch.equal(receiver.take(KIND, 1)[0].tensor, PAYLOAD)
+
+
+def test_a_void_notice_crosses_the_lane_as_a_header(receiver, lane):
+    """A header-only CODEC_VOID notice (no payload bytes) is delivered, and the connection reads the
+    next message from its own first byte."""
+    receiver.expect(KIND, torch.float32, NUMEL, voidable=True)
+    ack = lane.push(header(codec=pb.CODEC_VOID, payload_bytes=0, ps_weight=0.0), b"")
+    assert (ack.status, ack.bytes_received) == (pb.Ack.STATUS_ACCEPTED, 0), ack
+    (notice,) = receiver.take(KIND, 0)
+    assert notice.tensor.numel() == 0 and notice.ps_weight == 0.0
+    assert lane.push(header(step=1), PAYLOAD_BYTES).status == pb.Ack.STATUS_ACCEPTED
     assert torch.equal(receiver.take(KIND, 1)[0].tensor, PAYLOAD)
 
 

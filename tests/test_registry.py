@@ -54,6 +54,7 @@ def test_codec_names_match_the_codecs():
 
     assert set(compression.CODEC_NAMES) == set(compression.CODECS)
     assert compression.UNCOMPRESSED == pb.CODEC_NONE == compression.get_codec("none").wire_id
+    assert compression.VOID == pb.CODEC_VOID  # (no codec: a header-only notice, PushSum.void)
 
 
 def test_a_registered_algorithm_is_a_setting_a_flag_and_a_fingerprint_entry():

@@ -333,6 +333,8 @@ BAD_STREAMS = {
         "bad_size"),
     "shape_does_not_hold_numel": (lambda: good_stream(header(shape=[10, 10])), "bad_shape"),
     "unknown_codec": (lambda: good_stream(header(codec=7)), "bad_codec"),
+    "void_where_not_declared": (lambda: [encode_header(header(codec=pb.CODEC_VOID, payload_bytes=0, ps_weight=0))],
+                                "bad_codec"),
     "unknown_sender": (lambda: good_stream(header(sender=99)), "unknown_sender"),
     "sender_is_receiver_itself": (lambda: good_stream(header(sender=1)), "unknown_sender"),
     "wrong_receiver": (lambda: good_stream(header(receiver=2)), "wrong_receiver"),
@@ -374,6 +376,26 @@ def test_bad_stream_is_rejected_and_node_keeps_working(receiver, raw, name):
     assert sample(receiver, "p2ptrain_received_messages_total", node="1", peer="0") is None
     assert receiver.metrics.bytes_received_total == 0
     assert_still_works(receiver, raw, {reason: 1.0})
+
+
+VOID = dict(codec=pb.CODEC_VOID, payload_bytes=0, ps_weight=0.0)  # a header-only push-sum void notice
+
+
+def test_a_void_notice_is_a_header_and_nothing_more(receiver, raw):
+    """Where declared (push-sum: voidable), a CODEC_VOID header with no payload is delivered as an
+    empty message of weight 0. Carrying weight, or any payload, it is refused: it moves no mass."""
+    receiver.expect(KIND, torch.float32, NUMEL, voidable=True)
+    assert raw(iter([encode_header(header(**VOID))]), timeout=10).status == pb.Ack.STATUS_ACCEPTED
+    (notice,) = receiver.take(KIND, 0)
+    assert (notice.tensor.numel(), notice.ps_weight, notice.codec) == (0, 0.0, pb.CODEC_VOID)
+    for fields, chunks, reason in (({**VOID, "ps_weight": 0.5}, [], "bad_weight"),
+                                   ({**VOID, "payload_bytes": 4 * NUMEL}, data_chunks(), "bad_size")):
+        ack = raw(iter([encode_header(header(step=1, **fields)), *chunks]), timeout=10)
+        assert (ack.status, ack.reason) == (pb.Ack.STATUS_REJECTED, reason), ack
+    assert rejections(receiver) == {"bad_weight": 1.0, "bad_size": 1.0}
+    assert receiver.take(KIND, 1) == [] and receiver.metrics.bytes_received_total == 0
+    assert raw(iter(good_stream(header(step=2))), timeout=10).status == pb.Ack.STATUS_ACCEPTED
+    assert torch.equal(receiver.take(KIND, 2)[0].tensor, PAYLOAD)
 
 
 def test_stale_step_is_rejected(receiver, raw):

@@ -94,7 +94,6 @@ class PushSum:
         self.retired_w = 0.0    # units retired for leavers (take_over)
         self.dropped_w = 0.0    # taken from the inbox and thrown away (implausible shares, refused leaves)
         self._spare: list[torch.Tensor] = []  # x-sized buffers of acknowledged shares, for the next push
-        self._zeros: torch.Tensor | None = None  # the payload of a void notice (void)
         self.voids_sent = 0  # notices that a share went elsewhere (a view reached us after its switch)
 
     def expect(self, like: torch.Tensor) -> None:
@@ -103,7 +102,8 @@ class PushSum:
         if self.codec is not None:  # and raw: a share handed on after its sender's end goes as it was decoded
             codecs = {self.codec.wire_id: (self.codec.payload_bytes(like.numel(), like.dtype), self.codec.param_count),
                       compression.UNCOMPRESSED: (like.numel() * like.element_size(), 0)}
-        self.comm.expect(self.kind, like.dtype, like.numel(), channel=self.channel or None, codecs=codecs, peak=True)
+        self.comm.expect(self.kind, like.dtype, like.numel(), channel=self.channel or None, codecs=codecs, peak=True,
+                         voidable=True)
 
     def start(self, z: torch.Tensor, weight: float, *, delivered: bool = False) -> torch.Tensor:
         """Hold the mass (weight z, weight) and return z; `delivered`: the weight came in a message
@@ -221,14 +221,14 @@ class PushSum:
         self.fold(self.comm.take(self.kind, step, **self._on_channel()), now)  # shares of earlier steps that came late
 
     def void(self, peers: Iterable[int], step: int) -> None:
-        """Tell `peers` that no step-`step` share of ours is coming: a zero-weight message, which
-        ends a receiver's wait for it and is folded in as nothing (see fold). No mass moves."""
+        """Tell `peers` that no step-`step` share of ours is coming: a header-only message of weight
+        0 (CODEC_VOID), which ends a receiver's wait for it and is folded in as nothing (see fold).
+        No mass moves, and no tensor travels."""
         import torch
-        if self._zeros is None or self._zeros.shape != self.x.shape or self._zeros.dtype != self.x.dtype:
-            self._zeros = torch.zeros_like(self.x)  # (never written: every notice may send the one tensor)
         for peer in peers:
-            self.comm.send(peer, self._zeros, kind=self.kind, step=step, ps_weight=0.0, reliable=True,
-                           **self._on_channel())
+            self.comm.send(peer, torch.empty(0, dtype=torch.uint8), kind=self.kind, step=step, ps_weight=0.0,
+                           reliable=True, codec=compression.VOID, dtype=self.x.dtype, numel=self.x.numel(),
+                           shape=tuple(self.x.shape), **self._on_channel())
             self.voids_sent += 1
             self.record("void", step, 0.0, peer)
 

@@ -14,6 +14,7 @@ from typing import Any
 # --compression values; codecs.CODECS holds one codec per name (a test keeps the two in step)
 CODEC_NAMES = ("none", "trunc16", "fp16", "bf16", "int8", "int4", "topk", "sparseloco", "dct-topk", "fp4")
 UNCOMPRESSED = 0  # wire id of the identity codec (the wire's CODEC_NONE)
+VOID = 11  # wire id of a header-only push-sum void notice, weight 0 and no payload (the wire's CODEC_VOID)
 CODEC_HELP = ("codec of every ring hop (each decompresses, sums, recompresses): trunc16 = 16-bit truncation "
               "(bfloat16 rounded toward zero), fp16 = IEEE half precision of x / a power-of-two scale, bf16 = "
               "bfloat16 rounded to nearest, int8 / int4 = 8- / 4-bit scalar quantization (scale max|x|/127, /7), "

@@ -202,19 +202,24 @@ class Inbox:
 
     # Configuration (thread-safe enough: plain attribute writes read on the loop thread) ---------
     def expect(self, kind: int, dtype: torch.dtype, numel: int, *, channel: str | None = None,
-               preallocate: int = 2, codecs: Mapping[int, CodecLayout] | None = None, peak: bool = False) -> None:
+               preallocate: int = 2, codecs: Mapping[int, CodecLayout] | None = None, peak: bool = False,
+               voidable: bool = False) -> None:
         """Accept messages of `kind` holding `numel` elements of `dtype`; preallocates buffers.
 
         With `channel` the spec holds only for that channel (e.g. one ring all-reduce segment,
         whose size differs per round); otherwise for every channel without a spec of its own.
         `codecs` are the encodings accepted, each with its exact layout (the declarer knows its
         codec); by default raw tensors and FIXED_RATE_CODECS. `peak`: measure each raw float
-        payload's max |v| as it arrives (Message.peak; push-sum's plausibility check reads it)."""
+        payload's max |v| as it arrives (Message.peak; push-sum's plausibility check reads it).
+        `voidable`: also accept header-only push-sum void notices (CODEC_VOID, weight 0), which
+        arrive as messages with an empty payload."""
         if codecs is None:
             codecs = dict(ChannelSpec.uncompressed(dtype, numel).codecs)
             if dtype.is_floating_point:
                 codecs.update({codec: CodecLayout(per_element * numel, params)
                                for codec, (per_element, params) in FIXED_RATE_CODECS.items()})
+        if voidable:
+            codecs = {**codecs, pb.CODEC_VOID: CodecLayout(0)}
         self._specs[(kind, channel)] = ChannelSpec(dtype, numel, codecs, peak)
         self.pool.preallocate(numel * dtype.itemsize, preallocate)
 

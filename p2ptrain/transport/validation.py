@@ -61,7 +61,7 @@ class ChannelSpec:
 def validate_header(header: pb.TensorHeader, spec: ChannelSpec, *, world_size: int) -> None:
     """Raise Rejection unless `header` describes a message `spec` allows. The first failing check
     names the reason: bad_dtype, bad_size (numel), bad_shape, bad_codec, bad_codec_params,
-    bad_size (payload bytes), bad_weight."""
+    bad_size (payload bytes), bad_weight (also a CODEC_VOID notice with a weight: it moves none)."""
     if header.dtype not in WIRE_TO_TORCH or WIRE_TO_TORCH[header.dtype] != spec.dtype:
         raise Rejection("bad_dtype", f"expected {spec.dtype}, got wire dtype {header.dtype}")
     if header.numel != spec.numel:
@@ -82,6 +82,8 @@ def validate_header(header: pb.TensorHeader, spec: ChannelSpec, *, world_size: i
         raise Rejection("bad_size", f"{header.payload_bytes} payload bytes for {header.numel} x {spec.dtype} "
                                     f"in {pb.Codec.Name(header.codec)}, which takes {layout.payload_bytes}")
     check_weights(header, world_size)
+    if header.codec == pb.CODEC_VOID and header.ps_weight != 0:
+        raise Rejection("bad_weight", f"a void notice carries no push-sum weight, got {header.ps_weight!r}")
 
 
 def check_weights(header: pb.TensorHeader, world_size: int) -> None:
