@@ -182,3 +182,30 @@ def test_the_member_a_late_leaver_tries_first_waits_for_its_mass_at_the_end():
     assert results[2][2] is True, "no member took the leaver's mass"
     assert results[0][1] == 1.0 and results[1][1] == 0.0
     assert results[0][0] + results[1][0] == pytest.approx(2.0, abs=1e-12)
+
+
+def test_a_view_from_its_proposer_is_passed_on_to_one_member_so_a_change_costs_each_node_one_call():
+    """Node 7 of 8 leaves: it asks the 7 members their steps and tells them its view (14 calls),
+    and each adopter, having the view from its proposer, passes it on to the next member on the
+    ring only (1 call each: it used to go to the members at offsets 1, 2 and 4, 3 calls each), in
+    case the proposer's Hello to that member failed."""
+    n = 8
+    peers = [f"127.0.0.1:{p}" for p in free_ports(n)]
+    options = TransportOptions(probe_timeout=2.0, send_timeout=5.0)
+    transports = [Transport(rank, n, peers, listen=peers[rank], metrics=NodeMetrics(rank), options=options).start()
+                  for rank in range(n)]
+
+    def hellos() -> list[int]:
+        return [t.metrics.rpc_totals.get("Hello", [0])[0] for t in transports]
+
+    try:
+        before = hellos()
+        transports[7].membership.leave()
+        wait_until(lambda: all(t.membership.latest.members == tuple(range(7)) for t in transports[:7]), 30,
+                   "node 7's leave")
+        wait_until(lambda: [a - b for a, b in zip(hellos(), before)][:7] == [1] * 7, 30, "the passing on")
+        time.sleep(0.5)  # (and nothing more)
+        assert [a - b for a, b in zip(hellos(), before)] == [1] * 7 + [2 * 7]
+    finally:
+        for transport in transports:
+            transport.stop()

@@ -258,9 +258,14 @@ class Greetings:
             return False
         # Pass it on once, as gossip: a proposer reaches the nodes it knows of, and one it could not
         # reach (a blocked link), a concurrent proposal's loser or a joiner it never heard of may be
-        # known here only. To the members at exponential offsets after this node (O(log m) calls, all
-        # reached within O(log m) hops), and to the live former members the view leaves out.
-        others = set(gossip_targets(view.members, self.rank))
+        # known here only. A view that came from another node than its proposer goes to the members
+        # at exponential offsets after this node (O(log m) calls, all reached within O(log m) hops);
+        # one from its proposer, which greeted every member itself, only to the next member on the
+        # ring (which then hears of it twice: the proposer's Hello may have failed), so that a
+        # change costs each node 2 calls, not 1 + log2 m. To the live former members the view leaves
+        # out either way.
+        spread = gossip_targets(view.members, self.rank)
+        others = set(spread if sender != view.proposer else spread[:1])
         others |= set(self.liveness.live(self.views.members_ever - set(view.members)))
         for peer in sorted(p for p in others - {self.rank, sender, view.proposer} if self.addresses[p]):
             self.loop.spawn(self._pass_on(peer))
