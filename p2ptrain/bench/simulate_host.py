@@ -39,6 +39,10 @@ DATA_METHOD = "PushTensor"  # every other gRPC method is membership or control
 # Python's cyclic GC: with dozens of nodes a process holds millions of objects, and full collections
 # took a third of its CPU at 64 nodes per process (perf), starving the loops. Collected rarely here.
 GC_THRESHOLDS = (100_000, 50, 1000)
+# The GIL's switch interval here (Python's default: 5 ms). Hundreds of node threads that wake to
+# look at their Hellos each want the GIL for a moment; at 5 ms the loop thread, which does every
+# node's I/O, waited behind dozens of them each time it let go.
+SWITCH_INTERVAL = 0.05
 WATCH_SECONDS = 0.005       # how often the watcher reads the nodes' views (the agreement time's resolution)
 PROGRESS_SECONDS = 30.0     # how often each process says how far its nodes are
 WATCH_SHARE = 10            # ... or, when a pass over them takes longer, pauses of this many passes
@@ -334,6 +338,7 @@ def host(plan: Plan, ranks: list[int]) -> dict:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where a slow process waits
     gc.freeze()  # (what is imported by now lives to the end: never scanned again)
     gc.set_threshold(*GC_THRESHOLDS)
+    sys.setswitchinterval(SWITCH_INTERVAL)
     torch.set_num_threads(1)
     began = time.time()
     deadline = time.monotonic() + plan.timeout  # for the members and the joiners together
