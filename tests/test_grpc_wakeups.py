@@ -21,12 +21,13 @@ CALLS = 3000
 BLOCKED_IN_SEND = ("sock_alloc_send_pskb", "unix_stream_sendmsg", "sock_wait_for_wmem")
 
 
-def burst(mode: str) -> tuple[str, int]:
+def burst(mode: str) -> tuple[str, int, int]:
+    """Where the poller waited, and how many calls succeeded and how many ran out their deadline."""
     done = subprocess.run([sys.executable, str(BURST), str(CALLS), mode], capture_output=True, text=True,
                           timeout=120, cwd=Path(__file__).parent.parent)
     assert done.returncode == 0, done.stderr[-2000:]
-    wchan, succeeded = done.stdout.split()
-    return wchan, int(succeeded)
+    wchan, succeeded, timed_out = done.stdout.split()
+    return wchan, int(succeeded), int(timed_out)
 
 
 def test_a_servers_start_makes_the_wake_up_sockets_non_blocking_and_calls_still_flow():
@@ -39,11 +40,13 @@ def test_a_servers_start_makes_the_wake_up_sockets_non_blocking_and_calls_still_
 
 
 def test_a_burst_of_answers_on_a_busy_loop_leaves_the_poller_taking_completions():
-    wchan, _ = burst("plain")
+    wchan, _, _ = burst("plain")
     if wchan == "-" or wchan == "0":
         pytest.skip("this kernel does not say where a thread waits (/proc/<tid>/wchan)")
     if wchan not in BLOCKED_IN_SEND:  # (the control: on this machine the burst did not fill it in time)
         pytest.skip(f"the burst did not fill grpc's wake-up socket here (poller at {wchan})")
-    wchan, succeeded = burst("fix")
+    wchan, succeeded, timed_out = burst("fix")
     assert wchan not in BLOCKED_IN_SEND, wchan
-    assert succeeded >= 0.9 * CALLS, succeeded  # (the sync server cancels a few of 3,000 at once)
+    # Every call ends (none waits out its deadline, as behind a stuck poller) and most succeed: the
+    # sync server cancels some of 3,000 at once (9% on a quiet machine, 11% under a CPU hog).
+    assert timed_out == 0 and succeeded >= CALLS // 2, (succeeded, timed_out)

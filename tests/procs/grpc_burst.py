@@ -1,6 +1,7 @@
 """Run by tests/test_grpc_wakeups.py in a process of its own: `CALLS` grpc.aio calls to a sync
 server in another process answer while the event loop is busy (blocked 3 s); prints where
-grpc.aio's poller thread waits meanwhile (its /proc wchan), then how many calls succeeded.
+grpc.aio's poller thread waits meanwhile (its /proc wchan), then how many calls succeeded and
+how many ran out their deadline (stderr: how the others failed).
 With `fix`, p2ptrain.transport.grpc_wakeups makes the wake-up sockets non-blocking first."""
 import asyncio
 import subprocess
@@ -40,7 +41,10 @@ async def burst(calls: int, fix: bool) -> None:
         with open(f"/proc/self/task/{poller.native_id}/wchan") as wchan:
             print(wchan.read().strip() or "-", flush=True)
         results = await asyncio.gather(*tasks, return_exceptions=True)
-        print(sum(result == b"x" for result in results), flush=True)
+        timed_out = sum(isinstance(r, grpc.aio.AioRpcError) and r.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                        for r in results)
+        print(sum(result == b"x" for result in results), timed_out, flush=True)
+        print(sorted({repr(r)[:200] for r in results if r != b"x"})[:5], file=sys.stderr, flush=True)
         await channel.close()
     finally:
         server.stdin.close()
