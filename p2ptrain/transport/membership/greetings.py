@@ -261,10 +261,11 @@ class Greetings:
         # known here only. A view that came from another node than its proposer goes to the members
         # at exponential offsets after this node (O(log m) calls, all reached within O(log m) hops);
         # one from its proposer, which greeted every member itself, only to the next member on the
-        # ring (which then hears of it twice: the proposer's Hello may have failed), so that a
-        # change costs each node 2 calls, not 1 + log2 m. To the live former members the view leaves
-        # out either way.
-        spread = gossip_targets(view.members, self.rank)
+        # ring but the proposer (which then hears of it twice: the proposer's Hello may have failed;
+        # skipping the proposer gives the member after it a second source too), so that a change
+        # costs each node 2 calls, not 1 + log2 m. To the live former members the view leaves out
+        # either way.
+        spread = [p for p in gossip_targets(view.members, self.rank) if p not in (sender, view.proposer)]
         others = set(spread if sender != view.proposer else spread[:1])
         others |= set(self.liveness.live(self.views.members_ever - set(view.members)))
         for peer in sorted(p for p in others - {self.rank, sender, view.proposer} if self.addresses[p]):
