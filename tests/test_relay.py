@@ -223,6 +223,46 @@ def _last_id(t: Transport) -> int:
     return on_loop(t, lambda: next(t.sender.message_ids)) - 1
 
 
+@pytest.mark.parametrize("plane", PLANES)
+def test_a_void_notice_crosses_a_relay_as_a_header(plane):
+    """A push-sum void notice (PushSum.void: CODEC_VOID, weight 0, an empty payload, the share's
+    dtype/numel/shape in the header) from node 0 reaches node 2 through relay 1 as that header: the
+    relay pipes no byte and keeps nothing. With a weight it is refused end to end (bad_weight)."""
+    numel, shape = 1000, (20, 50)
+
+    def void(step: int, ps_weight: float = 0.0):
+        return t[0].sender.send(2, torch.empty(0, dtype=torch.uint8), kind=KIND, step=step, ps_weight=ps_weight,
+                                reliable=True, codec=pb.CODEC_VOID, dtype=torch.float32, numel=numel, shape=shape)
+
+    with nodes(3, options=opts(links=BLOCKED_0_2, relay_routes=("0->2:1",), data_plane=plane)) as t:
+        for rank in (1, 2):
+            t[rank].expect(KIND, torch.float32, numel, voidable=True)
+        ack = void(step=4).result(30)
+        assert (ack.status, ack.bytes_received) == (pb.Ack.STATUS_ACCEPTED, 0), ack
+        (notice,) = t[2].recv(KIND, 4, [0], timeout=10).values()
+        assert (notice.sender, notice.ps_weight, notice.codec) == (0, 0.0, pb.CODEC_VOID)
+        assert notice.tensor.numel() == 0 and notice.shape == shape  # (numel: the receiver checked it)
+        assert notice.message_id == ack.message_id
+        notice.release()
+        assert t[0].router.paths_taken() == {2: "via 1"}
+        # the relay passed it on once, as a header: no payload byte, no chunk held, nothing delivered to itself
+        assert sample(t[1], "p2ptrain_forwarded_messages_total", node="1", peer="2") == 1
+        assert sample(t[1], "p2ptrain_forwarded_bytes_total", node="1", peer="2") == 0
+        assert t[1].forwarder.high_water_bytes == 0 and t[1].forwarder.buffered_bytes == 0
+        assert pending(t[1]) == 0 and t[1].take(KIND, 4) == [] and t[1].metrics.bytes_received_total == 0
+        assert sample(t[1], "p2ptrain_received_messages_total", node="1", peer="0") is None
+        assert sample(t[2], "p2ptrain_received_messages_total", node="2", peer="0") == 1
+        assert t[2].metrics.bytes_received_total == 0
+        # a "void" notice with weight moves mass it may not: the receiver refuses it through the relay
+        ack = void(step=5, ps_weight=0.5).result(30)
+        assert (ack.status, ack.reason) == (pb.Ack.STATUS_REJECTED, "bad_weight"), ack
+        assert rejections(t[2]) == {"bad_weight": 1.0} and rejections(t[1]) == {}
+        assert pending(t[2]) == 0 and t[2].take(KIND, 5) == [] and t[2].metrics.bytes_received_total == 0
+        assert sample(t[2], "p2ptrain_received_messages_total", node="2", peer="0") == 1
+        assert sample(t[1], "p2ptrain_forwarded_messages_total", node="1", peer="2") == 1  # (accepted ones only)
+        assert pending(t[1]) == 0 and forwarded(t[1], "bytes") == 0
+
+
 # -- (c) detection: no declared route -----------------------------------------------------------------
 @pytest.mark.parametrize("plane", PLANES)
 def test_blocked_link_is_found_out_and_relayed_around(plane):
