@@ -149,6 +149,38 @@ def test_out_of_range_views_are_refused_and_leaving_still_works(trio, fields):
     assert transports[0].membership.latest.epoch == 1
 
 
+def test_a_view_that_switches_before_the_pending_view_it_replaces_is_refused(trio):
+    """Node 0 proposes the same members from step 40 (adopted: nothing to confirm), then a view on
+    top of it that switches at step 10, before it. An honest proposer never does (Views.propose);
+    its newcomers would be members at steps before they enter. Refused; the view after it that
+    keeps to the rule is adopted."""
+    transports, hello = trio
+    pending = pb.View(epoch=1, proposer=0, switch_step=40, members=[0, 1, 2])
+    hello(1, 0, pending)
+    wait_until(lambda: transports[1].membership.latest.order == (1, 0), 10, "the pending view")
+    before = _refused(transports[1])
+    hello(1, 0, pb.View(epoch=2, proposer=0, switch_step=10, members=[0, 1, 2], base_proposer=0))
+    wait_until(lambda: _refused(transports[1]) > before, 10, "the early view's refusal")
+    assert transports[1].membership.latest.order == (1, 0)
+    hello(1, 0, pb.View(epoch=2, proposer=0, switch_step=40, members=[0, 1, 2], base_proposer=0))
+    wait_until(lambda: transports[1].membership.latest.order == (2, 0), 10, "the view that keeps to the rule")
+    assert _refused(transports[1]) == before + 1
+
+
+def test_a_proposal_made_while_a_later_switch_is_pending_switches_with_it():
+    """The proposer side of the rule: a switch step read before a view with a later switch came in
+    moves to that switch (Views.propose), and receivers judge it by the same rule."""
+    views = Views(rank=1, initial=(0, 1, 2), capacity=4)
+    assert views.adopt(View(1, 0, 40, (0, 1, 2)))
+    proposed = views.propose((0, 1), switch_step=12)
+    assert proposed.switch_step == 40 and proposed.dropping == (2,)
+    base = View(1, 0, 40, (0, 1, 2))
+    assert vetting.refusal(proposed, base, furthest_step=0, base=base) == ""
+    early = View(2, 1, 39, (0, 1), base_proposer=0, dropping=(2,))
+    assert "before step 40" in vetting.refusal(early, base, furthest_step=0, base=base)
+    assert vetting.refusal(early, base, furthest_step=0) == ""  # (no base held: nothing to judge by)
+
+
 def test_a_huge_view_is_refused_with_a_short_log_line(trio, caplog):
     """Before: a 10^6-member view was refused but logged in full (~7.8 MB per Hello)."""
     transports, hello = trio

@@ -234,11 +234,11 @@ class Greetings:
             return False
         furthest = max([self.liveness.step, self.resume_step] +
                        [s for s in map(self.liveness.peer_step, range(self.world_size)) if s is not None])
-        reason = vetting.refusal(view, self.views.latest, furthest)
+        base = self.views.named_base(view)
+        reason = vetting.refusal(view, self.views.latest, furthest, base)
         if reason:
             self._refuse_view(sender, reason, view)
             return False
-        base = self.views.named_base(view)
         doubts = vetting.doubts(view, sender, base or self.views.base_of(view), rank=self.rank,
                                 announced=self.announced, live=self._live_members, exact=base is not None)
         if doubts:

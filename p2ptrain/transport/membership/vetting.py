@@ -19,8 +19,14 @@ MAX_EPOCH_STEP = 4096       # a view is at most this many epochs past the latest
 MAX_SWITCH_AHEAD = 1 << 20  # ... and switches at most this many steps past the furthest step known
 
 
-def refusal(view: View, latest: View, furthest_step: int) -> str:
-    """Why `view` can never be adopted here ("" when it may be): out-of-bound epoch or switch."""
+def refusal(view: View, latest: View, furthest_step: int, base: View | None = None) -> str:
+    """Why `view` can never be adopted here ("" when it may be): out-of-bound epoch or switch, or
+    a switch before that of `base`, the view it names as replaced (Views.named_base, where held):
+    a view never switches before a pending one (its newcomers would be members before they enter,
+    awaited for a link deadline at steps they never trained), and Views.propose keeps to that."""
+    if base is not None and view.switch_step < base.switch_step:
+        return (f"switch step {view.switch_step} lies before step {base.switch_step}, the switch of the view it "
+                f"replaces ({base.epoch} of node {base.proposer})")
     if view.epoch > latest.epoch + MAX_EPOCH_STEP:
         return f"epoch {view.epoch} jumps more than {MAX_EPOCH_STEP} past ours ({latest.epoch})"
     if view.switch_step > furthest_step + MAX_SWITCH_AHEAD:

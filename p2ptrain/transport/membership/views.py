@@ -244,7 +244,9 @@ class Views:
                 placement: tuple[int, ...] | None = None) -> View:
         """A new view of this node's (adopted here first): `members` from `switch_step` on, laid out
         by `placement` (None: the latest view's order, newcomers after it); those not in the view in
-        force just before `switch_step` enter (View.entering)."""
+        force just before `switch_step` enter (View.entering). It switches no earlier than the
+        view it replaces (receivers refuse one that does: vetting.refusal); a caller's switch
+        step read before a view with a later switch came in moves there."""
         members = tuple(sorted(set(members)))
         addresses = addresses or {}
         if placement is None:
@@ -256,6 +258,7 @@ class Views:
         elif placement and sorted(placement) != list(members):
             raise ValueError(f"placement {list(placement)} is not an order of the members {list(members)}")
         base = self.latest
+        switch_step = max(switch_step, base.switch_step)
         before = self.view_at(switch_step - 1).members  # (a pending base replaced at its switch: its newcomers too)
         view = View(base.epoch + 1, self.rank, switch_step, members,
                     tuple(addresses.get(m, "") for m in members) if addresses else (), placement,
