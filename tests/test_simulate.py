@@ -137,6 +137,8 @@ def test_churn_joins_and_leaves_keep_one_unit_of_mass_per_member_and_views_agree
     # a CPU hog makes a few steps (10 once seen): within twice DEFAULT_VIEW_MARGIN (8)
     assert churn["views"] >= 4 and churn["agreement_steps_max"] <= 16
     assert churn["control_messages_per_node_per_event"] > 0
+    # finish() tells every peer a final member met that its run is over: that is no event's cost
+    assert churn["control_messages_per_node_at_finish"] >= 1
 
 
 def test_a_run_past_its_timeout_ends_with_a_one_line_error(tmp_path, capsys):

@@ -154,7 +154,9 @@ def summarize(plan: Plan, parts: list[dict]) -> dict:
 
 def churn_costs(plan: Plan, records: list[dict], joiners: list[dict], views: dict) -> dict | None:
     """What the churn cost: control calls and bytes per node per event (every node's calls in the
-    churn phase, the joiners' whole runs included), the churn rate it came to (per minute, of the
+    churn phase up to its last step, the joiners' whole runs included; the "finished" Hellos of
+    finish(), which tell every peer met that the run is over, come after and are reported apart,
+    per final member), the churn rate it came to (per minute, of the
     members), how long each view took to reach every node that was there when it came (in seconds
     and in the steps of the node it reached last, against the proposer's), and Σ w of the final
     members against the units there are: n, plus each joiner's new one, less each leaver's, retired
@@ -165,11 +167,13 @@ def churn_costs(plan: Plan, records: list[dict], joiners: list[dict], views: dic
     began = min(r["change_to_time"] for r in records if "change_to_time" in r)
     ended = max(r["end_time"] for r in records + joiners)
     cost = {}
-    for field in ("control_messages", "control_bytes"):
-        total = sum(r["end"][field] - r["change_to"][field] for r in records) + sum(j["end"][field] for j in joiners)
-        cost[field + "_per_node_per_event"] = total / events / plan.nodes
-    spreads = view_spreads(views)
     final = [r for r in records + joiners if not r["left"]]
+    for field in ("control_messages", "control_bytes"):
+        total = sum(r["trained"][field] - r["change_to"][field] for r in records) + \
+            sum(j["trained"][field] for j in joiners)
+        cost[field + "_per_node_per_event"] = total / events / plan.nodes
+        cost[field + "_per_node_at_finish"] = mean(r["end"][field] - r["trained"][field] for r in final)
+    spreads = view_spreads(views)
     units = plan.nodes + math.fsum(j["minted"] for j in joiners) - math.fsum(r["retired"] for r in records + joiners)
     sum_w = math.fsum(r["final_w"] for r in final)
     in_flight = math.fsum(r["in_flight"] for r in records + joiners)
@@ -295,10 +299,12 @@ def print_runs(runs: list[dict], stream=sys.stdout) -> None:
                       fmt(100 * run["churn"]["rate_per_minute"], "{:.2f}%"),
                       fmt(run["churn"]["control_messages_per_node_per_event"], "{:.2f}"),
                       fmt(run["churn"]["control_bytes_per_node_per_event"] / 1e3, "{:.2f}"),
+                      fmt(run["churn"].get("control_messages_per_node_at_finish"), "{:.1f}"),
                       run["churn"]["views"], fmt(run["churn"]["agreement_seconds_max"], "{:.2f}"),
                       fmt(run["churn"]["agreement_steps_max"], "{}"), fmt(run["churn"]["join_seconds_max"], "{:.1f}"),
                       run["churn"]["final_members"], fmt(run["churn"]["sum_w_error"], "{:.1e}")] for run in churned],
-                    ["n", "churn events", "seconds", "per minute", "calls/node/event", "KB/node/event", "views",
+                    ["n", "churn events", "seconds", "per minute", "calls/node/event", "KB/node/event",
+                     "finish calls/node", "views",
                      "agree s (max)", "agree steps (max)", "join s (max)", "final members", "|Σw-units|"], stream)
 
 

@@ -204,6 +204,7 @@ def run_node(plan: Plan, comm: Communicator, progress: dict[int, int], halt: thr
         if "change_to" not in record:  # (the window ends with the run: before finish()'s "finished" Hellos)
             record["change_to"] = transport.run_on_loop(counters, transport)
             record["change_to_time"] = time.time()
+        record["trained"] = transport.run_on_loop(counters, transport)  # (the churn's end for this node)
         opt.finish()
     except LeftCluster:
         record["left"] = True
@@ -211,6 +212,7 @@ def run_node(plan: Plan, comm: Communicator, progress: dict[int, int], halt: thr
     record["end"] = transport.run_on_loop(counters, transport)
     record["end_time"] = time.time()
     record.setdefault("change_to", record["end"])
+    record.setdefault("trained", record["end"])  # (a leaver: its leave is the churn's)
     record["final_w"] = 0.0 if record["left"] else algorithm.w
     record["retired"] = algorithm.mass.retired_w  # (units it retired for leavers whose mass it took)
     record["in_flight"] = algorithm.stats().get("ps_in_flight", 0.0)  # (shares never acknowledged)
@@ -236,6 +238,7 @@ def run_joiner(plan: Plan, transport: Transport, progress: dict[int, int], halt:
                 opt.request_leave()  # (>=: a node that caught up may have jumped over its step)
                 leave_at = None
             opt.step()
+        record["trained"] = transport.run_on_loop(counters, transport)
         opt.finish()
     except LeftCluster:
         record["left"] = True
@@ -244,6 +247,7 @@ def run_joiner(plan: Plan, transport: Transport, progress: dict[int, int], halt:
         comm.close()
     record["end"] = transport.run_on_loop(counters, transport)
     record["end_time"] = time.time()
+    record.setdefault("trained", record["end"])
     record["final_w"] = 0.0 if record["left"] else algorithm.w
     record["minted"] = algorithm.stats().get("ps_minted", 0.0)
     record["retired"] = algorithm.mass.retired_w
