@@ -54,6 +54,7 @@ class Sender:
         # Sends whose Ack has not come yet, per peer, oldest first (Communicator.make_room bounds them),
         # and settle-able sends whose outcome is unknown (the link failed after bytes left).
         self._outstanding: dict[int, dict[int, concurrent.futures.Future]] = {p: {} for p in range(world_size)}
+        self._sent_to: set[int] = set()  # every peer a send went to
         self._unsettled: dict[int, dict[int, asyncio.Future]] = {}
         self._settling: set[int] = set()
         # pushes waiting for a peer to come up (wait_for_ready), ended when it is declared dead
@@ -91,6 +92,7 @@ class Sender:
             codec=codec, codec_params=list(codec_params), ps_weight=ps_weight, relay_count=relay_count,
             message_id=next(self.message_ids), channel=channel)
         future = self.loop.submit(self._send(peer, header, payload, tensor, reliable, settle, even_if_dead))
+        self._sent_to.add(peer)
         outstanding = self._outstanding[peer]
         outstanding[header.message_id] = future
         future.add_done_callback(lambda _: outstanding.pop(header.message_id, None))
@@ -125,6 +127,10 @@ class Sender:
                 for dead in waiting:
                     if not dead.done():
                         dead.set_result(None)
+
+    def sent_to(self) -> set[int]:
+        """The peers this node ever sent a message to."""
+        return set(self._sent_to)
 
     def outstanding(self, peer: int) -> list[concurrent.futures.Future]:
         """Futures of our sends to `peer` not acknowledged yet, oldest first."""

@@ -132,6 +132,7 @@ class Transport:
         self.sender = Sender(rank, world_size, options, self.loop, self.router, self.grpc, greetings, liveness,
                              metrics)
         self.membership.outstanding = self.sender.outstanding  # (finish: acks before "finished")
+        self.membership.sent_to = self.sender.sent_to          # (finish: whom to tell)
 
     # Lifecycle ------------------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> "Transport":

@@ -606,14 +606,15 @@ class Greetings:
         self.liveness.rejoined()
 
     def announce_finished(self, outstanding: Callable[[int], list[concurrent.futures.Future]],
-                          timeout: float) -> None:
-        """This node's run is over: tell the peers it met, once each, so none waits a link deadline
-        for a message it will never send. To each only once every message it sent that peer was
+                          timeout: float, among=None) -> None:
+        """This node's run is over: tell the peers it met (or those of `among`: the peers it
+        exchanged tensors with, Membership.finish), once each, so none waits a link deadline for
+        a message it will never send. To each only once every message it sent that peer was
         acknowledged (`outstanding(peer)`: the Hello must not overtake one), all within `timeout`."""
         deadline = time.monotonic() + timeout
         request = self.hello_request()
         futures = []
-        for peer in sorted((self.announced | self.reached) - {self.rank}):
+        for peer in sorted((self.announced | self.reached if among is None else set(among)) - {self.rank}):
             if not self.liveness.alive(peer):
                 continue
             concurrent.futures.wait(outstanding(peer), max(0.0, deadline - time.monotonic()))

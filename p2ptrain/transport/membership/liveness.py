@@ -69,6 +69,7 @@ class Liveness:
         self._dead_incarnation: dict[int, int | None] = {}  # peer -> the incarnation that was declared dead
         self._excluded_by: frozenset[int] = frozenset()  # peers that told us they consider us dead
         self._finished: frozenset[int] = frozenset()     # peers that said their run is over
+        self._senders: frozenset[int] = frozenset()      # peers whose messages (tensors) reached us
         self._changed_at: dict[int, float] = {}
         self._listeners: list[Callable[[], None]] = []
         if metrics is not None:
@@ -256,6 +257,8 @@ class Liveness:
         (not a state transfer) confirms it: it sends to us from that message's step on, so earlier
         steps (when it did not know we were back) are not waited for; their messages, if any come,
         are folded in late. It never revives a dead peer (only a rejoin does)."""
+        if peer not in self._senders:
+            self._senders = self._senders | {peer}
         if kind != pb.MESSAGE_KIND_STATE and peer in self._incarnations:
             self.note_ready(peer, self._incarnations[peer])  # (it trains: it was ready)
         if peer in self._unconfirmed and kind != pb.MESSAGE_KIND_STATE:
@@ -266,6 +269,10 @@ class Liveness:
             self.note_step(peer, step)
             if kind is not None and step > self._sent_step.get((peer, kind), -1):
                 self._sent_step = {**self._sent_step, (peer, kind): step}
+
+    def senders(self) -> frozenset[int]:
+        """The peers whose messages ever reached this node."""
+        return self._senders
 
     def sent_step(self, peer: int, kind: int) -> int | None:
         """The latest step of a `kind` message `peer` sent us (a message's own step, not the
