@@ -163,8 +163,18 @@ class Node:
         busy peers may miss one survey); NoClusterToRejoin if it has finished (EMPTY_SURVEYS surveys
         in a row reach nobody) or never answers."""
         deadline, seen, empty, furthest = time.monotonic() + self.config.peer_timeout, False, 0, 0
+        watched = None  # once the cluster answered: the peer furthest ahead, the only one asked again
         while True:
-            survey = self.transport.membership.survey(everyone=True)  # (joiners since are in no view it knows)
+            # (everyone: joiners since are in no view it knows. Asking all n peers five times a
+            # second for as long as the cluster takes to reach join_at was O(n) Hellos per poll.)
+            membership = self.transport.membership
+            survey = membership.survey(everyone=True) if watched is None else membership.survey(peers=[watched])
+            if watched is not None and not (survey.reachable and survey.running):
+                watched = None  # (gone, or restarting: everyone is asked again next time)
+                time.sleep(0.2)
+                continue
+            if survey.reachable and survey.running and survey.furthest_peer is not None:
+                watched = survey.furthest_peer
             if survey.furthest > furthest:  # the cluster answers and moves on (towards join_at): wait on
                 furthest, deadline = survey.furthest, time.monotonic() + self.config.peer_timeout
             seen |= bool(survey.reachable)

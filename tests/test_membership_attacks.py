@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from types import SimpleNamespace
 
@@ -439,3 +440,44 @@ def test_a_joiner_waits_past_the_peer_timeout_while_the_cluster_moves_towards_it
     node.config = SimpleNamespace(peer_timeout=0.3, join_at=200, rank=6)
     node.transport = SimpleNamespace(membership=SimpleNamespace(survey=survey))
     node.wait_to_join(running=False)  # (it gave up after 0.3 s, the cluster at step ~60)
+
+
+def test_a_joiner_waiting_for_its_join_step_asks_only_the_member_furthest_ahead():
+    """A joiner started ahead of its join step (launch --join COUNT@STEP) polls the cluster until it
+    gets there. It used to ask every peer every time (n Hellos five times a second, for as long as
+    the cluster took); now, once the cluster answered, only the member furthest ahead: 3 Hellos for
+    the first survey here, then 1 per poll."""
+    peers = [f"127.0.0.1:{p}" for p in free_ports(WORLD)]
+    options = TransportOptions(probe_timeout=1.0, initial_members=3, send_timeout=5.0)
+    transports = [Transport(r, WORLD, peers, listen=peers[r], metrics=NodeMetrics(r), options=options).start()
+                  for r in range(WORLD)]
+    moving = threading.Event()
+
+    def train() -> None:  # node 0 leads, nodes 1 and 2 a step behind: 20 steps a second
+        for step in range(1, 200):
+            for transport in transports[:3]:
+                transport.membership.set_step(step if transport.rank == 0 else step - 1)
+            moving.set()
+            time.sleep(0.05)
+
+    for transport in transports[:3]:
+        transport.mark_ready()
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    joiner = Node.__new__(Node)
+    joiner.config = SimpleNamespace(peer_timeout=10.0, join_at=40, rank=3)
+    joiner.transport = transports[3]
+    asked = []
+    survey = transports[3].membership.survey
+    transports[3].membership.survey = lambda *a, **kw: (asked.append(kw.get("peers")), survey(*a, **kw))[1]
+    try:
+        moving.wait(10)
+        before = transports[3].metrics.rpc_totals.get("Hello", [0])[0]
+        joiner.wait_to_join(running=False)
+        hellos = transports[3].metrics.rpc_totals.get("Hello", [0])[0] - before
+        assert transports[0].membership.step >= 40
+        assert len(asked) >= 5 and asked[0] is None and all(p == [0] for p in asked[1:]), asked
+        assert hellos == 3 + len(asked) - 1
+    finally:
+        for transport in transports:
+            transport.stop()

@@ -84,6 +84,7 @@ class ClusterSurvey:
     reachable: int  # peers that answered a Hello
     running: bool   # one of them is ready and past step 0
     furthest: int = 0  # the furthest step a compatible peer is at
+    furthest_peer: int | None = None  # ... and which peer said so
     silent: int = 0    # peers that did not answer in time but may be alive (frozen, busy, partitioned)
     answered_in: float = 0.0  # seconds until the last answer came (the Hellos all went out at once)
 
@@ -657,18 +658,23 @@ class Greetings:
                     answers.finished.add(peer)
         return answers
 
-    def survey(self, timeout: float = 2.0, everyone: bool = False) -> ClusterSurvey:
+    def survey(self, timeout: float = 2.0, everyone: bool = False, peers=None) -> ClusterSurvey:
         """Hello every peer once (without waiting for connections): how many answer, and whether a
         compatible, ready one is past step 0, i.e. this node was restarted into a running cluster
         (at a fresh start no node passes step 0 before every node is ready). With `everyone` (a
         (re)joiner), when the peers of others() show no running cluster, also every other rank whose
-        address is known (unviewed)."""
+        address is known (unviewed). `peers`: only those."""
+        if peers is not None:
+            return self._survey(list(peers), timeout)
         found = self._survey(self.others(), timeout)
         if not everyone or found.running:
             return found
         extra = self._survey(self.unviewed(), timeout)
+        ahead = extra if extra.furthest_peer is not None and (found.furthest_peer is None
+                                                               or extra.furthest > found.furthest) else found
         return ClusterSurvey(reachable=found.reachable + extra.reachable, running=extra.running,
-                             furthest=max(found.furthest, extra.furthest), silent=found.silent + extra.silent)
+                             furthest=ahead.furthest, silent=found.silent + extra.silent,
+                             furthest_peer=ahead.furthest_peer)
 
     def _survey(self, peers: list[int], timeout: float) -> ClusterSurvey:
         began = time.monotonic()
@@ -676,8 +682,8 @@ class Greetings:
         answered: dict[concurrent.futures.Future, float] = {}
         for future in futures:
             future.add_done_callback(lambda done: answered.setdefault(done, time.monotonic()))
-        reachable, running, furthest, silent, answered_in = 0, False, 0, 0, 0.0
-        for future in futures:
+        reachable, running, furthest, silent, answered_in, furthest_peer = 0, False, 0, 0, 0.0, None
+        for peer, future in zip(peers, futures):
             try:
                 reply = future.result(timeout + 5)
             except FAILED as exc:
@@ -687,9 +693,10 @@ class Greetings:
             answered_in = max(answered_in, answered.get(future, time.monotonic()) - began)
             reachable += 1
             running |= bool(reply.compatible and reply.ready and reply.step > 0)
-            furthest = max(furthest, reply.step if reply.compatible else 0)
+            if reply.compatible and (furthest_peer is None or reply.step > furthest):
+                furthest, furthest_peer = reply.step, peer
         return ClusterSurvey(reachable=reachable, running=running, furthest=furthest, silent=silent,
-                             answered_in=answered_in)
+                             answered_in=answered_in, furthest_peer=furthest_peer)
 
     def announce_ready(self) -> list[int]:
         """Tell every peer (one Hello each, failures ignored) that this node is ready again and

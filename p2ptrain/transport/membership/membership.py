@@ -352,10 +352,10 @@ class Membership:
         self.liveness.step = step
         self.greetings.pace.note(step)
 
-    def survey(self, timeout: float = 2.0, everyone: bool = False) -> ClusterSurvey:
+    def survey(self, timeout: float = 2.0, everyone: bool = False, peers=None) -> ClusterSurvey:
         """How many peers answer a Hello, and whether the cluster already runs (`everyone`: a
-        (re)joiner also asks the ranks of no view it knows, Greetings.survey)."""
-        return self.greetings.survey(timeout, everyone)
+        (re)joiner also asks the ranks of no view it knows; `peers`: only those; Greetings.survey)."""
+        return self.greetings.survey(timeout, everyone, peers)
 
     def hello(self, peer: int, timeout: float = 10.0) -> pb.HelloReply:
         """Greet `peer` once (from the training thread), waiting up to `timeout` for it to come up;
