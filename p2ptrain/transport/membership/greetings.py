@@ -670,8 +670,7 @@ class Greetings:
         if not everyone or found.running:
             return found
         extra = self._survey(self.unviewed(), timeout)
-        ahead = extra if extra.furthest_peer is not None and (found.furthest_peer is None
-                                                               or extra.furthest > found.furthest) else found
+        ahead = max(found, extra, key=lambda s: (s.furthest_peer is not None, s.furthest))  # (ties: found)
         return ClusterSurvey(reachable=found.reachable + extra.reachable, running=extra.running,
                              furthest=ahead.furthest, silent=found.silent + extra.silent,
                              furthest_peer=ahead.furthest_peer)
