@@ -17,6 +17,7 @@ from p2ptrain._proto import p2ptrain_pb2 as pb
 from p2ptrain.addresses import split_address
 from p2ptrain.algorithms.base import Delivery
 from p2ptrain.comm_worker import CommWorker
+from p2ptrain.transport import host_memory
 from p2ptrain.transport.message import Message
 from p2ptrain.transport.staging import Staging
 from p2ptrain.transport.transport import Transport
@@ -82,6 +83,22 @@ class Communicator:
             return ""
         host = address[0].lower()
         return "127.0.0.1" if host == "localhost" else host
+
+    def host_region(self, nbytes: int) -> host_memory.OwnRegion | None:
+        """A region of `nbytes` of shared memory that this host's peers can map (host_memory.py), or
+        None where there are none: another platform, shared memory turned off, or TLS (as the lane's)."""
+        options = self.transport.options
+        if not (options.shared_memory and not options.security.tls and host_memory.supported()):
+            return None
+        try:
+            return host_memory.OwnRegion(nbytes)
+        except OSError as exc:
+            log.warning("node %d: no shared memory for a host collective (%s): messages instead", self.rank, exc)
+            return None
+
+    def map_host_region(self, offer: tuple[int, int, int], nbytes: int) -> host_memory.PeerRegion:
+        """A peer's region of this host from its offer (pid, fd, nonce); ValueError where it cannot be mapped."""
+        return host_memory.PeerRegion.open(*offer, nbytes)
 
     def make_room(self, peer: int, window: int) -> bool:
         """Before sending to `peer`: True once fewer than `window` of our messages to it await their

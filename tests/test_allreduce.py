@@ -424,12 +424,13 @@ def local_step(rank, step, x):
     return x - LR * gradient(rank, step, x)
 
 
+@pytest.mark.parametrize("host_memory", [True, False])
 @pytest.mark.parametrize("average", ["models", "gradients"])
-def test_allreduce_sgd_matches_reference(average):
+def test_allreduce_sgd_matches_reference(average, host_memory):
     n, numel, steps = 4, 33, 5
 
     def body(rank, comm):
-        algo = AllReduceSGD(comm, average=average)
+        algo = AllReduceSGD(comm, average=average, host_memory=host_memory)
         x = algo.setup(vector(0, numel, salt=99).clone())  # identical start
         history = []
         for step in range(steps):
@@ -441,6 +442,8 @@ def test_allreduce_sgd_matches_reference(average):
             history.append(x.clone())
         agreed = algo.agree_at_end(steps, x)  # fault-free: the end agreement changes no bit
         assert agreed is x and algo.allreduce.end_averages == 0
+        # one host: every step's round went through shared memory (host_allreduce.py), or none
+        assert algo.stats().get("host_rounds", 0.0) == (steps if host_memory else 0)
         return history
 
     results = run_cluster(n, body)

@@ -51,6 +51,9 @@ class AllReduceOptions(AlgorithmOptions):
     buckets_mb: float = option(0.0, "with --average gradients: all-reduce the gradients in buckets of this many MB, "
                                     "launched from backward hooks while backward runs (as DDP); 0 = one flat "
                                     "all-reduce at step()")
+    host_memory: bool = option(True, "where every member runs on this host, each step's all-reduce sums the "
+                                     "members' tensors in shared memory (no message per segment; "
+                                     "host_allreduce.py); off: the ring's messages always")
     overlap: int = option(0, "with --average models: 1 = the ring all-reduce of step t's model runs while step t+1 "
                              "computes, and step t+1 adds the correction (mean - snapshot); 0 = synchronous")
 
@@ -86,10 +89,10 @@ class AllReduceSGD(Algorithm):
     @classmethod
     def from_options(cls, comm: Comm, options: AllReduceOptions, context: BuildContext) -> "AllReduceSGD":
         return cls(comm, average=options.average, codec=options.compression, buckets_mb=options.buckets_mb,
-                   overlap=options.overlap, chunk_kb=options.ring_chunk_kb)
+                   overlap=options.overlap, chunk_kb=options.ring_chunk_kb, host_memory=options.host_memory)
 
     def __init__(self, comm: Comm, *, average: str = "gradients", codec: str = "none", buckets_mb: float = 0.0,
-                 overlap: int = 0, chunk_kb: int = DEFAULT_CHUNK_KB):
+                 overlap: int = 0, chunk_kb: int = DEFAULT_CHUNK_KB, host_memory: bool = True):
         if average not in AVERAGE_WHAT:
             raise ValueError(f"average must be one of {AVERAGE_WHAT}, got {average!r}")
         check_overlap(overlap, average)
@@ -98,6 +101,7 @@ class AllReduceSGD(Algorithm):
         self.average = average
         self.codec = codec
         self.chunk_kb = chunk_kb
+        self.host_memory = host_memory
         self.uses_gradients = self.shares_optimizer_state = average == "gradients"
         self.buckets_mb = buckets_mb
         self.overlap = overlap
@@ -119,7 +123,8 @@ class AllReduceSGD(Algorithm):
     def setup(self, params: torch.Tensor) -> torch.Tensor:
         self.allreduce = MemberRing(self.comm, params.numel(), params.dtype, codec=self.codec,
                                     resync_deadline=self.comm.peer_timeout, chunk_bytes=self.chunk_kb * 1024,
-                                    state=self._optimizer_state, holds_state=self.comm.joined is None)
+                                    state=self._optimizer_state, holds_state=self.comm.joined is None,
+                                    host_memory=self.host_memory)
         if self.uses_gradients and self.buckets_mb > 0 and self._watched is not None:
             self.buckets = BucketedGradients(self.comm, self.allreduce, *self._watched,
                                              bucket_bytes=int(self.buckets_mb * 2**20), codec=self.codec)

@@ -152,6 +152,13 @@ class Comm(Protocol):
     def host(self, peer: int) -> str:
         """The host `peer`'s address names ("" when unknown): nodes naming one host share its CPUs and network."""
 
+    def host_region(self, nbytes: int):
+        """A region of `nbytes` of shared memory that the peers of this host can map read-only, with
+        a mark its owner publishes (transport/host_memory.py: OwnRegion), or None where there are none."""
+
+    def map_host_region(self, offer: tuple[int, int, int], nbytes: int):
+        """A peer's region from its OwnRegion.offer (PeerRegion); ValueError where it cannot be mapped."""
+
     def make_room(self, peer: int, window: int) -> bool:
         """True once fewer than `window` sends to `peer` await their acknowledgement (a stalled
         peer gets skipped instead of piling up messages)."""

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from p2ptrain.algorithms.base import Comm
 from p2ptrain.algorithms.collectives import CollectiveIncomplete, RingAllReduce
+from p2ptrain.algorithms.host_allreduce import HostAllReduce
 from p2ptrain.algorithms.state_handout import Outgoing, StateHandout
 
 if TYPE_CHECKING:
@@ -53,12 +54,15 @@ class MemberRing:
 
     def __init__(self, comm: Comm, numel: int, dtype: torch.dtype | None = None, *, codec=None,
                  resync_deadline: float = 30.0, chunk_bytes: int = 0,
-                 state: tuple[int, torch.dtype] | None = None, holds_state: bool = True):
+                 state: tuple[int, torch.dtype] | None = None, holds_state: bool = True,
+                 host_memory: bool = False):
         import torch  # (here, not at import: the algorithm registry loads without torch)
 
         self.comm = comm
         self.rank = comm.rank
         self.ring = RingAllReduce(comm, numel, dtype, codec=codec, elastic=True, chunk_bytes=chunk_bytes)
+        # each step's rounds: through this host's shared memory where all members run here (host_memory)
+        self.host = HostAllReduce(comm, self.ring) if host_memory else None
         # the switch averages: [w x, w] in one call (w = holds_state)
         self.sync = RingAllReduce(comm, numel + 1, dtype, tag="sync.", elastic=True)
         # `state`: (numel, dtype) of the optimizer state, averaged with the model at a switch
@@ -94,6 +98,8 @@ class MemberRing:
         optimizer state together; bench heal divides them). A switch's seconds run from the first
         byte it took to the last, the gap between its model and optimizer state included."""
         stats = {"ring_resyncs": float(self.resyncs)}
+        if self.host is not None:
+            stats["host_rounds"] = float(self.host.rounds)
         if self.received:
             spans: dict[int, tuple[float, float]] = {}
             for _, began, ended, step in self.received:
@@ -112,7 +118,7 @@ class MemberRing:
         if members is None:
             return tensor
         try:
-            reduced = self.ring(tensor, step, average=average, members=members, out=out)
+            reduced = (self.host or self.ring)(tensor, step, average=average, members=members, out=out)
         except CollectiveIncomplete as exc:
             self.round_failed(exc)
             return tensor

@@ -29,6 +29,7 @@ HIVEMIND = "hivemind"
 # name -> node flags of the p2ptrain variants (--algorithms selects among them)
 VARIANTS: dict[str, list[str]] = {
     "allreduce": ["--algorithm", "allreduce"],  # gradients averaged before the step, as DDP
+    "allreduce-ring": ["--algorithm", "allreduce", "--no-host-memory"],  # ... over the ring's messages on one host too
     "allreduce-models": ["--algorithm", "allreduce", "--average", "models"],
     "allreduce-models-overlap": ["--algorithm", "allreduce", "--average", "models", "--overlap", "1"],
     "allreduce-buckets": ["--algorithm", "allreduce", "--buckets-mb", "1"],  # from backward hooks, 1 MB each

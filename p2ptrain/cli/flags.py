@@ -95,8 +95,9 @@ def add_algorithm_options(group) -> list[argparse.Action]:
         for user in users:
             helps.setdefault(registry.get(user).option_fields()[name].metadata["option"].help, []).append(user)
         text = "; ".join(f"{'/'.join(names)}: {help}" for help, names in helps.items())
-        if kind is bool:  # a switch, like --join: given means true, absent means not given
-            actions.append(group.add_argument(f"--{name.replace('_', '-')}", action="store_true", default=None,
+        if kind is bool:  # a switch, like --join (--X / --no-X where on by default): absent means not given
+            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            actions.append(group.add_argument(f"--{name.replace('_', '-')}", action=action, default=None,
                                               help=f"{text} (default {'on' if f.default else 'off'})"))
             continue
         actions.append(group.add_argument(f"--{name.replace('_', '-')}", type=kind if kind in (int, float) else str,

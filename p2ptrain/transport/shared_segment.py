@@ -70,6 +70,10 @@ class OwnSegment:
         data = numpy.frombuffer(payload, numpy.uint8)  # (numpy copies without the GIL: the loop's
         numpy.copyto(self._array[HEADER_BYTES:HEADER_BYTES + data.size], data)  # training thread runs on)
 
+    def area(self) -> numpy.ndarray:
+        """The payload area as bytes, writable (host_memory.py lays its own words out there)."""
+        return self._array[HEADER_BYTES:]
+
     def close_fd(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
@@ -118,6 +122,10 @@ class PeerSegment:
             mapping.close()
             raise ValueError("it does not hold the announced nonce")
         return cls(mapping, capacity)
+
+    def area(self) -> numpy.ndarray:
+        """The payload area as bytes, read-only."""
+        return self._array[HEADER_BYTES:]
 
     def read_into(self, destination: memoryview, nbytes: int) -> None:
         """Copy the current message's `nbytes` (at most `capacity`) into `destination`."""
