@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from p2ptrain.algorithms.base import Algorithm, Comm, Received, buffer_like
 from p2ptrain.algorithms.buckets import BucketedGradients
 from p2ptrain.algorithms.collectives import CHUNK_KB_HELP, DEFAULT_CHUNK_KB
+from p2ptrain.algorithms.host_allreduce import HOST_MEMORY_HELP
 from p2ptrain.algorithms.member_ring import MemberRing
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, option, register
 from p2ptrain.compression import CODEC_HELP, CODEC_NAMES, NEEDS_ERROR_FEEDBACK
@@ -51,9 +52,7 @@ class AllReduceOptions(AlgorithmOptions):
     buckets_mb: float = option(0.0, "with --average gradients: all-reduce the gradients in buckets of this many MB, "
                                     "launched from backward hooks while backward runs (as DDP); 0 = one flat "
                                     "all-reduce at step()")
-    host_memory: bool = option(True, "where every member runs on this host, each step's all-reduce sums the "
-                                     "members' tensors in shared memory (no message per segment; "
-                                     "host_allreduce.py); off: the ring's messages always")
+    host_memory: bool = option(True, HOST_MEMORY_HELP)
     overlap: int = option(0, "with --average models: 1 = the ring all-reduce of step t's model runs while step t+1 "
                              "computes, and step t+1 adds the correction (mean - snapshot); 0 = synchronous")
 

@@ -33,6 +33,8 @@ PHASES = 8
 OFFER_FIELDS = 3  # pid, fd, nonce
 MAX_BYTES = 1 << 30  # larger tensors stay on the ring: a region holds 1.5 copies of the tensor
 POLL_SECONDS = 0.1  # how often a wait looks at the membership (why waiting is hopeless), between wake-ups
+HOST_MEMORY_HELP = ("where every member runs on this host, each step's all-reduce sums the members' tensors in "
+                    "shared memory (no message per segment; host_allreduce.py); off: the ring's messages always")
 
 
 def members_key(members: tuple[int, ...]) -> int:
@@ -249,4 +251,4 @@ class HostAllReduce:
                                        "input while it was read")
 
 
-__all__ = ["HostAllReduce", "MAX_BYTES"]
+__all__ = ["HostAllReduce", "HOST_MEMORY_HELP", "MAX_BYTES"]

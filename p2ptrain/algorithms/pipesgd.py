@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from p2ptrain.algorithms.base import Algorithm, Comm, buffer_like
 from p2ptrain.algorithms.collectives import CHUNK_KB_HELP, DEFAULT_CHUNK_KB
+from p2ptrain.algorithms.host_allreduce import HOST_MEMORY_HELP
 from p2ptrain.algorithms.member_ring import MemberRing
 from p2ptrain.algorithms.registry import AlgorithmOptions, AlgorithmSpec, BuildContext, option, register
 from p2ptrain.compression import CODEC_HELP, CODEC_NAMES, NEEDS_ERROR_FEEDBACK
@@ -34,6 +35,7 @@ class PipeSGDOptions(AlgorithmOptions):
     compression: str = option("none", CODEC_HELP, choices=CODEC_NAMES)
     ring_chunk_kb: int = option(DEFAULT_CHUNK_KB, CHUNK_KB_HELP)
     warmup_steps: int = option(0, "synchronous all-reduce steps before pipelining")
+    host_memory: bool = option(True, HOST_MEMORY_HELP)
 
     def validate(self, settings) -> None:
         super().validate(settings)
@@ -54,9 +56,11 @@ class PipeSGD(Algorithm):
 
     @classmethod
     def from_options(cls, comm: Comm, options: PipeSGDOptions, context: BuildContext) -> "PipeSGD":
-        return cls(comm, warmup=options.warmup_steps, codec=options.compression, chunk_kb=options.ring_chunk_kb)
+        return cls(comm, warmup=options.warmup_steps, codec=options.compression, chunk_kb=options.ring_chunk_kb,
+                   host_memory=options.host_memory)
 
-    def __init__(self, comm: Comm, *, warmup: int = 0, codec: str = "none", chunk_kb: int = DEFAULT_CHUNK_KB):
+    def __init__(self, comm: Comm, *, warmup: int = 0, codec: str = "none", chunk_kb: int = DEFAULT_CHUNK_KB,
+                 host_memory: bool = True):
         if warmup < 0:
             raise ValueError(f"warmup must be >= 0 steps, got {warmup}")
         self._optimizer_state: tuple[int, torch.dtype] | None = None  # (numel, dtype): watch_optimizer_state
@@ -64,6 +68,7 @@ class PipeSGD(Algorithm):
         self.warmup = warmup
         self.codec = codec
         self.chunk_kb = chunk_kb
+        self.host_memory = host_memory
         self.allreduce = None
         self._in_flight: concurrent.futures.Future | None = None  # g_sum[t-1] being reduced
         # the ring writes g_sum into these in turn: the engine applies g_sum[t-1] from one while
@@ -76,7 +81,8 @@ class PipeSGD(Algorithm):
     def setup(self, params: torch.Tensor) -> torch.Tensor:
         self.allreduce = MemberRing(self.comm, params.numel(), params.dtype, codec=self.codec,
                                     resync_deadline=self.comm.peer_timeout, chunk_bytes=self.chunk_kb * 1024,
-                                    state=self._optimizer_state, holds_state=self.comm.joined is None)
+                                    state=self._optimizer_state, holds_state=self.comm.joined is None,
+                                    host_memory=self.host_memory)
         self._sums = (buffer_like(params), buffer_like(params))
         self._locals = (buffer_like(params), buffer_like(params))
         self.comm.ready()
