@@ -86,9 +86,12 @@ class Communicator:
 
     def host_region(self, nbytes: int) -> host_memory.OwnRegion | None:
         """A region of `nbytes` of shared memory that this host's peers can map (host_memory.py), or
-        None where there are none: another platform, shared memory turned off, or TLS (as the lane's)."""
+        None where there are none: another platform, shared memory turned off, TLS (as the lane's),
+        or emulated links (--link, --link-burst: the network they describe stands between the nodes)."""
         options = self.transport.options
         if not (options.shared_memory and not options.security.tls and host_memory.supported()):
+            return None
+        if self.transport.links is not None:  # (set where the table emulates anything)
             return None
         try:
             return host_memory.OwnRegion(nbytes)

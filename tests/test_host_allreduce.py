@@ -13,7 +13,9 @@ import torch
 
 from p2ptrain.algorithms.collectives import CollectiveIncomplete, RingAllReduce
 from p2ptrain.algorithms.host_allreduce import HostAllReduce
-from p2ptrain.transport import TransportOptions, host_memory
+from p2ptrain.communicator import Communicator
+from p2ptrain.transport import Transport, TransportOptions, host_memory
+from p2ptrain.transport.faults import LinkTable
 from tests.cluster import run_cluster
 
 pytestmark = pytest.mark.skipif(not host_memory.supported(), reason="host regions need Linux on x86-64")
@@ -168,3 +170,20 @@ def test_a_member_with_nan_fails_the_call_on_every_member_and_the_next_call_comp
 
     for out, rounds in run_cluster(n, body):
         assert torch.equal(out, member_order_mean(n, 1, numel, True)) and rounds == 1
+
+
+@pytest.mark.parametrize("options,region", [
+    (TransportOptions(), True),
+    (TransportOptions(links=LinkTable.parse("")), True),  # (a table that emulates nothing)
+    (TransportOptions(links=LinkTable.parse("latency=1ms")), False),  # the network --link describes stands between
+    (TransportOptions(links=LinkTable.parse("", bursts=["0->1@10+20:drop=0.5"])), False),
+    (TransportOptions(shared_memory=False), False),
+])
+def test_a_communicator_offers_host_memory_only_where_nothing_stands_between_the_nodes(options, region):
+    peers = ["127.0.0.1:1", "127.0.0.1:2"]
+    comm = Communicator(Transport(0, 2, peers, listen=peers[0], options=options))
+    made = comm.host_region(64)
+    assert (made is not None) == region
+    if made is not None:
+        made.close()
+    comm.close()
