@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from p2ptrain.settings import ConfigError, NodeConfig
@@ -181,3 +182,21 @@ def test_build_topology_validates():
         Ring(3).out_peers(3, 0)
     with pytest.raises(ValueError):
         ExponentialGraph(0)
+
+
+@pytest.mark.parametrize("name", ["exponential", "ring", "complete", "random"])
+def test_arc_arrays_are_the_arcs_on_fixed_and_member_graphs(name):
+    """What push-sum's fault-free weights read every step (arc_arrays) is arcs(), as arrays that
+    nobody can write: on the run's graph and on graphs over changing members (a leave at step 5,
+    a join at step 9), one cycle after another."""
+    fixed = build_topology(name, 9, peers_per_step=2, seed=3)
+    views = {0: tuple(range(9)), 5: (0, 1, 2, 4, 5, 6, 7, 8), 9: (0, 1, 2, 4, 5, 6, 7, 8, 11)}
+    members = member_topology(name, 12, lambda step: views[max(k for k in views if k <= step)],
+                              peers_per_step=2, seed=3)
+    for graph in (fixed, members):
+        for step in range(16):
+            senders, receivers = graph.arc_arrays(step)
+            assert list(zip(senders.tolist(), receivers.tolist())) == list(graph.arcs(step))
+            assert senders.dtype == receivers.dtype == np.int64
+            with pytest.raises(ValueError):
+                senders[:1] = 0  # (a cached array: read-only)

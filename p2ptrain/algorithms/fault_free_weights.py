@@ -32,6 +32,7 @@ class FaultFreeWeights:
             raise ValueError(f"overlap τ must be >= 0, got {overlap}")
         self.topology, self.tau = topology, overlap
         self._members = set(topology.members(0))
+        self._seen: tuple[int, ...] | None = None  # the members tuple last compared with _members
         self.psi = np.zeros(topology.world_size)  # weight held at each node (shares in flight excluded)
         self.psi[sorted(self._members)] = 1.0
         self.in_flight: deque[tuple[int, np.ndarray, np.ndarray]] = deque()  # (step, receivers, weights)
@@ -81,14 +82,14 @@ class FaultFreeWeights:
         self.flush(step - 1)
 
     def _step(self, k: int) -> None:
-        members = set(self.topology.members(k))
-        if members != self._members:
-            self._switch(members)
-        arcs = self.topology.arcs(k)
+        members = self.topology.members(k)
+        if members is not self._seen:  # (the same tuple object while the view holds: no O(n) set)
+            self._seen = members
+            if set(members) != self._members:
+                self._switch(set(members))
+        senders, receivers = self.topology.arc_arrays(k)
         psi = self.psi
-        if arcs:
-            senders, receivers = (np.fromiter((arc[i] for arc in arcs), dtype=np.int64, count=len(arcs))
-                                  for i in (0, 1))
+        if senders.size:
             keep = 1.0 / (np.bincount(senders, minlength=psi.size) + 1.0)
             self.in_flight.append((k, receivers, keep[senders] * psi[senders]))
             psi *= keep

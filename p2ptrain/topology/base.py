@@ -8,6 +8,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from functools import lru_cache
 
+import numpy as np
+
 
 class Topology(ABC):
     """A time-varying directed graph over ranks 0..world_size-1 (no self loops)."""
@@ -21,6 +23,7 @@ class Topology(ABC):
         # Per-instance caches of the in-neighbour table and the arcs; steps repeat for periodic schedules.
         self._in_table = lru_cache(maxsize=256)(self._compute_in_table)
         self._arcs = lru_cache(maxsize=256)(self._compute_arcs)
+        self._arc_arrays = lru_cache(maxsize=256)(self._compute_arc_arrays)
 
     @abstractmethod
     def out_peers(self, rank: int, step: int) -> list[int]:
@@ -39,6 +42,11 @@ class Topology(ABC):
         """Every (sender, receiver) pair of `step`, senders in rank order: the whole graph at once, for
         what simulates every node (push-sum's fault-free weights) rather than asks for one."""
         return self._arcs(self._cache_key(step))
+
+    def arc_arrays(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """arcs(step) as two read-only int64 arrays, (senders, receivers): cached like the arcs, so
+        what simulates every node each step pays no Python loop over the graph."""
+        return self._arc_arrays(self._cache_key(step))
 
     def mixing_weight(self, rank: int, step: int) -> float:
         """Uniform push weight: `rank` keeps and sends p = 1 / (out-degree + 1) of its mass."""
@@ -83,9 +91,19 @@ class Topology(ABC):
         return tuple((sender, receiver) for sender in range(self.world_size)
                      for receiver in self.out_peers(sender, step))
 
+    def _compute_arc_arrays(self, key: int) -> tuple[np.ndarray, np.ndarray]:
+        return read_only_columns(self._arcs(key))
+
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside 0..{self.world_size - 1}")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(world_size={self.world_size})"
+
+
+def read_only_columns(arcs) -> tuple[np.ndarray, np.ndarray]:
+    """(senders, receivers) of `arcs` as read-only int64 arrays (shared by every caller of a cache)."""
+    columns = np.array(arcs, dtype=np.int64).reshape(-1, 2).T.copy()
+    columns.setflags(write=False)
+    return columns[0], columns[1]

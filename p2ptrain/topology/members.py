@@ -11,6 +11,8 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Callable
 
+import numpy as np
+
 from p2ptrain.topology.base import Topology
 from p2ptrain.topology.undirected import UndirectedGraph
 
@@ -25,6 +27,7 @@ class MemberTopology(Topology):
         self._build = lru_cache(maxsize=None)(build)
         self.members_at = members_at
         self.name = self._build(world_size).name
+        self._ranks = lru_cache(maxsize=8)(member_ranks)  # members tuple -> its ranks as an array
 
     def _graph(self, step: int) -> tuple[tuple[int, ...], Topology]:
         members = self.members_at(step)
@@ -49,6 +52,17 @@ class MemberTopology(Topology):
         members, graph = self._graph(step)  # the k-node graph's arcs are cached by its own period
         return tuple((members[i], members[j]) for i, j in graph.arcs(step))
 
+    def arc_arrays(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """The k-node graph's arrays (cached by its period) mapped to the members' ranks: no Python
+        loop over the members, each step of a thousand-node run."""
+        members, graph = self._graph(step)
+        senders, receivers = graph.arc_arrays(step)
+        ranks = self._ranks(members)
+        mapped = ranks[senders], ranks[receivers]
+        for column in mapped:
+            column.setflags(write=False)
+        return mapped
+
     def period(self) -> int | None:
         return None  # members change: no in-table is reused across steps
 
@@ -60,6 +74,10 @@ class MemberTopology(Topology):
             return frozenset()
         near = graph.neighbourhood(members.index(rank), step)
         return None if near is None else frozenset(members[j] for j in near)
+
+
+def member_ranks(members: tuple[int, ...]) -> np.ndarray:
+    return np.array(members, dtype=np.int64)
 
 
 class MemberGraph:
