@@ -249,7 +249,8 @@ class Greetings:
         return self._adopt(view, sender)
 
     def _live_members(self, ranks) -> list[int]:
-        return [p for p in self.liveness.live(ranks) if p in self.views.latest.members]
+        members = self.views.latest.member_set
+        return [p for p in self.liveness.live(ranks) if p in members]
 
     def _adopt(self, view: View, sender: int) -> bool:
         for member, address in zip(view.members, view.addresses):
@@ -581,7 +582,7 @@ class Greetings:
 
     def joining(self, peer: int) -> bool:
         """`peer` is not a member of the latest view: it joins (or comes back after leaving)."""
-        return peer not in self.views.latest.members
+        return peer not in self.views.latest.member_set
 
     def _pop_state_requests(self) -> list[tuple[int, bool]]:
         requests, self._state_requests = self._state_requests, []

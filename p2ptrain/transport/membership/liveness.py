@@ -85,7 +85,7 @@ class Liveness:
     def _is_member(self, peer: int) -> bool:
         """In the latest view: a node that left, or has not joined yet, is not judged lagging and
         does not count towards `behind`."""
-        return peer in self.views.latest.members
+        return peer in self.views.latest.member_set
 
     def _joins_later(self, peer: int) -> bool:
         """A member since a view switch: it is awaited from the step it announces (>= the switch),
