@@ -4,6 +4,7 @@ fail on every member (input untouched) when one gives a step up or holds NaN, af
 call completes."""
 from __future__ import annotations
 
+import mmap
 import multiprocessing
 import resource
 import time
@@ -14,7 +15,7 @@ import torch
 from p2ptrain.algorithms.collectives import CollectiveIncomplete, RingAllReduce
 from p2ptrain.algorithms.host_allreduce import HostAllReduce
 from p2ptrain.communicator import Communicator
-from p2ptrain.transport import Transport, TransportOptions, host_memory
+from p2ptrain.transport import Transport, TransportOptions, host_memory, shared_segment
 from p2ptrain.transport.faults import LinkTable
 from tests.cluster import run_cluster
 
@@ -187,3 +188,22 @@ def test_a_communicator_offers_host_memory_only_where_nothing_stands_between_the
     if made is not None:
         made.close()
     comm.close()
+
+
+def test_a_region_left_mid_publication_reads_as_nothing_instead_of_hanging_its_readers():
+    """An owner killed between the two stores of a publication leaves its generation odd: readers
+    get None (which host_allreduce.py reads as a member still behind, until its deadline or death
+    ends the wait), not an endless spin."""
+    own = host_memory.OwnRegion(64)
+    own.publish(5, 6)
+    pid, fd, nonce = own.offer
+    peer = host_memory.PeerRegion.open(pid, fd, nonce, 64)
+    assert peer.read()[:2] == (5, 6)
+    with open(f"/proc/{pid}/fd/{fd}", "r+b") as raw, mmap.mmap(raw.fileno(), 0) as mapped:
+        generation = shared_segment.HEADER_BYTES
+        mapped[generation:generation + 4] = (peer.generation() + 1).to_bytes(4, "little")  # (as if killed)
+        assert peer.read() is None
+        mapped[generation:generation + 4] = (peer.generation() + 1).to_bytes(4, "little")
+    assert peer.read()[:2] == (5, 6)
+    peer.close()
+    own.close()

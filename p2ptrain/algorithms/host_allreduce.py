@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 # (step and key of the last R) outlives the mark: a member may go on before the others copied R.
 WRITING, WRITTEN, REDUCED, ABANDONED, AGREEING = range(5)
 PHASES = 8
+UNREADABLE = (-1, 0, -1, 0)  # what a region reads as while its words cannot be read (a peer killed mid-store)
 OFFER_FIELDS = 3  # pid, fd, nonce
 MAX_BYTES = 1 << 30  # larger tensors stay on the ring: a region holds 1.5 copies of the tensor
 POLL_SECONDS = 0.1  # how often a wait looks at the membership (why waiting is hopeless), between wake-ups
@@ -211,7 +212,7 @@ class HostAllReduce:
         seen, limit = None, time.monotonic() + deadline
         while True:
             generation = region.generation()
-            mark, their_key, reduced, reduced_key = region.read()[:4]
+            mark, their_key, reduced, reduced_key = (region.read() or UNREADABLE)[:4]
             at, their_phase = divmod(mark, PHASES)
             if phase == REDUCED and (reduced, reduced_key) == (step, key):
                 return
@@ -239,13 +240,13 @@ class HostAllReduce:
         """`peer`'s sum was not rewritten while it was copied (it starts a new one only once every
         member wrote a later step: with the same members never before this node's; with others, at
         a view this node did not take)."""
-        if tuple(region.read()[2:4]) != (step, key):
+        if tuple((region.read() or UNREADABLE)[2:4]) != (step, key):
             raise CollectiveIncomplete(f"node {self.rank}: step-{step} host all-reduce: node {peer} rewrote its "
                                        "sum while it was copied")
 
     def _still(self, region, peer: int, step: int) -> None:
         """`peer` has not given this step up (nor gone on): the input read from it is this step's."""
-        at, their_phase = divmod(region.read()[0], PHASES)
+        at, their_phase = divmod((region.read() or UNREADABLE)[0], PHASES)
         if at != step or not WRITTEN <= their_phase < ABANDONED:
             raise CollectiveIncomplete(f"node {self.rank}: step-{step} host all-reduce: node {peer} rewrote its "
                                        "input while it was read")

@@ -27,6 +27,7 @@ WORDS = 6  # 64-bit words an owner publishes at once, after its 32-bit generatio
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202}.get(platform.machine().lower())
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _WAKE_ALL = 2**31 - 1
+READ_TRIES = 10_000  # reads of a generation left odd before read() gives up (a live owner takes ~1 µs)
 NONCE_BITS = 52  # a nonce travels in a float64 (an all-reduce of offers): exact up to 2**53
 
 
@@ -43,7 +44,10 @@ def supported() -> bool:
 
 
 class Region:
-    """A mapped region: its data bytes, and the words its owner last published, read whole."""
+    """A mapped region: its data bytes, and the words its owner last published, read whole.
+    Subclasses hold the mapping as `_segment` (shared_segment.py)."""
+
+    _segment: shared_segment.OwnSegment | shared_segment.PeerSegment
 
     def __init__(self, area: numpy.ndarray, nbytes: int):
         self._generation = area[0:4].view(numpy.int32)
@@ -56,16 +60,18 @@ class Region:
     def generation(self) -> int:
         return int(self._generation[0])
 
-    def read(self) -> tuple[int, ...]:
+    def read(self) -> tuple[int, ...] | None:
         """The WORDS words of one publication: a seqlock (the generation is odd while the owner
-        writes them and moves on after), so never half of one publication and half of the next."""
-        while True:
+        writes them and moves on after), so never half of one publication and half of the next.
+        None where none could be read: an owner killed between its stores leaves it odd."""
+        for _ in range(READ_TRIES):
             before = int(self._generation[0])
             if before & 1:
                 continue  # (the owner is between two stores of a few words)
             words = tuple(int(word) for word in self._words)
             if int(self._generation[0]) == before:
                 return words
+        return None
 
     def wait(self, generation: int, timeout: float) -> None:
         """Sleep until the owner publishes past `generation` (or `timeout` seconds pass; a spurious
@@ -76,6 +82,14 @@ class Region:
         spec = _Timespec(int(whole), int(fraction * 1e9))
         _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(self._address), ctypes.c_int(_FUTEX_WAIT),
                       ctypes.c_int(generation), ctypes.byref(spec), None, ctypes.c_int(0))
+
+    def close(self) -> None:
+        """Unmap (a tensor still viewing `data` keeps the mapping until it goes)."""
+        self._generation = self._words = self.data = None
+        try:
+            self._segment.close()
+        except BufferError:
+            pass
 
 
 class OwnRegion(Region):
@@ -103,14 +117,6 @@ class OwnRegion(Region):
             _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(self._address), ctypes.c_int(_FUTEX_WAKE),
                           ctypes.c_int(_WAKE_ALL), None, None, ctypes.c_int(0))
 
-    def close(self) -> None:
-        """Unmap (a tensor still viewing `data` keeps the mapping until it goes)."""
-        self._generation = self._words = self.data = None
-        try:
-            self._segment.close()
-        except BufferError:
-            pass
-
 
 class PeerRegion(Region):
     """Another process's region of this host, mapped read-only."""
@@ -126,14 +132,6 @@ class PeerRegion(Region):
         if not supported():
             raise ValueError("no host regions on this platform")
         return cls(shared_segment.PeerSegment.open(pid, fd, CONTROL_BYTES + nbytes, nonce_bytes(nonce)), nbytes)
-
-    def close(self) -> None:
-        """Unmap (a tensor still viewing `data` keeps the mapping until it goes)."""
-        self._generation = self._words = self.data = None
-        try:
-            self._segment.close()
-        except BufferError:
-            pass
 
 
 def nonce_bytes(nonce: int) -> bytes:
