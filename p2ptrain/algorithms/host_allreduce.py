@@ -236,17 +236,31 @@ class HostAllReduce:
                                            "link deadline")
             region.wait(generation, min(limit - now, POLL_SECONDS))
 
+    def _settled(self, region) -> tuple[int, ...]:
+        """The region's words, waiting (a link deadline at most) for an owner that was preempted
+        between the stores of a publication; UNREADABLE if it never finishes it (killed there)."""
+        limit = time.monotonic() + self.comm.link_deadline
+        while True:
+            generation = region.generation()
+            words = region.read()
+            if words is not None:
+                return words
+            remaining = limit - time.monotonic()
+            if remaining <= 0:
+                return UNREADABLE
+            region.wait(generation, min(remaining, POLL_SECONDS))
+
     def _copied(self, region, peer: int, step: int, key: int) -> None:
         """`peer`'s sum was not rewritten while it was copied (it starts a new one only once every
         member wrote a later step: with the same members never before this node's; with others, at
         a view this node did not take)."""
-        if tuple((region.read() or UNREADABLE)[2:4]) != (step, key):
+        if tuple(self._settled(region)[2:4]) != (step, key):
             raise CollectiveIncomplete(f"node {self.rank}: step-{step} host all-reduce: node {peer} rewrote its "
                                        "sum while it was copied")
 
     def _still(self, region, peer: int, step: int) -> None:
         """`peer` has not given this step up (nor gone on): the input read from it is this step's."""
-        at, their_phase = divmod((region.read() or UNREADABLE)[0], PHASES)
+        at, their_phase = divmod(self._settled(region)[0], PHASES)
         if at != step or not WRITTEN <= their_phase < ABANDONED:
             raise CollectiveIncomplete(f"node {self.rank}: step-{step} host all-reduce: node {peer} rewrote its "
                                        "input while it was read")
