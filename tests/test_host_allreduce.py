@@ -207,3 +207,16 @@ def test_a_region_left_mid_publication_reads_as_nothing_instead_of_hanging_its_r
     assert peer.read()[:2] == (5, 6)
     peer.close()
     own.close()
+
+
+@pytest.mark.parametrize("offer", [(-1, 3, 5), (0, 3, 5), (1, -3, 5), (2**40, 3, 5), ("own", 2**70, None),
+                                   ("own", -5, None), ("own", None, -7), ("own", None, 2**64)])
+def test_an_absurd_offer_from_a_peer_is_refused_with_a_value_error(offer):
+    """What a buggy or hostile member can put in the offers all-reduce: any finite numbers. Each is
+    a ValueError (the member stays on the ring), never another exception out of the round."""
+    own = host_memory.OwnRegion(64)
+    pid, fd, nonce = own.offer
+    offer = tuple(mine if given in ("own", None) else given for given, mine in zip(offer, (pid, fd, nonce)))
+    with pytest.raises(ValueError):
+        host_memory.PeerRegion.open(*offer, 64)
+    own.close()

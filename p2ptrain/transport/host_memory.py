@@ -131,6 +131,8 @@ class PeerRegion(Region):
         used: another host or network namespace, the process is gone, or the size or nonce differ."""
         if not supported():
             raise ValueError("no host regions on this platform")
+        if not 0 < nonce < 1 << NONCE_BITS:  # (an offer comes from a peer: an absurd one is refused, not raised on)
+            raise ValueError(f"a nonce outside (0, 2**{NONCE_BITS}): {nonce}")
         return cls(shared_segment.PeerSegment.open(pid, fd, CONTROL_BYTES + nbytes, nonce_bytes(nonce)), nbytes)
 
 
