@@ -154,8 +154,7 @@ class HostAllReduce:
 
         key = members_key(members)
         own, m = self.region, len(members)
-        mine = own.data[:self.numel * self.dtype.itemsize].view(self.dtype)
-        result = own.data[self.numel * self.dtype.itemsize:].view(self.dtype)
+        mine, result = self._data(own), self._data(own, result=True)
         own.publish(step * PHASES + WRITING, key, wake=False)  # (readers of the data before: it changes now)
         mine.copy_(tensor.view(-1))
         own.publish(step * PHASES + WRITTEN, key)
