@@ -32,17 +32,20 @@ def numeric(value) -> bool:
 @pytest.mark.timeout(300)
 def test_bench_peers_runs_ddp_and_every_variant_with_ratios(tmp_path):
     proc = run("bench", "peers", "--nodes", "2", "--steps", "20", "--width", "32", "--no-hivemind", "--json",
-               "--algorithms", "allreduce,allreduce-ring,allreduce-models,sgp-tau1", "--eval-every", "5",
+               "--algorithms", "local,allreduce,allreduce-ring,allreduce-models,sgp-tau1", "--eval-every", "5",
                "--out", str(tmp_path),
                "--extra", "--num-train 1200 --num-test 300")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     names = [v["name"] for v in result["variants"]]
-    assert names == [BASELINE, "allreduce", "allreduce-ring", "allreduce-models", "sgp-tau1"]
+    assert names == [BASELINE, peers.FLOOR, "allreduce", "allreduce-ring", "allreduce-models", "sgp-tau1"]
     for variant in result["variants"]:
         assert variant["error"] is None, variant
         for key in ("step_seconds", "cpu_seconds_per_step", "bytes_per_step", "test_accuracy", "wall_seconds",
                     "step_p50", "step_p95", "step_max", "wall_per_step"):
+            if key == "bytes_per_step" and variant["name"] == peers.FLOOR:
+                assert variant[key] == 0  # every node alone: nothing sent
+                continue
             assert numeric(variant[key]) and variant[key] > 0, (variant["name"], key, variant[key])
         assert variant["step_p50"] <= variant["step_p95"] <= variant["step_max"], variant
         assert variant["step_seconds"] <= variant["step_max"], variant
@@ -66,6 +69,9 @@ def test_bench_peers_runs_ddp_and_every_variant_with_ratios(tmp_path):
     assert by_name["sgp-tau1"]["bytes_per_step"] == pytest.approx(by_name[BASELINE]["bytes_per_step"], rel=0.02)
     # AllReduce of gradients is DDP's math on the same shards, batches and initial model
     assert by_name["allreduce"]["test_accuracy"] == pytest.approx(by_name[BASELINE]["test_accuracy"], abs=0.02)
+    # the floor row is DDP's loop alone: it reaches an accuracy of its own (each shard trained apart)
+    assert 0 < by_name[peers.FLOOR]["test_accuracy"] <= 1
+    assert "the least a step costs on this host" in proc.stderr
     checks = {t["check"] for t in result["targets"]}
     assert "SGP tau=1 step vs DDP" in checks and "AllReduce-SGD (gradients) step vs DDP" in checks
     assert "x DDP" in proc.stderr and ("PASS" in proc.stderr or "MISS" in proc.stderr)
@@ -131,6 +137,19 @@ def test_targets_are_ratios_to_ddp_of_the_same_run():
     assert checks["SGP tau=1 mean step over its median"][1:] == (pytest.approx(1.25), 1.15, False)
     assert checks["SGP tau=1 time to target accuracy vs DDP"][1] == math.inf  # never reached it
     assert [c[0] for c in check_targets(results, "netns, cap 200mbit")] == ["SGP tau=1 step vs DDP"]
+
+
+def test_above_floor_is_the_share_of_ddps_cost_of_communicating():
+    """(variant - local) / (DDP - local), on the mean steps: 0 = communicates for free, 1 = as DDP."""
+    def result(name, seconds):
+        return PeersResult(name, 4, 200, step_seconds=seconds)
+
+    results = [result(BASELINE, 0.040), result(peers.FLOOR, 0.020), result("allreduce", 0.030),
+               result("sgp-tau1", 0.045), result("dpsgd", math.nan)]
+    assert peers.above_floor(results) == {"allreduce": pytest.approx(0.5), "sgp-tau1": pytest.approx(1.25),
+                                          "dpsgd": None}
+    assert peers.above_floor(results[:1] + results[2:]) == {}  # no local row
+    assert peers.above_floor([result(BASELINE, 0.020), result(peers.FLOOR, 0.021)]) == {}  # DDP no slower
 
 
 def test_rounds_combine_into_means_with_each_rounds_ratio_to_its_own_ddp_run():

@@ -5,7 +5,9 @@ start `p2ptrain node`, in a network namespace too): the same settings, data shar
 optimizer, batches and evaluation as a p2ptrain node (p2ptrain.train.setup), but trained by
 torch.nn.parallel.DistributedDataParallel over a gloo process group whose store is hosted by rank 0
 at rank 0's node address. It writes the run folder's files as a node does (RunRecorder), so the
-launcher and the benchmark read both the same way. Benchmark code: never used to train.
+launcher and the benchmark read both the same way. With `--no-communication` every rank trains its
+shard alone (no process group): the host's compute floor, `bench peers`' "local" row. Benchmark
+code: never used to train.
 
 Bytes per step are not counted by gloo: the figure written is what its ring all-reduce sends per
 node for the gradient buckets, 2 (n - 1) / n of the gradient bytes (the bandwidth-optimal amount,
@@ -49,7 +51,12 @@ def ring_bytes_per_step(model, world_size: int) -> float:
     return 2 * (world_size - 1) / world_size * grad_bytes
 
 
-def train(config) -> dict:
+NO_COMMUNICATION = "--no-communication"  # (taken off the argv before the node flags are parsed)
+
+
+def train(config, communicate: bool = True) -> dict:
+    """Train as one DDP rank; `communicate=False`: the same loop with no process group and no
+    gradient averaging (what a step costs this host when no algorithm communicates at all)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -63,19 +70,20 @@ def train(config) -> dict:
     torch.set_num_threads(config.threads)
     own_host = host_of(config.listen or config.peers[config.rank])
     os.environ["GLOO_SOCKET_IFNAME"] = interface_of(own_host)
-    master_host, master_port = split_address(config.peers[0])
     loader, test_loader, model, device = training_setup(config)
     out = Path(config.out) if config.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
     recorder = RunRecorder(out, f"node{config.rank}", rank=config.rank, log_every=config.log_every)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://{master_host}:{master_port}",
-                                rank=config.rank, world_size=config.world_size,
-                                timeout=datetime.timedelta(seconds=config.peer_timeout))
-        ddp = DistributedDataParallel(model)
+        if communicate:
+            master_host, master_port = split_address(config.peers[0])
+            dist.init_process_group("gloo", init_method=f"tcp://{master_host}:{master_port}",
+                                    rank=config.rank, world_size=config.world_size,
+                                    timeout=datetime.timedelta(seconds=config.peer_timeout))
+        ddp = DistributedDataParallel(model) if communicate else model
         optimizer = build_optimizer(config, model)
-        per_step = ring_bytes_per_step(model, config.world_size)
+        per_step = ring_bytes_per_step(model, config.world_size) if communicate else 0.0
         clock = StepClock()
 
         def evaluated(step: int) -> None:
@@ -85,7 +93,8 @@ def train(config) -> dict:
                             test_accuracy=test_accuracy)
 
         batches = cycle(loader)
-        dist.barrier()
+        if communicate:
+            dist.barrier()
         clock.restart()
         sent = 0.0
         for step in range(1, config.steps + 1):
@@ -103,10 +112,12 @@ def train(config) -> dict:
                 evaluated(step)
         evaluated(config.steps)
         flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
-        summary = {"rank": config.rank, **recorder.summary(), "algorithm": "ddp", "topology": "ring",
-                   "bytes_sent": int(sent), "bytes_received": int(sent), "device": device.type}
+        summary = {"rank": config.rank, **recorder.summary(), "algorithm": "ddp" if communicate else "local",
+                   "topology": "ring" if communicate else "none", "bytes_sent": int(sent),
+                   "bytes_received": int(sent), "device": device.type}
         result = recorder.finish(summary, flat)
-        dist.destroy_process_group()
+        if communicate:
+            dist.destroy_process_group()
         return result
     except BaseException as exc:
         recorder.event("error", message=f"{type(exc).__name__}: {exc}")
@@ -118,8 +129,12 @@ def train(config) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from p2ptrain.cli.flags import node_config_from_argv
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    communicate = NO_COMMUNICATION not in argv
+    argv = [arg for arg in argv if arg != NO_COMMUNICATION]
     train(node_config_from_argv("python -m p2ptrain.bench.ddp",
-                                "one rank of the torch DDP (gloo) baseline of bench peers", argv))
+                                "one rank of the torch DDP (gloo) baseline of bench peers "
+                                f"({NO_COMMUNICATION}: each rank alone)", argv), communicate)
     return 0
 
 if __name__ == "__main__":

@@ -7,8 +7,9 @@ DecentralizedAverager when the optional `hivemind` extra is installed
 (p2ptrain.bench.hivemind_node). Per variant: step time after warm-up (mean, median, 95th
 percentile and maximum), training seconds per step, time to a target test accuracy (default:
 DDP's final one, less 0.005), CPU seconds and payload bytes per step per node, and ratios to DDP
-measured in the same run on the mean step time. `--netns --bandwidth B` runs every variant, DDP
-included, inside the network-namespace cluster with kernel (tc tbf) caps.
+measured in the same run on the mean step time. The "local" row trains every shard alone, with no
+communication: the floor no variant's step goes below on this host. `--netns --bandwidth B` runs
+every variant, DDP included, inside the network-namespace cluster with kernel (tc tbf) caps.
 """
 from __future__ import annotations
 
@@ -23,9 +24,13 @@ from pathlib import Path
 
 from p2ptrain.bench.algorithms import VARIANTS as ALGORITHM_VARIANTS
 from p2ptrain.bench.clusters import fmt, nan_if_none, print_table, variant_dir
+from p2ptrain.bench.ddp import NO_COMMUNICATION
 
 BASELINE = "ddp"
 HIVEMIND = "hivemind"
+# every node trains its shard alone (DDP's loop without its process group): the compute floor.
+# On a host whose cores the nodes share, a step cannot cost less than that, whatever communicates.
+FLOOR = "local"
 # name -> node flags of the p2ptrain variants (--algorithms selects among them)
 VARIANTS: dict[str, list[str]] = {
     "allreduce": ["--algorithm", "allreduce"],  # gradients averaged before the step, as DDP
@@ -36,7 +41,7 @@ VARIANTS: dict[str, list[str]] = {
     "allreduce-bucket25": ["--algorithm", "allreduce", "--buckets-mb", "25"],  # DDP's default: one bucket here
     **{name: flags for name, flags in ALGORITHM_VARIANTS.items() if name != "allreduce"},
 }
-DEFAULT_ALGORITHMS = ("allreduce", "allreduce-models", "sgp-tau1")
+DEFAULT_ALGORITHMS = ("local", "allreduce", "allreduce-models", "sgp-tau1")
 # The default target is DDP's final accuracy less this: AllReduce-SGD of gradients computes DDP's
 # model up to float rounding, which moves a 2,000-sample test accuracy by a sample or two (0.907 vs 0.908
 # seen), and that must not read as "never reached".
@@ -92,8 +97,9 @@ def add_arguments(parser) -> None:
                         help="MLP width (default 640: 0.92 M parameters, 3.7 MB)")
     parser.add_argument("--batch-size", type=int, default=32, help="per-node batch size (default 32)")
     parser.add_argument("--algorithms", default=",".join(DEFAULT_ALGORITHMS),
-                        help=f"comma-separated p2ptrain variants of {','.join(VARIANTS)} "
-                             f"(default {','.join(DEFAULT_ALGORITHMS)})")
+                        help=f"comma-separated p2ptrain variants of {','.join(VARIANTS)}, or {FLOOR} (every "
+                             "node trains alone, no communication: the floor a step cannot go below on this "
+                             f"host) (default {','.join(DEFAULT_ALGORITHMS)})")
     parser.add_argument("--target-accuracy", type=float, default=None,
                         help="test accuracy the time-to-accuracy column measures (default: DDP's final one less "
                              f"{TARGET_SLACK})")
@@ -132,10 +138,10 @@ def module_argv(module: str):
 
 def main(args) -> int:
     names = [v.strip() for v in args.algorithms.split(",") if v.strip()]
-    unknown = [v for v in names if v not in VARIANTS]
+    unknown = [v for v in names if v not in VARIANTS and v != FLOOR]
     if unknown or not names:
-        print(f"p2ptrain bench peers: unknown algorithm variant(s) {unknown}; choose from {', '.join(VARIANTS)}",
-              file=sys.stderr)
+        print(f"p2ptrain bench peers: unknown algorithm variant(s) {unknown}; choose from {', '.join(VARIANTS)}, "
+              f"{FLOOR}", file=sys.stderr)
         return 2
     if args.nodes < 2 or args.steps < 2 or args.rounds < 1:
         print("p2ptrain bench peers: --nodes and --steps must be >= 2, --rounds >= 1", file=sys.stderr)
@@ -162,7 +168,8 @@ def main(args) -> int:
               "--eval-every", str(eval_every), *(["--num-test", str(args.num_test)] if args.num_test else []),
               *args.extra.split()]
     runs: list[tuple[str, list[str], object]] = [(BASELINE, BASELINE_FLAGS, module_argv("p2ptrain.bench.ddp"))]
-    runs += [(name, VARIANTS[name], None) for name in names]
+    runs += [(name, [*BASELINE_FLAGS, NO_COMMUNICATION], module_argv("p2ptrain.bench.ddp")) if name == FLOOR
+             else (name, VARIANTS[name], None) for name in names]
     if args.hivemind and hivemind_available():
         runs.append((HIVEMIND, BASELINE_FLAGS, module_argv("p2ptrain.bench.hivemind_node")))
     elif args.hivemind:
@@ -196,8 +203,9 @@ def main(args) -> int:
                           "baseline": BASELINE, "variants": [r.to_dict() for r in results],
                           "rounds": [[r.to_dict() for r in one] for one in rounds] if len(rounds) > 1 else None,
                           "round_ratios": per_round,
-                          "ratios": ratios(results), "targets": [dict(zip(("check", "ratio", "limit", "ok"), c))
-                                                                 for c in check_targets(results, where)]},
+                          "ratios": ratios(results), "above_floor": above_floor(results),
+                          "targets": [dict(zip(("check", "ratio", "limit", "ok"), c))
+                                      for c in check_targets(results, where)]},
                          indent=2, default=str))
     return 0 if not any(r.error for r in results) else 1
 
@@ -365,6 +373,19 @@ def ratios(results: list[PeersResult]) -> dict[str, dict[str, float | None]]:
                      "tail": over(r.step_seconds, r.step_p50)} for r in results}
 
 
+def above_floor(results: list[PeersResult]) -> dict[str, float | None]:
+    """Each variant's mean step above the "local" row's (no communication) over DDP's above it: the
+    share of DDP's cost of communicating that the variant pays (0: it communicates for free, 1: as
+    DDP). Empty without a local row, or where DDP is no slower than it."""
+    by_name = {r.name: r for r in results}
+    base, floor = by_name.get(BASELINE), by_name.get(FLOOR)
+    if base is None or floor is None or not base.step_seconds > floor.step_seconds:
+        return {}
+    overhead = base.step_seconds - floor.step_seconds
+    return {r.name: (r.step_seconds - floor.step_seconds) / overhead if math.isfinite(r.step_seconds) else None
+            for r in results if r.name not in (BASELINE, FLOOR)}
+
+
 def check_targets(results: list[PeersResult], network: str) -> list[tuple[str, float, float, bool]]:
     """(description, ratio, limit, met) of the issue's targets for this network (loopback/netns)."""
     table = ratios(results)
@@ -406,6 +427,13 @@ def report(results: list[PeersResult], target: float | None, source: str, networ
         print("x DDP's mean step, round by round: " + "; ".join(
             f"{name} {', '.join(fmt(x, '{:.2f}') for x in values)}" for name, values in per_round.items()
             if name != BASELINE), file=stream)
+    shares = above_floor(results)
+    floor = next((r for r in results if r.name == FLOOR), None)
+    if floor is not None and math.isfinite(floor.step_seconds):
+        print(f"{FLOOR}: every node alone, no communication: {floor.step_seconds * 1000:.1f} ms a step, "
+              f"{fmt(table.get(FLOOR, {}).get('step'), '{:.2f}')}x DDP, the least a step costs on this host. "
+              "Above it, each variant's share of DDP's cost of communicating: " +
+              (", ".join(f"{name} {fmt(share, '{:.2f}')}" for name, share in shares.items()) or "none"), file=stream)
     checks = check_targets(results, network)
     if checks:
         print(file=stream)

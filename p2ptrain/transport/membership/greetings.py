@@ -24,7 +24,7 @@ from p2ptrain.transport.loop_thread import LoopThread
 from p2ptrain.transport.membership import vetting
 from p2ptrain.transport.membership.identity import Identity
 from p2ptrain.transport.membership.liveness import Liveness
-from p2ptrain.transport.membership.views import MAX_ADDRESS, View, Views, gossip_targets
+from p2ptrain.transport.membership.views import MAX_ADDRESS, View, Views, brief, gossip_targets
 from p2ptrain.transport.paths.grpc_path import GrpcPath, nothing_listens
 from p2ptrain.transport.paths.lane_path import LanePorts
 from p2ptrain.transport.routes import RouteTable
@@ -782,8 +782,13 @@ class Greetings:
                     past.append(peer)
             if not past or self.views.latest != view:
                 break
+            if self._changed_members(into, out, placement) is None:  # (a join or leave is in the view: not again)
+                log.warning("node %d: node(s) %s already at step %d when view %d arrived: they trained the steps "
+                            "since over the members before it (what they sent is voided or folded in late)",
+                            self.rank, brief(past), view.switch_step, view.epoch)
+                break
             log.warning("node %d: node(s) %s already at step %d when view %d arrived; proposing again", self.rank,
-                        past, view.switch_step, view.epoch)
+                        brief(past), view.switch_step, view.epoch)
         return self.views.latest.switch_step
 
     def _changed_members(self, into, out, placement) -> list[int] | None:
