@@ -117,10 +117,15 @@ def identical(report: dict) -> Verdict:
     optimizer state where the algorithm keeps that equal too (rings averaging gradients). A node
     restarted so late that its view switched at or after the run's last step never trained as a
     member: it took a donor's state and ran the last steps alone, so it is not held to the
-    members' bits."""
+    members' bits. Nor is a node every other final member declared dead (it stalled past the
+    peer timeout near the end, and they finished without it: it had nobody left to rejoin);
+    the detail names it. Where that would leave nobody (each declared the other dead), all are
+    held."""
     steps = report.get("config", {}).get("steps")
     members = [n for n in final_members(report)
                if not (isinstance(steps, int) and isinstance(n.get("start_step"), int) and n["start_step"] >= steps)]
+    members, left_dead = _without_declared_dead(members)
+    aside = f"; node(s) {left_dead} not held: the other final members declared them dead" if left_dead else ""
     states = {n["rank"]: n.get("shared_state") for n in members}
     if not any(states.values()):
         return Verdict("identical", True, "n/a: the algorithm keeps no state identical across members",
@@ -132,10 +137,22 @@ def identical(report: dict) -> Verdict:
         figures["optimizer_state"], optimizer_problem = _one_digest(optimizer_states)
         problem = problem or optimizer_problem
         what += " and optimizer state"
+    figures["declared_dead"] = left_dead
     if problem:
-        return Verdict("identical", False, problem, figures)
+        return Verdict("identical", False, problem + aside, figures)
     return Verdict("identical", True, f"{what} bit-identical on {len(states)} final members "
-                                      f"(sha256 {next(iter(figures['digests'].values()))[:12]})", figures)
+                                      f"(sha256 {next(iter(figures['digests'].values()))[:12]}){aside}", figures)
+
+
+def _without_declared_dead(members: list[dict]) -> tuple[list[dict], list[int]]:
+    """`members` without those every other one lists among its dead peers (Node.close:
+    `dead_peers`), and their ranks; all of them where that would leave none."""
+    dead = [n for n in members if len(members) > 1 and all(n["rank"] in (other.get("dead_peers") or [])
+                                                           for other in members if other is not n)]
+    kept = [n for n in members if all(n is not d for d in dead)]
+    if not kept:
+        return members, []
+    return kept, sorted(n["rank"] for n in dead)
 
 
 def _one_digest(states: dict[int, dict | None]) -> tuple[dict, str | None]:

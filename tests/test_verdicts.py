@@ -98,6 +98,24 @@ def test_identical_compares_the_shared_state_digests_of_final_members(tmp_path):
     assert not verdicts.identical(write_run(tmp_path, in_time)).ok
 
 
+def test_identical_does_not_hold_a_node_every_other_final_member_declared_dead(tmp_path):
+    """A node frozen past the peer timeout near the end: the others declared it dead, dropped it
+    and finished; it woke to nobody and ended alone. It is named, not held to their bits. One
+    that only some declared dead is held, and so is everybody when each declared the other dead
+    (a split, not a straggler)."""
+    pair = [{"rank": r, "shared_state": _digest("a"), "dead_peers": [2]} for r in range(2)]
+    straggler = {"rank": 2, "shared_state": _digest("b"), "dead_peers": [0, 1]}
+    verdict = verdicts.identical(write_run(tmp_path, [*pair, straggler]))
+    assert verdict.ok and verdict.figures["declared_dead"] == [2]
+    assert verdict.detail == (f"model bit-identical on 2 final members (sha256 {'a' * 12}); node(s) [2] not held: "
+                              "the other final members declared them dead")
+    some = [pair[0], {**pair[1], "dead_peers": []}, straggler]
+    assert not verdicts.identical(write_run(tmp_path, some)).ok
+    split = [{**pair[0], "dead_peers": [1]}, {"rank": 1, "shared_state": _digest("b"), "dead_peers": [0]}]
+    verdict = verdicts.identical(write_run(tmp_path, split))
+    assert not verdict.ok and verdict.figures["declared_dead"] == []
+
+
 # --- mass --------------------------------------------------------------------------------------------
 
 def _kill(rank: int, lost: float, uncertain: float) -> dict:

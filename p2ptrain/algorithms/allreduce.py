@@ -248,6 +248,9 @@ class AllReduceSGD(Algorithm):
         (MemberRing.agree_at_end); untouched in a fault-free run."""
         return self.allreduce.agree_at_end(params, step)
 
+    def apart_at_end(self) -> bool:
+        return self.allreduce is not None and self.allreduce.apart
+
     def shared_state(self, params: torch.Tensor) -> tuple[str, torch.Tensor]:
         """Every member ends with the same model bits (the ring's all-gather forwards identical bytes)."""
         return "model", params

@@ -97,6 +97,9 @@ class Members(Protocol):
     def dead(self) -> frozenset[int]:
         """The peers this node declared dead."""
 
+    def finished(self) -> frozenset[int]:
+        """The peers that said their run is over (they take part in no collective any more)."""
+
     def asking_for_state(self) -> frozenset[int]:
         """Peers that gave their state up and wait for ours (a catch-up or a restart asked): a
         collective that waits for them cannot complete before this node serves them."""
@@ -292,6 +295,12 @@ class Algorithm(ABC):
         together again if faults left it apart (rings: a round some member skipped). Must change
         nothing in a fault-free run. None: nothing to change."""
         return None
+
+    def apart_at_end(self) -> bool:
+        """Faults left this node's shared state apart from the members' (rings: a round failed or
+        was skipped here since they last averaged): before agree_at_end the node then waits for
+        members far behind (Lifecycle.await_members_at_end). False in a fault-free run."""
+        return False
 
     def stats(self) -> dict[str, float]:
         """Scalars for metrics and progress lines (e.g. the push-sum weight)."""

@@ -86,6 +86,7 @@ class MemberRing:
         self._weight: float | None = None  # this node's w in the last model average (resync_state follows it)
         self._resynced_at: int | None = None  # the step whose model average completed (resync_state follows it)
         self._handed_at: int | None = None  # the step whose switch handed the model out (resync_state follows it)
+        self._averaged_over: tuple[int, ...] | None = None  # the members the last model average was over
         self._failures = 0  # rounds failed in a row
         # (bytes, start, end on time.monotonic(), switch step) of each state this node took with w = 0 or was handed
         self.received: list[tuple[float, float, float, int]] = []
@@ -152,6 +153,11 @@ class MemberRing:
             self._failures = 0
             self.comm.membership.realign()  # (nothing new while a switch is pending)
 
+    @property
+    def apart(self) -> bool:
+        """A round failed or was skipped here since the members last averaged."""
+        return self._apart
+
     def round_completed(self) -> None:
         self._failures = 0
 
@@ -168,7 +174,7 @@ class MemberRing:
         """At the first step of a view: the members' mean model, weight 0 on those that do not hold
         the members' state, handed out to those that enter (`params` unchanged if it cannot complete)."""
         self._weight = 1.0 if self.holds_state else 0.0
-        self._handed_at = None
+        self._handed_at = self._averaged_over = None
         if self._handing_out(step):
             averaged, done = self._hand_out(self.sync, self.handout, params, step, "models",
                                             with_state=self.state_handout is not None)
@@ -184,12 +190,22 @@ class MemberRing:
         failed on any member since the last switch average, or a member holds a donor's copy, the
         members average once more (weight 0 on such copies while any member holds the state) and
         end bit-identical. Otherwise `params` is returned untouched: in a fault-free run this costs
-        one 2-element all-reduce and changes no bit."""
+        one 2-element all-reduce and changes no bit.
+
+        Members this node declared dead, and those that said their run is over, are left out: no
+        view will drop them any more, and a ring with them cannot complete (the lifecycle first
+        waits for members far behind and greets the rest: one that answers comes level, one that
+        does not is declared dead). The others left out the same ones (they greeted them alike),
+        so they end bit-identical among themselves; a node that differs here fails the call on
+        all, as a wrong ring always does."""
         import torch
 
         self._resynced_at = self._handed_at = None
         self._flush_model_handout(before=step + 1)
-        members = self.comm.membership.members(step)
+        membership = self.comm.membership
+        gone = membership.dead() | membership.finished()
+        members = tuple(m for m in membership.members(step) if m not in gone)
+        self._averaged_over = members
         if self.rank not in members or len(members) == 1:
             return params
         flags = torch.tensor([1.0 if self._apart else 0.0, 1.0 if self.holds_state else 0.0], dtype=torch.float64)
@@ -202,7 +218,7 @@ class MemberRing:
         if apart == 0 and holders == len(members):
             return params
         weight = (1.0 if self.holds_state else 0.0) if holders > 0 else 1.0  # (nobody holds it: all alike)
-        averaged, done = self._average_at_switch(self.sync, params, step, "models (end of run)", weight)
+        averaged, done = self._average_at_switch(self.sync, params, step, "models (end of run)", weight, members)
         self.end_averages += done
         self._note(step, done)
         return averaged
@@ -216,7 +232,8 @@ class MemberRing:
             return self._hand_out(self.state_sync, self.state_handout, state, step, "optimizer states")[0]
         if self._resynced_at != step:
             return state
-        return self._average_at_switch(self.state_sync, state, step, "optimizer states", self._weight)[0]
+        return self._average_at_switch(self.state_sync, state, step, "optimizer states", self._weight,
+                                       self._averaged_over)[0]
 
     def _handing_out(self, step: int) -> bool:
         """The view switching at `step` has members that enter (and others that hold the state)."""

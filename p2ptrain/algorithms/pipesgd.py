@@ -148,6 +148,9 @@ class PipeSGD(Algorithm):
         (MemberRing.agree_at_end); untouched in a fault-free run."""
         return self.allreduce.agree_at_end(params, step)
 
+    def apart_at_end(self) -> bool:
+        return self.allreduce is not None and self.allreduce.apart
+
     def shared_state(self, params: torch.Tensor) -> tuple[str, torch.Tensor]:
         """Every member applies the same averaged gradient to the same model: the same bits."""
         return "model", params

@@ -9,9 +9,7 @@ launcher and the benchmark read both the same way. With `--no-communication` eve
 shard alone (no process group): the host's compute floor, `bench peers`' "local" row. Benchmark
 code: never used to train.
 
-Bytes per step are not counted by gloo: the figure written is what its ring all-reduce sends per
-node for the gradient buckets, 2 (n - 1) / n of the gradient bytes (the bandwidth-optimal amount,
-which p2ptrain's ring sends too).
+Bytes per step are what gloo's ring sends per node for the gradients: 2 (n - 1) / n of them.
 """
 from __future__ import annotations
 

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 STATE = pb.MESSAGE_KIND_STATE
 HOLD_BACK_POLL = 0.2  # seconds between looks at the members behind, while a node ahead waits for them
+# a joiner gives up when no member made a step for this many peer timeouts (fetch_state)
+STILL_CLUSTER_TIMEOUTS = 3
 
 
 class Phase(enum.Enum):
@@ -101,8 +103,11 @@ class Lifecycle:
         deadline) is asked again, and another peer if it stopped answering. It never gives up while
         a member with state may still answer and the cluster moves on: it stops with
         NoClusterToRejoin once every peer is gone or holds no state itself (the run has finished),
-        with PeerError when no member made a step for the peer timeout, or (`timeout`, a catch-up:
-        a member may train on alone and try again later) after `timeout` seconds. A member that
+        with PeerError when no member made a step for STILL_CLUSTER_TIMEOUTS peer timeouts (a
+        donor's step boundary may come only after a switch's model and optimizer-state averages
+        each waited up to the peer timeout for a stalled member, and its hand-outs: a joiner that
+        gave up after one timeout exited while its donor was about to serve it), or (`timeout`, a
+        catch-up: a member may train on alone and try again later) after `timeout` seconds. A member that
         catches up (`serve_at`: the step boundary it is at) serves state requests meanwhile: two
         nodes that each declared the other dead would otherwise wait for each other."""
         comm, membership, transport = self.comm, self.membership, self.comm.transport
@@ -122,7 +127,8 @@ class Lifecycle:
                     empty_since = None
                 elif empty_since is None:
                     empty_since = now
-                waited_out = now - moved_at >= comm.peer_timeout or (timeout is not None and now - started >= timeout)
+                still = STILL_CLUSTER_TIMEOUTS * comm.peer_timeout
+                waited_out = now - moved_at >= still or (timeout is not None and now - started >= timeout)
                 # every peer gone for two slices (one may be restarting too), or still gone when we give up,
                 # or gone with one of them saying it finished the run (a restarting one would find nobody either)
                 if empty_since is not None and (waited_out or now - empty_since >= 2 * wait or answers.finished):
@@ -130,7 +136,7 @@ class Lifecycle:
                                             f"finished): {answers.problems}")
                 if waited_out:
                     raise PeerError(f"node {self.rank}: no state from any peer within "
-                                    f"{min(comm.peer_timeout, timeout or comm.peer_timeout):.0f}s: {answers.problems}")
+                                    f"{min(still, timeout or still):.0f}s: {answers.problems}")
                 if answers.donor is None:
                     self._abort_join_if_leaving()
                     time.sleep(min(0.5, wait))
@@ -225,6 +231,41 @@ class Lifecycle:
         if behind:
             log.warning("node %d: members %s still over the lag limit behind after %.0fs; training on", self.rank,
                         behind, patience)
+
+    def await_members_at_end(self, step: int) -> None:
+        """Before the end of the run's agreement (Algorithm.agree_at_end), at the last step `step`:
+        wait for the members last heard of over the lag limit behind it, neither dead nor finished,
+        greeting them for their steps, then greet the other members once. Rings skip their rounds
+        while a pending view drops a member, so when that view switches past the end the members
+        run apart at compute speed, and one stalled meanwhile was past the step window: every end
+        agreement with it failed at once ("may differ at the end") and the members ended apart.
+        One that answers comes level and agrees with them; one that does not is declared dead,
+        and the agreement leaves it out (it ends alone, as a node the members saw die); the
+        greeting finds those gone since (a member that finished and exited), so that every node
+        takes the same members. At most two lag limits at this node's pace, at least three link
+        deadlines. The engine calls it only where the algorithm ended apart
+        (Algorithm.apart_at_end): never without faults. A leaver is no member there: it skips it."""
+        membership, liveness = self.membership, self.membership.liveness
+        if self.rank not in membership.members(step):
+            return
+
+        def others() -> list[int]:
+            gone = liveness.finished() | liveness.dead()
+            return [m for m in membership.members(step) if m != self.rank and m not in gone]
+
+        def far_behind() -> list[int]:
+            return [m for m in others() if (liveness.peer_step(m) or 0) + liveness.max_lag < step]
+
+        behind = far_behind()
+        if behind:
+            patience = max(3 * self.comm.link_deadline, membership.seconds_for_lag(2))
+            log.info("node %d: at the last step %d, members %s were last heard over the lag limit behind; waiting "
+                     "up to %.0fs for them", self.rank, step, behind, patience)
+            behind = self._greet_while(step, far_behind, patience)
+            if behind:
+                log.warning("node %d: members %s still over the lag limit behind after %.0fs; the run ends without "
+                            "waiting longer", self.rank, behind, patience)
+        membership.refresh(others())
 
     def _greet_while(self, step: int, waiting_on, patience: float) -> list[int]:
         """While `waiting_on()` names peers (for at most `patience` seconds), serve state requests

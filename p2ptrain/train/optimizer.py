@@ -213,6 +213,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         if final is not None:
             self.state_vector.load(final)
         if self.comm is not None:
+            if self.lifecycle is not None and self.algorithm.apart_at_end():
+                self.lifecycle.await_members_at_end(self.local_step)
             agreed = self.algorithm.agree_at_end(self.local_step, self.state_vector.vector())
             if agreed is not None:
                 self.state_vector.load(agreed)

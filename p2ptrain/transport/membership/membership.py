@@ -178,6 +178,10 @@ class Membership:
     def dead(self) -> frozenset[int]:
         return self.liveness.dead()
 
+    def finished(self) -> frozenset[int]:
+        """The peers that said their run is over."""
+        return self.liveness.finished()
+
     def peer_step(self, peer: int, heard_since: int | None = None) -> int | None:
         """The latest step `peer` was heard at (a message, an Ack, a Hello); None if never, or
         (with `heard_since`) not since this node was at that step."""
