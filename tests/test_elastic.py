@@ -506,6 +506,33 @@ def test_a_ring_re_forms_without_a_dead_node_instead_of_training_alone(settings)
         assert torch.equal(r["weight"], stay[0]["weight"]), f"node {r['rank']} trained apart from the ring"
 
 
+def _train_ring_member(comm, algorithm, rank: int, steps: int, *, pause_at: int | None = None,
+                       crash_at: int | None = None):
+    """Train a linear model for `steps` (the same start on every node, its own data) and finish():
+    (weights before finish, after); pause 3 s at `pause_at` (its server still answers), or crash
+    (transport stopped, no goodbye) at `crash_at` and return None."""
+    model = nn.Linear(DIM, 1, bias=False).double()
+    with torch.no_grad():
+        model.weight.copy_(torch.linspace(-0.5, 0.5, DIM, dtype=torch.float64).view(1, -1))
+    opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model,
+                                 algorithm=algorithm, comm=comm)
+    data = torch.Generator().manual_seed(rank)
+    while opt.local_step < steps:
+        if opt.local_step == crash_at:
+            comm.transport.stop()
+            return None
+        if opt.local_step == pause_at:
+            time.sleep(3.0)
+        x = torch.randn(16, DIM, dtype=torch.float64, generator=data)
+        loss = ((model(x).squeeze(1) - x @ _targets(rank)) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    before = model.weight.detach().clone().view(-1)
+    opt.finish()
+    return before, model.weight.detach().clone().view(-1)
+
+
 @pytest.mark.parametrize("make", [AllReduceSGD, PipeSGD], ids=["allreduce", "pipesgd"])
 def test_ring_members_a_stall_kept_apart_end_the_run_bit_identical(make):
     """Node 1 of 3 pauses 3 s (a GC pause) at step 8: its neighbours' rounds miss the 2 s link
@@ -518,23 +545,8 @@ def test_ring_members_a_stall_kept_apart_end_the_run_bit_identical(make):
 
     def body(rank, comm):
         algorithm = make(comm)
-        model = nn.Linear(DIM, 1, bias=False).double()
-        with torch.no_grad():
-            model.weight.copy_(torch.linspace(-0.5, 0.5, DIM, dtype=torch.float64).view(1, -1))
-        opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model,
-                                     algorithm=algorithm, comm=comm)
-        data = torch.Generator().manual_seed(rank)
-        while opt.local_step < steps:
-            if rank == 1 and opt.local_step == 8:
-                time.sleep(3.0)
-            x = torch.randn(16, DIM, dtype=torch.float64, generator=data)
-            loss = ((model(x).squeeze(1) - x @ _targets(rank)) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        before = model.weight.detach().clone().view(-1)
-        opt.finish()
-        return before, model.weight.detach().clone().view(-1), algorithm.allreduce.end_averages
+        before, after = _train_ring_member(comm, algorithm, rank, steps, pause_at=8 if rank == 1 else None)
+        return before, after, algorithm.allreduce.end_averages
 
     results = run_cluster(3, body, options=options, timeout=120)
     assert not all(torch.equal(before, results[0][0]) for before, _, _ in results), "the stall kept nobody apart"
@@ -557,27 +569,9 @@ def test_ring_members_a_crash_and_a_stall_near_the_end_keep_apart_end_the_run_bi
 
     def body(rank, comm):
         algorithm = make(comm)
-        model = nn.Linear(DIM, 1, bias=False).double()
-        with torch.no_grad():
-            model.weight.copy_(torch.linspace(-0.5, 0.5, DIM, dtype=torch.float64).view(1, -1))
-        opt = DecentralizedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model=model,
-                                     algorithm=algorithm, comm=comm)
-        data = torch.Generator().manual_seed(rank)
-        while opt.local_step < steps:
-            if rank == 3 and opt.local_step == 10:
-                comm.transport.stop()  # a crash: no goodbye
-                return None
-            if rank == 1 and opt.local_step == 12:
-                time.sleep(3.0)
-            x = torch.randn(16, DIM, dtype=torch.float64, generator=data)
-            loss = ((model(x).squeeze(1) - x @ _targets(rank)) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        before = model.weight.detach().clone().view(-1)
-        opt.finish()
-        return before, model.weight.detach().clone().view(-1), algorithm.allreduce.end_averages, \
-            comm.membership.dead()
+        trained = _train_ring_member(comm, algorithm, rank, steps, pause_at=12 if rank == 1 else None,
+                                     crash_at=10 if rank == 3 else None)
+        return None if trained is None else (*trained, algorithm.allreduce.end_averages, comm.membership.dead())
 
     results = [r for r in run_cluster(4, body, options=options, timeout=120) if r is not None]
     assert len(results) == 3
