@@ -19,6 +19,10 @@ from p2ptrain.topology import build_topology
 from tests.conftest import ROOT, node_env
 
 NODES, STEPS = 64, 8
+# steps of the baseline window and of the leave's: its switch lies a margin (8) plus the proposer's
+# survey round trip at its pace ahead, which on a loaded machine exceeded 12 steps and left the leave
+# unfinished at the end (final members 64); the CLI's default
+WINDOW = 24
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -27,7 +31,7 @@ pytestmark = pytest.mark.timeout(240)
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("simulate")
     assert main(["simulate", "--nodes", str(NODES), "--processes", "2", "--steps", str(STEPS), "--dim", "16",
-                 "--window", "12", "--out", str(out), "--timeout", "200"]) == 0
+                 "--window", str(WINDOW), "--out", str(out), "--timeout", "200"]) == 0
     result = json.loads((out / RESULT_NAME).read_text())
     assert len(result["runs"]) == 1
     return result["runs"][0]
