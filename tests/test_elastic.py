@@ -688,6 +688,33 @@ def _seconds_to_conclude_the_run_is_over(answers, link_deadline: float, peer_tim
     return time.monotonic() - began
 
 
+def test_a_joiner_waits_several_peer_timeouts_for_a_donor_whose_cluster_stands_still():
+    """A donor serves at its next step boundary, which may come only after a switch's model and
+    optimizer-state averages each waited up to the peer timeout for a stalled member. A joiner that
+    gave up after one peer timeout without a member's step exited with an error a second before its
+    donor served it (a chaos run); it now gives up after STILL_CLUSTER_TIMEOUTS of them, with a
+    PeerError that says how long it waited."""
+    from p2ptrain.train.elastic import STILL_CLUSTER_TIMEOUTS
+    from p2ptrain.transport.errors import PeerError
+    from p2ptrain.transport.membership.greetings import StateAnswers
+
+    peer_timeout = 0.4
+    still = StateAnswers(donor=0, ready={0: 40, 1: 40})  # alive, accepting, and at the same step every round
+
+    def no_state(kind, timeout):
+        time.sleep(timeout)
+        raise TimeoutError("nothing came")
+
+    comm = SimpleNamespace(rank=3, link_deadline=0.2, peer_timeout=peer_timeout, expect=lambda *a, **k: None,
+                           transport=SimpleNamespace(unexpect=lambda kind: None, recv_any=no_state),
+                           membership=SimpleNamespace(ask_for_state=lambda: still, joining=False))
+    lifecycle = Lifecycle(comm, None, SimpleNamespace(dtype=torch.float32, numel=4))
+    began = time.monotonic()
+    with pytest.raises(PeerError, match="no state from any peer within"):
+        lifecycle.fetch_state()
+    assert time.monotonic() - began >= STILL_CLUSTER_TIMEOUTS * peer_timeout >= 3 * peer_timeout
+
+
 def test_a_restart_whose_cluster_finishes_while_it_asks_for_state_ends_as_finished_not_failed():
     """A chaos run's restarted node found the cluster training, asked for a state, and saw every
     peer go (their ports closed: the run ended). Gone peers are given two link deadlines (a peer
